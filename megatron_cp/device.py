@@ -1,0 +1,82 @@
+"""The one place that talks to torch.cuda: device choice, streams, sync and memory stats.
+
+Everything else asks this module (or the ParallelState, which asks it) for its device, so
+the CPU/gloo path and the GPU/NCCL path run the same code.
+"""
+import contextlib
+
+import torch
+
+
+def accelerator_available() -> bool:
+    """True when a CUDA device can be used."""
+    return torch.cuda.is_available()
+
+
+def default_backend() -> str:
+    """nccl when CUDA is there, gloo otherwise."""
+    return "nccl" if accelerator_available() else "gloo"
+
+
+def device_for_local_rank(local_rank: int, backend: str) -> torch.device:
+    """The device this process computes on: cuda:<local_rank> under nccl, else the CPU."""
+    if backend == "nccl":
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise ValueError("backend 'nccl' needs CUDA devices, found none; use --distributed-backend gloo")
+        device = torch.device("cuda", local_rank % count)
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued kernels on ``device`` (a no-op on CPU); used by timers."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def side_stream(device: torch.device):
+    """A second stream for communication that overlaps compute (None on CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.Stream(device=device)
+    return None
+
+
+def stream_context(stream):
+    """Context manager that runs the enclosed ops on ``stream`` (nothing on CPU)."""
+    if stream is None:
+        return contextlib.nullcontext()
+    return torch.cuda.stream(stream)
+
+
+def wait_stream(stream) -> None:
+    """Make the current stream wait for ``stream`` (nothing on CPU)."""
+    if stream is not None:
+        torch.cuda.current_stream(stream.device).wait_stream(stream)
+
+
+def max_memory_allocated(device: torch.device) -> int:
+    """Peak bytes allocated on ``device``; 0 on CPU where no allocator tracks it."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return 0
+
+
+def rng_state(device: torch.device):
+    """The device RNG state (None on CPU, whose state is torch's default generator)."""
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return None
+
+
+def set_rng_state(state, device: torch.device) -> None:
+    """Restore a state from :func:`rng_state`."""
+    if state is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+
+
+def manual_seed(seed: int, device: torch.device) -> None:
+    """Seed the device generator (the CPU one is seeded by torch.manual_seed)."""
+    if device.type == "cuda":
+        torch.cuda.manual_seed(seed)

@@ -1,0 +1,244 @@
+"""Distributed start-up and the rank grid.
+
+``rank_layout`` is a pure function from sizes to the rank lists of every group;
+``initialize_model_parallel`` validates the sizes, builds one torch.distributed group per
+rank list and returns a :class:`ParallelState`. Ranks are laid out TP innermost, then CP,
+then PP, then DP::
+
+    rank = ((dp * PP + pp) * CP + cp) * TP + tp
+
+The expert mesh re-views, inside each PP stage, the DP x CP x TP ranks (in rank order) as
+EDP x EP x ETP with ETP innermost.
+"""
+import datetime
+import os
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_cp import device as device_mod
+
+GROUP_NAMES = ("tp", "cp", "pp", "dp", "dp_cp", "tp_cp", "mp", "embedding", "ep", "etp", "edp")
+
+
+def _check_positive(**sizes):
+    for name, value in sizes.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} ({value}) must be an integer >= 1")
+
+
+def validate_sizes(world_size, tensor_model_parallel_size=1, context_parallel_size=1,
+                   pipeline_model_parallel_size=1, expert_model_parallel_size=1,
+                   expert_tensor_parallel_size=1):
+    """Raise ValueError (naming the values and the fix) unless the sizes tile ``world_size``."""
+    tp, cp, pp = tensor_model_parallel_size, context_parallel_size, pipeline_model_parallel_size
+    ep, etp = expert_model_parallel_size, expert_tensor_parallel_size
+    _check_positive(world_size=world_size, tensor_model_parallel_size=tp, context_parallel_size=cp,
+                    pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+                    expert_tensor_parallel_size=etp)
+    model = tp * cp * pp
+    if world_size % model != 0:
+        raise ValueError(
+            f"world_size ({world_size}) must be divisible by tensor_model_parallel_size ({tp}) x "
+            f"context_parallel_size ({cp}) x pipeline_model_parallel_size ({pp}) = {model}; "
+            f"change the parallel sizes or launch a multiple of {model} processes")
+    stage = world_size // pp  # DP x CP x TP ranks inside one PP stage
+    if stage % (ep * etp) != 0:
+        raise ValueError(
+            f"expert_model_parallel_size ({ep}) x expert_tensor_parallel_size ({etp}) = {ep * etp} "
+            f"must divide the data x context x tensor parallel ranks of a pipeline stage ({stage}); "
+            f"pick EP x ETP among the divisors of {stage}")
+    return world_size // model
+
+
+def rank_layout(world_size, tensor_model_parallel_size=1, context_parallel_size=1,
+                pipeline_model_parallel_size=1, expert_model_parallel_size=1,
+                expert_tensor_parallel_size=1):
+    """Return ``{group name: [rank list, ...]}`` for every group; no torch.distributed needed.
+
+    Every rank appears in exactly one list of each name, except ``embedding`` which holds the
+    first and last pipeline stage of each (dp, cp, tp) position.
+    """
+    tp, cp, pp = tensor_model_parallel_size, context_parallel_size, pipeline_model_parallel_size
+    ep, etp = expert_model_parallel_size, expert_tensor_parallel_size
+    dp = validate_sizes(world_size, tp, cp, pp, ep, etp)
+    grid = np.arange(world_size).reshape(dp, pp, cp, tp)  # [DP, PP, CP, TP]
+
+    def lists(array_2d):
+        return [list(map(int, row)) for row in array_2d]
+
+    layout = {
+        # move the group's axes last, flatten the rest: one row per group
+        "tp": lists(grid.reshape(-1, tp)),
+        "cp": lists(grid.transpose(0, 1, 3, 2).reshape(-1, cp)),
+        "pp": lists(grid.transpose(0, 2, 3, 1).reshape(-1, pp)),
+        "dp": lists(grid.transpose(1, 2, 3, 0).reshape(-1, dp)),
+        "dp_cp": lists(grid.transpose(1, 3, 0, 2).reshape(-1, dp * cp)),
+        "tp_cp": lists(grid.reshape(dp * pp, cp * tp)),
+        "mp": lists(grid.transpose(0, 2, 1, 3).reshape(dp * cp, pp * tp)),
+    }
+    firsts_lasts = grid[:, [0, -1]] if pp > 1 else grid[:, [0]]  # [DP, 1|2, CP, TP]
+    layout["embedding"] = lists(firsts_lasts.transpose(0, 2, 3, 1).reshape(-1, firsts_lasts.shape[1]))
+    # Expert mesh: per PP stage the DP x CP x TP ranks in rank order -> [EDP, EP, ETP].
+    stage_ranks = grid.transpose(1, 0, 2, 3).reshape(pp, -1)  # [PP, DP*CP*TP]
+    edp = stage_ranks.shape[1] // (ep * etp)
+    expert = stage_ranks.reshape(pp, edp, ep, etp)
+    layout["etp"] = lists(expert.reshape(-1, etp))
+    layout["ep"] = lists(expert.transpose(0, 1, 3, 2).reshape(-1, ep))
+    layout["edp"] = lists(expert.transpose(0, 2, 3, 1).reshape(-1, edp))
+    return layout
+
+
+@dataclass
+class ParallelState:
+    """Every process group, rank and size of this process, plus its device.
+
+    Layers get the groups they need from here when they are built; nothing reads a global.
+    """
+    world_size: int
+    global_rank: int
+    device: torch.device
+    sizes: dict
+    layout: dict
+    groups: dict = field(default_factory=dict, repr=False)
+    virtual_pipeline_model_parallel_size: int | None = None
+    hierarchical_context_parallel_sizes: tuple | None = None
+
+    def group_ranks(self, name):
+        """The ranks of this process's group ``name``, in group-rank order."""
+        for ranks in self.layout[name]:
+            if self.global_rank in ranks:
+                return ranks
+        return []
+
+    def group(self, name):
+        """The torch.distributed group ``name`` this process belongs to (None if not a member)."""
+        return self.groups.get(name)
+
+    def size(self, name):
+        """Size of this process's group ``name``."""
+        return len(self.group_ranks(name)) if name == "embedding" else self.sizes[name]
+
+    def rank(self, name):
+        """This process's rank inside group ``name`` (-1 if not a member)."""
+        ranks = self.group_ranks(name)
+        return ranks.index(self.global_rank) if ranks else -1
+
+    @property
+    def is_pipeline_first_stage(self):
+        return self.rank("pp") == 0
+
+    @property
+    def is_pipeline_last_stage(self):
+        return self.rank("pp") == self.size("pp") - 1
+
+
+def initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=1,
+                              pipeline_model_parallel_size=1, expert_model_parallel_size=1,
+                              expert_tensor_parallel_size=1,
+                              virtual_pipeline_model_parallel_size=None,
+                              hierarchical_context_parallel_sizes=None,
+                              world_size=None, rank=None, device=None, timeout_minutes=10):
+    """Validate the sizes, build one process group per rank list and return a ParallelState.
+
+    ``torch.distributed`` must already be initialized (see :func:`initialize_distributed`).
+    """
+    world_size = dist.get_world_size() if world_size is None else world_size
+    rank = dist.get_rank() if rank is None else rank
+    tp, cp, pp = tensor_model_parallel_size, context_parallel_size, pipeline_model_parallel_size
+    ep, etp = expert_model_parallel_size, expert_tensor_parallel_size
+    layout = rank_layout(world_size, tp, cp, pp, ep, etp)
+    if hierarchical_context_parallel_sizes is not None:
+        sizes_h = tuple(int(s) for s in hierarchical_context_parallel_sizes)
+        if int(np.prod(sizes_h)) != cp:
+            raise ValueError(f"hierarchical_context_parallel_sizes {list(sizes_h)} multiply to "
+                             f"{int(np.prod(sizes_h))}, but context_parallel_size is {cp}; "
+                             f"give sizes whose product is {cp}")
+        hierarchical_context_parallel_sizes = sizes_h
+    if virtual_pipeline_model_parallel_size is not None and pp < 2:
+        raise ValueError(f"virtual_pipeline_model_parallel_size ({virtual_pipeline_model_parallel_size}) "
+                         f"needs pipeline_model_parallel_size > 1 (got {pp})")
+    if device is None:
+        device = torch.device("cpu") if dist.get_backend() == "gloo" else \
+            device_mod.device_for_local_rank(int(os.environ.get("LOCAL_RANK", 0)), "nccl")
+    sizes = {"tp": tp, "cp": cp, "pp": pp, "dp": world_size // (tp * cp * pp),
+             "ep": ep, "etp": etp}
+    sizes.update(dp_cp=sizes["dp"] * cp, tp_cp=tp * cp, mp=tp * pp,
+                 edp=world_size // (pp * ep * etp))
+    state = ParallelState(world_size=world_size, global_rank=rank, device=device, sizes=sizes,
+                          layout=layout,
+                          virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+                          hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes)
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    # Every rank must create every group, in the same order, even those it is not in.
+    for name in GROUP_NAMES:
+        for ranks in layout[name]:
+            group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                state.groups[name] = group
+    return state
+
+
+def expand_slurm_nodelist(nodelist: str):
+    """Expand SLURM's compressed host list, e.g. ``a[01-03,07],b5`` -> ``[a01, a02, a03, a07, b5]``.
+
+    Zero padding of a range is kept (``n[08-10]`` -> n08, n09, n10).
+    """
+    hosts = []
+    for prefix, bracket in re.findall(r"([^,\[]+)(?:\[([^\]]*)\])?,?", nodelist):
+        if not bracket:
+            hosts.append(prefix)
+            continue
+        for part in bracket.split(","):
+            if "-" in part:
+                lo, hi = part.split("-", 1)
+                width = len(lo)
+                for number in range(int(lo), int(hi) + 1):
+                    hosts.append(f"{prefix}{number:0{width}d}")
+            else:
+                hosts.append(prefix + part)
+    return hosts
+
+
+def distributed_env(environ=None):
+    """Read rank, world size, local rank and master address from torchrun's or SLURM's variables.
+
+    Returns a dict with rank, world_size, local_rank, master_addr, master_port.
+    """
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return {"rank": int(env["RANK"]), "world_size": int(env["WORLD_SIZE"]),
+                "local_rank": int(env.get("LOCAL_RANK", 0)),
+                "master_addr": env.get("MASTER_ADDR", "127.0.0.1"),
+                "master_port": int(env.get("MASTER_PORT", 29500))}
+    if "SLURM_PROCID" in env:
+        nodelist = env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "127.0.0.1"))
+        return {"rank": int(env["SLURM_PROCID"]), "world_size": int(env["SLURM_NTASKS"]),
+                "local_rank": int(env.get("SLURM_LOCALID", 0)),
+                "master_addr": env.get("MASTER_ADDR", expand_slurm_nodelist(nodelist)[0]),
+                "master_port": int(env.get("MASTER_PORT", 29500))}
+    return {"rank": 0, "world_size": 1, "local_rank": 0, "master_addr": "127.0.0.1",
+            "master_port": int(env.get("MASTER_PORT", 29500))}
+
+
+def initialize_distributed(backend=None, timeout_minutes=10, environ=None):
+    """Start torch.distributed from torchrun's or SLURM's variables; return (rank, world, device).
+
+    Backend defaults to nccl when CUDA is available, else gloo. A single process with no
+    launcher variables still gets a one-rank process group so the same code path runs.
+    """
+    info = distributed_env(environ)
+    backend = backend or device_mod.default_backend()
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"distributed backend {backend!r} is not supported; use 'nccl' or 'gloo'")
+    device = device_mod.device_for_local_rank(info["local_rank"], backend)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{info['master_addr']}:{info['master_port']}",
+            rank=info["rank"], world_size=info["world_size"],
+            timeout=datetime.timedelta(minutes=timeout_minutes))
+    return info["rank"], info["world_size"], device

@@ -1,0 +1,26 @@
+"""Packaging for megatron_cp.
+
+Install torch first on CPU machines (``pip install torch==2.13.0``) so that the
+``torch>=2.3`` requirement below is already met and no CUDA wheels are pulled.
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_cp",
+    version="0.1.0",
+    description="Megatron-style GPT pretraining over TP/SP, CP, PP, DP and EP, "
+    "proven on CPU with gloo",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_cp", "megatron_cp.*"]),
+    install_requires=[
+        "torch>=2.3",
+        "numpy",
+        "sentencepiece",
+        "tensorboard",
+    ],
+    extras_require={
+        "dev": ["pytest", "pytest-timeout", "tokenizers", "safetensors"],
+        "gpu": ["apex", "transformer-engine"],
+        "bench": ["transformers"],
+    },
+)

@@ -1,0 +1,74 @@
+"""Run a function on N gloo worker processes from a test, and never hang.
+
+``run_workers(fn, world_size, *args)`` spawns ``world_size`` processes, initializes a gloo
+process group in each (a FileStore in a fresh temp dir), calls ``fn(rank, world_size,
+*args)`` and returns the list of per-rank return values. If any worker raises, the test
+fails with that worker's traceback; if the workers do not finish within ``timeout``
+seconds, they are killed and the test fails naming the ranks still running.
+"""
+import datetime
+import os
+import queue
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class WorkerError(AssertionError):
+    """A worker process failed; the message carries its traceback."""
+
+
+def _worker(rank, world_size, store_path, fn, args, results, timeout):
+    os.environ["MEGATRON_CP_TEST_WORKER"] = "1"
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
+                                world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout))
+        out = fn(rank, world_size, *args)
+        results.put((rank, "ok", out))
+    except BaseException:  # report everything, including assertion failures
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_workers(fn, world_size, *args, timeout=240):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo workers; return their results."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_worker,
+                             args=(r, world_size, store, fn, args, results, timeout), daemon=True)
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        outputs, errors = {}, {}
+        deadline = timeout + 60
+        try:
+            while len(outputs) + len(errors) < world_size:
+                try:
+                    rank, status, payload = results.get(timeout=deadline)
+                except queue.Empty:
+                    missing = sorted(set(range(world_size)) - set(outputs) - set(errors))
+                    raise WorkerError(f"workers {missing} did not finish within {deadline}s "
+                                      f"(errors so far: {errors})") from None
+                if status == "ok":
+                    outputs[rank] = payload
+                else:
+                    errors[rank] = payload
+                    break  # one failure is enough: the others may be blocked on it
+        finally:
+            for p in procs:
+                p.join(timeout=5 if not errors else 0.5)
+                if p.is_alive():
+                    p.kill()
+        if errors:
+            rank, tb = sorted(errors.items())[0]
+            raise WorkerError(f"worker rank {rank} of {world_size} failed:\n{tb}")
+    return [outputs[r] for r in range(world_size)]
