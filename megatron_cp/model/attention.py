@@ -1,0 +1,100 @@
+"""Self-attention: QKV column-parallel projection, RoPE, core attention, row-parallel output.
+
+Heads are split over TP first (each rank holds num_query_groups/TP groups of heads); the
+core attention then runs locally or, with context parallelism, through
+``megatron_cp.context_parallel`` over the CP group. Packed documents are handled by
+``token_index`` (each token's index in the unsplit sample: causality) and ``document_ids``
+(attention stays inside a document).
+"""
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_cp import tensor_parallel as tpar
+from megatron_cp.model.rotary import apply_rotary
+
+
+def local_core_attention(q, k, v, token_index=None, document_ids=None, dropout_p=0.0, scale=None):
+    """Causal attention on one process through fused SDPA.
+
+    q [b, nh, s, d], k/v [b, nkv, s, d] (GQA when nkv < nh) -> [b, nh, s, d]. With no
+    token_index/document_ids the mask is the plain causal one (``is_causal``); otherwise a
+    boolean mask allows key j for query i iff index_j <= index_i and both share a document.
+    """
+    gqa = q.shape[1] != k.shape[1]
+    if token_index is None and document_ids is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                              scale=scale, enable_gqa=gqa)
+    s = q.shape[2]
+    if token_index is None:
+        token_index = torch.arange(s, device=q.device).expand(q.shape[0], s)
+    mask = token_index.unsqueeze(-1) >= token_index.unsqueeze(-2)  # [b, s, s]
+    if document_ids is not None:
+        mask = mask & (document_ids.unsqueeze(-1) == document_ids.unsqueeze(-2))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), dropout_p=dropout_p,
+                                          scale=scale, enable_gqa=gqa)
+
+
+class SelfAttention(torch.nn.Module):
+    """Multi-head / grouped-query self-attention over the TP (and CP) groups.
+
+    The fused QKV weight is laid out per query group: [q heads of the group | k | v], so a
+    contiguous TP split hands each rank whole groups.
+    """
+
+    def __init__(self, config, prefix, tp_group, cp_group, rng_tracker, device=None):
+        super().__init__()
+        tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+        config.validate_parallel(tp_size)
+        self.config, self.tp_group, self.cp_group, self.rng_tracker = config, tp_group, cp_group, rng_tracker
+        self.cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
+        d, nh, ng = config.kv_channels, config.num_attention_heads, config.num_query_groups
+        self.head_dim, self.heads_per_group = d, nh // ng
+        self.local_groups = ng // tp_size
+        self.local_heads = nh // tp_size
+        std = config.init_method_std
+        common = dict(tp_group=tp_group, bias=config.add_bias_linear,
+                      sequence_parallel=config.sequence_parallel,
+                      params_dtype=config.params_dtype, device=device)
+        self.linear_qkv = tpar.ColumnParallelLinear(
+            config.hidden_size, (nh + 2 * ng) * d, init_method=tpar.normal_init(std),
+            seed=tpar.init_seed(config.seed, prefix + ".linear_qkv"), **common)
+        self.linear_proj = tpar.RowParallelLinear(
+            nh * d, config.hidden_size,
+            init_method=tpar.normal_init(tpar.scaled_init_std(std, config.num_layers)),
+            seed=tpar.init_seed(config.seed, prefix + ".linear_proj"), **common)
+        self.rotary_dim = int(d * config.rotary_percent)
+
+    def core_attention(self, q, k, v, token_index, document_ids):
+        """q [b, nh/tp, s, d], k/v [b, ng/tp, s, d] -> [b, nh/tp, s, d]."""
+        dropout = self.config.attention_dropout if self.training else 0.0
+        if self.cp_size > 1:
+            from megatron_cp.context_parallel import context_parallel_attention
+            return context_parallel_attention(
+                q, k, v, token_index, document_ids, self.cp_group, self.config.cp_comm_type,
+                hierarchical_sizes=self.config.hierarchical_context_parallel_sizes,
+                allow_dummy_heads=self.config.allow_dummy_heads)
+        if dropout > 0.0:
+            with self.rng_tracker.fork():  # heads differ across TP ranks: so do their masks
+                return local_core_attention(q, k, v, token_index, document_ids, dropout)
+        return local_core_attention(q, k, v, token_index, document_ids)
+
+    def forward(self, x, position_ids, token_index=None, document_ids=None):
+        """x [s/tp with SP else s, b, h] -> same shape."""
+        qkv = self.linear_qkv(x)  # [s, b, ng/tp * (hpg + 2) * d]
+        s, b = qkv.shape[0], qkv.shape[1]
+        qkv = qkv.view(s, b, self.local_groups, self.heads_per_group + 2, self.head_dim)
+        q = qkv[:, :, :, :self.heads_per_group].reshape(s, b, self.local_heads, self.head_dim)
+        k = qkv[:, :, :, self.heads_per_group]  # [s, b, ng/tp, d]
+        v = qkv[:, :, :, self.heads_per_group + 1]
+        if self.config.position_embedding_type == "rope":
+            q = apply_rotary(q, position_ids, self.rotary_dim, self.config.rotary_base)
+            k = apply_rotary(k, position_ids, self.rotary_dim, self.config.rotary_base)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        if self.config.recompute_granularity == "selective":
+            out = tpar.checkpoint(self.core_attention, self.rng_tracker, q, k, v, token_index,
+                                  document_ids)
+        else:
+            out = self.core_attention(q, k, v, token_index, document_ids)
+        out = out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)  # [s, b, nh/tp*d]
+        return self.linear_proj(out)

@@ -1,0 +1,138 @@
+"""The GPT model: embedding -> transformer layers -> final norm -> vocab-parallel output + loss.
+
+Stage-aware from the start: ``pre_process`` builds the embedding, ``post_process`` the final
+norm, output layer and loss, and ``layer_numbers`` the global layers this chunk owns. With
+tied embeddings on a last stage that lacks the embedding, the output layer holds a copy
+initialized identically and marked ``shared_embedding`` (its gradient is all-reduced with
+the first stage's over the embedding group).
+"""
+import torch
+import torch.nn.functional as F
+
+from megatron_cp import tensor_parallel as tpar
+from megatron_cp.model.fused import build_norm
+from megatron_cp.model.transformer import TransformerBlock, dropout, mark_sequence_parallel
+
+WORD_EMBEDDING_KEY = "embedding.word_embeddings"
+
+
+class Embedding(torch.nn.Module):
+    """tokens [b, s] (+ position ids) -> [s, b, h], or [s/tp, b, h] under SP."""
+
+    def __init__(self, config, padded_vocab, tp_group, rng_tracker, device=None):
+        super().__init__()
+        self.config, self.rng_tracker = config, rng_tracker
+        self.sequence_parallel = config.sequence_parallel and tp_group is not None and \
+            torch.distributed.get_world_size(tp_group) > 1
+        self.tp_group = tp_group
+        std = config.init_method_std
+        self.word_embeddings = tpar.VocabParallelEmbedding(
+            padded_vocab, config.hidden_size, tp_group=tp_group, init_method=tpar.normal_init(std),
+            seed=tpar.init_seed(config.seed, WORD_EMBEDDING_KEY),
+            reduce_scatter_output=config.sequence_parallel, params_dtype=config.params_dtype,
+            device=device)
+        self.position_embeddings = None
+        if config.position_embedding_type == "learned_absolute":
+            weight = torch.empty(config.max_position_embeddings, config.hidden_size)
+            tpar.normal_init(std)(weight, torch.Generator().manual_seed(
+                tpar.init_seed(config.seed, "embedding.position_embeddings")))
+            self.position_embeddings = torch.nn.Parameter(
+                weight.to(dtype=config.params_dtype, device=device))
+            self.position_embeddings.sequence_parallel = self.sequence_parallel
+
+    def forward(self, tokens, position_ids):
+        h = self.word_embeddings(tokens)  # [s(/tp), b, h]
+        if self.position_embeddings is not None:
+            pos = F.embedding(position_ids, self.position_embeddings).transpose(0, 1)  # [s, b, h]
+            if self.sequence_parallel:
+                tp_size = torch.distributed.get_world_size(self.tp_group)
+                tp_rank = torch.distributed.get_rank(self.tp_group)
+                chunk = pos.shape[0] // tp_size
+                pos = pos[tp_rank * chunk:(tp_rank + 1) * chunk]  # [s/tp, b, h]
+            h = h + pos
+        return dropout(h, self.config.hidden_dropout, self.training, self.sequence_parallel,
+                       self.rng_tracker)
+
+
+class GPTModel(torch.nn.Module):
+    """A GPT model chunk over the TP and CP groups of ``state`` (None: one process).
+
+    forward(tokens [b, s], position_ids [b, s], labels [b, s] or None, token_index, document_ids):
+    - post_process with labels -> per-token loss [b, s] (fp32)
+    - post_process without labels -> vocab-parallel logits [s, b, v/tp]
+    - otherwise -> hidden states [s(/tp), b, h] for the next pipeline stage.
+    A non-first stage takes its input from :meth:`set_input_tensor`.
+    """
+
+    def __init__(self, config, state=None, rng_tracker=None, pre_process=True, post_process=True,
+                 layer_numbers=None, device=None):
+        super().__init__()
+        tp_group = state.group("tp") if state is not None else None
+        cp_group = state.group("cp") if state is not None else None
+        tp_size = state.size("tp") if state is not None else 1
+        device = device if device is not None else (state.device if state is not None else None)
+        config.validate_parallel(tp_size)
+        if rng_tracker is None:
+            rng_tracker = tpar.model_parallel_seed(config.seed, state.rank("tp") if state else 0,
+                                                   device or torch.device("cpu"))
+        self.config, self.rng_tracker = config, rng_tracker
+        self.pre_process, self.post_process = pre_process, post_process
+        self.tp_group = tp_group
+        self.sequence_parallel = config.sequence_parallel and tp_size > 1
+        self.padded_vocab_size = config.padded_vocab_size(tp_size)
+        self.input_tensor = None
+        tied = not config.untie_embeddings_and_output_weights
+        if pre_process:
+            self.embedding = Embedding(config, self.padded_vocab_size, tp_group, rng_tracker, device)
+            self.embedding.word_embeddings.weight.shared_embedding = tied and not post_process
+        layer_numbers = range(config.num_layers) if layer_numbers is None else layer_numbers
+        self.decoder = TransformerBlock(config, layer_numbers, tp_group, cp_group, rng_tracker,
+                                        device, state=state)
+        if post_process:
+            self.final_layernorm = build_norm(config.normalization, config.hidden_size,
+                                              config.norm_epsilon, config.params_dtype, device)
+            mark_sequence_parallel(self.final_layernorm, config.sequence_parallel)
+            self.output_layer = None
+            if not (tied and pre_process):
+                key = WORD_EMBEDDING_KEY if tied else "output_layer"
+                self.output_layer = tpar.ColumnParallelLinear(
+                    config.hidden_size, self.padded_vocab_size, tp_group=tp_group,
+                    init_method=tpar.normal_init(config.init_method_std),
+                    seed=tpar.init_seed(config.seed, key), bias=False,
+                    sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype,
+                    device=device)
+                self.output_layer.weight.shared_embedding = tied
+
+    def set_input_tensor(self, tensor):
+        """The activation received from the previous pipeline stage."""
+        self.input_tensor = tensor
+
+    def output_weight(self):
+        """The [v/tp, h] weight of the output layer (the word embedding when tied here)."""
+        if self.output_layer is not None:
+            return self.output_layer.weight
+        return self.embedding.word_embeddings.weight
+
+    def _logits(self, h):
+        if self.output_layer is not None:
+            return self.output_layer(h)
+        if self.sequence_parallel:
+            h = tpar.gather_from_sequence_parallel_region(h, self.tp_group)  # [s, b, h]
+        else:
+            h = tpar.copy_to_tensor_model_parallel_region(h, self.tp_group)
+        return F.linear(h, self.embedding.word_embeddings.weight)  # [s, b, v/tp]
+
+    def forward(self, tokens, position_ids, labels=None, token_index=None, document_ids=None):
+        if self.pre_process:
+            h = self.embedding(tokens, position_ids)  # [s(/tp), b, h]
+        else:
+            h = self.input_tensor
+        h = self.decoder(h, position_ids, token_index, document_ids)
+        if not self.post_process:
+            return h
+        h = self.final_layernorm(h)
+        logits = self._logits(h)  # [s, b, v/tp]
+        if labels is None:
+            return logits
+        loss = tpar.vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group)  # [s, b]
+        return loss.t().contiguous()  # [b, s]

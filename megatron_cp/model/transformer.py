@@ -1,0 +1,97 @@
+"""The transformer layer (pre-norm attention + MLP with residuals) and the layer stack.
+
+A stack holds any contiguous (or, for virtual pipeline stages, any) set of GLOBAL layer
+numbers, so a pipeline stage builds exactly the layers it owns with the weights the
+single-process model would have. Full activation recomputation checkpoints whole layers
+(uniform chunks or the first N, Megatron's ``--recompute-method``).
+"""
+import torch
+import torch.nn.functional as F
+
+from megatron_cp import tensor_parallel as tpar
+from megatron_cp.model.attention import SelfAttention
+from megatron_cp.model.fused import build_norm
+from megatron_cp.model.mlp import MLP
+
+
+def dropout(x, p, training, sequence_parallel, rng_tracker):
+    """Hidden dropout; under SP each TP rank holds different tokens, so masks come from the
+    per-TP-rank RNG state."""
+    if p == 0.0 or not training:
+        return x
+    if sequence_parallel:
+        with rng_tracker.fork():
+            return F.dropout(x, p, True)
+    return F.dropout(x, p, True)
+
+
+def mark_sequence_parallel(module, sequence_parallel):
+    """Norm params see only this rank's tokens under SP: their grads are summed over TP."""
+    for p in module.parameters():
+        p.sequence_parallel = sequence_parallel
+
+
+class TransformerLayer(torch.nn.Module):
+    """x [s(/tp), b, h] -> x + attn(norm(x)) -> x + mlp(norm(x))."""
+
+    def __init__(self, config, layer_number, tp_group, cp_group, rng_tracker, device=None,
+                 ep_group=None, state=None):
+        super().__init__()
+        prefix = f"decoder.layers.{layer_number}"
+        self.config, self.rng_tracker, self.layer_number = config, rng_tracker, layer_number
+        norm = lambda: build_norm(config.normalization, config.hidden_size, config.norm_epsilon,
+                                  config.params_dtype, device)
+        self.input_layernorm = norm()
+        self.self_attention = SelfAttention(config, prefix + ".self_attention", tp_group, cp_group,
+                                            rng_tracker, device)
+        self.pre_mlp_layernorm = norm()
+        if config.num_moe_experts > 0:
+            from megatron_cp.moe import MoELayer  # built by the moe package
+            self.mlp = MoELayer(config, prefix + ".mlp", state, device)
+        else:
+            self.mlp = MLP(config, prefix + ".mlp", tp_group, device)
+        mark_sequence_parallel(self.input_layernorm, config.sequence_parallel)
+        mark_sequence_parallel(self.pre_mlp_layernorm, config.sequence_parallel)
+
+    def forward(self, x, position_ids, token_index=None, document_ids=None):
+        c = self.config
+        attn = self.self_attention(self.input_layernorm(x), position_ids, token_index, document_ids)
+        x = x + dropout(attn, c.hidden_dropout, self.training, c.sequence_parallel, self.rng_tracker)
+        mlp = self.mlp(self.pre_mlp_layernorm(x))
+        return x + dropout(mlp, c.hidden_dropout, self.training, c.sequence_parallel, self.rng_tracker)
+
+
+class TransformerBlock(torch.nn.Module):
+    """The layers of one model chunk, with optional full activation recomputation."""
+
+    def __init__(self, config, layer_numbers, tp_group, cp_group, rng_tracker, device=None,
+                 state=None):
+        super().__init__()
+        self.config, self.rng_tracker = config, rng_tracker
+        self.layer_numbers = list(layer_numbers)
+        self.layers = torch.nn.ModuleList(
+            TransformerLayer(config, n, tp_group, cp_group, rng_tracker, device, state=state)
+            for n in self.layer_numbers)
+
+    def _run(self, start, end):
+        def run(x, position_ids, token_index, document_ids):
+            for layer in self.layers[start:end]:
+                x = layer(x, position_ids, token_index, document_ids)
+            return x
+        return run
+
+    def forward(self, x, position_ids, token_index=None, document_ids=None):
+        c = self.config
+        n = len(self.layers)
+        args = (position_ids, token_index, document_ids)
+        if c.recompute_granularity != "full" or not self.training:
+            return self._run(0, n)(x, *args)
+        k = c.recompute_num_layers or 1
+        if c.recompute_method == "uniform":
+            for start in range(0, n, k):
+                x = tpar.checkpoint(self._run(start, min(start + k, n)), self.rng_tracker, x, *args)
+            return x
+        for i in range(n):  # block: recompute the first k layers of this chunk
+            run = self._run(i, i + 1)
+            x = tpar.checkpoint(run, self.rng_tracker, x, *args) if i < k else run(x, *args)
+        return x

@@ -1,0 +1,188 @@
+"""Tensor-parallel layers: column / row parallel linears and the vocab-parallel embedding.
+
+Each layer initializes the FULL weight from its own seed and keeps its TP slice, so a TP=N
+model holds exactly the weights of the TP=1 model, whatever the layout. Sharded params
+carry ``tensor_model_parallel = True`` and ``partition_dim``; replicated params whose
+gradient differs across TP ranks under sequence parallelism carry ``sequence_parallel``.
+"""
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_cp.tensor_parallel import mappings
+
+
+def normal_init(std):
+    """init_method(tensor, generator): N(0, std) drawn from ``generator``."""
+    def init(tensor, generator):
+        with torch.no_grad():
+            tensor.normal_(0.0, std, generator=generator)
+    return init
+
+
+def _group_size_rank(group):
+    if group is None:
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def split_full(full, dim, stride, tp_size, tp_rank):
+    """This rank's shard of a full weight along ``dim``.
+
+    ``stride`` > 1 means the full dim stacks ``stride`` sub-matrices (e.g. SwiGLU's gate and
+    up projections), each split over TP separately.
+    """
+    full = full.movedim(dim, 0)  # [n, ...]
+    n = full.shape[0]
+    parts = full.reshape(stride, tp_size, n // (stride * tp_size), *full.shape[1:])
+    return parts[:, tp_rank].reshape(n // tp_size, *full.shape[1:]).movedim(0, dim)
+
+
+def merge_shards(shards, dim, stride=1):
+    """Inverse of :func:`split_full`: the full weight from every rank's shard, in TP order."""
+    moved = [s.movedim(dim, 0) for s in shards]  # each [n/tp, ...]
+    per = moved[0].shape[0] // stride
+    pieces = [m.reshape(stride, per, *m.shape[1:]) for m in moved]
+    full = torch.stack(pieces, dim=1)  # [stride, tp, n/(stride*tp), ...]
+    return full.reshape(-1, *moved[0].shape[1:]).movedim(0, dim)
+
+
+def _full_then_split(shape, dim, stride, tp_size, tp_rank, init_method, seed, dtype, device):
+    """Draw the full weight on CPU from ``seed``, then keep this rank's slice along ``dim``."""
+    full = torch.empty(shape, dtype=torch.float32)
+    init_method(full, torch.Generator().manual_seed(seed))
+    local = split_full(full, dim, stride, tp_size, tp_rank)
+    return local.to(dtype=dtype, device=device).contiguous()
+
+
+def _mark(param, dim, stride=1):
+    param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, stride
+
+
+class ColumnParallelLinear(torch.nn.Module):
+    """Y = X A^T + b with A split along its output dim over TP.
+
+    Input [s(/tp with SP), b, in] -> output [s, b, out/tp] (or [s, b, out] with gather_output).
+    With sequence parallelism the input is all-gathered along s first.
+    """
+
+    def __init__(self, input_size, output_size, *, tp_group, init_method, seed, bias=True,
+                 gather_output=False, sequence_parallel=False, skip_bias_add=False, stride=1,
+                 params_dtype=torch.float32, device=None):
+        super().__init__()
+        tp_size, tp_rank = _group_size_rank(tp_group)
+        if output_size % (tp_size * stride) != 0:
+            raise ValueError(f"output size ({output_size}) must be divisible by the tensor parallel "
+                             f"size ({tp_size}) x stride ({stride})")
+        if gather_output and stride > 1:
+            raise ValueError("gather_output=True would interleave the stacked sub-matrices of "
+                             f"stride {stride}; gather and merge_shards the output instead")
+        self.tp_group, self.gather_output = tp_group, gather_output
+        self.sequence_parallel, self.skip_bias_add = sequence_parallel and tp_size > 1, skip_bias_add
+        self.weight = torch.nn.Parameter(_full_then_split(
+            (output_size, input_size), 0, stride, tp_size, tp_rank, init_method, seed,
+            params_dtype, device))
+        _mark(self.weight, 0, stride)
+        if bias:
+            self.bias = torch.nn.Parameter(torch.zeros(output_size // tp_size, dtype=params_dtype,
+                                                       device=device))
+            _mark(self.bias, 0, stride)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x):
+        if self.sequence_parallel:
+            x = mappings.gather_from_sequence_parallel_region(x, self.tp_group)  # [s, b, in]
+        else:
+            x = mappings.copy_to_tensor_model_parallel_region(x, self.tp_group)
+        bias = None if self.skip_bias_add else self.bias
+        out = F.linear(x, self.weight, bias)  # [s, b, out/tp]
+        if self.gather_output:
+            out = mappings.gather_from_tensor_model_parallel_region(out, self.tp_group)
+        return (out, self.bias) if self.skip_bias_add else out
+
+
+class RowParallelLinear(torch.nn.Module):
+    """Y = X A^T + b with A split along its input dim over TP.
+
+    Input [s, b, in/tp] -> partial products summed over TP -> [s, b, out]; with sequence
+    parallelism the sum is a reduce-scatter to [s/tp, b, out]. The bias is added after the
+    reduction (so once).
+    """
+
+    def __init__(self, input_size, output_size, *, tp_group, init_method, seed, bias=True,
+                 input_is_parallel=True, sequence_parallel=False, skip_bias_add=False,
+                 params_dtype=torch.float32, device=None):
+        super().__init__()
+        tp_size, tp_rank = _group_size_rank(tp_group)
+        if input_size % tp_size != 0:
+            raise ValueError(f"input size ({input_size}) must be divisible by the tensor parallel "
+                             f"size ({tp_size})")
+        self.tp_group, self.input_is_parallel = tp_group, input_is_parallel
+        self.sequence_parallel, self.skip_bias_add = sequence_parallel and tp_size > 1, skip_bias_add
+        self.weight = torch.nn.Parameter(_full_then_split(
+            (output_size, input_size), 1, 1, tp_size, tp_rank, init_method, seed, params_dtype,
+            device))
+        _mark(self.weight, 1)
+        if bias:
+            self.bias = torch.nn.Parameter(torch.zeros(output_size, dtype=params_dtype, device=device))
+            self.bias.sequence_parallel = self.sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x):
+        if not self.input_is_parallel:
+            x = mappings.scatter_to_tensor_model_parallel_region(x, self.tp_group)
+        partial = F.linear(x, self.weight)  # [s, b, out], partial sum over TP
+        if self.sequence_parallel:
+            out = mappings.reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
+        else:
+            out = mappings.reduce_from_tensor_model_parallel_region(partial, self.tp_group)
+        if self.skip_bias_add:
+            return out, self.bias
+        return out + self.bias if self.bias is not None else out
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """Embedding with the vocabulary split over TP ranks.
+
+    tokens [b, s] -> [s, b, h] (or [s/tp, b, h] with reduce_scatter_output for SP). Each rank
+    looks up only its vocab range, zeros the rest, and the partial lookups are summed over TP.
+    """
+
+    def __init__(self, num_embeddings, embedding_dim, *, tp_group, init_method, seed,
+                 reduce_scatter_output=False, params_dtype=torch.float32, device=None):
+        super().__init__()
+        tp_size, tp_rank = _group_size_rank(tp_group)
+        if num_embeddings % tp_size != 0:
+            raise ValueError(f"vocab size ({num_embeddings}) must be divisible by the tensor parallel "
+                             f"size ({tp_size}); pad it with --make-vocab-size-divisible-by")
+        self.tp_group, self.reduce_scatter_output = tp_group, reduce_scatter_output and tp_size > 1
+        per_rank = num_embeddings // tp_size
+        self.vocab_start, self.vocab_end = tp_rank * per_rank, (tp_rank + 1) * per_rank
+        self.tp_size = tp_size
+        self.weight = torch.nn.Parameter(_full_then_split(
+            (num_embeddings, embedding_dim), 0, 1, tp_size, tp_rank, init_method, seed,
+            params_dtype, device))
+        _mark(self.weight, 0)
+
+    def forward(self, tokens):
+        if self.tp_size > 1:
+            outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)
+            local = (tokens - self.vocab_start).masked_fill(outside, 0)
+        else:
+            local = tokens
+        emb = F.embedding(local, self.weight)  # [b, s, h]
+        if self.tp_size > 1:
+            emb = emb.masked_fill(outside.unsqueeze(-1), 0.0)
+        emb = emb.transpose(0, 1).contiguous()  # [s, b, h]
+        if self.reduce_scatter_output:
+            return mappings.reduce_scatter_to_sequence_parallel_region(emb, self.tp_group)  # [s/tp, b, h]
+        return mappings.reduce_from_tensor_model_parallel_region(emb, self.tp_group)
+
+
+def scaled_init_std(std, num_layers):
+    """Megatron's std for output projections of residual branches: std / sqrt(2 * num_layers)."""
+    return std / math.sqrt(2.0 * num_layers)

@@ -1,0 +1,105 @@
+"""RNG for tensor parallelism and activation recomputation.
+
+Dropout outside TP regions (on replicated activations) must draw the same mask on every
+TP rank; dropout inside TP regions (on a rank's own heads) must differ across TP ranks.
+The default generator is seeded identically on TP ranks; :class:`RNGStatesTracker` keeps
+extra named states (the ``model-parallel-rng`` one seeded per TP rank) that ``fork()``
+swaps in. :func:`checkpoint` replays the tracker's states during recomputation so
+recomputed dropout masks equal the original ones.
+"""
+import contextlib
+import zlib
+
+import torch
+import torch.utils.checkpoint
+
+from megatron_cp import device as device_mod
+
+MODEL_PARALLEL_RNG = "model-parallel-rng"
+
+
+def _get_state(device):
+    return device_mod.rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_state(state, device):
+    if device.type == "cuda":
+        device_mod.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+class RNGStatesTracker:
+    """Named RNG states for one device; ``fork(name)`` runs a block on that state."""
+
+    def __init__(self, device=torch.device("cpu")):
+        self.device = torch.device(device)
+        self.states = {}
+
+    def add(self, name, seed):
+        if name in self.states:
+            raise ValueError(f"RNG state {name!r} already exists")
+        saved = _get_state(self.device)
+        if self.device.type == "cuda":
+            device_mod.manual_seed(seed, self.device)
+        else:
+            torch.manual_seed(seed)
+        self.states[name] = _get_state(self.device)
+        _set_state(saved, self.device)
+
+    def get_states(self):
+        return {k: v.clone() for k, v in self.states.items()}
+
+    def set_states(self, states):
+        self.states = {k: v.clone() for k, v in states.items()}
+
+    @contextlib.contextmanager
+    def fork(self, name=MODEL_PARALLEL_RNG):
+        if name not in self.states:
+            raise ValueError(f"RNG state {name!r} was never added; call model_parallel_seed first")
+        saved = _get_state(self.device)
+        _set_state(self.states[name], self.device)
+        try:
+            yield
+        finally:
+            self.states[name] = _get_state(self.device)
+            _set_state(saved, self.device)
+
+
+def model_parallel_seed(seed, tp_rank, device=torch.device("cpu")):
+    """Seed the default generator with ``seed`` (same on TP ranks) and return a tracker whose
+    model-parallel state is seeded per TP rank (``seed + 2718 + tp_rank``, Megatron's offset)."""
+    torch.manual_seed(seed)
+    device_mod.manual_seed(seed, torch.device(device))
+    tracker = RNGStatesTracker(device)
+    tracker.add(MODEL_PARALLEL_RNG, seed + 2718 + tp_rank)
+    return tracker
+
+
+def init_seed(base_seed, name):
+    """A seed for one parameter, stable across processes and parallel layouts."""
+    return (base_seed * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63)
+
+
+def checkpoint(function, tracker, *args):
+    """Activation recomputation: run ``function(*args)`` without keeping its activations and
+    recompute it in backward with the same default and tracker RNG states."""
+    snapshot = tracker.get_states() if tracker is not None else None
+
+    @contextlib.contextmanager
+    def replay():
+        if tracker is None:
+            yield
+            return
+        current = tracker.get_states()
+        tracker.set_states(snapshot)
+        try:
+            yield
+        finally:
+            tracker.set_states(current)
+
+    def context_fn():
+        return contextlib.nullcontext(), replay()
+
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
+                                             preserve_rng_state=True, context_fn=context_fn)
