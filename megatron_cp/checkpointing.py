@@ -1,0 +1,170 @@
+"""Checkpoints: one shard per model-parallel rank, saved atomically, resumed exactly.
+
+Layout (Megatron's)::
+
+    <dir>/latest_checkpointed_iteration.txt          "20"
+    <dir>/iter_0000020/mp_rank_00/model_optim_rng.pt         (PP = 1)
+    <dir>/iter_0000020/mp_rank_01_003/model_optim_rng.pt     (TP rank 1, PP rank 3)
+    <dir>/iter_0000020/rng/rank_00005.pt                     (every rank's RNG states)
+
+A save writes into ``iter_N.tmp`` and renames it to ``iter_N`` only when every rank has
+written; the tracker file is replaced last. A crash mid-save leaves the previous checkpoint
+and tracker untouched. Shards are written by the DP rank 0, CP rank 0 replica of each
+model-parallel rank (the others hold identical weights and optimizer states).
+"""
+import os
+import random
+import shutil
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_cp import device as device_mod
+
+TRACKER = "latest_checkpointed_iteration.txt"
+# Arguments that change the shape or layout of the saved tensors: must match to resume.
+MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+              "num_query_groups", "kv_channels", "position_embedding_type", "normalization",
+              "swiglu", "disable_bias_linear", "untie_embeddings_and_output_weights",
+              "make_vocab_size_divisible_by", "max_position_embeddings",
+              "tensor_model_parallel_size", "pipeline_model_parallel_size",
+              "num_layers_per_virtual_pipeline_stage", "params_dtype")
+
+
+def iteration_dir(root, iteration):
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def shard_name(tp_rank, pp_rank, pp_size):
+    return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def _atomic_torch_save(obj, path):
+    partial = path + ".partial"
+    with open(partial, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)
+
+
+def _atomic_write_text(path, text):
+    partial = path + ".partial"
+    with open(partial, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)
+
+
+def _rng_state(trainer):
+    return {"python": random.getstate(), "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(), "device": device_mod.rng_state(trainer.device),
+            "tracker": trainer.model_chunks[0].module.rng_tracker.get_states()}
+
+
+def _model_states(trainer):
+    chunks = [c.module if hasattr(c, "module") else c for c in trainer.model_chunks]
+    if len(chunks) == 1:
+        return {"model": chunks[0].state_dict()}
+    return {f"model{i}": c.state_dict() for i, c in enumerate(chunks)}
+
+
+def save_checkpoint(trainer, root):
+    """Save model, optimizer, scheduler, RNG, consumed samples and arguments atomically."""
+    st, it = trainer.state, trainer.iteration
+    final = iteration_dir(root, it)
+    tmp = final + ".tmp"
+    if st.global_rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
+    dist.barrier()
+    if st.rank("dp") == 0 and st.rank("cp") == 0:
+        shard = os.path.join(tmp, shard_name(st.rank("tp"), st.rank("pp"), st.size("pp")))
+        os.makedirs(shard, exist_ok=True)
+        args = {k: v for k, v in vars(trainer.args).items() if _plain(v)}
+        args["params_dtype"] = str(trainer.args.params_dtype)
+        payload = {"iteration": it, "consumed_samples": trainer.consumed_samples, "args": args,
+                   "optimizer": trainer.optimizer.state_dict(),
+                   "opt_param_scheduler": trainer.scheduler.state_dict(),
+                   "checkpoint_version": 3.0, **_model_states(trainer)}
+        _atomic_torch_save(payload, os.path.join(shard, "model_optim_rng.pt"))
+    _atomic_torch_save(_rng_state(trainer), os.path.join(tmp, "rng", f"rank_{st.global_rank:05d}.pt"))
+    dist.barrier()
+    if st.global_rank == 0:
+        if os.path.exists(final):  # re-saving an iteration: keep the old copy until the swap
+            old = final + ".old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _atomic_write_text(os.path.join(root, TRACKER), str(it))
+        print(f" saved checkpoint at iteration {it} to {root}", flush=True)
+    dist.barrier()
+
+
+def _plain(value):
+    return isinstance(value, (int, float, str, bool, type(None), list, tuple))
+
+
+def read_tracker(root):
+    """The latest iteration saved under ``root`` (None if there is none)."""
+    path = os.path.join(root, TRACKER)
+    if not os.path.exists(path):
+        return None
+    text = open(path).read().strip()
+    if not text.isdigit():
+        raise ValueError(f"{path} holds {text!r}, not an iteration number; fix or delete it")
+    return int(text)
+
+
+def check_args_match(saved, args):
+    """Refuse a checkpoint whose model arguments differ, naming every mismatch."""
+    current = dict(vars(args), params_dtype=str(args.params_dtype))
+    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}"
+             for k in MODEL_ARGS if k in saved and saved.get(k) != current.get(k)]
+    if diffs:
+        raise ValueError("checkpoint was saved with other model arguments: " + "; ".join(diffs) +
+                         ". Use the same arguments, or convert it with tools/checkpoint_convert.py")
+
+
+def load_checkpoint(trainer, root):
+    """Load the latest checkpoint under ``root`` into ``trainer``; returns (iteration, consumed)."""
+    st, args = trainer.state, trainer.args
+    it = read_tracker(root)
+    if it is None:
+        if st.global_rank == 0:
+            print(f" no checkpoint under {root} (no {TRACKER}); starting from scratch", flush=True)
+        return 0, 0
+    path = os.path.join(iteration_dir(root, it), shard_name(st.rank("tp"), st.rank("pp"),
+                                                            st.size("pp")), "model_optim_rng.pt")
+    if not os.path.exists(path):
+        raise ValueError(f"checkpoint shard {path} is missing: was it saved with another TP/PP "
+                         f"layout? Convert it with tools/checkpoint_convert.py")
+    payload = torch.load(path, map_location=trainer.device, weights_only=False)
+    check_args_match(payload["args"], args)
+    chunks = [c.module if hasattr(c, "module") else c for c in trainer.model_chunks]
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(payload["model"] if len(chunks) == 1 else payload[f"model{i}"])
+    if args.finetune:
+        return 0, 0
+    if not args.no_load_optim:
+        trainer.optimizer.load_state_dict(payload["optimizer"])
+        trainer.scheduler.load_state_dict(payload["opt_param_scheduler"])
+    if not args.no_load_rng:
+        rng_path = os.path.join(iteration_dir(root, it), "rng", f"rank_{st.global_rank:05d}.pt")
+        if not os.path.exists(rng_path):
+            raise ValueError(f"{rng_path} is missing (saved on another number of ranks?); "
+                             f"resume with --no-load-rng")
+        rng = torch.load(rng_path, weights_only=False)
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["torch"])
+        device_mod.set_rng_state(rng["device"], trainer.device)
+        chunks[0].rng_tracker.set_states(rng["tracker"])
+    if st.global_rank == 0:
+        print(f" loaded checkpoint from {root} at iteration {it}", flush=True)
+    return payload["iteration"], payload["consumed_samples"]

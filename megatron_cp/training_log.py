@@ -1,0 +1,102 @@
+"""Megatron-style log lines, tensorboard scalars and the model-FLOPs count behind throughput."""
+import math
+import resource
+import time
+
+import torch
+
+from megatron_cp import device as device_mod
+
+
+def model_flops_per_token(config, seq_length):
+    """Training FLOPs per token (forward + backward = 3 x forward), Megatron's convention:
+    every matmul counts 2 FLOPs per multiply-add and attention counts the full s x s."""
+    h, d = config.hidden_size, config.kv_channels
+    nh, ng, ffn = config.num_attention_heads, config.num_query_groups, config.ffn_hidden_size
+    per_layer = 2 * h * (nh + 2 * ng) * d + 2 * nh * d * h  # qkv + output projections
+    per_layer += 2 * h * ffn * (3 if config.activation == "swiglu" else 2)  # mlp
+    per_layer += 2 * 2 * seq_length * nh * d  # q k^T and p v
+    logits = 2 * h * config.padded_vocab_size(1)
+    return 3 * (config.num_layers * per_layer + logits)
+
+
+class TrainingLogger:
+    """Prints one line every --log-interval iterations (on global rank 0) and writes the same
+    scalars to tensorboard under --tensorboard-dir."""
+
+    def __init__(self, args, state, flops_per_token):
+        self.args, self.state, self.flops_per_token = args, state, flops_per_token
+        self.is_writer = state.global_rank == 0
+        self.writer = None
+        if self.is_writer and args.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(log_dir=args.tensorboard_dir)
+        self._reset()
+
+    def _reset(self):
+        self.time, self.loss, self.count = 0.0, 0.0, 0
+
+    def print(self, line):
+        if self.is_writer:
+            print(line, flush=True)
+
+    def record(self, trainer, loss, grad_norm, ok, seconds):
+        a = self.args
+        self.time, self.count = self.time + seconds, self.count + 1
+        self.loss += loss
+        it = trainer.iteration
+        scale = trainer.optimizer.get_loss_scale()
+        scale = scale.item() if torch.is_tensor(scale) else float(scale)
+        grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+        lr = trainer.scheduler.get_lr()
+        if self.writer is not None:
+            w = self.writer
+            w.add_scalar("lm loss", loss, it)
+            w.add_scalar("learning-rate", lr, it)
+            w.add_scalar("grad-norm", grad_norm, it)
+            w.add_scalar("loss-scale", scale, it)
+            w.add_scalar("consumed-samples", trainer.consumed_samples, it)
+        if it % a.log_interval != 0 and it != a.train_iters:
+            return
+        per_iter = self.time / self.count
+        tokens_per_s = a.global_batch_size * a.seq_length / per_iter
+        tflops = tokens_per_s * self.flops_per_token / self.state.world_size / 1e12
+        mem_mb = _memory_mb(self.state.device)
+        self.print(
+            f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {it:8d}/{a.train_iters:8d} |"
+            f" consumed samples: {trainer.consumed_samples:12d} |"
+            f" elapsed time per iteration (ms): {per_iter * 1000:.1f} |"
+            f" throughput per GPU (TFLOP/s/GPU): {tflops:.4f} |"
+            f" tokens per second: {tokens_per_s:.1f} |"
+            f" learning rate: {lr:.6E} | global batch size: {a.global_batch_size:5d} |"
+            f" lm loss: {self.loss / self.count:.6E} | loss scale: {scale:.1f} |"
+            f" grad norm: {grad_norm:.4f} |"
+            f" number of skipped iterations: {trainer.optimizer.num_skipped_iters:3d} |")
+        if self.writer is not None:
+            self.writer.add_scalar("throughput/tflops-per-gpu", tflops, it)
+            self.writer.add_scalar("throughput/tokens-per-second", tokens_per_s, it)
+            self.writer.add_scalar("iteration-time-ms", per_iter * 1000, it)
+            self.writer.add_scalar("memory/max-mb", mem_mb, it)
+            self.writer.flush()
+        self._reset()
+
+    def validation(self, iteration, loss):
+        ppl = math.exp(min(20.0, loss))
+        line = (f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} |"
+                f" lm loss PPL: {ppl:.6E} |")
+        self.print("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
+        if self.writer is not None:
+            self.writer.add_scalar("lm loss validation", loss, iteration)
+            self.writer.add_scalar("lm loss validation ppl", ppl, iteration)
+            self.writer.flush()
+
+    def close(self):
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _memory_mb(device):
+    """Peak device memory in MB (GPU), or this process's peak resident set size (CPU)."""
+    if device.type == "cuda":
+        return device_mod.max_memory_allocated(device) / 2 ** 20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
