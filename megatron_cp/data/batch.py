@@ -1,0 +1,114 @@
+"""Batches: the left-to-right batch builder and the data-parallel batch iterator.
+
+:func:`get_ltor_batch` turns ``text [b, s+1]`` into tokens, labels, loss mask, position
+ids and (for packed documents) document ids. :func:`build_data_iterator` hands every
+DP rank its microbatches so that global batch ``k`` is always the samples
+``[consumed + k*G, consumed + (k+1)*G)`` of the dataset, whatever the DP layout:
+DP rank ``d`` takes the contiguous share ``[d*G/DP, (d+1)*G/DP)`` of it, in microbatches.
+"""
+import numpy as np
+import torch
+
+
+def get_ltor_batch(text, eod_token, reset_position_ids=False, reset_attention_mask=False,
+                   eod_mask_loss=False):
+    """Left-to-right LM batch from ``text`` ``[b, s+1]`` (int64).
+
+    Returns ``tokens [b, s]``, ``labels [b, s]`` (tokens shifted by one), ``loss_mask
+    [b, s]`` float32 (0 where the input token is EOD when ``eod_mask_loss``),
+    ``position_ids [b, s]`` (restarting at 0 on the token after each EOD when
+    ``reset_position_ids``; the EOD belongs to the document it ends) and
+    ``document_ids [b, s]`` (0 for the first document, +1 after each EOD) when
+    ``reset_attention_mask``, else None: attention stays inside one document id.
+    """
+    if text.dim() != 2 or text.size(1) < 2:
+        raise ValueError(f"text must be [batch, seq_length + 1] with seq_length >= 1, "
+                         f"got shape {tuple(text.shape)}")
+    text = text.long()
+    tokens = text[:, :-1].contiguous()  # [b, s]
+    labels = text[:, 1:].contiguous()  # [b, s]
+    b, s = tokens.shape
+    is_eod = tokens == eod_token  # [b, s]
+    loss_mask = torch.ones(b, s, dtype=torch.float32, device=text.device)
+    if eod_mask_loss:
+        loss_mask[is_eod] = 0.0
+    index = torch.arange(s, dtype=torch.long, device=text.device).unsqueeze(0).expand(b, s)
+    if reset_position_ids:
+        # A document starts at 0 and right after every EOD; position = index - its start.
+        starts_here = torch.zeros_like(is_eod)
+        starts_here[:, 1:] = is_eod[:, :-1]
+        start = torch.where(starts_here, index, torch.zeros_like(index)).cummax(dim=1).values
+        position_ids = index - start  # [b, s]
+    else:
+        position_ids = index.clone()
+    document_ids = None
+    if reset_attention_mask:
+        eod_long = is_eod.long()
+        document_ids = torch.cumsum(eod_long, dim=1) - eod_long  # EODs strictly before
+    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
+            "position_ids": position_ids, "document_ids": document_ids}
+
+
+class DataParallelBatchSampler:
+    """Yields, for one DP rank, the sample indices of each of its microbatches.
+
+    Global batch ``k`` covers samples ``[consumed + k*G, consumed + (k+1)*G)``; rank
+    ``d`` gets ``G/DP`` contiguous samples of it, ``micro_batch_size`` at a time. A
+    trailing partial global batch is dropped.
+    """
+
+    def __init__(self, total_samples, consumed_samples, global_batch_size, micro_batch_size,
+                 dp_rank, dp_size):
+        if global_batch_size % (micro_batch_size * dp_size) != 0:
+            raise ValueError(
+                f"global_batch_size ({global_batch_size}) must be divisible by "
+                f"micro_batch_size ({micro_batch_size}) x data_parallel_size ({dp_size}); "
+                f"use a multiple of {micro_batch_size * dp_size}")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank ({dp_rank}) must be in [0, dp_size={dp_size})")
+        if consumed_samples < 0:
+            raise ValueError(f"consumed_samples ({consumed_samples}) must be >= 0")
+        self.total_samples = int(total_samples)
+        self.consumed_samples = int(consumed_samples)
+        self.global_batch_size = int(global_batch_size)
+        self.micro_batch_size = int(micro_batch_size)
+        self.dp_rank = int(dp_rank)
+        self.dp_size = int(dp_size)
+
+    @property
+    def num_global_batches(self):
+        """Whole global batches left after ``consumed_samples``."""
+        return max(0, self.total_samples - self.consumed_samples) // self.global_batch_size
+
+    def __len__(self):
+        return self.num_global_batches * self.global_batch_size // (
+            self.micro_batch_size * self.dp_size)
+
+    def __iter__(self):
+        share = self.global_batch_size // self.dp_size
+        for k in range(self.num_global_batches):
+            first = self.consumed_samples + k * self.global_batch_size + self.dp_rank * share
+            for m in range(0, share, self.micro_batch_size):
+                yield list(range(first + m, first + m + self.micro_batch_size))
+
+
+def _collate_text(samples):
+    return torch.from_numpy(np.stack([np.asarray(s["text"], dtype=np.int64) for s in samples]))
+
+
+def build_data_iterator(dataset, global_batch_size, micro_batch_size, dp_rank, dp_size,
+                        consumed_samples=0, num_workers=0):
+    """Iterator over this DP rank's microbatches: ``text`` tensors ``[micro_batch_size, s+1]``.
+
+    Resumes exactly: the same ``consumed_samples`` gives the same following batches.
+    Returns None for a None dataset. Uses a torch DataLoader with
+    :class:`DataParallelBatchSampler` (``num_workers`` loader processes).
+    """
+    if dataset is None:
+        return None
+    sampler = DataParallelBatchSampler(len(dataset), consumed_samples, global_batch_size,
+                                       micro_batch_size, dp_rank, dp_size)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+                                         collate_fn=_collate_text,
+                                         persistent_workers=False, pin_memory=False)
+    return iter(loader)

@@ -1,0 +1,135 @@
+"""Tokenizers, selected by Megatron's ``--tokenizer-type`` names.
+
+Each tokenizer exposes ``vocab_size``, ``eod``, ``tokenize(text) -> list[int]`` and
+``detokenize(ids) -> str``:
+
+- ``SentencePieceTokenizer`` (alias ``GPTSentencePieceTokenizer``): a sentencepiece
+  model (``--tokenizer-model``); ``eod`` is the model's eos id (``</s>``;
+  tools/train_tokenizer.py always gives the model one), as Megatron's GPT sentencepiece.
+- ``GPT2BPETokenizer``: GPT-2 byte-level BPE from ``vocab.json`` + ``merges.txt``
+  (``--vocab-file``, ``--merge-file``) through the HF ``tokenizers`` library, imported
+  lazily; ``eod`` is the id of ``<|endoftext|>``.
+- ``NullTokenizer``: text is whitespace-separated integer ids. As in Megatron-LM, the
+  eod id is ``vocab_size`` (one past the given ids) and ``.vocab_size`` reports
+  ``vocab_size + 1`` so the embedding has a row for it.
+"""
+import json
+
+# GPTSentencePieceTokenizer is accepted as Megatron's name for the same eos-as-eod behaviour.
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "GPT2BPETokenizer",
+                   "NullTokenizer")
+
+
+class SentencePieceTokenizer:
+    """A sentencepiece model; ``eod`` is its eos id."""
+
+    def __init__(self, model_file):
+        import sentencepiece
+
+        self.model_file = model_file
+        self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        self._eod = self._sp.eos_id()
+        if self._eod < 0:
+            raise ValueError(f"sentencepiece model {model_file} has no eos piece (eos_id = -1); "
+                             "retrain it with tools/train_tokenizer.py, which keeps </s>")
+
+    @property
+    def vocab_size(self):
+        return self._sp.get_piece_size()
+
+    @property
+    def eod(self):
+        return self._eod
+
+    def tokenize(self, text):
+        """Token ids of ``text`` (no bos/eos added)."""
+        return list(self._sp.encode(text))
+
+    def detokenize(self, ids):
+        """Text of ``ids``."""
+        return self._sp.decode([int(i) for i in ids])
+
+
+class GPT2BPETokenizer:
+    """GPT-2 byte-level BPE from ``vocab.json`` and ``merges.txt`` (HF ``tokenizers``)."""
+
+    EOD_TOKEN = "<|endoftext|>"
+
+    def __init__(self, vocab_file, merge_file):
+        try:
+            from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        except ImportError as err:
+            raise ImportError("GPT2BPETokenizer needs the HF tokenizers library: "
+                              "pip install tokenizers") from err
+        with open(vocab_file, encoding="utf-8") as f:
+            vocab = json.load(f)
+        if self.EOD_TOKEN not in vocab:
+            raise ValueError(f"{vocab_file} has no {self.EOD_TOKEN} entry, which "
+                             "GPT2BPETokenizer uses as eod; add it to the vocabulary")
+        self._eod = int(vocab[self.EOD_TOKEN])
+        self._vocab_size = max(len(vocab), max(int(v) for v in vocab.values()) + 1)
+        model = models.BPE.from_file(vocab_file, merge_file)
+        self._tok = Tokenizer(model)
+        # GPT-2: its regex split, bytes mapped to printable characters, no prefix space.
+        self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        self._tok.decoder = decoders.ByteLevel()
+
+    @property
+    def vocab_size(self):
+        return self._vocab_size
+
+    @property
+    def eod(self):
+        return self._eod
+
+    def tokenize(self, text):
+        """Token ids of ``text``."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids):
+        """Text of ``ids``."""
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+class NullTokenizer:
+    """Whitespace-separated integer ids; eod is ``vocab_size`` (Megatron's convention)."""
+
+    def __init__(self, vocab_size):
+        if vocab_size is None or int(vocab_size) < 1:
+            raise ValueError(f"NullTokenizer needs --vocab-size >= 1, got {vocab_size}")
+        self._vocab_size_without_eod = int(vocab_size)
+
+    @property
+    def vocab_size(self):
+        return self._vocab_size_without_eod + 1
+
+    @property
+    def eod(self):
+        return self._vocab_size_without_eod
+
+    def tokenize(self, text):
+        """``"3 1 4"`` -> ``[3, 1, 4]``."""
+        return [int(x) for x in text.split()]
+
+    def detokenize(self, ids):
+        """``[3, 1, 4]`` -> ``"3 1 4"``."""
+        return " ".join(str(int(i)) for i in ids)
+
+
+def build_tokenizer(tokenizer_type, tokenizer_model=None, vocab_file=None, merge_file=None,
+                    vocab_size=None):
+    """Build the tokenizer named by ``tokenizer_type`` (one of :data:`TOKENIZER_TYPES`)."""
+    if tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
+        if not tokenizer_model:
+            raise ValueError(f"{tokenizer_type} needs --tokenizer-model (a .model file; "
+                             "tools/train_tokenizer.py makes one)")
+        return SentencePieceTokenizer(tokenizer_model)
+    if tokenizer_type == "GPT2BPETokenizer":
+        if not vocab_file or not merge_file:
+            raise ValueError(f"GPT2BPETokenizer needs --vocab-file and --merge-file, got "
+                             f"vocab_file={vocab_file!r}, merge_file={merge_file!r}")
+        return GPT2BPETokenizer(vocab_file, merge_file)
+    if tokenizer_type == "NullTokenizer":
+        return NullTokenizer(vocab_size)
+    raise ValueError(f"unknown tokenizer type {tokenizer_type!r}; choose one of "
+                     f"{', '.join(TOKENIZER_TYPES)}")

@@ -1,0 +1,116 @@
+"""Tokenizers: NullTokenizer, SentencePiece (trained here, small), GPT-2 BPE on a hand vocab,
+and the corpus / tokenizer-training tools."""
+import importlib.util
+import json
+import os
+
+import pytest
+
+from megatron_cp.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_tool(name):
+    """Import tools/<name>.py as a module (tools/ is scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"tool_{name}", os.path.join(ROOT, "tools",
+                                                                              f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def small_corpus(path, num_docs=12):
+    """A jsonl of a few of Python's bundled documentation topics (deterministic)."""
+    from pydoc_data.topics import topics
+
+    with open(path, "w", encoding="utf-8") as f:
+        for key in sorted(topics)[:num_docs]:
+            f.write(json.dumps({"text": topics[key][:4000], "title": key}) + "\n")
+    return path
+
+
+def test_null_tokenizer_follows_megatron():
+    tok = build_tokenizer("NullTokenizer", vocab_size=100)
+    assert tok.eod == 100 and tok.vocab_size == 101
+    assert tok.tokenize("3 1  4\n15") == [3, 1, 4, 15]
+    assert tok.detokenize([3, 1, 4]) == "3 1 4"
+    with pytest.raises(ValueError, match="vocab-size"):
+        build_tokenizer("NullTokenizer")
+
+
+def test_unknown_type_and_missing_files_name_the_choices():
+    with pytest.raises(ValueError) as err:
+        build_tokenizer("HuggingFaceTokenizer")
+    for name in TOKENIZER_TYPES:
+        assert name in str(err.value)
+    with pytest.raises(ValueError, match="tokenizer-model"):
+        build_tokenizer("SentencePieceTokenizer")
+    with pytest.raises(ValueError, match="merge-file"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file="vocab.json")
+
+
+def test_train_sentencepiece_and_round_trip(tmp_path):
+    corpus = small_corpus(str(tmp_path / "corpus.jsonl"))
+    train_tokenizer = load_tool("train_tokenizer")
+    for model_type in ("bpe", "unigram"):
+        prefix = str(tmp_path / f"sp_{model_type}")
+        train_tokenizer.main(["--input", corpus, "--json-keys", "text", "--model-prefix", prefix,
+                              "--vocab-size", "300", "--model-type", model_type])
+        tok = build_tokenizer("SentencePieceTokenizer", tokenizer_model=prefix + ".model")
+        assert tok.vocab_size == 300
+        assert tok.eod == 2  # sentencepiece's eos </s>
+        text = "The statement:\n\n    for x in range(10):\n        print(x)\n"
+        ids = tok.tokenize(text)
+        assert all(0 <= i < 300 for i in ids) and tok.eod not in ids
+        assert tok.detokenize(ids) == text  # verbatim: newlines and indentation survive
+        alias = build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=prefix + ".model")
+        assert alias.tokenize(text) == ids and alias.eod == 2
+
+
+def test_train_tokenizer_on_plain_text(tmp_path):
+    from pydoc_data.topics import topics
+
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n\n".join(topics[k][:3000] for k in sorted(topics)[:8]), encoding="utf-8")
+    model = load_tool("train_tokenizer").train(str(path), str(tmp_path / "plain"), 250)
+    tok = build_tokenizer("SentencePieceTokenizer", tokenizer_model=model)
+    assert tok.vocab_size == 250 and tok.detokenize(tok.tokenize("import os")) == "import os"
+
+
+def test_build_pydoc_corpus(tmp_path):
+    from pydoc_data.topics import topics
+
+    out = str(tmp_path / "sub" / "pydoc.jsonl")
+    load_tool("build_pydoc_corpus").main(["--output", out])
+    records = [json.loads(line) for line in open(out, encoding="utf-8")]
+    assert len(records) == len(topics)
+    assert [r["text"] for r in records] == [topics[k] for k in sorted(topics)]
+    assert all(set(r) == {"text"} for r in records)
+
+
+def test_gpt2_bpe_on_a_hand_written_vocab(tmp_path):
+    try:
+        import tokenizers  # noqa: F401
+    except ImportError:
+        pytest.skip("the HF tokenizers library is not installed (pip install tokenizers)")
+    # Byte-level BPE: 'Ġ' is the space byte. Merges are applied in file order.
+    vocab = {"<|endoftext|>": 0, "h": 1, "e": 2, "l": 3, "o": 4, "Ġ": 5, "w": 6, "r": 7,
+             "d": 8, "he": 9, "ll": 10, "hell": 11, "hello": 12, "Ġw": 13, "or": 14, "Ġwor": 15}
+    merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or"]
+    vocab_file, merge_file = tmp_path / "vocab.json", tmp_path / "merges.txt"
+    vocab_file.write_text(json.dumps(vocab), encoding="utf-8")
+    merge_file.write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=str(vocab_file),
+                          merge_file=str(merge_file))
+    assert tok.vocab_size == 16 and tok.eod == 0
+    # "hello" | "Ġworld" -> Ġwor l d | "Ġhello" -> Ġ hello (no 'Ġ h' merge)
+    assert tok.tokenize("hello world hello") == [12, 15, 3, 8, 5, 12]
+    assert tok.detokenize([12, 15, 3, 8, 5, 12]) == "hello world hello"
+    assert tok.detokenize([0, 12]) == "<|endoftext|>hello"
+
+    del vocab["<|endoftext|>"]
+    vocab_file.write_text(json.dumps(vocab), encoding="utf-8")
+    with pytest.raises(ValueError, match="endoftext"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=str(vocab_file),
+                        merge_file=str(merge_file))
