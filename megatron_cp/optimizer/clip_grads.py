@@ -1,0 +1,106 @@
+"""Global gradient norm over every model-parallel rank, and clipping by it.
+
+Each rank holds part of the model. After the data-parallel gradient reduction, gradients
+are identical across the DP and CP ranks (dense) or the expert-DP ranks (experts), so the
+norm is reduced only over the groups along which the *parameters themselves* differ:
+
+* dense params differ over TP (sharded ones) and PP (different layers): reduce over
+  ``tp`` then ``pp``. A param replicated over TP (no ``tensor_model_parallel``) is
+  counted on TP rank 0 only, and a tied word embedding (``shared_embedding``) is counted
+  on the first pipeline stage only, so nothing is counted twice;
+* expert params (``is_expert``) differ over EP (different experts), ETP (sharded when
+  ``tensor_model_parallel``) and PP: reduce over ``ep``, ``etp`` then ``pp``; the
+  replicated-over-ETP ones are counted on ETP rank 0 only.
+
+Every rank issues the same collectives, whether or not it holds expert params, so a
+pipeline stage without MoE layers cannot deadlock one with them.
+"""
+import math
+
+import torch
+import torch.distributed as dist
+
+
+def grad_of(param):
+    """The gradient the optimizer uses: ``.grad``, else the DDP ``.main_grad`` buffer view."""
+    if param.grad is not None:
+        return param.grad
+    return getattr(param, "main_grad", None)
+
+
+def _counted_here(param, state):
+    """True if this rank owns the norm contribution of ``param`` (no double counting)."""
+    if getattr(param, "shared_embedding", False) and state.size("pp") > 1 \
+            and not state.is_pipeline_first_stage:
+        return False
+    if getattr(param, "tensor_model_parallel", False):
+        return True
+    tp_name = "etp" if getattr(param, "is_expert", False) else "tp"
+    return state.rank(tp_name) == 0
+
+
+def _all_reduce(tensor, state, name, op):
+    if state.size(name) > 1:
+        dist.all_reduce(tensor, op=op, group=state.group(name))
+
+
+def get_grad_norm(params, state, norm_type=2):
+    """The norm of all gradients of the whole model, the same float on every rank.
+
+    ``params`` are this rank's parameters (model params, or fp32 main params carrying the
+    same attributes); those without a gradient are ignored. ``norm_type`` is 2 (default),
+    any p >= 1, or ``inf``.
+    """
+    norm_type = float(norm_type)
+    if not (norm_type == math.inf or norm_type >= 1.0):
+        raise ValueError(f"norm_type ({norm_type}) must be >= 1 or inf; use 2 for the L2 norm")
+    seen, dense, expert = set(), [], []
+    for param in params:
+        grad = grad_of(param)
+        if grad is None or id(param) in seen or not _counted_here(param, state):
+            continue
+        seen.add(id(param))
+        (expert if getattr(param, "is_expert", False) else dense).append(grad)
+
+    def local(grads):
+        # Accumulate in fp32 whatever the grad dtype: bf16 squares overflow and lose bits.
+        if not grads:
+            return torch.zeros((), dtype=torch.float32, device=state.device)
+        norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
+                             for g in grads])
+        return norms.max() if norm_type == math.inf else norms.pow(norm_type).sum()
+
+    op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+    dense_part = local(dense).reshape(1)
+    expert_part = local(expert).reshape(1)
+    _all_reduce(expert_part, state, "ep", op)
+    _all_reduce(expert_part, state, "etp", op)
+    _all_reduce(dense_part, state, "tp", op)
+    both = torch.cat([dense_part, expert_part])  # [2]: dense, expert
+    _all_reduce(both, state, "pp", op)
+    if norm_type == math.inf:
+        return both.max().item()
+    return both.sum().pow(1.0 / norm_type).item()
+
+
+def clip_grad_norm(params, max_norm, state, norm_type=2, total_norm=None):
+    """Scale all gradients in place so their global norm is at most ``max_norm``.
+
+    Returns the global norm before clipping (computed with :func:`get_grad_norm` unless
+    ``total_norm`` is given). Uses torch's ``max_norm / (norm + 1e-6)`` coefficient.
+    """
+    if not max_norm > 0:
+        raise ValueError(f"max_norm ({max_norm}) must be > 0; pass --clip-grad 0 to disable clipping "
+                         f"instead of calling clip_grad_norm")
+    params = list(params)
+    if total_norm is None:
+        total_norm = get_grad_norm(params, state, norm_type)
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        seen = set()
+        for param in params:
+            grad = grad_of(param)
+            if grad is not None and id(param) not in seen:
+                seen.add(id(param))
+                grad.mul_(clip_coeff)
+    return total_norm

@@ -1,0 +1,140 @@
+"""Learning-rate and weight-decay schedule, with Megatron's formulas.
+
+Warmup is linear from ``init_lr`` to ``max_lr`` over ``lr_warmup_steps`` (step 0 uses
+``init_lr``, as in Megatron); then the rate decays to ``min_lr`` at ``lr_decay_steps``
+(linear, cosine, inverse-square-root, or stays at ``max_lr`` for constant) and stays at
+``min_lr`` afterwards. Weight decay optionally moves from ``start_wd`` to ``end_wd`` over
+``wd_incr_steps``. Each param group's ``lr_mult`` / ``wd_mult`` (default 1) multiply the
+scheduled values, which is how no-weight-decay groups stay at zero.
+"""
+import math
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+WD_INCR_STYLES = ("constant", "linear", "cosine")
+_CHECKED_KEYS = ("max_lr", "min_lr", "init_lr", "lr_warmup_steps", "lr_decay_steps",
+                 "lr_decay_style", "start_wd", "end_wd", "wd_incr_steps", "wd_incr_style")
+
+
+class OptimizerParamScheduler:
+    """Sets ``lr`` (and ``weight_decay``) of every param group of ``optimizer`` per step.
+
+    ``optimizer`` is anything with ``param_groups`` (a torch optimizer or
+    :class:`~megatron_cp.optimizer.optimizer.MixedPrecisionOptimizer`). ``start_wd`` and
+    ``end_wd`` left as None leave the groups' weight decay untouched. ``use_checkpoint_values``
+    makes :meth:`load_state_dict` adopt the saved schedule; ``override_from_arguments`` keeps
+    the constructor's; with neither, a mismatch raises ValueError.
+    """
+
+    def __init__(self, optimizer, max_lr, min_lr=0.0, lr_warmup_steps=0, lr_decay_steps=None,
+                 lr_decay_style="linear", init_lr=0.0, start_wd=None, end_wd=None,
+                 wd_incr_steps=None, wd_incr_style="constant", use_checkpoint_values=False,
+                 override_from_arguments=False):
+        if lr_decay_style not in LR_DECAY_STYLES:
+            raise ValueError(f"lr_decay_style {lr_decay_style!r} is not supported; "
+                             f"pick one of {list(LR_DECAY_STYLES)}")
+        if wd_incr_style not in WD_INCR_STYLES:
+            raise ValueError(f"wd_incr_style {wd_incr_style!r} is not supported; "
+                             f"pick one of {list(WD_INCR_STYLES)}")
+        if not 0.0 <= min_lr <= max_lr:
+            raise ValueError(f"need 0 <= min_lr ({min_lr}) <= max_lr ({max_lr}); fix --min-lr / --lr")
+        if init_lr < 0.0:
+            raise ValueError(f"init_lr ({init_lr}) must be >= 0")
+        if lr_warmup_steps < 0:
+            raise ValueError(f"lr_warmup_steps ({lr_warmup_steps}) must be >= 0")
+        if lr_decay_steps is None:
+            lr_decay_steps = max(lr_warmup_steps, 1) if lr_decay_style == "constant" else None
+        if lr_decay_steps is None or lr_decay_steps <= 0:
+            raise ValueError(f"lr_decay_steps ({lr_decay_steps}) must be > 0 for "
+                             f"lr_decay_style {lr_decay_style!r}; set --lr-decay-iters")
+        if lr_decay_style != "constant" and lr_warmup_steps >= lr_decay_steps:
+            raise ValueError(f"lr_warmup_steps ({lr_warmup_steps}) must be < lr_decay_steps "
+                             f"({lr_decay_steps}); shorten the warmup or lengthen the decay")
+        if (start_wd is None) != (end_wd is None):
+            raise ValueError(f"give both start_wd ({start_wd}) and end_wd ({end_wd}), or neither")
+        if start_wd is not None:
+            if not 0.0 <= start_wd <= end_wd:
+                raise ValueError(f"need 0 <= start_wd ({start_wd}) <= end_wd ({end_wd})")
+            if wd_incr_style == "constant" and start_wd != end_wd:
+                raise ValueError(f"wd_incr_style 'constant' needs start_wd ({start_wd}) == end_wd "
+                                 f"({end_wd}); pick 'linear' or 'cosine' to change it")
+            if wd_incr_style != "constant" and not (wd_incr_steps and wd_incr_steps > 0):
+                raise ValueError(f"wd_incr_steps ({wd_incr_steps}) must be > 0 for wd_incr_style "
+                                 f"{wd_incr_style!r}")
+        self.optimizer = optimizer
+        self.max_lr, self.min_lr, self.init_lr = float(max_lr), float(min_lr), float(init_lr)
+        self.lr_warmup_steps, self.lr_decay_steps = lr_warmup_steps, lr_decay_steps
+        self.lr_decay_style = lr_decay_style
+        self.start_wd, self.end_wd = start_wd, end_wd
+        self.wd_incr_steps, self.wd_incr_style = wd_incr_steps, wd_incr_style
+        self.use_checkpoint_values = use_checkpoint_values
+        self.override_from_arguments = override_from_arguments
+        if use_checkpoint_values and override_from_arguments:
+            raise ValueError("use_checkpoint_values and override_from_arguments are exclusive; pick one")
+        self.num_steps = 0
+        self.step(0)
+
+    def get_lr(self, param_group=None):
+        """The learning rate at the current step (a group may carry its own max_lr/min_lr)."""
+        group = param_group or {}
+        max_lr = group.get("max_lr", self.max_lr)
+        min_lr = group.get("min_lr", self.min_lr)
+        step = self.num_steps
+        if self.lr_warmup_steps > 0 and step <= self.lr_warmup_steps:
+            return self.init_lr + (max_lr - self.init_lr) * float(step) / float(self.lr_warmup_steps)
+        if self.lr_decay_style == "constant":
+            return max_lr
+        if step > self.lr_decay_steps:
+            return min_lr
+        if self.lr_decay_style == "inverse-square-root":
+            warmup = max(self.lr_warmup_steps, 1)
+            return max(min_lr, max_lr * math.sqrt(warmup) / math.sqrt(max(step, 1)))
+        decay_ratio = float(step - self.lr_warmup_steps) / float(self.lr_decay_steps - self.lr_warmup_steps)
+        if self.lr_decay_style == "linear":
+            coeff = 1.0 - decay_ratio
+        else:  # cosine
+            coeff = 0.5 * (math.cos(math.pi * decay_ratio) + 1.0)
+        return min_lr + coeff * (max_lr - min_lr)
+
+    def get_wd(self):
+        """The weight decay at the current step (None when no schedule was given)."""
+        if self.start_wd is None:
+            return None
+        if self.wd_incr_style == "constant" or self.num_steps > self.wd_incr_steps:
+            return self.end_wd
+        ratio = float(self.num_steps) / float(self.wd_incr_steps)
+        if self.wd_incr_style == "linear":
+            coeff = ratio
+        else:  # cosine
+            coeff = 0.5 * (math.cos(math.pi * (1.0 - ratio)) + 1.0)
+        return self.start_wd + coeff * (self.end_wd - self.start_wd)
+
+    def step(self, increment=1):
+        """Advance by ``increment`` steps and write lr (and weight decay) into the groups."""
+        self.num_steps += increment
+        new_wd = self.get_wd()
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.get_lr(group) * group.get("lr_mult", 1.0)
+            if new_wd is not None:
+                group["weight_decay"] = new_wd * group.get("wd_mult", 1.0)
+
+    def state_dict(self):
+        """The schedule and its position."""
+        sd = {key: getattr(self, key) for key in _CHECKED_KEYS}
+        sd["num_steps"] = self.num_steps
+        return sd
+
+    def load_state_dict(self, state_dict):
+        """Resume at the saved step; see the class docstring for mismatched schedules."""
+        for key in _CHECKED_KEYS:
+            if key not in state_dict:
+                continue
+            mine, saved = getattr(self, key), state_dict[key]
+            if self.override_from_arguments or mine == saved:
+                continue
+            if not self.use_checkpoint_values:
+                raise ValueError(f"scheduler {key} is {mine} but the checkpoint has {saved}; make the "
+                                 f"arguments match, or pass use_checkpoint_values=True / "
+                                 f"override_from_arguments=True")
+            setattr(self, key, saved)
+        self.num_steps = 0
+        self.step(int(state_dict["num_steps"]))

@@ -1,0 +1,250 @@
+"""AdamW with fp32 main params for bf16/fp16 models, loss-scale handling and clipping.
+
+``MixedPrecisionOptimizer`` keeps an fp32 copy ("main param") of every bf16/fp16 model
+param and steps AdamW on those; fp32 model params are stepped directly, with no copy. One
+``step()`` does: gradients -> fp32 main grads (``param.main_grad`` from
+:class:`~megatron_cp.optimizer.distributed.DistributedDataParallel` when present, else
+``param.grad``), unscale and inf/nan check (when a grad scaler is set), global-norm
+clipping, AdamW, and the copy of the main params back into the model params.
+
+Skipping on inf/nan must be agreed by every rank or the replicas diverge. ``found_inf`` is
+reduced (MAX) over the whole world: reducing over ``mp`` would suffice for dense grads
+(identical across DP x CP after the reduction) but expert grads differ across EP ranks,
+which can lie outside the ``mp`` group, and one scalar per step costs nothing.
+
+The fused Adam (apex ``FusedAdam``, else torch's ``fused=True``) is chosen in
+:func:`build_adamw` only, and only on CUDA; the CPU path is plain ``torch.optim.AdamW``.
+"""
+import torch
+import torch.distributed as dist
+
+from megatron_cp.optimizer.clip_grads import clip_grad_norm, get_grad_norm
+from megatron_cp.optimizer.grad_scaler import DynamicGradScaler
+
+# Attributes that get_grad_norm reads; main params must carry them like their model params.
+_PARAM_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride",
+                "sequence_parallel", "is_expert", "shared_embedding")
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _import_fused_adam():
+    """apex's FusedAdam class, or None when apex is missing or broken."""
+    try:
+        from apex.optimizers import FusedAdam  # optional accelerator
+    except (ImportError, OSError):
+        return None
+    return FusedAdam
+
+
+def build_adamw(param_groups, lr, weight_decay, betas, eps, device, use_fused=None):
+    """The one import point for Adam: fused on CUDA (apex, else torch), torch AdamW elsewhere.
+
+    ``use_fused`` False forces plain torch AdamW; None picks fused when on CUDA.
+    """
+    kwargs = dict(lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps)
+    fused = device.type == "cuda" if use_fused is None else bool(use_fused)
+    if fused and device.type != "cuda":
+        raise ValueError(f"use_fused=True needs a CUDA device, this rank runs on {device}; "
+                         f"leave use_fused unset on CPU")
+    if fused:
+        apex_adam = _import_fused_adam()
+        if apex_adam is not None:
+            return apex_adam(param_groups, adam_w_mode=True, **kwargs)
+        return torch.optim.AdamW(param_groups, fused=True, **kwargs)
+    return torch.optim.AdamW(param_groups, **kwargs)
+
+
+def _as_chunks(model):
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def get_param_groups(model, weight_decay):
+    """Split trainable params into a weight-decay group and a no-weight-decay group.
+
+    No decay for 1-D params (biases, norm weights), names ending in ``bias``, and params of
+    modules whose name ends in ``norm``. ``model`` is a module or a list of model chunks.
+    Groups carry ``wd_mult`` (1 or 0) and ``lr_mult`` for the LR scheduler; empty groups
+    are left out.
+    """
+    decay, no_decay, seen = [], [], set()
+    for chunk in _as_chunks(model):
+        for name, param in chunk.named_parameters():
+            if not param.requires_grad or id(param) in seen:
+                continue
+            seen.add(id(param))
+            module_name = name.rsplit(".", 1)[0] if "." in name else ""
+            if param.dim() == 1 or name.endswith("bias") or module_name.endswith("norm"):
+                no_decay.append(param)
+            else:
+                decay.append(param)
+    groups = []
+    if decay:
+        groups.append({"params": decay, "weight_decay": weight_decay, "wd_mult": 1.0, "lr_mult": 1.0})
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0, "lr_mult": 1.0})
+    return groups
+
+
+class MixedPrecisionOptimizer:
+    """AdamW over fp32 main params; see the module docstring for one step's stages.
+
+    ``model_params`` is an iterable of params or of param-group dicts (as from
+    :func:`get_param_groups`). ``params_dtype`` is the model's dtype (fp32, bf16 or fp16);
+    fp16 without a ``grad_scaler`` gets a :class:`DynamicGradScaler`. ``clip_grad`` <= 0
+    disables clipping (the norm is still computed and returned).
+    """
+
+    def __init__(self, model_params, state, lr, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8,
+                 clip_grad=1.0, params_dtype=torch.float32, grad_scaler=None, use_fused=None):
+        if params_dtype not in (torch.float32,) + _HALF_DTYPES:
+            raise ValueError(f"params_dtype {params_dtype} is not supported; use torch.float32, "
+                             f"torch.bfloat16 or torch.float16")
+        if params_dtype == torch.float16 and grad_scaler is None:
+            grad_scaler = DynamicGradScaler()
+        self.state = state
+        self.clip_grad = float(clip_grad or 0.0)
+        self.grad_scaler = grad_scaler
+        self.num_skipped_iters = 0
+        groups = list(model_params)
+        if not groups:
+            raise ValueError("MixedPrecisionOptimizer got no parameters; pass model.parameters() "
+                             "or get_param_groups(model, weight_decay)")
+        if not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        self._pairs = []  # (model param, main param); the same object twice for fp32 params
+        main_groups = []
+        for group in groups:
+            mains = []
+            for param in group["params"]:
+                if param.dtype == torch.float32:
+                    main = param
+                elif param.dtype == params_dtype:
+                    main = param.detach().clone().float()
+                    for attr in _PARAM_ATTRS:
+                        if hasattr(param, attr):
+                            setattr(main, attr, getattr(param, attr))
+                else:
+                    raise ValueError(f"a parameter of shape {tuple(param.shape)} has dtype {param.dtype} "
+                                     f"but params_dtype is {params_dtype}; cast the model to "
+                                     f"params_dtype (fp32 params are allowed too)")
+                self._pairs.append((param, main))
+                mains.append(main)
+            main_groups.append({**group, "params": mains})
+        self.optimizer = build_adamw(main_groups, lr, weight_decay, betas, eps, state.device, use_fused)
+
+    @property
+    def param_groups(self):
+        """The inner optimizer's groups (over main params): what the LR scheduler edits."""
+        return self.optimizer.param_groups
+
+    def get_loss_scale(self):
+        """The current loss scale (1.0 without a grad scaler)."""
+        return self.grad_scaler.scale if self.grad_scaler is not None else 1.0
+
+    def scale_loss(self, loss):
+        """``loss * scale``: what backward should be called on."""
+        return loss * self.get_loss_scale() if self.grad_scaler is not None else loss
+
+    def _main_params(self):
+        return [main for _, main in self._pairs]
+
+    def _prepare_main_grads(self):
+        for model, main in self._pairs:
+            grad = model.main_grad if hasattr(model, "main_grad") else model.grad
+            if main is model:
+                if grad is not None and grad is not model.grad:
+                    model.grad = grad if grad.dtype == model.dtype else grad.to(model.dtype)
+            else:
+                main.grad = None if grad is None else grad.float()  # no copy for fp32 main_grad
+
+    def _release_aliased_grads(self):
+        # A .grad aliasing main_grad must not survive: the next backward would add into it twice.
+        for model, main in self._pairs:
+            if main is model and hasattr(model, "main_grad"):
+                model.grad = None
+
+    @torch.no_grad()
+    def _unscale_and_check_for_inf(self):
+        inv_scale = self.grad_scaler.inv_scale
+        found = torch.zeros(1, dtype=torch.float32, device=self.state.device)
+        grads = [main.grad for main in self._main_params() if main.grad is not None]
+        for grad in grads:
+            grad.mul_(inv_scale)
+        if grads:
+            all_finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
+            found.fill_(0.0 if bool(all_finite) else 1.0)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)  # the whole world agrees (module docstring)
+        return bool(found.item() > 0)
+
+    @torch.no_grad()
+    def step(self):
+        """One optimizer step; returns ``(update_successful, grad_norm, num_zeros=None)``.
+
+        On inf/nan gradients (only checked with a grad scaler) nothing changes but the scale
+        and ``num_skipped_iters``, and ``(False, None, None)`` is returned.
+        """
+        self._prepare_main_grads()
+        try:
+            if self.grad_scaler is not None:
+                found_inf = self._unscale_and_check_for_inf()
+                self.grad_scaler.update(found_inf)
+                if found_inf:
+                    self.num_skipped_iters += 1
+                    return False, None, None
+            mains = self._main_params()
+            if self.clip_grad > 0:
+                grad_norm = clip_grad_norm(mains, self.clip_grad, self.state)
+            else:
+                grad_norm = get_grad_norm(mains, self.state)
+            self.optimizer.step()
+            for model, main in self._pairs:
+                if main is not model:
+                    model.copy_(main)
+            return True, grad_norm, None
+        finally:
+            self._release_aliased_grads()
+
+    def zero_grad(self, set_to_none=True):
+        """Drop model and main grads (the DDP buffer is zeroed by ``zero_grad_buffer``)."""
+        for model, main in self._pairs:
+            for param in (model, main):
+                if param.grad is None:
+                    continue
+                if set_to_none:
+                    param.grad = None
+                else:
+                    param.grad.detach_().zero_()
+
+    @torch.no_grad()
+    def reload_model_params(self):
+        """Refresh the fp32 main params from the model (after loading model weights only)."""
+        for model, main in self._pairs:
+            if main is not model:
+                main.copy_(model)
+
+    def state_dict(self):
+        """Inner optimizer, grad scaler, fp32 main params and skip count.
+
+        Like torch's, the tensors are live references: serialize before the next step.
+        """
+        return {"optimizer": self.optimizer.state_dict(),
+                "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict(),
+                "main_params": [main for model, main in self._pairs if main is not model],
+                "num_skipped_iters": self.num_skipped_iters}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict):
+        """Restore :meth:`state_dict`; the model params are rewritten from the main params."""
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        saved_scaler = state_dict.get("grad_scaler")
+        if self.grad_scaler is not None and saved_scaler is not None:
+            self.grad_scaler.load_state_dict(saved_scaler)
+        halves = [(model, main) for model, main in self._pairs if main is not model]
+        saved = state_dict["main_params"]
+        if len(saved) != len(halves):
+            raise ValueError(f"checkpoint has {len(saved)} fp32 main params but this optimizer has "
+                             f"{len(halves)}; load a checkpoint saved with the same model and params_dtype")
+        for (model, main), value in zip(halves, saved):
+            main.copy_(value)
+            model.copy_(main)
+        self.num_skipped_iters = int(state_dict.get("num_skipped_iters", 0))
