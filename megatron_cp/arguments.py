@@ -230,6 +230,10 @@ def validate_args(args, world_size, built=("tensor", "data")):
         args.lr_decay_iters = args.train_iters
     if args.lr_warmup_fraction is not None:
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+    if args.lr_warmup_iters >= args.lr_decay_iters and args.lr_warmup_iters > 0:
+        raise ValueError(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than "
+                         f"--lr-decay-iters ({args.lr_decay_iters}, default --train-iters); "
+                         f"shorten the warmup or lengthen the decay")
     if args.recompute_granularity == "full" and args.recompute_method is None:
         raise ValueError("--recompute-granularity full needs --recompute-method uniform or block")
     if not args.mock_data:

@@ -204,7 +204,7 @@ def pretrain(args, state=None):
     logger = TrainingLogger(args, state, model_flops_per_token(trainer.config, args.seq_length))
     sigterm = _SigtermFlag(args.exit_signal_handler)
     start = time.time()
-    losses = []
+    losses, saved_at = [], (trainer.iteration if args.load else None)
     while trainer.iteration < args.train_iters:
         t0 = time.time()
         loss, grad_norm, ok = trainer.train_step()
@@ -216,19 +216,18 @@ def pretrain(args, state=None):
             logger.validation(it, trainer.evaluate())
         if args.save and args.save_interval and it % args.save_interval == 0:
             checkpointing.save_checkpoint(trainer, args.save)
-        stop = (args.exit_interval and it % args.exit_interval == 0)
+            saved_at = it
+        stop = bool(args.exit_interval and it % args.exit_interval == 0)
         if args.exit_duration_in_mins:
-            stop = stop or _any_rank((time.time() - start) / 60 > args.exit_duration_in_mins, state.device)
+            stop = _any_rank(stop or (time.time() - start) / 60 > args.exit_duration_in_mins,
+                             state.device)
         if args.exit_signal_handler and _any_rank(sigterm.received, state.device):
-            if args.save:
-                checkpointing.save_checkpoint(trainer, args.save)
-            logger.print(f"exiting on SIGTERM after iteration {it} (checkpoint saved)")
+            logger.print(f"received SIGTERM: saving and exiting after iteration {it}")
             stop = True
         if stop:
             break
-    else:
-        if args.save and (not args.save_interval or trainer.iteration % args.save_interval != 0):
-            checkpointing.save_checkpoint(trainer, args.save)
+    if args.save and saved_at != trainer.iteration:
+        checkpointing.save_checkpoint(trainer, args.save)
     logger.close()
     return losses
 

@@ -110,5 +110,8 @@ def build_data_iterator(dataset, global_batch_size, micro_batch_size, dp_rank, d
                                        micro_batch_size, dp_rank, dp_size)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                          collate_fn=_collate_text,
-                                         persistent_workers=False, pin_memory=False)
+                                         persistent_workers=False, pin_memory=False,
+                                         # its own generator: creating the iterator must not
+                                         # draw from the global RNG (exact resume needs that)
+                                         generator=torch.Generator().manual_seed(0))
     return iter(loader)
