@@ -10,10 +10,11 @@ import math
 import torch
 
 from megatron_cp.initialize import validate_sizes
+from megatron_cp.pipeline_parallel.stages import (validate_interleaved_microbatches,
+                                                  virtual_pipeline_size)
 
 # Parallel dimensions whose issue has not landed yet: accepted, then refused with this note.
 NOT_YET_BUILT = {
-    "pipeline_model_parallel_size": "pipeline parallelism",
     "context_parallel_size": "context parallelism",
     "expert_model_parallel_size": "expert parallelism (MoE)",
 }
@@ -106,6 +107,11 @@ def _parallel_args(p):
                    help="Layers on the first pipeline stage.")
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
                    help="Layers on the last pipeline stage.")
+    g.add_argument("--pipeline-seq-length", type=int, default=None,
+                   help="Sequence length of the fixed pipeline P2P buffers (default --seq-length): "
+                        "every microbatch is padded to it. Raise it above --seq-length for packed "
+                        "documents under context parallelism, which pad each document to a "
+                        "multiple of 2 x CP.")
     g.add_argument("--context-parallel-size", type=int, default=1, help="Context parallel size.")
     g.add_argument("--cp-comm-type", choices=["p2p", "a2a", "a2a+p2p", "all_gather", "auto"],
                    default="p2p", help="Context-parallel attention communication.")
@@ -176,6 +182,9 @@ def validate_args(args, world_size, built=("tensor", "data")):
         if getattr(args, name) > 1 and what.split()[0] not in built:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: {what} is not built "
                              f"yet in this version of megatron_cp; set it to 1")
+    if args.num_experts:
+        raise ValueError(f"--num-experts {args.num_experts}: MoE layers are not built yet in this "
+                         f"version of megatron_cp; drop the flag for a dense model")
     args.world_size = world_size
     args.data_parallel_size = validate_sizes(
         world_size, args.tensor_model_parallel_size, args.context_parallel_size,
@@ -192,6 +201,7 @@ def validate_args(args, world_size, built=("tensor", "data")):
                          f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size ({dp}); "
                          f"use a multiple of {args.micro_batch_size * dp}")
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
+    _validate_pipeline(args)
     if not args.group_query_attention:
         args.num_query_groups = args.num_attention_heads
     for name in ("num_attention_heads", "num_query_groups"):
@@ -260,3 +270,32 @@ def validate_args(args, world_size, built=("tensor", "data")):
     if args.cp_comm_type == "a2a+p2p" and cp > 1 and args.hierarchical_context_parallel_sizes is None:
         raise ValueError("--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes U R")
     return args
+
+
+def _validate_pipeline(args):
+    """Stage split, virtual stages, interleaving's microbatch rule and the buffer length."""
+    pp = args.pipeline_model_parallel_size
+    args.virtual_pipeline_model_parallel_size = virtual_pipeline_size(
+        args.num_layers, pp, args.num_layers_per_virtual_pipeline_stage,
+        args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
+    validate_interleaved_microbatches(args.num_microbatches, pp,
+                                      args.virtual_pipeline_model_parallel_size)
+    if args.pipeline_seq_length is None:
+        args.pipeline_seq_length = args.seq_length
+    if args.pipeline_seq_length < args.seq_length:
+        raise ValueError(f"--pipeline-seq-length ({args.pipeline_seq_length}) must be at least "
+                         f"--seq-length ({args.seq_length}): every microbatch is padded to it")
+    if pp == 1:
+        return
+    cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
+    divisor = (2 * cp if cp > 1 else 1) * (tp if args.sequence_parallel else 1)
+    if args.pipeline_seq_length % divisor != 0:
+        raise ValueError(f"--pipeline-seq-length ({args.pipeline_seq_length}) must be divisible by "
+                         f"{'2 x CP' if cp > 1 else '1'}{' x TP' if args.sequence_parallel else ''} "
+                         f"= {divisor}; use a multiple of {divisor}")
+    max_pos = args.max_position_embeddings or args.seq_length
+    if args.position_embedding_type == "learned_absolute" and args.pipeline_seq_length > max_pos:
+        raise ValueError(f"--pipeline-seq-length ({args.pipeline_seq_length}) pads microbatches "
+                         f"past --max-position-embeddings ({max_pos}) with learned absolute "
+                         f"positions; raise --max-position-embeddings to at least "
+                         f"{args.pipeline_seq_length} or use --position-embedding-type rope")

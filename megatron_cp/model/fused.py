@@ -39,6 +39,9 @@ class RMSNorm(torch.nn.Module):
 def build_norm(kind, hidden_size, eps, dtype, device):
     """A LayerNorm or RMSNorm, fused when an accelerator library is usable on ``device``."""
     on_cuda = device is not None and torch.device(device).type == "cuda"
+    if on_cuda and _te is not None:
+        te_norm = _te.LayerNorm if kind == "LayerNorm" else _te.RMSNorm
+        return te_norm(hidden_size, eps=eps, params_dtype=dtype, device=device)
     if kind == "LayerNorm":
         if on_cuda and _ApexLayerNorm is not None:
             return _ApexLayerNorm(hidden_size, eps=eps).to(device=device, dtype=dtype)

@@ -46,10 +46,9 @@ class TransformerLayer(torch.nn.Module):
                                             rng_tracker, device)
         self.pre_mlp_layernorm = norm()
         if config.num_moe_experts > 0:
-            from megatron_cp.moe import MoELayer  # built by the moe package
-            self.mlp = MoELayer(config, prefix + ".mlp", state, device)
-        else:
-            self.mlp = MLP(config, prefix + ".mlp", tp_group, device)
+            raise ValueError(f"num_moe_experts ({config.num_moe_experts}): MoE layers are not built "
+                             f"in this version of megatron_cp; use a dense model (0 experts)")
+        self.mlp = MLP(config, prefix + ".mlp", tp_group, device)
         mark_sequence_parallel(self.input_layernorm, config.sequence_parallel)
         mark_sequence_parallel(self.pre_mlp_layernorm, config.sequence_parallel)
 
