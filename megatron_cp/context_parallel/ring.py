@@ -1,0 +1,217 @@
+"""Ring attention (--cp-comm-type p2p): KV blocks travel around the CP ring.
+
+Forward, on CP rank i of P: the local KV (k and v, only the KV heads, one batched message)
+makes P-1 hops to rank+1; at step t rank i holds the KV of rank j = (i - t) mod P.
+The next hop is posted (batched isend/irecv, side stream on GPU) before step t's block
+attention, so it hides behind the compute. Each block returns (out, lse) and is merged
+into fp32 accumulators with the exact log-sum-exp rule. The token metadata (token index,
+document ids: [b, s/P] ints) is all-gathered once up front instead of travelling.
+
+Block plan. When every rank holds the plain zigzag layout (chunks r and 2P-1-r, no
+documents) the three cases of CP_NOTES apply: j == i is the only masked block (the
+kernel's causal flag, no mask tensor); j < i is Q(all) x KV(j, early half) unmasked;
+j > i is Q(late half) x KV(j) unmasked. Otherwise (packed documents, any other layout)
+the block mask is built from the metadata, fully masked blocks are skipped and fully
+visible ones run without a mask.
+
+Backward recomputes every block from the saved local q, k, v, out, lse (flash-attention
+formulas with the final out and lse, see ``block_backward``). dQ accumulates locally. dK/dV
+travel the ring WITH the KV: at step t rank i adds its share to the fp32 accumulator of
+block j that arrived from rank i-1 and sends it on to rank i+1; after the last step one
+more hop brings every accumulator home to its owner. We chose this over all-gather +
+reduce-scatter because it keeps the memory at two KV blocks (never the full-sequence KV)
+and every dKV hop overlaps the next step's compute. Saved for backward: local q, k, v,
+out, lse, plus the O(s) metadata in the general case; never [s, s] nor the full KV.
+"""
+import torch
+
+from megatron_cp.context_parallel import block_attention as blocks
+from megatron_cp.context_parallel import comm
+from megatron_cp.context_parallel.partition import zigzag_indices
+
+_KV_TAG, _DKV_TAG = 10, 20  # + index of the tensor in the message
+
+
+class RingLayout:
+    """Which tokens every ring rank holds, and the block plan between any two ranks.
+
+    ``token_all`` / ``doc_all``: [P, b, s_local] metadata of every rank (None in the zigzag
+    fast path, where the layout is implied by the ranks themselves).
+    """
+
+    def __init__(self, size, seq_local, token_all=None, doc_all=None, zigzag=False):
+        self.size, self.seq_local = size, seq_local
+        self.token_all, self.doc_all, self.zigzag = token_all, doc_all, zigzag
+
+    @classmethod
+    def from_metadata(cls, token_all, doc_all):
+        """Build from gathered metadata [P, b, s_local]; detects the plain zigzag layout."""
+        size, _, seq_local = token_all.shape
+        if doc_all is None and seq_local % 2 == 0:
+            expected = torch.stack([zigzag_indices(r, size, size * seq_local, token_all.device)
+                                    for r in range(size)])  # [P, s_local]
+            if bool((token_all == expected[:, None, :]).all()):
+                return cls(size, seq_local, zigzag=True)
+        return cls(size, seq_local, token_all, doc_all)
+
+    def saved(self):
+        return self.token_all, self.doc_all
+
+    def plan(self, i, j):
+        """Blocks of query rank i against the KV of rank j: [(q slice, kv slice, causal, mask)]."""
+        everything = slice(None)
+        if self.zigzag:
+            half = self.seq_local // 2
+            if j == i:
+                return [(everything, everything, True, None)]
+            if j < i:
+                return [(everything, slice(0, half), False, None)]
+            return [(slice(half, None), everything, False, None)]
+        doc_q = None if self.doc_all is None else self.doc_all[i]
+        doc_k = None if self.doc_all is None else self.doc_all[j]
+        kind, mask = blocks.classify_block(self.token_all[i], self.token_all[j], doc_q, doc_k)
+        if kind == "empty":
+            return []
+        return [(everything, everything, kind == "causal", mask)]
+
+
+class Accumulator:
+    """fp32 accumulators of one rank's attention: ``out`` [b, nh, s/P, d], ``lse`` [b, nh, s/P].
+
+    They start unset: the first block covering every query row becomes the accumulator as
+    is (no zero fill, no merge); any other block is merged with the log-sum-exp rule.
+    """
+
+    def __init__(self, q):
+        self.q, self.out, self.lse = q, None, None
+
+    def add(self, q_sl, out_blk, lse_blk):
+        if self.out is None and q_sl == slice(None):
+            self.out, self.lse = out_blk.float(), lse_blk
+            return
+        if self.out is None:
+            self._start_empty()
+        blocks.merge_partial(self.out[:, :, q_sl], self.lse[:, :, q_sl], out_blk, lse_blk)
+
+    def _start_empty(self):  # (0, -inf): the neutral element of the merge
+        self.out = torch.zeros(self.q.shape, dtype=torch.float32, device=self.q.device)
+        self.lse = torch.full(self.q.shape[:3], float("-inf"), dtype=torch.float32,
+                              device=self.q.device)
+
+    def result(self):
+        """(out fp32 [b, nh, s/P, d], lse fp32 [b, nh, s/P]); rows that saw no key: (0, -inf)."""
+        if self.out is None:
+            self._start_empty()
+        return self.out, self.lse
+
+
+def forward_blocks(q, k, v, layout, rank, src, softmax_scale, acc):
+    """Attend the local q to rank ``src``'s KV (k, v [b, nkv, s/P, d]); merge into ``acc``."""
+    for q_sl, kv_sl, causal, mask in layout.plan(rank, src):
+        out_blk, lse_blk = blocks.block_forward(
+            q[:, :, q_sl], k[:, :, kv_sl], v[:, :, kv_sl], softmax_scale, causal, mask)
+        acc.add(q_sl, out_blk, lse_blk)
+
+
+def _add_into(acc, sl, grad, shape):
+    """acc[:, :, sl] += grad, creating acc (the grad itself when it covers everything)."""
+    if acc is None:
+        if sl == slice(None):
+            return grad
+        acc = torch.zeros(shape, dtype=torch.float32, device=grad.device)
+    acc[:, :, sl] += grad
+    return acc
+
+
+def backward_blocks(dout, q, k, v, out, lse, layout, rank, src, softmax_scale, dq):
+    """Gradients of the blocks against rank ``src``'s KV, from the final out and lse.
+
+    Adds into dq (fp32 [b, nh, s/P, d] or None) and returns (dq, [(kv slice, dk, dv), ...]):
+    the KV gradients are returned per block so the caller adds them where they belong.
+    """
+    kv_grads = []
+    for q_sl, kv_sl, causal, mask in layout.plan(rank, src):
+        dq_blk, dk_blk, dv_blk = blocks.block_backward(
+            dout[:, :, q_sl], q[:, :, q_sl], k[:, :, kv_sl], v[:, :, kv_sl],
+            out[:, :, q_sl], lse[:, :, q_sl], softmax_scale, causal, mask)
+        dq = _add_into(dq, q_sl, dq_blk, q.shape)
+        kv_grads.append((kv_sl, dk_blk, dv_blk))
+    return dq, kv_grads
+
+
+def add_kv_grads(dkv, kv_grads, shape, device):
+    """Add per-block (slice, dk, dv) into the pair dkv = [dk, dv] (fp32, created if None)."""
+    dk, dv = (None, None) if dkv is None else dkv
+    for kv_sl, dk_blk, dv_blk in kv_grads:
+        dk, dv = _add_into(dk, kv_sl, dk_blk, shape), _add_into(dv, kv_sl, dv_blk, shape)
+    if dk is None:
+        dk = torch.zeros(shape, dtype=torch.float32, device=device)
+        dv = torch.zeros(shape, dtype=torch.float32, device=device)
+    return [dk, dv]
+
+
+class _RingAttention(torch.autograd.Function):
+    """Forward: ring attention (see module docstring). Backward: blockwise recompute with dK/dV
+    riding the ring home. Inputs q [b, nh, s/P, d], k/v [b, nkv, s/P, d]."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, token_index, document_ids, group, softmax_scale):
+        size, rank = comm.group_size(group), comm.group_rank(group)
+        token_all = comm.all_gather_stack(token_index, group)  # [P, b, s/P]
+        doc_all = None if document_ids is None else comm.all_gather_stack(document_ids, group)
+        layout = RingLayout.from_metadata(token_all, doc_all)
+
+        acc = Accumulator(q)
+        kv = [k, v]  # [b, nkv, s/P, d] each: the only tensors that travel
+        ring = comm.RingExchange(group, q.device, _KV_TAG) if size > 1 else None
+        for step in range(size):
+            if step + 1 < size:
+                ring.post(kv)  # next step's KV travels while this step computes
+            forward_blocks(q, kv[0], kv[1], layout, rank, (rank - step) % size, softmax_scale, acc)
+            if step + 1 < size:
+                kv = ring.wait()
+        out_acc, lse_acc = acc.result()
+        out = out_acc.to(q.dtype)
+        ctx.group, ctx.softmax_scale, ctx.zigzag = group, softmax_scale, layout.zigzag
+        ctx.save_for_backward(q, k, v, out, lse_acc, *layout.saved())
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, token_all, doc_all = ctx.saved_tensors
+        group, scale = ctx.group, ctx.softmax_scale
+        size, rank = comm.group_size(group), comm.group_rank(group)
+        layout = RingLayout(size, q.shape[2], token_all, doc_all, ctx.zigzag)
+        dout = dout.contiguous()
+
+        dq, dkv, kv = None, None, [k, v]
+        kv_ring = comm.RingExchange(group, q.device, _KV_TAG) if size > 1 else None
+        dkv_ring = comm.RingExchange(group, q.device, _DKV_TAG) if size > 1 else None
+        for step in range(size):
+            if step + 1 < size:
+                kv_ring.post(kv)
+            dq, kv_grads = backward_blocks(dout, q, kv[0], kv[1], out, lse, layout, rank,
+                                           (rank - step) % size, scale, dq)
+            # Block src's dK/dV so far arrived from rank-1 during the compute; add ours.
+            incoming = dkv_ring.wait() if step > 0 else None
+            dkv = add_kv_grads(incoming, kv_grads, k.shape, q.device)  # [dk, dv] fp32
+            if size > 1:
+                dkv_ring.post(dkv)  # on to rank+1; arrives home after the last hop
+            if step + 1 < size:
+                kv = kv_ring.wait()
+        if size > 1:
+            dkv = dkv_ring.wait()  # our own KV's gradient, complete
+        if dq is None:
+            dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None)
+
+
+def ring_attention(q, k, v, token_index, document_ids, group, softmax_scale=None):
+    """Ring (p2p) context-parallel attention over ``group``; differentiable wrt q, k, v.
+
+    q: [b, nh, s/P, d]; k, v: [b, nkv, s/P, d] (GQA: only the KV heads travel);
+    token_index / document_ids: [b, s/P] int64 (document_ids may be None). Returns
+    [b, nh, s/P, d] in q's dtype. All ranks must pass the same local length.
+    """
+    scale = blocks.softmax_scale_for(q, softmax_scale)
+    return _RingAttention.apply(q, k, v, token_index, document_ids, group, scale)
