@@ -50,6 +50,12 @@ def stream_context(stream):
     return torch.cuda.stream(stream)
 
 
+def side_waits_for_current(stream, device) -> None:
+    """Make ``stream`` wait for the work queued so far on ``device``'s current stream."""
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(device))
+
+
 def wait_stream(stream) -> None:
     """Make the current stream wait for ``stream`` (nothing on CPU)."""
     if stream is not None:

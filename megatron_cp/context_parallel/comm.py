@@ -29,9 +29,7 @@ def group_rank(group):
 
 def _side_waits_for_compute(stream, device):
     # The side stream must see everything the compute stream queued (the tensors it sends).
-    # device.py has no current-stream accessor yet; torch.accelerator is device-generic.
-    if stream is not None:
-        stream.wait_stream(torch.accelerator.current_stream(device))
+    device_mod.side_waits_for_current(stream, device)
 
 
 class RingExchange:
