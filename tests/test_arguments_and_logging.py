@@ -27,6 +27,11 @@ BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32
     ("--tensor-model-parallel-size 2 --sequence-parallel --seq-length 31", 2,
      r"--seq-length \(31\) must be divisible"),
     ("--exit-signal-handler", 1, "give --save"),
+    ("--context-parallel-size 2", 2, r"--attention-dropout \(0.1\) is not supported"),
+    ("--context-parallel-size 2 --attention-dropout 0 --seq-length 30", 2,
+     r"--seq-length \(30\) must be divisible by 2 x CP \(4\)"),
+    ("--context-parallel-size 4 --attention-dropout 0 --cp-comm-type a2a+p2p "
+     "--hierarchical-context-parallel-sizes 2 3", 4, r"multiply to 6, not --context-parallel-size \(4\)"),
     ("--position-embedding-type learned_absolute --max-position-embeddings 16", 1,
      r"--max-position-embeddings \(16\) must be at least --seq-length \(32\)"),
 ])
