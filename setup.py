@@ -19,7 +19,7 @@ setup(
         "tensorboard",
     ],
     extras_require={
-        "dev": ["pytest", "pytest-timeout", "tokenizers", "safetensors"],
+        "dev": ["pytest", "pytest-timeout", "tokenizers", "safetensors", "transformers"],
         "gpu": ["apex", "transformer-engine"],
         "bench": ["transformers"],
     },

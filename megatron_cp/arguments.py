@@ -154,6 +154,10 @@ def _io_args(p):
     g.add_argument("--save-interval", type=int, default=None, help="Save every this many iterations.")
     g.add_argument("--no-load-optim", action="store_true", help="Do not load optimizer state.")
     g.add_argument("--no-load-rng", action="store_true", help="Do not load RNG state.")
+    g.add_argument("--override-opt_param-scheduler", action="store_true",
+                   help="On load, take the LR schedule from the arguments, not the checkpoint.")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   help="On load, take the LR schedule from the checkpoint, not the arguments.")
     g.add_argument("--finetune", action="store_true",
                    help="Load weights only and start from iteration 0.")
     g.add_argument("--log-interval", type=int, default=100, help="Print a log line every this many iterations.")
@@ -170,13 +174,13 @@ def build_parser():
     return p
 
 
-def parse_args(argv=None, world_size=1, built=("tensor", "data")):
+def parse_args(argv=None, world_size=1, built=("tensor", "data", "context")):
     """Parse ``argv``, fill derived values and validate against ``world_size``."""
     args = build_parser().parse_args(argv)
     return validate_args(args, world_size, built)
 
 
-def validate_args(args, world_size, built=("tensor", "data")):
+def validate_args(args, world_size, built=("tensor", "data", "context")):
     """Derive defaults (DP size, batch sizes, dtype) and raise ValueError on bad combinations."""
     for name, what in NOT_YET_BUILT.items():
         if getattr(args, name) > 1 and what.split()[0] not in built:
@@ -262,6 +266,10 @@ def validate_args(args, world_size, built=("tensor", "data")):
                          "needs --vocab-size")
     if args.exit_signal_handler and not args.save:
         raise ValueError("--exit-signal-handler saves a checkpoint on SIGTERM: give --save")
+    if cp > 1 and args.attention_dropout > 0:
+        raise ValueError(f"--attention-dropout ({args.attention_dropout}) is not supported inside "
+                         f"context-parallel attention (--context-parallel-size {cp}); "
+                         f"pass --attention-dropout 0")
     if args.hierarchical_context_parallel_sizes is not None:
         prod = math.prod(args.hierarchical_context_parallel_sizes)
         if prod != cp:
