@@ -29,7 +29,8 @@ MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_hea
               "swiglu", "disable_bias_linear", "untie_embeddings_and_output_weights",
               "make_vocab_size_divisible_by", "max_position_embeddings",
               "tensor_model_parallel_size", "pipeline_model_parallel_size",
-              "num_layers_per_virtual_pipeline_stage", "params_dtype")
+              "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
+              "decoder_last_pipeline_num_layers", "params_dtype")
 
 
 def iteration_dir(root, iteration):
@@ -66,9 +67,11 @@ def _rng_state(trainer):
 
 def _model_states(trainer):
     chunks = [c.module if hasattr(c, "module") else c for c in trainer.model_chunks]
+    # the global layer numbers of each chunk let tools/checkpoint_convert.py reshard
+    layers = {"layer_numbers": [list(c.decoder.layer_numbers) for c in chunks]}
     if len(chunks) == 1:
-        return {"model": chunks[0].state_dict()}
-    return {f"model{i}": c.state_dict() for i, c in enumerate(chunks)}
+        return {"model": chunks[0].state_dict(), **layers}
+    return {**{f"model{i}": c.state_dict() for i, c in enumerate(chunks)}, **layers}
 
 
 def save_checkpoint(trainer, root):
@@ -151,6 +154,10 @@ def load_checkpoint(trainer, root):
         chunk.load_state_dict(payload["model"] if len(chunks) == 1 else payload[f"model{i}"])
     if args.finetune:
         return 0, 0
+    if payload.get("converted"):  # written by tools/checkpoint_convert.py: weights only
+        if st.global_rank == 0:
+            print(f" {root} holds converted weights only: optimizer and RNG start fresh", flush=True)
+        return payload["iteration"], payload["consumed_samples"]
     if not args.no_load_optim:
         trainer.optimizer.load_state_dict(payload["optimizer"])
         trainer.scheduler.load_state_dict(payload["opt_param_scheduler"])

@@ -20,7 +20,8 @@ from megatron_cp.initialize import initialize_distributed, initialize_model_para
 from megatron_cp.model import GPTConfig, GPTModel
 from megatron_cp.optimizer import (DistributedDataParallel, MixedPrecisionOptimizer,
                                    OptimizerParamScheduler, finalize_model_grads, get_param_groups)
-from megatron_cp.pipeline_parallel import get_forward_backward_func
+from megatron_cp.pipeline_parallel import (build_model_chunks, get_forward_backward_func,
+                                           pad_microbatch, pipeline_tensor_shape)
 from megatron_cp.training_log import TrainingLogger, model_flops_per_token
 
 
@@ -55,19 +56,38 @@ class Trainer:
         self.tokenizer = build_tokenizer(args.tokenizer_type or "NullTokenizer", args.tokenizer_model,
                                          args.vocab_file, args.merge_file, args.vocab_size)
         self.config = config_from_args(args, self.tokenizer.vocab_size)
-        model = GPTModel(self.config, state=state, device=self.device)
-        self.model = DistributedDataParallel(model, state, overlap_grad_reduce=args.overlap_grad_reduce)
-        self.model_chunks = [self.model]
+        vp_args = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+        if (state.virtual_pipeline_model_parallel_size or 1) != vp_args:
+            raise ValueError(f"the arguments ask for {vp_args} virtual pipeline stages but the "
+                             f"ParallelState was built with "
+                             f"{state.virtual_pipeline_model_parallel_size}; pass "
+                             f"virtual_pipeline_model_parallel_size to initialize_model_parallel")
+        _build_cp_subgroups(self.config, state)
+        if state.size("pp") > 1:  # this rank's stage: one chunk, or one per virtual stage
+            models = build_model_chunks(self.config, state, args.decoder_first_pipeline_num_layers,
+                                        args.decoder_last_pipeline_num_layers)
+        else:
+            models = [GPTModel(self.config, state=state, device=self.device)]
+        self.model_chunks = [DistributedDataParallel(m, state, overlap_grad_reduce=args.overlap_grad_reduce)
+                             for m in models]
+        self.model = self.model_chunks[0]
         self.optimizer = MixedPrecisionOptimizer(
-            get_param_groups(model, args.weight_decay), state, lr=args.lr,
+            get_param_groups(models, args.weight_decay), state, lr=args.lr,
             weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2),
             eps=args.adam_eps, clip_grad=args.clip_grad, params_dtype=args.params_dtype,
             grad_scaler=_grad_scaler(args))
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters,
-            lr_decay_steps=args.lr_decay_iters, lr_decay_style=args.lr_decay_style)
+            lr_decay_steps=args.lr_decay_iters, lr_decay_style=args.lr_decay_style,
+            use_checkpoint_values=args.use_checkpoint_opt_param_scheduler,
+            override_from_arguments=args.override_opt_param_scheduler)
         self.iteration, self.consumed_samples = 0, 0
-        self.forward_backward = get_forward_backward_func(state)
+        # Fixed P2P buffers [s/cp(/tp with SP), b, h] between pipeline stages.
+        self.pipeline_seq_length = getattr(args, "pipeline_seq_length", None) or args.seq_length
+        shape = pipeline_tensor_shape(self.pipeline_seq_length, args.micro_batch_size,
+                                      args.hidden_size, state.size("cp"), state.size("tp"),
+                                      self.config.sequence_parallel) if state.size("pp") > 1 else None
+        self.forward_backward = get_forward_backward_func(state, shape, args.params_dtype)
 
     # ----- data -----------------------------------------------------------------------
     def build_iterators(self):
@@ -97,9 +117,21 @@ class Trainer:
                 dist.broadcast(text, src=st.group_ranks("tp")[0], group=st.group("tp"))
             batch = get_ltor_batch(text.to(self.device), self.tokenizer.eod, a.reset_position_ids,
                                    a.reset_attention_mask, a.eod_mask_loss)
+            # Pipeline stages exchange fixed-shape buffers: pad every microbatch to the
+            # buffer length by extending its last document (the CP partition does it there).
+            target = self.pipeline_seq_length if st.size("pp") > 1 else None
             if st.size("cp") > 1:
                 from megatron_cp.context_parallel import partition_batch
-                batch = partition_batch(batch, st.rank("cp"), st.size("cp"))
+                try:
+                    batch = partition_batch(batch, st.rank("cp"), st.size("cp"), target_length=target)
+                except ValueError as error:
+                    if target is None:
+                        raise
+                    raise ValueError(f"{error}. The pipeline buffer holds --pipeline-seq-length "
+                                     f"({target}) tokens per sample: raise --pipeline-seq-length") \
+                        from error
+            elif target is not None:
+                batch = pad_microbatch(batch, target)
             out.append(batch)
         return out
 
@@ -155,6 +187,19 @@ class Trainer:
         return total / max(tokens, 1)
 
 
+def _build_cp_subgroups(config, state):
+    """The a2a+p2p sub-groups of every CP group, built by every rank at start-up: attention
+    would otherwise build them lazily, which only works when the CP group is the whole world
+    (with PP or DP the ranks of other CP groups would never join the new_group calls)."""
+    if state.size("cp") == 1:
+        return
+    from megatron_cp.context_parallel import build_hierarchical_groups, resolve_comm_type
+    method, sizes = resolve_comm_type(config.cp_comm_type, config.num_query_groups // state.size("tp"),
+                                      state.size("cp"), config.hierarchical_context_parallel_sizes)
+    if method == "a2a+p2p":
+        build_hierarchical_groups(state.layout["cp"], *sizes)
+
+
 def forward_step(model, batch):
     """Per-token losses [b, s] of one microbatch (hidden states on non-last stages)."""
     return model(batch["tokens"], batch["position_ids"], labels=batch["labels"],
@@ -195,6 +240,7 @@ def pretrain(args, state=None):
             args.tensor_model_parallel_size, args.context_parallel_size,
             args.pipeline_model_parallel_size, args.expert_model_parallel_size,
             args.expert_tensor_parallel_size,
+            virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
             hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes,
             device=device, timeout_minutes=args.distributed_timeout_minutes)
     trainer = Trainer(args, state)

@@ -1,0 +1,147 @@
+"""Interleaved 1F1B: each rank holds ``VP`` model chunks (virtual stages) of the model.
+
+Model chunk ``c`` of PP rank ``r`` is virtual stage ``c * PP + r``: activations go round
+the ring of ranks ``VP`` times, so the pipeline fills ``VP`` times faster and the bubble
+shrinks from ``(p-1)/(m+p-1)`` to ``(p-1)/(v*m+p-1)`` of the step (Narayanan et al. 2021).
+
+Virtual microbatch ``k`` in ``[0, M * VP)`` runs, in groups of ``PP`` microbatches, chunk
+``(k mod PP*VP) // PP`` on microbatch ``(k // (PP*VP)) * PP + k mod PP`` (forward); the
+backward of ``k`` runs the chunks in reverse order. Each rank does ``2 (PP - r - 1) +
+(VP - 1) PP`` warmup forwards (all of them when that reaches ``M * VP``), then alternates
+one forward and one backward with ONE batched exchange per step (send forward, send
+backward, receive forward, receive backward), then the remaining backwards. The number of
+microbatches must be a multiple of PP (Megatron's rule).
+
+Received tensors wait in per-chunk FIFO queues until the forward (or backward) of that
+chunk takes them: tensors for one chunk always arrive in microbatch order.
+"""
+import collections
+
+from megatron_cp.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron_cp.pipeline_parallel.schedules import (backward_step, deallocate_output_tensor,
+                                                     forward_step)
+from megatron_cp.pipeline_parallel.stages import validate_interleaved_microbatches
+
+
+def forward_backward_pipelining_with_interleaving(
+        forward_step_func, loss_func, microbatches, model_chunks, state, forward_only=False, *,
+        tensor_shape, dtype, trace=None, communicator=None):
+    """Interleaved 1F1B over ``len(model_chunks)`` virtual stages per rank (see module doc)."""
+    comm = communicator or P2PCommunicator.from_state(state, tensor_shape, dtype)
+    p, r, v = comm.size, comm.rank, len(model_chunks)
+    num = len(microbatches)
+    if v < 2:
+        raise ValueError(f"the interleaved schedule needs >= 2 model chunks per rank, got {v}; "
+                         f"use 1F1B (no --num-layers-per-virtual-pipeline-stage)")
+    validate_interleaved_microbatches(num, p, v)
+    total = num * v
+    if forward_only:
+        num_warmup = total
+    else:
+        num_warmup = min(2 * (p - r - 1) + (v - 1) * p, total)
+    all_warmup = num_warmup == total
+    num_steady = total - num_warmup
+
+    def chunk_of(k, forward=True):
+        chunk = (k % (p * v)) // p  # Python's modulo keeps negative k in range
+        return chunk if forward else v - 1 - chunk
+
+    def microbatch_of(k):
+        return (k // (p * v)) * p + k % p
+
+    def virtual_first(chunk):
+        return r == 0 and chunk == 0
+
+    def virtual_last(chunk):
+        return r == p - 1 and chunk == v - 1
+
+    inputs = [collections.deque() for _ in range(v)]  # received activations, per chunk
+    grads = [collections.deque() for _ in range(v)]  # received output gradients, per chunk
+    saved = [collections.deque() for _ in range(v)]  # (input, output) awaiting backward
+    losses = []
+
+    def forward(k):
+        chunk, mb = chunk_of(k), microbatch_of(k)
+        input_tensor = None if virtual_first(chunk) else inputs[chunk].popleft()
+        if input_tensor is not None and not forward_only:
+            input_tensor.requires_grad_()
+        output = forward_step(forward_step_func, loss_func, model_chunks[chunk], microbatches[mb],
+                              input_tensor, virtual_last(chunk), losses, trace, chunk, mb)
+        if not forward_only:
+            saved[chunk].append((input_tensor, output))
+        return None if virtual_last(chunk) else output  # what goes to the next stage
+
+    def backward(k):
+        chunk, mb = chunk_of(k, forward=False), microbatch_of(k)
+        input_tensor, output = saved[chunk].popleft()
+        output_grad = None if virtual_last(chunk) else grads[chunk].popleft()
+        input_grad = backward_step(model_chunks[chunk], input_tensor, output, output_grad,
+                                   sync_grads=mb == num - 1, trace=trace, chunk=chunk,
+                                   microbatch=mb)
+        return None if virtual_first(chunk) else input_grad
+
+    def sent(output):
+        if not forward_only:
+            deallocate_output_tensor(output)
+
+    # The first activation of chunk 0 (rank 0 reads its data instead).
+    if r != 0:
+        inputs[0].append(comm.communicate(recv_prev=True)[0])
+
+    for k in range(num_warmup):
+        output = forward(k)
+        next_chunk = chunk_of(k + 1)
+        recv_prev = not (r == 0 and next_chunk == 0) and k != total - 1
+        if k == num_warmup - 1 and not forward_only and not all_warmup:
+            # The last warmup step already receives the first gradient.
+            recv_next = r != p - 1
+            from_prev, from_next = comm.communicate(send_next=output, recv_prev=recv_prev,
+                                                    recv_next=recv_next)
+            if recv_next:
+                grads[v - 1].append(from_next)
+        else:
+            from_prev, _ = comm.communicate(send_next=output, recv_prev=recv_prev)
+        sent(output)
+        if recv_prev:
+            inputs[next_chunk].append(from_prev)
+
+    for i in range(num_steady):
+        forward_k, backward_k = i + num_warmup, i
+        output = forward(forward_k)
+        input_grad = backward(backward_k)
+        # Which chunk the tensors received now belong to. Rank 0 receives (from the last
+        # rank) what that rank produced PP-1 virtual microbatches earlier; symmetrically
+        # the last rank receives gradients from rank 0.
+        if r == 0:
+            next_forward = chunk_of(forward_k - (p - 1))
+            recv_prev = next_forward != v - 1
+            next_forward += 1
+        else:
+            next_forward, recv_prev = chunk_of(forward_k + 1), True
+        if r == p - 1:
+            next_backward = chunk_of(backward_k - (p - 1), forward=False)
+            recv_next = next_backward != 0
+            next_backward -= 1
+        else:
+            next_backward, recv_next = chunk_of(backward_k + 1, forward=False), True
+        if i == num_steady - 1:
+            recv_prev = False
+        from_prev, from_next = comm.communicate(send_next=output, send_prev=input_grad,
+                                                recv_prev=recv_prev, recv_next=recv_next)
+        sent(output)
+        if recv_prev:
+            inputs[next_forward].append(from_prev)
+        if recv_next:
+            grads[next_backward].append(from_next)
+
+    if not forward_only:
+        if all_warmup and r != p - 1:
+            grads[v - 1].append(comm.communicate(recv_next=True)[1])
+        for k in range(num_steady, total):
+            input_grad = backward(k)
+            next_backward = chunk_of(k + 1, forward=False)
+            recv_next = not (r == p - 1 and next_backward == v - 1) and k != total - 1
+            _, from_next = comm.communicate(send_prev=input_grad, recv_next=recv_next)
+            if recv_next:
+                grads[next_backward].append(from_next)
+    return losses

@@ -1,0 +1,139 @@
+"""Pipeline pieces that need no process group: the stage split, argument validation (bad
+input fails before any communication), microbatch padding, the P2P shape check, and every
+rank's schedule replayed against the others (no deadlock, exact theoretical bubble)."""
+import pytest
+import torch
+
+from megatron_cp.arguments import parse_args
+from megatron_cp.pipeline_parallel import (P2PCommunicator, chunk_layer_numbers, pad_microbatch,
+                                           pipeline_tensor_shape, stage_layer_counts,
+                                           virtual_pipeline_size)
+from megatron_cp.pipeline_parallel.replay import record_program, simulate
+from megatron_cp.pipeline_parallel.schedules import backward_step, deallocate_output_tensor
+from training_utils import TINY
+
+BASE = TINY.replace("--num-layers 2", "--num-layers 4") + " --train-iters 10"
+
+
+def test_even_uneven_and_virtual_splits():
+    assert stage_layer_counts(8, 4) == [2, 2, 2, 2]
+    assert stage_layer_counts(8, 4, first=1, last=1) == [1, 3, 3, 1]
+    assert stage_layer_counts(7, 3, first=1) == [1, 3, 3]
+    assert stage_layer_counts(5, 2, last=2) == [3, 2]
+    assert chunk_layer_numbers(8, 4, 1, first=1, last=1) == [[1, 2, 3]]
+    assert chunk_layer_numbers(8, 4, 3, first=1, last=1) == [[7]]
+    # 8 layers, PP=2, 2 layers per virtual stage: VP=2, rank r chunk c owns piece c*PP + r
+    assert virtual_pipeline_size(8, 2, 2) == 2
+    assert chunk_layer_numbers(8, 2, 0, vp_size=2) == [[0, 1], [4, 5]]
+    assert chunk_layer_numbers(8, 2, 1, vp_size=2) == [[2, 3], [6, 7]]
+    assert virtual_pipeline_size(8, 2, 4) is None  # one chunk per rank: plain 1F1B
+    every = sorted(n for r in range(4) for c in chunk_layer_numbers(12, 4, r, vp_size=3) for n in c)
+    assert every == list(range(12))
+
+
+@pytest.mark.parametrize("extra,world,message", [
+    ("--pipeline-model-parallel-size 3", 3, r"--num-layers \(4\) must be divisible by "
+                                            r"--pipeline-model-parallel-size \(3\)"),
+    ("--pipeline-model-parallel-size 8", 8, r"must not exceed --num-layers \(4\)"),
+    ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
+     "--global-batch-size 6", 2, r"number of microbatches \(3\) to be a multiple of "
+                                 r"--pipeline-model-parallel-size \(2\)"),
+    ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 3", 2,
+     r"must divide the layers per pipeline stage"),
+    ("--pipeline-model-parallel-size 4 --decoder-first-pipeline-num-layers 2", 4,
+     r"leaves 2 layers for the 3 other stage"),
+    ("--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 1 "
+     "--num-layers-per-virtual-pipeline-stage 1", 2, r"cannot be combined"),
+    ("--pipeline-model-parallel-size 2 --pipeline-seq-length 16", 2,
+     r"--pipeline-seq-length \(16\) must be at least --seq-length \(32\)"),
+    ("--pipeline-model-parallel-size 2 --context-parallel-size 2 --pipeline-seq-length 34", 4,
+     r"--pipeline-seq-length \(34\) must be divisible by 2 x CP = 4"),
+    ("--pipeline-model-parallel-size 2 --pipeline-seq-length 40 "
+     "--position-embedding-type learned_absolute", 2, r"raise --max-position-embeddings"),
+])
+def test_bad_pipeline_arguments_fail_before_any_communication(extra, world, message):
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(ValueError, match=message):
+        parse_args(f"{BASE} {extra}".split(), world_size=world,
+                   built=("tensor", "data", "context", "pipeline"))
+    assert not torch.distributed.is_initialized()
+
+
+def test_pipeline_is_built_by_default():
+    args = parse_args(f"{BASE} --pipeline-model-parallel-size 2 "
+                      f"--num-layers-per-virtual-pipeline-stage 1".split(), world_size=2)
+    assert args.virtual_pipeline_model_parallel_size == 2
+    assert args.pipeline_seq_length == args.seq_length
+
+
+def _packed(lengths, docs):
+    """A [len(lengths) samples] batch; sample n has ``lengths[n]`` tokens in docs of ``docs[n]``."""
+    s = max(lengths)
+    out = {k: [] for k in ("tokens", "labels", "loss_mask", "position_ids", "document_ids")}
+    for n, (length, split) in enumerate(zip(lengths, docs)):
+        doc = torch.cat([torch.full((d,), i) for i, d in enumerate(split)])
+        pos = torch.cat([torch.arange(d) for d in split])
+        assert doc.numel() == length == s  # one length per batch, as in a real microbatch
+        out["tokens"].append(torch.arange(length) + 10 * n + 1)
+        out["labels"].append(torch.arange(length) + 10 * n + 2)
+        out["loss_mask"].append(torch.ones(length))
+        out["position_ids"].append(pos)
+        out["document_ids"].append(doc)
+    return {k: torch.stack(v) for k, v in out.items()}
+
+
+def test_padding_extends_the_last_document():
+    batch = _packed([5, 5], [[2, 3], [5]])
+    padded = pad_microbatch(batch, 8)
+    assert padded["tokens"].shape == (2, 8)
+    assert padded["loss_mask"][:, 5:].eq(0).all() and padded["loss_mask"][:, :5].eq(1).all()
+    assert padded["tokens"][:, 5:].eq(0).all() and padded["labels"][:, 5:].eq(0).all()
+    assert padded["document_ids"].tolist() == [[0, 0, 1, 1, 1, 1, 1, 1], [0] * 8]
+    assert padded["position_ids"].tolist() == [[0, 1, 0, 1, 2, 3, 4, 5], list(range(8))]
+    for key in batch:  # the real tokens are untouched
+        assert torch.equal(padded[key][:, :5], batch[key])
+    assert pad_microbatch(batch, 5) is batch
+    no_docs = dict(batch, document_ids=None, token_index=None)
+    assert pad_microbatch(no_docs, 7)["document_ids"] is None
+
+
+def test_microbatch_longer_than_the_buffer_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"sequence length 5, longer than the pipeline buffer "
+                                         r"\(4 tokens per sample, --pipeline-seq-length\)"):
+        pad_microbatch(_packed([5], [[5]]), 4)
+
+
+def test_buffer_shape_and_shape_check_before_sending():
+    assert pipeline_tensor_shape(64, 2, 32, cp_size=2, tp_size=2, sequence_parallel=True) == (16, 2, 32)
+    assert pipeline_tensor_shape(64, 2, 32, cp_size=2, tp_size=2) == (32, 2, 32)
+    with pytest.raises(ValueError, match="must be divisible by CP"):
+        pipeline_tensor_shape(30, 2, 32, cp_size=4)
+    comm = P2PCommunicator(None, [0, 1], 0, (8, 2, 4), torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"shape \[6, 2, 4\] but the pipeline buffers are \[8, 2, 4\]"):
+        comm.communicate(send_next=torch.zeros(6, 2, 4))
+    with pytest.raises(ValueError, match="dtype"):
+        comm.communicate(send_prev=torch.zeros(8, 2, 4, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+@pytest.mark.parametrize("vp", [1, 2, 3])
+def test_schedules_never_deadlock_and_have_the_theoretical_bubble(pp, vp):
+    """Replay the real 1F1B / interleaved code of every rank against each other (rendezvous
+    P2P, free communication): every message is matched, nothing deadlocks, and the bubble is
+    exactly (p-1)/(v*m+p-1); forward-only (evaluation) replays too."""
+    for m in ([1, 2, pp, 2 * pp + 1] if vp == 1 else [pp, 2 * pp, 3 * pp]):
+        programs = [record_program(pp, r, vp, m) for r in range(pp)]
+        computations = [sum(e[0] in "FB" for e in program) for program in programs]
+        assert computations == [2 * m * vp] * pp  # one forward and one backward per chunk
+        _, idle = simulate(programs, 1.0, 2.0, vp)
+        assert sum(idle) / pp == pytest.approx((pp - 1) / (vp * m + pp - 1), abs=1e-12)
+        simulate([record_program(pp, r, vp, m, forward_only=True) for r in range(pp)], 1.0, 0.0, vp)
+
+
+def test_sent_outputs_are_freed_and_backward_still_works():
+    x = torch.randn(8, 2, 4, requires_grad=True)
+    output = x * 3.0 + 1.0  # [s, b, h], as a stage's residual output
+    deallocate_output_tensor(output)
+    assert output.numel() == 1  # the [s, b, h] storage is gone, the graph is kept
+    backward_step(torch.nn.Linear(1, 1), None, output, torch.ones(8, 2, 4), sync_grads=True)
+    torch.testing.assert_close(x.grad, torch.full((8, 2, 4), 3.0))

@@ -1,0 +1,101 @@
+"""Name and layout mapping between megatron_cp's full state dict and Hugging Face Llama.
+
+megatron_cp fuses QKV per query group ([q heads of the group | k | v] rows) and stacks
+SwiGLU's [gate; up] in fc1; Llama keeps q/k/v and gate/up separate. Both use the
+half-split rotary convention, so no permutation of head dims is needed.
+"""
+import json
+import os
+
+import torch
+
+REQUIRED = {"normalization": "RMSNorm", "swiglu": True, "disable_bias_linear": True,
+            "position_embedding_type": "rope"}
+
+
+def _dims(args):
+    nh, h = args["num_attention_heads"], args["hidden_size"]
+    ng = args.get("num_query_groups") or nh
+    d = args.get("kv_channels") or h // nh
+    return nh, ng, d, h
+
+
+def to_hf(full, args, out_dir):
+    """Write ``config.json`` + ``model.safetensors`` loadable by LlamaForCausalLM."""
+    for key, value in REQUIRED.items():
+        if args.get(key) != value:
+            raise ValueError(f"Llama export needs {key}={value!r}, the checkpoint has "
+                             f"{args.get(key)!r}; only Llama-style models map onto LlamaForCausalLM")
+    from safetensors.torch import save_file
+    nh, ng, d, h = _dims(args)
+    hpg = nh // ng
+    out = {"model.embed_tokens.weight": full["embedding.word_embeddings.weight"],
+           "model.norm.weight": full["final_layernorm.weight"]}
+    tied = not args["untie_embeddings_and_output_weights"]
+    if not tied:
+        out["lm_head.weight"] = full["output_layer.weight"]
+    for i in range(args["num_layers"]):
+        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
+        qkv = full[src + "self_attention.linear_qkv.weight"].view(ng, hpg + 2, d, h)
+        out[dst + "self_attn.q_proj.weight"] = qkv[:, :hpg].reshape(nh * d, h)
+        out[dst + "self_attn.k_proj.weight"] = qkv[:, hpg].reshape(ng * d, h)
+        out[dst + "self_attn.v_proj.weight"] = qkv[:, hpg + 1].reshape(ng * d, h)
+        out[dst + "self_attn.o_proj.weight"] = full[src + "self_attention.linear_proj.weight"]
+        gate, up = full[src + "mlp.linear_fc1.weight"].chunk(2, dim=0)
+        out[dst + "mlp.gate_proj.weight"] = gate
+        out[dst + "mlp.up_proj.weight"] = up
+        out[dst + "mlp.down_proj.weight"] = full[src + "mlp.linear_fc2.weight"]
+        out[dst + "input_layernorm.weight"] = full[src + "input_layernorm.weight"]
+        out[dst + "post_attention_layernorm.weight"] = full[src + "pre_mlp_layernorm.weight"]
+    os.makedirs(out_dir, exist_ok=True)
+    save_file({k: v.contiguous().clone() for k, v in out.items()},
+              os.path.join(out_dir, "model.safetensors"))
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+              "vocab_size": full["embedding.word_embeddings.weight"].shape[0], "hidden_size": h,
+              "intermediate_size": args["ffn_hidden_size"], "num_hidden_layers": args["num_layers"],
+              "num_attention_heads": nh, "num_key_value_heads": ng, "head_dim": d,
+              "max_position_embeddings": args["max_position_embeddings"],
+              "rms_norm_eps": args.get("norm_epsilon", 1e-5), "rope_theta": args.get("rotary_base", 1e4),
+              "tie_word_embeddings": tied, "attention_bias": False, "mlp_bias": False,
+              "hidden_act": "silu", "torch_dtype": "float32"}
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def from_hf(hf_dir):
+    """Read a Llama folder into (full state dict, args dict, meta dict) for save_layout."""
+    from safetensors.torch import load_file
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        c = json.load(f)
+    nh, ng, h = c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"]), c["hidden_size"]
+    d = c.get("head_dim") or h // nh
+    weights = {}
+    for name in sorted(os.listdir(hf_dir)):
+        if name.endswith(".safetensors"):
+            weights.update(load_file(os.path.join(hf_dir, name)))
+    tied = c.get("tie_word_embeddings", False)
+    full = {"embedding.word_embeddings.weight": weights["model.embed_tokens.weight"],
+            "final_layernorm.weight": weights["model.norm.weight"]}
+    if not tied:
+        full["output_layer.weight"] = weights["lm_head.weight"]
+    hpg = nh // ng
+    for i in range(c["num_hidden_layers"]):
+        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
+        q = weights[src + "self_attn.q_proj.weight"].view(ng, hpg, d, h)
+        k = weights[src + "self_attn.k_proj.weight"].view(ng, 1, d, h)
+        v = weights[src + "self_attn.v_proj.weight"].view(ng, 1, d, h)
+        full[dst + "self_attention.linear_qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, h)
+        full[dst + "self_attention.linear_proj.weight"] = weights[src + "self_attn.o_proj.weight"]
+        full[dst + "mlp.linear_fc1.weight"] = torch.cat(
+            [weights[src + "mlp.gate_proj.weight"], weights[src + "mlp.up_proj.weight"]], dim=0)
+        full[dst + "mlp.linear_fc2.weight"] = weights[src + "mlp.down_proj.weight"]
+        full[dst + "input_layernorm.weight"] = weights[src + "input_layernorm.weight"]
+        full[dst + "pre_mlp_layernorm.weight"] = weights[src + "post_attention_layernorm.weight"]
+    args = {"num_layers": c["num_hidden_layers"], "hidden_size": h,
+            "ffn_hidden_size": c["intermediate_size"], "num_attention_heads": nh,
+            "num_query_groups": ng, "kv_channels": d if d != h // nh else None,
+            "max_position_embeddings": c["max_position_embeddings"],
+            "norm_epsilon": c.get("rms_norm_eps", 1e-5), "rotary_base": c.get("rope_theta", 1e4),
+            "untie_embeddings_and_output_weights": not tied, **REQUIRED,
+            "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}
+    return full, args, {"iteration": 0, "consumed_samples": 0}
