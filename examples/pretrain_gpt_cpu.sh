@@ -2,15 +2,16 @@
 # The README's main job: a tiny GPT pretrained on CPU over several parallel dimensions.
 # Builds its own data (examples/prepare_pydoc_data.sh) unless DATA_DIR already holds it.
 #   bash examples/pretrain_gpt_cpu.sh                     # defaults below
-#   NPROC=4 TP=2 CP=1 PP=1 ITERS=300 bash examples/pretrain_gpt_cpu.sh
+#   NPROC=4 TP=2 CP=1 PP=1 ITERS=300 bash examples/pretrain_gpt_cpu.sh   # TP x DP instead
+# Defaults: 8 processes = TP=2 (with SP) x CP=2 (ring attention) x PP=2 (1F1B), DP=1.
 set -euo pipefail
 DATA_DIR=${DATA_DIR:-data_work}
 RUN_DIR=${RUN_DIR:-runs/gpt_cpu}
-NPROC=${NPROC:-4}
+NPROC=${NPROC:-8}
 TP=${TP:-2}
-CP=${CP:-1}
-PP=${PP:-1}
-ITERS=${ITERS:-300}
+CP=${CP:-2}
+PP=${PP:-2}
+ITERS=${ITERS:-200}
 CP_COMM=${CP_COMM:-p2p}
 
 if [ ! -f "$DATA_DIR/pydoc_text_document.idx" ]; then
