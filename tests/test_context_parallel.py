@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_cp import device as device_mod
 from dist_harness import run_workers
 from megatron_cp.context_parallel import (block_backward, block_forward,
                                           build_hierarchical_groups, context_parallel_attention,
@@ -217,27 +216,3 @@ def test_single_rank_and_block_kernels():
     assert plan_heads(6, 6, 4).num_dummy_heads == 2  # pad 6 MHA heads to 8
     with pytest.raises(ValueError, match="dummy heads are disabled"):
         plan_heads(6, 2, 4, allow_dummy_heads=False)
-
-
-@pytest.mark.skipif(not device_mod.accelerator_available(), reason="needs a CUDA device")
-def test_block_kernels_cuda_fused_matches_plain():
-    """The CUDA fused path (memory-efficient attention) against the plain PyTorch blocks."""
-    device = torch.device("cuda")
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, h, 40, 16, generator=gen).to(device) for h in (4, 2, 2))
-    tokens = torch.arange(40, device=device).expand(2, 40)
-    docs = torch.tensor([[0] * 13 + [1] * 27, [0] * 40], device=device)
-    cases = [(slice(None), slice(None), True, None), (slice(20, None), slice(None), False, None),
-             (slice(None, 24), slice(8, None), False,
-              attention_mask(tokens[:, :24], tokens[:, 8:], docs[:, :24], docs[:, 8:]))]
-    for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 2e-2)):
-        for q_sl, kv_sl, causal, mask in cases:
-            args = (q[:, :, q_sl].to(dtype), k[:, :, kv_sl].to(dtype), v[:, :, kv_sl].to(dtype))
-            results = {}
-            for kernel in ("auto", "torch"):
-                with use_block_kernel(kernel):
-                    o, lse = block_forward(*args, 0.25, causal, mask)
-                    grads = block_backward(torch.ones_like(o), *args, o, lse, 0.25, causal, mask)
-                results[kernel] = (o.float(), lse, *grads)
-            for a, b in zip(results["auto"], results["torch"]):
-                torch.testing.assert_close(a, b, rtol=tol, atol=tol)

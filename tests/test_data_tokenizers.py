@@ -90,10 +90,6 @@ def test_build_pydoc_corpus(tmp_path):
 
 
 def test_gpt2_bpe_on_a_hand_written_vocab(tmp_path):
-    try:
-        import tokenizers  # noqa: F401
-    except ImportError:
-        pytest.skip("the HF tokenizers library is not installed (pip install tokenizers)")
     # Byte-level BPE: 'Ġ' is the space byte. Merges are applied in file order.
     vocab = {"<|endoftext|>": 0, "h": 1, "e": 2, "l": 3, "o": 4, "Ġ": 5, "w": 6, "r": 7,
              "d": 8, "he": 9, "ll": 10, "hell": 11, "hello": 12, "Ġw": 13, "or": 14, "Ġwor": 15}
