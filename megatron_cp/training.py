@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from megatron_cp import checkpointing
 from megatron_cp import device as device_mod
+from megatron_cp.context_parallel import partition_batch
 from megatron_cp.data import build_data_iterator, build_tokenizer, build_train_valid_test_datasets
 from megatron_cp.data import get_ltor_batch
 from megatron_cp.initialize import initialize_distributed, initialize_model_parallel
@@ -121,7 +122,6 @@ class Trainer:
             # buffer length by extending its last document (the CP partition does it there).
             target = self.pipeline_seq_length if st.size("pp") > 1 else None
             if st.size("cp") > 1:
-                from megatron_cp.context_parallel import partition_batch
                 try:
                     batch = partition_batch(batch, st.rank("cp"), st.size("cp"), target_length=target)
                 except ValueError as error:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_cp import tensor_parallel as tpar
+from megatron_cp.context_parallel import context_parallel_attention
 from megatron_cp.model.rotary import apply_rotary
 
 
@@ -72,7 +73,6 @@ class SelfAttention(torch.nn.Module):
         """q [b, nh/tp, s, d], k/v [b, ng/tp, s, d] -> [b, nh/tp, s, d]."""
         dropout = self.config.attention_dropout if self.training else 0.0
         if self.cp_size > 1:
-            from megatron_cp.context_parallel import context_parallel_attention
             return context_parallel_attention(
                 q, k, v, token_index, document_ids, self.cp_group, self.config.cp_comm_type,
                 hierarchical_sizes=self.config.hierarchical_context_parallel_sizes,
