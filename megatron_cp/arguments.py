@@ -112,6 +112,10 @@ def _parallel_args(p):
                         "every microbatch is padded to it. Raise it above --seq-length for packed "
                         "documents under context parallelism, which pad each document to a "
                         "multiple of 2 x CP.")
+    g.add_argument("--overlap-p2p-comm", action="store_true",
+                   help="Post the pipeline P2P sends/receives asynchronously and wait for them only "
+                        "when the data is needed, hiding their latency behind the forward/backward "
+                        "compute (1F1B and interleaved 1F1B; no effect at PP=1).")
     g.add_argument("--context-parallel-size", type=int, default=1, help="Context parallel size.")
     g.add_argument("--cp-comm-type", choices=["p2p", "a2a", "a2a+p2p", "all_gather", "auto"],
                    default="p2p", help="Context-parallel attention communication.")

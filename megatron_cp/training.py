@@ -88,7 +88,8 @@ class Trainer:
         shape = pipeline_tensor_shape(self.pipeline_seq_length, args.micro_batch_size,
                                       args.hidden_size, state.size("cp"), state.size("tp"),
                                       self.config.sequence_parallel) if state.size("pp") > 1 else None
-        self.forward_backward = get_forward_backward_func(state, shape, args.params_dtype)
+        self.forward_backward = get_forward_backward_func(
+            state, shape, args.params_dtype, getattr(args, "overlap_p2p_comm", False))
 
     # ----- data -----------------------------------------------------------------------
     def build_iterators(self):

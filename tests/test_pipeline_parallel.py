@@ -1,5 +1,6 @@
 """Pipeline parallelism end to end: 10 training steps under every layout reproduce the
-single-process losses to a relative 1e-5 (fp32, CPU); a padded variable-length batch gives
+single-process losses to a relative 1e-5 (fp32, CPU), with and without
+--overlap-p2p-comm; a padded variable-length batch gives
 the unpadded loss and gradients; resume under PP is bit-exact.
 
 To keep process start-up cheap, all layouts of one world size train one after the other
@@ -29,6 +30,9 @@ LAYOUTS = {
     "pp2_interleaved_vp2": (2, "tied", f"{PP2} --num-layers-per-virtual-pipeline-stage 1 "
                                        f"--eval-iters 1 --eval-interval 5"),
     "pp2_interleaved_untied": (2, "untied", f"{PP2} --num-layers-per-virtual-pipeline-stage 1"),
+    "pp2_overlap_p2p": (2, "tied", f"{PP2} --overlap-p2p-comm"),
+    "pp2_vp2_overlap_p2p": (2, "tied", f"{PP2} --num-layers-per-virtual-pipeline-stage 1 "
+                                       f"--overlap-p2p-comm --eval-iters 1 --eval-interval 5"),
     "pp2_uneven_recompute": (2, "tied", f"{PP2} --decoder-first-pipeline-num-layers 1 "
                                         f"--recompute-granularity full --recompute-method uniform"),
     "pp2_padded_packed": (2, "packed", f"{PP2} {PACKED} --pipeline-seq-length 40"),

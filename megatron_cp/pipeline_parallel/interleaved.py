@@ -14,10 +14,19 @@ microbatches must be a multiple of PP (Megatron's rule).
 
 Received tensors wait in per-chunk FIFO queues until the forward (or backward) of that
 chunk takes them: tensors for one chunk always arrive in microbatch order.
+
+With ``overlap_p2p_comm`` (``--overlap-p2p-comm``) every exchange is posted without waiting
+and the queues hold :class:`~megatron_cp.pipeline_parallel.p2p_communication.Received`
+placeholders, waited for when a forward (backward) pops them; the steady step's exchange
+is split in two, the forward half (send the activation, receive the next input) posted
+right after the forward so it travels during the backward, the backward half after the
+backward so it travels during the next forward (Megatron's overlap). Each direction keeps
+its order of ops, and the ops are posted no later and waited for no earlier than in the
+blocking schedule, so it cannot deadlock where that one does not.
 """
 import collections
 
-from megatron_cp.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron_cp.pipeline_parallel.p2p_communication import P2PCommunicator, Received, resolve
 from megatron_cp.pipeline_parallel.schedules import (backward_step, deallocate_output_tensor,
                                                      forward_step)
 from megatron_cp.pipeline_parallel.stages import validate_interleaved_microbatches
@@ -25,8 +34,9 @@ from megatron_cp.pipeline_parallel.stages import validate_interleaved_microbatch
 
 def forward_backward_pipelining_with_interleaving(
         forward_step_func, loss_func, microbatches, model_chunks, state, forward_only=False, *,
-        tensor_shape, dtype, trace=None, communicator=None):
-    """Interleaved 1F1B over ``len(model_chunks)`` virtual stages per rank (see module doc)."""
+        tensor_shape, dtype, trace=None, communicator=None, overlap_p2p_comm=False):
+    """Interleaved 1F1B over ``len(model_chunks)`` virtual stages per rank (see module doc);
+    ``overlap_p2p_comm`` posts the exchanges asynchronously."""
     comm = communicator or P2PCommunicator.from_state(state, tensor_shape, dtype)
     p, r, v = comm.size, comm.rank, len(model_chunks)
     num = len(microbatches)
@@ -59,10 +69,21 @@ def forward_backward_pipelining_with_interleaving(
     grads = [collections.deque() for _ in range(v)]  # received output gradients, per chunk
     saved = [collections.deque() for _ in range(v)]  # (input, output) awaiting backward
     losses = []
+    pending = []  # exchanges in flight (overlap): their sends complete by the end at the latest
+
+    def exchange(send_next=None, send_prev=None, recv_prev=False, recv_next=False):
+        """``(from_prev, from_next)``: tensors, or Received placeholders under overlap."""
+        if not overlap_p2p_comm:
+            return comm.communicate(send_next, send_prev, recv_prev, recv_next)
+        pending[:] = [handle for handle in pending if not handle.done()]
+        handle = comm.post(send_next, send_prev, recv_prev, recv_next)
+        pending.append(handle)
+        return (Received(handle, 0) if recv_prev else None,
+                Received(handle, 1) if recv_next else None)
 
     def forward(k):
         chunk, mb = chunk_of(k), microbatch_of(k)
-        input_tensor = None if virtual_first(chunk) else inputs[chunk].popleft()
+        input_tensor = None if virtual_first(chunk) else resolve(inputs[chunk].popleft())
         if input_tensor is not None and not forward_only:
             input_tensor.requires_grad_()
         output = forward_step(forward_step_func, loss_func, model_chunks[chunk], microbatches[mb],
@@ -74,7 +95,7 @@ def forward_backward_pipelining_with_interleaving(
     def backward(k):
         chunk, mb = chunk_of(k, forward=False), microbatch_of(k)
         input_tensor, output = saved[chunk].popleft()
-        output_grad = None if virtual_last(chunk) else grads[chunk].popleft()
+        output_grad = None if virtual_last(chunk) else resolve(grads[chunk].popleft())
         input_grad = backward_step(model_chunks[chunk], input_tensor, output, output_grad,
                                    sync_grads=mb == num - 1, trace=trace, chunk=chunk,
                                    microbatch=mb)
@@ -86,7 +107,7 @@ def forward_backward_pipelining_with_interleaving(
 
     # The first activation of chunk 0 (rank 0 reads its data instead).
     if r != 0:
-        inputs[0].append(comm.communicate(recv_prev=True)[0])
+        inputs[0].append(exchange(recv_prev=True)[0])
 
     for k in range(num_warmup):
         output = forward(k)
@@ -95,20 +116,18 @@ def forward_backward_pipelining_with_interleaving(
         if k == num_warmup - 1 and not forward_only and not all_warmup:
             # The last warmup step already receives the first gradient.
             recv_next = r != p - 1
-            from_prev, from_next = comm.communicate(send_next=output, recv_prev=recv_prev,
-                                                    recv_next=recv_next)
+            from_prev, from_next = exchange(send_next=output, recv_prev=recv_prev,
+                                            recv_next=recv_next)
             if recv_next:
                 grads[v - 1].append(from_next)
         else:
-            from_prev, _ = comm.communicate(send_next=output, recv_prev=recv_prev)
+            from_prev, _ = exchange(send_next=output, recv_prev=recv_prev)
         sent(output)
         if recv_prev:
             inputs[next_chunk].append(from_prev)
 
     for i in range(num_steady):
         forward_k, backward_k = i + num_warmup, i
-        output = forward(forward_k)
-        input_grad = backward(backward_k)
         # Which chunk the tensors received now belong to. Rank 0 receives (from the last
         # rank) what that rank produced PP-1 virtual microbatches earlier; symmetrically
         # the last rank receives gradients from rank 0.
@@ -126,9 +145,17 @@ def forward_backward_pipelining_with_interleaving(
             next_backward, recv_next = chunk_of(backward_k + 1, forward=False), True
         if i == num_steady - 1:
             recv_prev = False
-        from_prev, from_next = comm.communicate(send_next=output, send_prev=input_grad,
-                                                recv_prev=recv_prev, recv_next=recv_next)
-        sent(output)
+        output = forward(forward_k)
+        if overlap_p2p_comm:  # forward half travels during the backward, and vice versa
+            from_prev, _ = exchange(send_next=output, recv_prev=recv_prev)
+            sent(output)
+            input_grad = backward(backward_k)
+            _, from_next = exchange(send_prev=input_grad, recv_next=recv_next)
+        else:
+            input_grad = backward(backward_k)
+            from_prev, from_next = exchange(send_next=output, send_prev=input_grad,
+                                            recv_prev=recv_prev, recv_next=recv_next)
+            sent(output)
         if recv_prev:
             inputs[next_forward].append(from_prev)
         if recv_next:
@@ -136,12 +163,14 @@ def forward_backward_pipelining_with_interleaving(
 
     if not forward_only:
         if all_warmup and r != p - 1:
-            grads[v - 1].append(comm.communicate(recv_next=True)[1])
+            grads[v - 1].append(exchange(recv_next=True)[1])
         for k in range(num_steady, total):
             input_grad = backward(k)
             next_backward = chunk_of(k + 1, forward=False)
             recv_next = not (r == p - 1 and next_backward == v - 1) and k != total - 1
-            _, from_next = comm.communicate(send_prev=input_grad, recv_next=recv_next)
+            _, from_next = exchange(send_prev=input_grad, recv_next=recv_next)
             if recv_next:
                 grads[next_backward].append(from_next)
+    for handle in pending:
+        handle.wait()
     return losses

@@ -14,6 +14,12 @@ tagged by direction. With PP=2 and interleaving, both neighbours are the same ra
 activations and gradients travel the same way; the order (NCCL, which ignores tags) and
 the tag (gloo) keep them apart.
 
+With ``--overlap-p2p-comm`` the schedules use :meth:`P2PCommunicator.post` instead: the
+same ops, posted without waiting, in a :class:`P2PHandle` waited for only when a received
+tensor is needed (:class:`Received`), so the latency hides behind compute. Each direction
+(tag) keeps its order of ops, which is all gloo matches on (NCCL, matching by order
+alone, would also need the halves of a split exchange in the same order on both sides).
+
 The ranks form a ring: the "next" of the last stage is the first and the "previous" of
 the first is the last, which only the interleaved schedule uses (virtual stage c on the
 last rank feeds virtual stage c+1 on the first).
@@ -69,6 +75,29 @@ class P2PCommunicator:
     def _buffer(self):
         return torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)  # [s', b, h]
 
+    def _ops(self, send_next, send_prev, recv_prev, recv_next):
+        """The P2P ops of one exchange in the canonical order, and the receive buffers."""
+        ops, from_prev, from_next = [], None, None
+        if send_next is not None:
+            self._check(send_next, "the activation sent to the next stage")
+            # detach: the schedule may free the output's storage (deallocate_output_tensor)
+            # while an async send is in flight; the detached view keeps the storage alive.
+            ops.append(dist.P2POp(dist.isend, send_next.detach().contiguous(), self.next_rank,
+                                  self.group, tag=FORWARD_TAG))
+        if recv_prev:
+            from_prev = self._buffer()
+            ops.append(dist.P2POp(dist.irecv, from_prev, self.prev_rank, self.group,
+                                  tag=FORWARD_TAG))
+        if send_prev is not None:
+            self._check(send_prev, "the gradient sent to the previous stage")
+            ops.append(dist.P2POp(dist.isend, send_prev.detach().contiguous(), self.prev_rank,
+                                  self.group, tag=BACKWARD_TAG))
+        if recv_next:
+            from_next = self._buffer()
+            ops.append(dist.P2POp(dist.irecv, from_next, self.next_rank, self.group,
+                                  tag=BACKWARD_TAG))
+        return ops, from_prev, from_next
+
     def communicate(self, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
         """One batched exchange with the neighbours; returns ``(from_prev, from_next)``.
 
@@ -77,27 +106,12 @@ class P2PCommunicator:
         stage / a gradient from the next one (fresh buffers; None when not asked for).
         Returns once every op of the batch is complete, so sent tensors may be freed.
         """
-        ops, from_prev, from_next = [], None, None
-        if send_next is not None:
-            self._check(send_next, "the activation sent to the next stage")
-            ops.append(dist.P2POp(dist.isend, send_next.contiguous(), self.next_rank, self.group,
-                                  tag=FORWARD_TAG))
-        if recv_prev:
-            from_prev = self._buffer()
-            ops.append(dist.P2POp(dist.irecv, from_prev, self.prev_rank, self.group,
-                                  tag=FORWARD_TAG))
-        if send_prev is not None:
-            self._check(send_prev, "the gradient sent to the previous stage")
-            ops.append(dist.P2POp(dist.isend, send_prev.contiguous(), self.prev_rank, self.group,
-                                  tag=BACKWARD_TAG))
-        if recv_next:
-            from_next = self._buffer()
-            ops.append(dist.P2POp(dist.irecv, from_next, self.next_rank, self.group,
-                                  tag=BACKWARD_TAG))
-        if ops:
-            for request in dist.batch_isend_irecv(ops):
-                request.wait()
-        return from_prev, from_next
+        return self.post(send_next, send_prev, recv_prev, recv_next).wait()
+
+    def post(self, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
+        """The exchange of :meth:`communicate`, posted without waiting: a :class:`P2PHandle`."""
+        ops, from_prev, from_next = self._ops(send_next, send_prev, recv_prev, recv_next)
+        return P2PHandle(dist.batch_isend_irecv(ops) if ops else [], from_prev, from_next, ops)
 
     # Megatron's named exchanges of the (non-interleaved) 1F1B schedule; the first stage
     # receives no activation and the last stage no gradient.
@@ -130,3 +144,41 @@ class P2PCommunicator:
         if self.is_first_stage:
             return None
         return self.communicate(send_prev=input_grad, recv_prev=True)[0]
+
+
+class P2PHandle:
+    """An exchange in flight: :meth:`wait` completes it and returns ``(from_prev, from_next)``
+    (idempotent); ``ops`` keeps the sent tensors alive until then."""
+
+    def __init__(self, requests, from_prev, from_next, ops=()):
+        self.requests, self.ops = list(requests), ops
+        self.from_prev, self.from_next = from_prev, from_next  # [s', b, h] buffers or None
+
+    def wait(self):
+        for request in self.requests:
+            request.wait()
+        self.requests, self.ops = [], ()
+        return self.from_prev, self.from_next
+
+    def done(self):
+        """Whether every op has completed (then the handle is waited, releasing the sends)."""
+        if all(request.is_completed() for request in self.requests):
+            self.wait()
+            return True
+        return False
+
+
+class Received:
+    """A tensor still being received: ``get()`` waits for its exchange and returns it
+    (``index`` 0: from the previous stage, 1: from the next)."""
+
+    def __init__(self, handle, index):
+        self.handle, self.index = handle, index
+
+    def get(self):
+        return self.handle.wait()[self.index]
+
+
+def resolve(item):
+    """``item`` itself, or the tensor of a :class:`Received` once it has arrived."""
+    return item.get() if isinstance(item, Received) else item

@@ -15,10 +15,11 @@ suppressed for all microbatches but the last of each model chunk, so gradients a
 reduced once per global batch.
 
 The pipelined schedules also take, by keyword, ``tensor_shape`` and ``dtype`` of the P2P
-buffers (:func:`get_forward_backward_func` binds them) and an optional ``trace`` list that
-receives one ``(kind, chunk, microbatch, start, end)`` tuple (``time.perf_counter``
-seconds) per forward ("F") or backward ("B") computation, for the bubble benchmark, and
-an optional ``communicator`` replacing the P2P one (replay.py records the exchanges).
+buffers and ``overlap_p2p_comm`` (:func:`get_forward_backward_func` binds them; with it
+every exchange is posted asynchronously and waited for only when its data is needed), an
+optional ``trace`` list that receives one ``(kind, chunk, microbatch, start, end)`` tuple
+(``time.perf_counter`` seconds) per forward ("F") or backward ("B") computation, for the
+bubble benchmark, and an optional ``communicator`` replacing the P2P one (replay.py records the exchanges).
 
 Schedules here: no pipelining (gradient accumulation) and 1F1B (PipeDream-flush: warmup of
 ``PP - rank - 1`` forwards, steady one-forward-one-backward, cooldown of the remaining
@@ -124,11 +125,12 @@ def forward_backward_no_pipelining(forward_step_func, loss_func, microbatches, m
 
 def forward_backward_pipelining_without_interleaving(
         forward_step_func, loss_func, microbatches, model_chunks, state, forward_only=False, *,
-        tensor_shape, dtype=torch.float32, trace=None, communicator=None):
+        tensor_shape, dtype=torch.float32, trace=None, communicator=None, overlap_p2p_comm=False):
     """1F1B: warmup forwards, then one forward and one backward at a time, then cooldown.
 
     Stage ``r`` of ``p`` runs ``min(p - r - 1, M)`` warmup forwards, so at most ``p - r``
     microbatches' activations are alive at once (vs M for all-forward-all-backward).
+    ``overlap_p2p_comm``: see :func:`_overlapped_1f1b`.
     """
     if len(model_chunks) != 1:
         raise ValueError(f"1F1B runs one model chunk per rank, got {len(model_chunks)}; use the "
@@ -164,6 +166,10 @@ def forward_backward_pipelining_without_interleaving(
         if not is_last:
             deallocate_output_tensor(output)  # sent already; backward needs the graph only
 
+    if overlap_p2p_comm:
+        _overlapped_1f1b(comm, num, num_warmup, forward_only, forward, backward, keep)
+        return losses
+
     for _ in range(num_warmup):
         input_tensor = comm.recv_forward()
         output = forward(input_tensor)
@@ -189,13 +195,57 @@ def forward_backward_pipelining_without_interleaving(
     return losses
 
 
-def get_forward_backward_func(state, tensor_shape=None, dtype=None):
+def _overlapped_1f1b(comm, num, num_warmup, forward_only, forward, backward, keep):
+    """The 1F1B program with every exchange posted asynchronously (``--overlap-p2p-comm``).
+
+    The receive of the next input is posted before the current forward and that of the next
+    gradient before the current backward (cooldown), and sends are waited for only at the
+    end, so a stage computes while its neighbours' messages travel. Each direction keeps
+    the blocking schedule's order of ops, posted no later and waited for no earlier, so it
+    cannot deadlock where that one does not.
+    """
+    first, last = comm.is_first_stage, comm.is_last_stage
+    pending = []  # exchanges in flight; sends complete by the end at the latest
+
+    def post(**kwargs):
+        pending[:] = [handle for handle in pending if not handle.done()]
+        handle = comm.post(**kwargs)
+        pending.append(handle)
+        return handle
+
+    next_input = post(recv_prev=not first and num > 0)
+    for j in range(num):  # forward of microbatch j, then (steady) backward of j - num_warmup
+        input_tensor = next_input.wait()[0]
+        next_input = post(recv_prev=not first and j + 1 < num)  # travels during this forward
+        output = forward(input_tensor)
+        if j < num_warmup:
+            post(send_next=None if last else output)
+            keep(input_tensor, output)
+            continue
+        output_grad = post(send_next=None if last else output, recv_next=not last).wait()[1]
+        keep(input_tensor, output)
+        input_grad = backward(output_grad)
+        post(send_prev=None if first else input_grad)
+    if not forward_only:  # cooldown: the backwards of the warmup microbatches
+        next_grad = post(recv_next=not last and num_warmup > 0)
+        for j in range(num_warmup):
+            output_grad = next_grad.wait()[1]
+            next_grad = post(recv_next=not last and j + 1 < num_warmup)  # during this backward
+            input_grad = backward(output_grad)
+            post(send_prev=None if first else input_grad)
+    for handle in pending:
+        handle.wait()
+
+
+def get_forward_backward_func(state, tensor_shape=None, dtype=None, overlap_p2p_comm=False):
     """The schedule for this layout: no pipelining at PP=1, else 1F1B, or interleaved 1F1B
     when ``state.virtual_pipeline_model_parallel_size`` > 1.
 
     With PP > 1, ``tensor_shape`` (the fixed P2P buffer shape, see
-    :func:`~megatron_cp.pipeline_parallel.stages.pipeline_tensor_shape`) and ``dtype`` (the
-    activation dtype, default fp32) are bound into the returned function.
+    :func:`~megatron_cp.pipeline_parallel.stages.pipeline_tensor_shape`), ``dtype`` (the
+    activation dtype, default fp32) and ``overlap_p2p_comm`` (post the P2P exchanges
+    asynchronously, ``--overlap-p2p-comm``; no effect at PP=1) are bound into the returned
+    function.
     """
     if state.size("pp") == 1:
         return forward_backward_no_pipelining
@@ -209,4 +259,5 @@ def get_forward_backward_func(state, tensor_shape=None, dtype=None):
     else:
         schedule = forward_backward_pipelining_without_interleaving
     return functools.partial(schedule, tensor_shape=tuple(tensor_shape),
-                             dtype=dtype if dtype is not None else torch.float32)
+                             dtype=dtype if dtype is not None else torch.float32,
+                             overlap_p2p_comm=bool(overlap_p2p_comm))
