@@ -109,21 +109,26 @@ def reference_attention(q, k, v, token_index=None, document_ids=None, softmax_sc
     return out.reshape(b, nh, s, d).to(q.dtype)
 
 
-def local_attention(q, k, v, token_index=None, document_ids=None, softmax_scale=None):
+def local_attention(q, k, v, token_index=None, document_ids=None, softmax_scale=None,
+                    dropout_p=0.0):
     """Attention of a whole (unsplit) sample with SDPA: the no-CP fast path.
 
     ``is_causal=True`` when there are no documents and token_index is a plain arange, else a
     boolean causal/document mask. GQA through SDPA's ``enable_gqa``. Backward is SDPA's.
+    ``dropout_p`` drops attention probabilities from the current RNG state (the caller forks
+    the tensor-parallel RNG around it).
     """
     s = q.shape[2]
     scale = softmax_scale_for(q, softmax_scale)
     gqa = k.shape[1] != q.shape[1]
     if document_ids is None and is_plain_arange(token_index, s):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                              scale=scale, enable_gqa=gqa)
     if token_index is None:
         token_index = torch.arange(s, device=q.device).expand(q.shape[0], s)
     mask = attention_mask(token_index, token_index, document_ids, document_ids)  # [b, 1, s, s]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+                                         enable_gqa=gqa)
     has_key = mask.any(-1, keepdim=True)  # [b, 1, s, 1]
     return out if bool(has_key.all()) else out.masked_fill(~has_key, 0.0)
 

@@ -8,32 +8,10 @@ core attention then runs locally or, with context parallelism, through
 """
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from megatron_cp import tensor_parallel as tpar
-from megatron_cp.context_parallel import context_parallel_attention
+from megatron_cp.context_parallel import context_parallel_attention, local_attention
 from megatron_cp.model.rotary import apply_rotary
-
-
-def local_core_attention(q, k, v, token_index=None, document_ids=None, dropout_p=0.0, scale=None):
-    """Causal attention on one process through fused SDPA.
-
-    q [b, nh, s, d], k/v [b, nkv, s, d] (GQA when nkv < nh) -> [b, nh, s, d]. With no
-    token_index/document_ids the mask is the plain causal one (``is_causal``); otherwise a
-    boolean mask allows key j for query i iff index_j <= index_i and both share a document.
-    """
-    gqa = q.shape[1] != k.shape[1]
-    if token_index is None and document_ids is None:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
-                                              scale=scale, enable_gqa=gqa)
-    s = q.shape[2]
-    if token_index is None:
-        token_index = torch.arange(s, device=q.device).expand(q.shape[0], s)
-    mask = token_index.unsqueeze(-1) >= token_index.unsqueeze(-2)  # [b, s, s]
-    if document_ids is not None:
-        mask = mask & (document_ids.unsqueeze(-1) == document_ids.unsqueeze(-2))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), dropout_p=dropout_p,
-                                          scale=scale, enable_gqa=gqa)
 
 
 class SelfAttention(torch.nn.Module):
@@ -79,8 +57,8 @@ class SelfAttention(torch.nn.Module):
                 allow_dummy_heads=self.config.allow_dummy_heads)
         if dropout > 0.0:
             with self.rng_tracker.fork():  # heads differ across TP ranks: so do their masks
-                return local_core_attention(q, k, v, token_index, document_ids, dropout)
-        return local_core_attention(q, k, v, token_index, document_ids)
+                return local_attention(q, k, v, token_index, document_ids, dropout_p=dropout)
+        return local_attention(q, k, v, token_index, document_ids)
 
     def forward(self, x, position_ids, token_index=None, document_ids=None):
         """x [s/tp with SP else s, b, h] -> same shape."""
