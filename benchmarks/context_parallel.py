@@ -19,11 +19,13 @@
     each other's kernel time); --free-running adds a run without the lock. Each repeat is
     paired with its own baseline and the median ratio is reported (the box is shared).
 
-Run: python benchmarks/context_parallel.py [--full] [--output PATH]. Prints a table and
-writes JSON (default benchmarks/results/context_parallel.json).
+Run: python benchmarks/context_parallel.py [--full] [--output PATH]. Prints a table with a
+PASS/FAIL verdict per goal ((c) on the compute clock of the serialized runs) and writes JSON
+(default runs/benchmarks/context_parallel.json, untracked; benchmarks/results/ holds the
+committed figures). A quick smoke run: --seq-lens 512 --balance-seq-len 512
+--overhead-seq-len 512 --repeats 1.
 """
 import argparse
-import json
 import os
 import sys
 import time
@@ -37,10 +39,15 @@ for path in (ROOT, os.path.join(ROOT, "tests")):
     if path not in sys.path:
         sys.path.insert(0, path)
 
+from bench_common import add_output_argument, verdict, write_json  # noqa: E402
 from dist_harness import run_workers  # noqa: E402
 from megatron_cp.context_parallel import (block_attention, context_parallel_attention,  # noqa: E402
                                           local_attention, zigzag_indices)
 from megatron_cp.context_parallel.ring import RingLayout  # noqa: E402
+
+# (a) ring bytes x CP / CP=1 bytes, (b) zigzag max/min rank compute, (c) sum-over-ranks
+# compute time / one-process SDPA: the goals of the docstring
+GOALS = {"memory": 1.1, "balance": 1.10, "overhead": 1.2}
 
 
 def _saved_bytes(fn):
@@ -228,8 +235,7 @@ def main(argv=None):
     parser.add_argument("--overhead-heads", type=int, default=4)
     parser.add_argument("--overhead-head-dim", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--output", default=os.path.join(ROOT, "benchmarks", "results",
-                                                         "context_parallel.json"))
+    add_output_argument(parser, "context_parallel")
     args = parser.parse_args(argv)
     seq_lens = args.seq_lens or ([4096, 8192, 16384, 32768] if args.full else [4096, 8192])
 
@@ -246,8 +252,16 @@ def main(argv=None):
     for row in memory:
         print(f"{row['seq_len']:>7} {row['cp1_bytes'] / 2**20:>9.2f} "
               + " ".join(f"{row[f'{c}_cp{n}_ratio_x_cp']:>8.3f}" for c in ("p2p", "a2a") for n in (2, 4)))
-    print(f"(b) CP=4 s={args.balance_seq_len} per-rank compute max/min (goal zigzag <= 1.10): "
-          + ", ".join(f"{name} {res['max_over_min']:.3f}" for name, res in balance.items()))
+    goals = {"memory": all(row[f"p2p_cp{n}_ratio_x_cp"] <= GOALS["memory"] for row in memory
+                           for n in (2, 4)),
+             "balance": balance["zigzag"]["max_over_min"] <= GOALS["balance"],
+             "overhead": all(overhead[f"serialized/{comm}_cp{n}_thread_overhead"] <= GOALS["overhead"]
+                             for comm in ("p2p", "a2a", "all_gather") for n in (2, 4))}
+    print(f"    goal: ring (p2p) ratio <= {GOALS['memory']}: {verdict(goals['memory'])}")
+    print(f"(b) CP=4 s={args.balance_seq_len} per-rank compute max/min (goal zigzag <= "
+          f"{GOALS['balance']:.2f}): "
+          + ", ".join(f"{name} {res['max_over_min']:.3f}" for name, res in balance.items())
+          + f": {verdict(goals['balance'])}")
     print(f"(c) s={args.overhead_seq_len} median over repeats of sum-over-ranks attention CPU "
           f"time / one-process SDPA ({overhead['serialized/single_process_sdpa_seconds']:.3f}s; goal <= 1.2)")
     modes = ("serialized", "free") if args.free_running else ("serialized",)
@@ -258,14 +272,15 @@ def main(argv=None):
                             f" {overhead[f'{mode}/{comm}_cp{cp}_process_overhead']:>7.3f}"
                             for mode in modes)
             print(f"{comm + ' CP' + str(cp):>14}{cells}")
+    print(f"    goal: compute <= {GOALS['overhead']} (serialized): {verdict(goals['overhead'])}")
+    print("goals: " + ", ".join(f"{name} {verdict(ok)}" for name, ok in goals.items())
+          + f"; overall {verdict(all(goals.values()))}")
     report = {"config": vars(args) | {"seq_lens": seq_lens, "threads_per_rank": 1,
                                        "torch": torch.__version__},
               "memory": memory, "balance_cp4": balance, "overhead": overhead,
-              "elapsed_seconds": time.time() - started}
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w") as handle:
-        json.dump(report, handle, indent=2)
-    print(f"wrote {args.output} ({report['elapsed_seconds']:.0f}s)")
+              "goals": GOALS, "passed": goals, "elapsed_seconds": time.time() - started}
+    write_json(args.output, report)
+    print(f"({report['elapsed_seconds']:.0f}s)")
 
 
 if __name__ == "__main__":

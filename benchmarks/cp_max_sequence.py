@@ -11,9 +11,11 @@ lengths (multiples of --granularity) finds the longest s whose max per-rank memo
 under the cap; goal: CP=4 reaches >= 3.8x the CP=1 length. Prints a table and writes JSON.
 
     python benchmarks/cp_max_sequence.py [--cap-seq 8192] [--output benchmarks/results/cp_max_sequence.json]
+
+The JSON goes to runs/benchmarks/cp_max_sequence.json (untracked) unless --output says otherwise;
+a quick smoke run: --cap-seq 512 --granularity 256.
 """
 import argparse
-import json
 import os
 import sys
 
@@ -25,7 +27,10 @@ os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # inherited by the spa
 
 import torch  # noqa: E402
 
+from bench_common import add_output_argument, verdict, write_json  # noqa: E402
 from dist_harness import run_workers  # noqa: E402
+
+GOAL_RATIO = 3.8  # longest sequence under the cap, CP=4 over CP=1
 
 
 def _kib(field):
@@ -37,7 +42,7 @@ def _kib(field):
 
 
 def _trial(rank, world, seq, hidden, heads, vocab):
-    from megatron_cp.context_parallel import partition_batch
+    from megatron_cp.data.microbatch import prepare_microbatch
     from megatron_cp.initialize import initialize_model_parallel
     from megatron_cp.model import GPTConfig, GPTModel
     state = initialize_model_parallel(context_parallel_size=world)
@@ -53,8 +58,7 @@ def _trial(rank, world, seq, hidden, heads, vocab):
     batch = {"tokens": text[:, :-1], "labels": text[:, 1:],
              "loss_mask": torch.ones(1, seq), "position_ids": torch.arange(seq).unsqueeze(0),
              "document_ids": None}
-    if world > 1:  # as the trainer does: CP=1 keeps the plain causal (is_causal) path
-        batch = partition_batch(batch, state.rank("cp"), world)
+    batch = prepare_microbatch(batch, state.rank("cp"), world)  # as the trainer does
     loss = model(batch["tokens"], batch["position_ids"], labels=batch["labels"],
                  token_index=batch.get("token_index"))
     (loss * batch["loss_mask"]).sum().backward()
@@ -89,7 +93,7 @@ def main():
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--granularity", type=int, default=512, help="lengths searched are multiples of this")
-    p.add_argument("--output", default="benchmarks/results/cp_max_sequence.json")
+    add_output_argument(p, "cp_max_sequence")
     a = p.parse_args()
     cap = step_memory(1, a.cap_seq, a)
     print(f"cap = CP=1 step memory at s={a.cap_seq}: {cap / 2**20:.1f} MiB", flush=True)
@@ -98,12 +102,10 @@ def main():
     ratio = best4 / best1
     print(f"{'CP':>3} {'longest s under cap':>20}")
     print(f"{1:>3} {best1:>20d}\n{4:>3} {best4:>20d}")
-    print(f"ratio CP=4 / CP=1 = {ratio:.2f} (goal >= 3.8)")
-    os.makedirs(os.path.dirname(os.path.abspath(a.output)), exist_ok=True)
-    with open(a.output, "w") as f:
-        json.dump({"config": vars(a), "cap_bytes": cap, "longest": {"1": best1, "4": best4},
-                   "ratio": ratio, "goal": 3.8,
-                   "trials": {"1": trials1, "4": trials4}}, f, indent=2)
+    print(f"ratio CP=4 / CP=1 = {ratio:.2f} (goal >= {GOAL_RATIO}): {verdict(ratio >= GOAL_RATIO)}")
+    write_json(a.output, {"config": vars(a), "cap_bytes": cap, "longest": {"1": best1, "4": best4},
+                          "ratio": ratio, "goal": GOAL_RATIO, "passed": ratio >= GOAL_RATIO,
+                          "trials": {"1": trials1, "4": trials4}})
 
 
 if __name__ == "__main__":

@@ -31,11 +31,13 @@ interleaving, with twice the exchanges and half-length computations, pays it twi
 same name): the latency of an exchange then travels during the neighbouring compute
 instead of adding to the critical path, so the excess over theory should shrink.
 
-Writes benchmarks/results/pipeline.json and prints a table.
+Goal: every measured bubble within 10% (relative) of theory; each row of the table and
+the whole run say PASS or FAIL. Prints the table and writes JSON to
+runs/benchmarks/pipeline.json (untracked) unless --output says otherwise; a quick smoke
+run: --pp 2 --microbatches 4 --vp 1 --steps 1 --t-forward 0.01 --t-backward 0.02.
 """
 import argparse
 import datetime
-import json
 import os
 import platform
 import sys
@@ -48,10 +50,12 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench_common import add_output_argument, verdict, write_json  # noqa: E402
 from megatron_cp.initialize import initialize_model_parallel  # noqa: E402
 from megatron_cp.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron_cp.pipeline_parallel.replay import ideal_bubble, record_program  # noqa: E402
 
+GOAL_RELATIVE_ERROR = 0.10  # measured bubble vs theory
 SHAPE = (16, 1, 32)  # [s, b, h] of the activations: tiny, so P2P costs little
 
 
@@ -210,8 +214,7 @@ def main(argv=None):
                         help="Synthetic stage work (auto: matmul with a core per stage, else spin).")
     parser.add_argument("--overlap-p2p-comm", action="store_true",
                         help="Run the schedules with asynchronous P2P exchanges (--overlap-p2p-comm).")
-    parser.add_argument("--output", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                         "results", "pipeline.json"))
+    add_output_argument(parser, "pipeline")
     args = parser.parse_args(argv)
     cores = os.cpu_count() or 1
     work = args.work if args.work != "auto" else ("matmul" if cores >= max(args.pp) else "spin")
@@ -226,25 +229,28 @@ def main(argv=None):
     print(f"pipeline bubble: {work} work, t_f={args.t_forward}s t_b={args.t_backward}s per "
           f"microbatch, {cores} cores, overlap_p2p_comm={args.overlap_p2p_comm}")
     print(f"{'pp':>3} {'vp':>3} {'schedule':>12} {'m':>4} {'theory':>8} {'replayed':>9} "
-          f"{'measured':>9} {'rel.err':>8} {'excess':>7} {'ms/xchg':>7} {'step s':>7}  per stage")
+          f"{'measured':>9} {'rel.err':>8} {'excess':>7} {'ms/xchg':>7} {'step s':>7}  goal  per stage")
     for row in rows:
         stages = " ".join(f"{x:.3f}" for x in row["per_stage"])
         print(f"{row['pp']:>3} {row['vp']:>3} {row['schedule']:>12} {row['microbatches']:>4} "
               f"{row['theory']:>8.3f} {row['replayed']:>9.3f} {row['measured']:>9.3f} "
               f"{row['relative_error']:>+8.1%} {100 * (row['measured'] - row['theory']):>+6.1f}pp "
               f"{row['excess_ms_per_exchange']:>7.2f} "
-              f"{row['step_s']:>7.2f}  {stages}")
+              f"{row['step_s']:>7.2f}  {verdict(abs(row['relative_error']) <= GOAL_RELATIVE_ERROR)}"
+              f"  {stages}")
     worst = max(abs(row["relative_error"]) for row in rows)
-    print(f"worst relative error vs theory: {worst:.1%} (goal: within 10%); "
+    passed = sum(abs(row["relative_error"]) <= GOAL_RELATIVE_ERROR for row in rows)
+    print(f"worst relative error vs theory: {worst:.1%}; {passed} of {len(rows)} schedules within "
+          f"{GOAL_RELATIVE_ERROR:.0%} (goal: all): {verdict(passed == len(rows))}; "
           f"{time.time() - start:.0f}s")
-    os.makedirs(os.path.dirname(args.output), exist_ok=True)
-    with open(args.output, "w") as f:
-        json.dump({"benchmark": "pipeline_bubble", "work": work, "t_forward_s": args.t_forward,
-                   "t_backward_s": args.t_backward, "steps": args.steps, "cores": cores,
-                   "overlap_p2p_comm": args.overlap_p2p_comm,
-                   "torch": torch.__version__, "platform": platform.platform(),
-                   "rows": rows, "worst_relative_error": worst}, f, indent=2)
-    print(f"wrote {args.output}")
+    write_json(args.output, {"benchmark": "pipeline_bubble", "work": work,
+                             "t_forward_s": args.t_forward, "t_backward_s": args.t_backward,
+                             "steps": args.steps, "cores": cores,
+                             "overlap_p2p_comm": args.overlap_p2p_comm,
+                             "torch": torch.__version__, "platform": platform.platform(),
+                             "rows": rows, "worst_relative_error": worst,
+                             "goal_relative_error": GOAL_RELATIVE_ERROR,
+                             "passed": passed == len(rows)})
     return 0
 
 

@@ -5,10 +5,14 @@ untied embeddings), with no download, and trained on the same random token batch
 AdamW, in the same run. Prints a table and writes JSON with tokens/s of each, their ratio,
 and each model's achieved FLOP/s against this machine's measured fp32 matmul FLOP/s.
 
+Goal: megatron_cp trains at least as fast as HF Llama, within timing noise: tokens/s ratio
+megatron_cp / HF >= 0.95 (PASS/FAIL printed with the table).
+
     python benchmarks/throughput.py [--iters 10] [--output benchmarks/results/throughput.json]
+
+The JSON goes to runs/benchmarks/throughput.json (untracked) unless --output says otherwise.
 """
 import argparse
-import json
 import os
 import sys
 import time
@@ -16,8 +20,12 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_common import add_output_argument, verdict, write_json  # noqa: E402
 from megatron_cp.model import GPTConfig, GPTModel  # noqa: E402
 from megatron_cp.training_log import model_flops_per_token  # noqa: E402
+
+
+GOAL_RATIO = 0.95  # tokens/s of megatron_cp over HF Llama: parity within timing noise
 
 
 def matmul_flops(n=1024, reps=20):
@@ -53,7 +61,7 @@ def main():
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--output", default="benchmarks/results/throughput.json")
+    add_output_argument(p, "throughput")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -111,15 +119,14 @@ def main():
     ratio = rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"]
     out = {"config": vars(a), "threads": torch.get_num_threads(), "torch": torch.__version__,
            "matmul_peak_flops": peak, "model_flops_per_token": flops_per_token, "results": rows,
-           "ratio_megatron_cp_over_hf": ratio}
+           "ratio_megatron_cp_over_hf": ratio, "goal": GOAL_RATIO, "passed": ratio >= GOAL_RATIO}
     print(f"{'model':<12} {'params':>10} {'s/iter':>8} {'tokens/s':>10} {'GFLOP/s':>9} {'of peak':>8}")
     for r in rows:
         print(f"{r['model']:<12} {r['params']:>10d} {r['sec_per_iter']:>8.3f} {r['tokens_per_s']:>10.1f} "
               f"{r['model_flops_per_s'] / 1e9:>9.2f} {r['fraction_of_matmul_peak']:>8.1%}")
-    print(f"matmul peak: {peak / 1e9:.1f} GFLOP/s; tokens/s ratio megatron_cp / HF Llama = {ratio:.3f}")
-    os.makedirs(os.path.dirname(os.path.abspath(a.output)), exist_ok=True)
-    with open(a.output, "w") as f:
-        json.dump(out, f, indent=2)
+    print(f"matmul peak: {peak / 1e9:.1f} GFLOP/s; tokens/s ratio megatron_cp / HF Llama = {ratio:.3f} "
+          f"(goal >= {GOAL_RATIO}): {verdict(ratio >= GOAL_RATIO)}")
+    write_json(a.output, out)
 
 
 if __name__ == "__main__":

@@ -2,14 +2,24 @@
 
 Flag names and meanings follow Megatron-LM so existing launch scripts carry over. Every
 check that can be made from the arguments and the world size is made here, so bad input
-fails with a clear ValueError before any collective starts.
+fails with a clear ValueError before any collective starts. The model's flags are derived
+from the fields of :class:`~megatron_cp.model.config.GPTConfig` and its rules are the
+config's own (errors name the flags); the table of further Megatron-LM flags, accepted or
+refused with a reason, is in arguments_compat.py.
 """
 import argparse
+import dataclasses
 import math
+import sys
 
 import torch
 
+from megatron_cp.arguments_compat import add_compat_flags, apply_compat_flags
+from megatron_cp.config_flags import (add_config_flags, arg_of, build_config, config_flag_names,
+                                      fill_args, name_flags)
+from megatron_cp.data.tokenizers import TOKENIZER_TYPES
 from megatron_cp.initialize import validate_sizes
+from megatron_cp.model.config import GPTConfig
 from megatron_cp.pipeline_parallel.stages import (validate_interleaved_microbatches,
                                                   virtual_pipeline_size)
 
@@ -20,42 +30,13 @@ NOT_YET_BUILT = {
 }
 
 
-def _model_args(p):
-    g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, required=True, help="Number of transformer layers.")
-    g.add_argument("--hidden-size", type=int, required=True, help="Transformer hidden size.")
-    g.add_argument("--ffn-hidden-size", type=int, default=None,
-                   help="MLP hidden size (default 4 x hidden size).")
-    g.add_argument("--num-attention-heads", type=int, required=True, help="Number of attention heads.")
-    g.add_argument("--group-query-attention", action="store_true", help="Use grouped-query attention.")
-    g.add_argument("--num-query-groups", type=int, default=1,
-                   help="Number of KV head groups with --group-query-attention.")
-    g.add_argument("--kv-channels", type=int, default=None,
-                   help="Per-head dimension (default hidden size / heads).")
+def _model_args(g):
+    # The model's own flags come from GPTConfig's fields (add_config_flags); this one is the
+    # data's length, which the model only meets through --max-position-embeddings.
     g.add_argument("--seq-length", type=int, required=True, help="Training sequence length.")
-    g.add_argument("--max-position-embeddings", type=int, default=None,
-                   help="Size of the position table (default seq length).")
-    g.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"],
-                   default="learned_absolute", help="Position embedding type.")
-    g.add_argument("--rotary-base", type=float, default=10000.0, help="RoPE base frequency.")
-    g.add_argument("--rotary-percent", type=float, default=1.0, help="Fraction of head dims rotated.")
-    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm",
-                   help="Normalization layer type.")
-    g.add_argument("--norm-epsilon", type=float, default=1e-5, help="Epsilon of the norms.")
-    g.add_argument("--swiglu", action="store_true", help="Use the SwiGLU activation in the MLP.")
-    g.add_argument("--disable-bias-linear", action="store_true", help="No biases in linear layers.")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
-                   help="Separate input embedding and output layer weights.")
-    g.add_argument("--hidden-dropout", type=float, default=0.1, help="Dropout on hidden states.")
-    g.add_argument("--attention-dropout", type=float, default=0.1, help="Dropout on attention probs.")
-    g.add_argument("--init-method-std", type=float, default=0.02, help="Std of the normal weight init.")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                   help="Pad the vocab to a multiple of this times the TP size.")
-    g.add_argument("--num-experts", type=int, default=None, help="Number of MoE experts.")
 
 
-def _training_args(p):
-    g = p.add_argument_group("training")
+def _training_args(g):
     g.add_argument("--micro-batch-size", type=int, required=True, help="Samples per microbatch per DP rank.")
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="Samples per optimizer step (default micro batch x DP).")
@@ -74,7 +55,6 @@ def _training_args(p):
     g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2.")
     g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon.")
     g.add_argument("--clip-grad", type=float, default=1.0, help="Gradient clipping by global norm (0: off).")
-    g.add_argument("--seed", type=int, default=1234, help="Random seed (init, data, dropout).")
     g.add_argument("--bf16", action="store_true", help="bf16 model with fp32 main params.")
     g.add_argument("--fp16", action="store_true", help="fp16 model with fp32 main params and loss scaling.")
     g.add_argument("--loss-scale", type=float, default=None, help="Constant loss scale for fp16.")
@@ -82,12 +62,6 @@ def _training_args(p):
     g.add_argument("--min-loss-scale", type=float, default=1.0, help="Minimum dynamic loss scale.")
     g.add_argument("--loss-scale-window", type=int, default=1000, help="Good steps before the scale grows.")
     g.add_argument("--hysteresis", type=int, default=2, help="Overflows tolerated before backing off.")
-    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
-                   help="Activation recomputation granularity.")
-    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
-                   help="Which layers to recompute with full granularity.")
-    g.add_argument("--recompute-num-layers", type=int, default=1,
-                   help="Layers per recompute chunk (uniform) or recomputed layers (block).")
     g.add_argument("--overlap-grad-reduce", action="store_true",
                    help="Overlap the DP gradient all-reduce with backward.")
     g.add_argument("--exit-interval", type=int, default=None, help="Exit after iterations divisible by this.")
@@ -96,10 +70,8 @@ def _training_args(p):
                    help="On SIGTERM, save a checkpoint and exit cleanly.")
 
 
-def _parallel_args(p):
-    g = p.add_argument_group("parallelism")
+def _parallel_args(g):
     g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="Tensor parallel size.")
-    g.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism (with TP).")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="Pipeline parallel size.")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="Layers per virtual stage (interleaved 1F1B).")
@@ -108,21 +80,16 @@ def _parallel_args(p):
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
                    help="Layers on the last pipeline stage.")
     g.add_argument("--pipeline-seq-length", type=int, default=None,
-                   help="Sequence length of the fixed pipeline P2P buffers (default --seq-length): "
-                        "every microbatch is padded to it. Raise it above --seq-length for packed "
-                        "documents under context parallelism, which pad each document to a "
-                        "multiple of 2 x CP.")
+                   help="Fix the sequence length of the pipeline P2P buffers: every microbatch "
+                        "is padded to it. By default the length follows each step's data (packed "
+                        "documents under context parallelism pad each document to a multiple of "
+                        "2 x CP), rounded up so shapes rarely change, and is agreed by the stages "
+                        "before the first send.")
     g.add_argument("--overlap-p2p-comm", action="store_true",
                    help="Post the pipeline P2P sends/receives asynchronously and wait for them only "
                         "when the data is needed, hiding their latency behind the forward/backward "
                         "compute (1F1B and interleaved 1F1B; no effect at PP=1).")
     g.add_argument("--context-parallel-size", type=int, default=1, help="Context parallel size.")
-    g.add_argument("--cp-comm-type", choices=["p2p", "a2a", "a2a+p2p", "all_gather", "auto"],
-                   default="p2p", help="Context-parallel attention communication.")
-    g.add_argument("--hierarchical-context-parallel-sizes", type=int, nargs="+", default=None,
-                   help="Inner (a2a) and outer (p2p) CP sizes for a2a+p2p.")
-    g.add_argument("--no-cp-dummy-heads", action="store_true",
-                   help="Refuse Ulysses padding with dummy heads when heads % CP != 0.")
     g.add_argument("--expert-model-parallel-size", type=int, default=1, help="Expert parallel size.")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=1, help="Expert tensor parallel size.")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
@@ -131,17 +98,16 @@ def _parallel_args(p):
                    help="Timeout of collectives, in minutes.")
 
 
-def _data_args(p):
-    g = p.add_argument_group("data")
+def _data_args(g):
     g.add_argument("--data-path", nargs="*", default=None,
                    help="Dataset prefixes, optionally weighted: 'A' or '0.3 A 0.7 B'.")
     g.add_argument("--split", default="969,30,1", help="Train,valid,test split weights.")
     g.add_argument("--mock-data", action="store_true", help="Synthetic tokens instead of --data-path.")
     g.add_argument("--data-cache-path", default=None, help="Where index files are cached.")
-    g.add_argument("--tokenizer-type", default=None,
-                   choices=["SentencePieceTokenizer", "GPT2BPETokenizer", "NullTokenizer"],
-                   help="Tokenizer class.")
-    g.add_argument("--tokenizer-model", default=None, help="sentencepiece model file.")
+    g.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES, help="Tokenizer class.")
+    g.add_argument("--tokenizer-model", default=None,
+                   help="sentencepiece model file, or (HuggingFaceTokenizer) a local tokenizer "
+                        "folder or tokenizer.json file.")
     g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json.")
     g.add_argument("--merge-file", default=None, help="GPT-2 merges.txt.")
     g.add_argument("--vocab-size", type=int, default=None, help="Vocab size for NullTokenizer.")
@@ -151,8 +117,7 @@ def _data_args(p):
     g.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes.")
 
 
-def _io_args(p):
-    g = p.add_argument_group("checkpointing and logging")
+def _io_args(g):
     g.add_argument("--save", default=None, help="Checkpoint directory to save to.")
     g.add_argument("--load", default=None, help="Checkpoint directory to resume from.")
     g.add_argument("--save-interval", type=int, default=None, help="Save every this many iterations.")
@@ -170,22 +135,81 @@ def _io_args(p):
     g.add_argument("--tensorboard-dir", default=None, help="Write tensorboard logs here.")
 
 
+GROUPS = ("model", "training", "parallelism", "data", "checkpointing and logging", "compat")
+_GROUP_TITLES = {"compat": "other Megatron-LM flags (accepted, or refused with the reason)"}
+
+
 def build_parser():
     """The argparse parser with every flag (and its help)."""
     p = argparse.ArgumentParser(description="megatron_cp GPT pretraining", allow_abbrev=False)
-    for add in (_model_args, _training_args, _parallel_args, _data_args, _io_args):
-        add(p)
+    groups = {name: p.add_argument_group(_GROUP_TITLES.get(name, name)) for name in GROUPS}
+    add_config_flags(GPTConfig, groups)
+    for add, name in ((_model_args, "model"), (_training_args, "training"),
+                      (_parallel_args, "parallelism"), (_data_args, "data"),
+                      (_io_args, "checkpointing and logging")):
+        add(groups[name])
+    add_compat_flags(groups)
     return p
 
 
+def flag_names(parser=None):
+    """``{Python name: flag}`` for every argument and every GPTConfig field with a flag."""
+    parser = parser or build_parser()
+    names = {action.dest: action.option_strings[0] for action in parser._actions
+             if action.option_strings and action.dest != "help"}
+    names.update(config_flag_names(GPTConfig))
+    return names
+
+
+# Config settings that describe a run rather than the trained model: --use-checkpoint-args
+# leaves them to the command line.
+RUN_SETTINGS = ("hidden_dropout", "attention_dropout", "recompute_granularity", "recompute_method",
+                "recompute_num_layers", "cp_comm_type", "hierarchical_context_parallel_sizes",
+                "no_cp_dummy_heads", "seed", "init_method_std", "sequence_parallel", "params_dtype")
+TOKENIZER_ARGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")
+
+
 def parse_args(argv=None, world_size=1, built=("tensor", "data", "context")):
-    """Parse ``argv``, fill derived values and validate against ``world_size``."""
-    args = build_parser().parse_args(argv)
+    """Parse ``argv``, fill derived values and validate against ``world_size``.
+
+    With ``--use-checkpoint-args`` the model and tokenizer flags not on the command line
+    come from the checkpoint under ``--load`` (so a user names no model flag)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if "--use-checkpoint-args" in argv:
+        for action in parser._actions:  # the checkpoint supplies what is missing
+            action.required = False
+    args = parser.parse_args(argv)
+    if args.use_checkpoint_args:
+        _take_checkpoint_args(args, argv)
     return validate_args(args, world_size, built)
+
+
+def _take_checkpoint_args(args, argv):
+    if not args.load:
+        raise ValueError("--use-checkpoint-args reads the model flags from a checkpoint: give "
+                         "--load DIR")
+    from megatron_cp.checkpointing import saved_args
+    saved = saved_args(args.load)
+    names = [arg_of(f) for f in dataclasses.fields(GPTConfig) if arg_of(f)]
+    names += [f.metadata["gate"][0].lstrip("-").replace("-", "_")
+              for f in dataclasses.fields(GPTConfig) if f.metadata.get("gate")]
+    names += ["seq_length", *TOKENIZER_ARGS]
+    for name in names:
+        flag = "--" + name.replace("_", "-")
+        if name in saved and name not in RUN_SETTINGS and flag not in argv:
+            setattr(args, name, saved[name])
+    missing = [f"--{n.replace('_', '-')}" for n in ("num_layers", "hidden_size",
+               "num_attention_heads", "seq_length", "micro_batch_size") if getattr(args, n) is None]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} not given and not in the checkpoint under "
+                         f"{args.load}; pass them on the command line")
 
 
 def validate_args(args, world_size, built=("tensor", "data", "context")):
     """Derive defaults (DP size, batch sizes, dtype) and raise ValueError on bad combinations."""
+    parser = build_parser()
+    args.compat_notes = apply_compat_flags(args, parser.get_default)
     for name, what in NOT_YET_BUILT.items():
         if getattr(args, name) > 1 and what.split()[0] not in built:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: {what} is not built "
@@ -210,40 +234,67 @@ def validate_args(args, world_size, built=("tensor", "data", "context")):
                          f"use a multiple of {args.micro_batch_size * dp}")
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
     _validate_pipeline(args)
-    if not args.group_query_attention:
-        args.num_query_groups = args.num_attention_heads
-    for name in ("num_attention_heads", "num_query_groups"):
-        if getattr(args, name) % tp != 0:
-            raise ValueError(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be divisible by "
-                             f"--tensor-model-parallel-size ({tp})")
-    if args.num_attention_heads % args.num_query_groups != 0:
-        raise ValueError(f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
-                         f"--num-query-groups ({args.num_query_groups})")
-    if args.kv_channels is None and args.hidden_size % args.num_attention_heads != 0:
-        raise ValueError(f"--hidden-size ({args.hidden_size}) must be divisible by "
-                         f"--num-attention-heads ({args.num_attention_heads}), or give --kv-channels")
-    if args.ffn_hidden_size is None:
-        args.ffn_hidden_size = 4 * args.hidden_size
-    if args.max_position_embeddings is None:
-        args.max_position_embeddings = args.seq_length
-    if args.position_embedding_type == "learned_absolute" and \
-            args.max_position_embeddings < args.seq_length:
-        raise ValueError(f"--max-position-embeddings ({args.max_position_embeddings}) must be at least "
-                         f"--seq-length ({args.seq_length}) with learned absolute positions")
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # Megatron turns it off silently for TP=1
+    _validate_model(args, flag_names(parser))
     cp = args.context_parallel_size
     split = 2 * cp if cp > 1 else 1
     if args.seq_length % (split * (tp if args.sequence_parallel else 1)) != 0:
         raise ValueError(f"--seq-length ({args.seq_length}) must be divisible by "
                          f"{'2 x CP (' + str(2 * cp) + ')' if cp > 1 else '1'}"
                          f"{' x TP (' + str(tp) + ') for sequence parallelism' if args.sequence_parallel else ''}")
+    _validate_schedule(args)
+    _validate_data(args)
+    if args.exit_signal_handler and not args.save:
+        raise ValueError("--exit-signal-handler saves a checkpoint on SIGTERM: give --save")
+    return args
+
+
+def _validate_model(args, names):
+    """Build the model config from the flags, run its own rules (naming flags, not fields) and
+    write its derived values back to ``args``."""
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    try:
+        # The vocabulary comes from the tokenizer, built later; no rule depends on it.
+        config = build_config(GPTConfig, args, vocab_size=1)
+        config.validate_parallel(args.tensor_model_parallel_size, args.context_parallel_size)
+        config.check_positions(args.seq_length, "seq_length")
+        if args.pipeline_seq_length is not None:
+            config.check_positions(args.pipeline_seq_length, "pipeline_seq_length")
+    except ValueError as err:
+        raise ValueError(name_flags(str(err), names)) from err
+    fill_args(config, args)
+
+
+def _samples_to_iters(samples, global_batch_size):
+    """Megatron's sample-based schedule in iterations: fractional where the batch does not
+    divide, so every step gets the rate Megatron gives it (there is no batch ramp-up)."""
+    iters = samples / global_batch_size
+    return int(iters) if iters.is_integer() else iters
+
+
+def _validate_schedule(args):
+    """Training length, learning-rate and weight-decay schedule."""
     if args.train_iters is None and args.train_samples is None:
         raise ValueError("give --train-iters (or --train-samples)")
+    sample_flags = args.lr_decay_samples is not None or args.lr_warmup_samples > 0
+    if sample_flags and (args.train_samples is None or args.train_iters is not None):
+        raise ValueError("--lr-decay-samples / --lr-warmup-samples give a sample-based schedule, "
+                         "which goes with --train-samples alone; with --train-iters use "
+                         "--lr-decay-iters / --lr-warmup-iters")
+    if sample_flags and (args.lr_decay_iters is not None or args.lr_warmup_iters > 0):
+        raise ValueError("give the learning-rate schedule in samples (--lr-decay-samples, "
+                         "--lr-warmup-samples) or in iterations (--lr-decay-iters, "
+                         "--lr-warmup-iters), not both")
     if args.train_iters is None:
         args.train_iters = math.ceil(args.train_samples / args.global_batch_size)
     if args.lr is None:
         raise ValueError("give --lr, the peak learning rate")
+    if args.lr_decay_samples is not None:
+        args.lr_decay_iters = _samples_to_iters(args.lr_decay_samples, args.global_batch_size)
+    if args.lr_warmup_samples > 0:
+        args.lr_warmup_iters = _samples_to_iters(args.lr_warmup_samples, args.global_batch_size)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.lr_warmup_fraction is not None:
@@ -252,36 +303,41 @@ def validate_args(args, world_size, built=("tensor", "data", "context")):
         raise ValueError(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than "
                          f"--lr-decay-iters ({args.lr_decay_iters}, default --train-iters); "
                          f"shorten the warmup or lengthen the decay")
-    if args.recompute_granularity == "full" and args.recompute_method is None:
-        raise ValueError("--recompute-granularity full needs --recompute-method uniform or block")
+    given = [flag for flag, value in (("--start-weight-decay", args.start_weight_decay),
+                                      ("--end-weight-decay", args.end_weight_decay))
+             if value is not None]
+    style = args.weight_decay_incr_style
+    if style == "constant" and given:
+        raise ValueError(f"{' and '.join(given)} need --weight-decay-incr-style linear or cosine; "
+                         f"for a constant weight decay give --weight-decay")
+    if style != "constant" and len(given) != 2:
+        raise ValueError(f"--weight-decay-incr-style {style} needs both --start-weight-decay and "
+                         f"--end-weight-decay")
+    if style != "constant" and not 0.0 <= args.start_weight_decay <= args.end_weight_decay:
+        raise ValueError(f"need 0 <= --start-weight-decay ({args.start_weight_decay}) <= "
+                         f"--end-weight-decay ({args.end_weight_decay})")
+    # DDP takes the bucket size in MB of its fp32 gradient buffer; Megatron counts elements.
+    args.ddp_bucket_size_mb = 40.0 if args.ddp_bucket_size is None else \
+        args.ddp_bucket_size * 4 / 2 ** 20
+
+
+def _validate_data(args):
+    """A data source and the tokenizer files it needs."""
     if not args.mock_data:
         if not args.data_path:
             raise ValueError("no data: give --data-path PREFIX (from tools/preprocess_data.py) "
                              "or --mock-data")
         if args.tokenizer_type is None:
             raise ValueError("--data-path needs --tokenizer-type (and its model or vocab files)")
-    if args.tokenizer_type == "SentencePieceTokenizer" and not args.tokenizer_model:
-        raise ValueError("--tokenizer-type SentencePieceTokenizer needs --tokenizer-model")
+    needs_model = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer")
+    if args.tokenizer_type in needs_model and not args.tokenizer_model:
+        raise ValueError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
     if args.tokenizer_type == "GPT2BPETokenizer" and not (args.vocab_file and args.merge_file):
         raise ValueError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
     if (args.tokenizer_type == "NullTokenizer" or (args.mock_data and args.tokenizer_type is None)) \
             and args.vocab_size is None:
         raise ValueError("--tokenizer-type NullTokenizer (and --mock-data without a tokenizer) "
                          "needs --vocab-size")
-    if args.exit_signal_handler and not args.save:
-        raise ValueError("--exit-signal-handler saves a checkpoint on SIGTERM: give --save")
-    if cp > 1 and args.attention_dropout > 0:
-        raise ValueError(f"--attention-dropout ({args.attention_dropout}) is not supported inside "
-                         f"context-parallel attention (--context-parallel-size {cp}); "
-                         f"pass --attention-dropout 0")
-    if args.hierarchical_context_parallel_sizes is not None:
-        prod = math.prod(args.hierarchical_context_parallel_sizes)
-        if prod != cp:
-            raise ValueError(f"--hierarchical-context-parallel-sizes {args.hierarchical_context_parallel_sizes} "
-                             f"multiply to {prod}, not --context-parallel-size ({cp})")
-    if args.cp_comm_type == "a2a+p2p" and cp > 1 and args.hierarchical_context_parallel_sizes is None:
-        raise ValueError("--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes U R")
-    return args
 
 
 def _validate_pipeline(args):
@@ -293,21 +349,13 @@ def _validate_pipeline(args):
     validate_interleaved_microbatches(args.num_microbatches, pp,
                                       args.virtual_pipeline_model_parallel_size)
     if args.pipeline_seq_length is None:
-        args.pipeline_seq_length = args.seq_length
+        return  # the pipeline buffers follow each step's data
     if args.pipeline_seq_length < args.seq_length:
         raise ValueError(f"--pipeline-seq-length ({args.pipeline_seq_length}) must be at least "
                          f"--seq-length ({args.seq_length}): every microbatch is padded to it")
-    if pp == 1:
-        return
     cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
     divisor = (2 * cp if cp > 1 else 1) * (tp if args.sequence_parallel else 1)
     if args.pipeline_seq_length % divisor != 0:
         raise ValueError(f"--pipeline-seq-length ({args.pipeline_seq_length}) must be divisible by "
                          f"{'2 x CP' if cp > 1 else '1'}{' x TP' if args.sequence_parallel else ''} "
                          f"= {divisor}; use a multiple of {divisor}")
-    max_pos = args.max_position_embeddings or args.seq_length
-    if args.position_embedding_type == "learned_absolute" and args.pipeline_seq_length > max_pos:
-        raise ValueError(f"--pipeline-seq-length ({args.pipeline_seq_length}) pads microbatches "
-                         f"past --max-position-embeddings ({max_pos}) with learned absolute "
-                         f"positions; raise --max-position-embeddings to at least "
-                         f"{args.pipeline_seq_length} or use --position-embedding-type rope")

@@ -21,16 +21,17 @@ import torch
 import torch.distributed as dist
 
 from megatron_cp import device as device_mod
+from megatron_cp.config_flags import checkpoint_args
+from megatron_cp.model.config import GPTConfig
 
 TRACKER = "latest_checkpointed_iteration.txt"
-# Arguments that change the shape or layout of the saved tensors: must match to resume.
-MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-              "num_query_groups", "kv_channels", "position_embedding_type", "normalization",
-              "swiglu", "disable_bias_linear", "untie_embeddings_and_output_weights",
-              "make_vocab_size_divisible_by", "max_position_embeddings",
-              "tensor_model_parallel_size", "pipeline_model_parallel_size",
-              "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
-              "decoder_last_pipeline_num_layers", "params_dtype")
+# Arguments that change the shape or layout of the saved tensors: must match to resume. The
+# model's are the GPTConfig fields marked ``shapes`` (params_dtype among them); the layout's
+# are how the layers and their shards are spread over the files.
+LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+               "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
+               "decoder_last_pipeline_num_layers")
+MODEL_ARGS = checkpoint_args(GPTConfig) + LAYOUT_ARGS
 
 
 def iteration_dir(root, iteration):
@@ -124,6 +125,29 @@ def read_tracker(root):
     return int(text)
 
 
+def latest_first_shard(root):
+    """Path of the (TP 0, PP 0) shard of the latest checkpoint under ``root`` (None if none)."""
+    it = read_tracker(root)
+    if it is None:
+        return None
+    folder = iteration_dir(root, it)
+    for pp_size in (1, 2):  # mp_rank_00 without PP, mp_rank_00_000 with
+        path = os.path.join(folder, shard_name(0, 0, pp_size), "model_optim_rng.pt")
+        if os.path.exists(path):
+            return path
+    raise ValueError(f"{folder} holds no mp_rank_00 shard: not a megatron_cp checkpoint, or a "
+                     f"partial copy of one")
+
+
+def saved_args(root):
+    """The arguments the latest checkpoint under ``root`` was saved with (a dict)."""
+    path = latest_first_shard(root)
+    if path is None:
+        raise ValueError(f"no checkpoint under {root} (no {TRACKER}); train one first, or drop "
+                         f"--use-checkpoint-args and give the model flags")
+    return torch.load(path, map_location="cpu", weights_only=False)["args"]
+
+
 def check_args_match(saved, args):
     """Refuse a checkpoint whose model arguments differ, naming every mismatch."""
     current = dict(vars(args), params_dtype=str(args.params_dtype))
@@ -139,6 +163,9 @@ def load_checkpoint(trainer, root):
     st, args = trainer.state, trainer.args
     it = read_tracker(root)
     if it is None:
+        if getattr(args, "exit_on_missing_checkpoint", False):
+            raise ValueError(f"--exit-on-missing-checkpoint: no checkpoint under --load {root} "
+                             f"(no {TRACKER}); check the path, or drop the flag to start fresh")
         if st.global_rank == 0:
             print(f" no checkpoint under {root} (no {TRACKER}); starting from scratch", flush=True)
         return 0, 0
@@ -154,9 +181,16 @@ def load_checkpoint(trainer, root):
         chunk.load_state_dict(payload["model"] if len(chunks) == 1 else payload[f"model{i}"])
     if args.finetune:
         return 0, 0
-    if payload.get("converted"):  # written by tools/checkpoint_convert.py: weights only
+    if payload.get("converted") or "opt_param_scheduler" not in payload:
+        # weights only (tools/checkpoint_convert.py): the optimizer and RNG start fresh, but
+        # the learning-rate schedule goes on at the saved iteration (one step per iteration),
+        # as the iteration count does, instead of warming up again
+        trainer.scheduler.num_steps = 0
+        trainer.scheduler.step(payload["iteration"])
         if st.global_rank == 0:
-            print(f" {root} holds converted weights only: optimizer and RNG start fresh", flush=True)
+            print(f" loaded weights only from {root} at iteration {it}: optimizer and RNG "
+                  f"start fresh, the learning-rate schedule resumes at iteration "
+                  f"{payload['iteration']}", flush=True)
         return payload["iteration"], payload["consumed_samples"]
     if not args.no_load_optim:
         trainer.optimizer.load_state_dict(payload["optimizer"])

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megatron_cp import device as device_mod
 
 GROUP_NAMES = ("tp", "cp", "pp", "dp", "dp_cp", "tp_cp", "mp", "embedding", "ep", "etp", "edp")
+HIERARCHICAL_GROUP_NAMES = ("hcp_inner", "hcp_outer")  # with hierarchical CP sizes only
 
 
 def _check_positive(**sizes):
@@ -56,11 +57,14 @@ def validate_sizes(world_size, tensor_model_parallel_size=1, context_parallel_si
 
 def rank_layout(world_size, tensor_model_parallel_size=1, context_parallel_size=1,
                 pipeline_model_parallel_size=1, expert_model_parallel_size=1,
-                expert_tensor_parallel_size=1):
+                expert_tensor_parallel_size=1, hierarchical_context_parallel_sizes=None):
     """Return ``{group name: [rank list, ...]}`` for every group; no torch.distributed needed.
 
     Every rank appears in exactly one list of each name, except ``embedding`` which holds the
-    first and last pipeline stage of each (dp, cp, tp) position.
+    first and last pipeline stage of each (dp, cp, tp) position. With
+    ``hierarchical_context_parallel_sizes`` (U, R) each CP group is also cut into
+    ``hcp_inner`` groups (U consecutive CP ranks: the a2a+p2p all-to-all) and ``hcp_outer``
+    groups (the R CP ranks with equal cp_rank % U: its ring).
     """
     tp, cp, pp = tensor_model_parallel_size, context_parallel_size, pipeline_model_parallel_size
     ep, etp = expert_model_parallel_size, expert_tensor_parallel_size
@@ -89,6 +93,11 @@ def rank_layout(world_size, tensor_model_parallel_size=1, context_parallel_size=
     layout["etp"] = lists(expert.reshape(-1, etp))
     layout["ep"] = lists(expert.transpose(0, 1, 3, 2).reshape(-1, ep))
     layout["edp"] = lists(expert.transpose(0, 2, 3, 1).reshape(-1, edp))
+    if hierarchical_context_parallel_sizes is not None:
+        inner, outer = check_hierarchical_sizes(hierarchical_context_parallel_sizes, cp)
+        cp_groups = np.array(layout["cp"]).reshape(-1, outer, inner)  # [groups, R, U]
+        layout["hcp_inner"] = lists(cp_groups.reshape(-1, inner))
+        layout["hcp_outer"] = lists(cp_groups.transpose(0, 2, 1).reshape(-1, outer))
     return layout
 
 
@@ -150,14 +159,14 @@ def initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_siz
     rank = dist.get_rank() if rank is None else rank
     tp, cp, pp = tensor_model_parallel_size, context_parallel_size, pipeline_model_parallel_size
     ep, etp = expert_model_parallel_size, expert_tensor_parallel_size
-    layout = rank_layout(world_size, tp, cp, pp, ep, etp)
     if hierarchical_context_parallel_sizes is not None:
-        sizes_h = tuple(int(s) for s in hierarchical_context_parallel_sizes)
-        if int(np.prod(sizes_h)) != cp:
-            raise ValueError(f"hierarchical_context_parallel_sizes {list(sizes_h)} multiply to "
-                             f"{int(np.prod(sizes_h))}, but context_parallel_size is {cp}; "
-                             f"give sizes whose product is {cp}")
-        hierarchical_context_parallel_sizes = sizes_h
+        hierarchical_context_parallel_sizes = check_hierarchical_sizes(
+            hierarchical_context_parallel_sizes, cp)
+        if len(hierarchical_context_parallel_sizes) != 2:
+            raise ValueError(f"hierarchical_context_parallel_sizes "
+                             f"{list(hierarchical_context_parallel_sizes)}: give two sizes, the "
+                             f"inner (all-to-all) and the outer (ring) one")
+    layout = rank_layout(world_size, tp, cp, pp, ep, etp, hierarchical_context_parallel_sizes)
     if virtual_pipeline_model_parallel_size is not None and pp < 2:
         raise ValueError(f"virtual_pipeline_model_parallel_size ({virtual_pipeline_model_parallel_size}) "
                          f"needs pipeline_model_parallel_size > 1 (got {pp})")
@@ -168,13 +177,15 @@ def initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_siz
              "ep": ep, "etp": etp}
     sizes.update(dp_cp=sizes["dp"] * cp, tp_cp=tp * cp, mp=tp * pp,
                  edp=world_size // (pp * ep * etp))
+    if hierarchical_context_parallel_sizes is not None:
+        sizes.update(zip(HIERARCHICAL_GROUP_NAMES, hierarchical_context_parallel_sizes))
     state = ParallelState(world_size=world_size, global_rank=rank, device=device, sizes=sizes,
                           layout=layout,
                           virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
                           hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes)
     timeout = datetime.timedelta(minutes=timeout_minutes)
     # Every rank must create every group, in the same order, even those it is not in.
-    for name in GROUP_NAMES:
+    for name in GROUP_NAMES + tuple(n for n in HIERARCHICAL_GROUP_NAMES if n in layout):
         for ranks in layout[name]:
             group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
@@ -242,3 +253,20 @@ def initialize_distributed(backend=None, timeout_minutes=10, environ=None):
             rank=info["rank"], world_size=info["world_size"],
             timeout=datetime.timedelta(minutes=timeout_minutes))
     return info["rank"], info["world_size"], device
+
+
+def check_hierarchical_sizes(hierarchical_sizes, context_parallel_size):
+    """The hierarchical CP sizes (U, R) as a tuple of ints; ValueError unless there are two,
+    each >= 1, whose product is ``context_parallel_size`` (e.g. (2, 4): inner a2a over 2 ranks
+    x outer p2p ring over 4 = CP 8)."""
+    sizes = tuple(int(size) for size in hierarchical_sizes)
+    if len(sizes) != 2:
+        raise ValueError(f"hierarchical_context_parallel_sizes {list(sizes)} must be two sizes, "
+                         f"U (inner a2a) and R (outer p2p), with U x R = context_parallel_size "
+                         f"({context_parallel_size})")
+    product = sizes[0] * sizes[1]
+    if min(sizes) < 1 or product != context_parallel_size:
+        raise ValueError(f"hierarchical_context_parallel_sizes {list(sizes)} multiply to {product}, "
+                         f"not context_parallel_size ({context_parallel_size}); give sizes >= 1 "
+                         f"whose product is {context_parallel_size}")
+    return sizes

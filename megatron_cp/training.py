@@ -5,6 +5,7 @@ number of loss tokens of the whole DP x CP group is known before any backward), 
 through the schedule with loss ``sum(token_loss * mask) / global_tokens``, gradients are
 SUM-reduced over DP x CP (exact global-batch gradient), then clipped and applied.
 """
+import gc
 import signal
 import sys
 import time
@@ -14,38 +15,28 @@ import torch.distributed as dist
 
 from megatron_cp import checkpointing
 from megatron_cp import device as device_mod
-from megatron_cp.context_parallel import partition_batch
+from megatron_cp.config_flags import build_config
 from megatron_cp.data import build_data_iterator, build_tokenizer, build_train_valid_test_datasets
+from megatron_cp.context_parallel import resolve_comm_type
 from megatron_cp.data import get_ltor_batch
+from megatron_cp.data.microbatch import (prepare_microbatch, required_length, split_multiple,
+                                         step_length)
 from megatron_cp.initialize import initialize_distributed, initialize_model_parallel
 from megatron_cp.model import GPTConfig, GPTModel
 from megatron_cp.optimizer import (DistributedDataParallel, MixedPrecisionOptimizer,
                                    OptimizerParamScheduler, finalize_model_grads, get_param_groups)
 from megatron_cp.pipeline_parallel import (build_model_chunks, get_forward_backward_func,
-                                           pad_microbatch, pipeline_tensor_shape)
+                                           pipeline_tensor_shape)
+from megatron_cp.run_report import (count_parameters, format_arguments, format_compat_notes,
+                                    format_dataset_sizes, format_parallel_sizes,
+                                    format_parameter_counts, format_summary, is_global_rank_zero,
+                                    print_rank_0)
 from megatron_cp.training_log import TrainingLogger, model_flops_per_token
 
 
 def config_from_args(args, vocab_size):
-    """The GPTConfig that the command line describes."""
-    return GPTConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads, vocab_size=vocab_size,
-        ffn_hidden_size=args.ffn_hidden_size, num_query_groups=args.num_query_groups,
-        kv_channels=args.kv_channels, max_position_embeddings=args.max_position_embeddings,
-        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
-        rotary_percent=args.rotary_percent, normalization=args.normalization,
-        norm_epsilon=args.norm_epsilon, activation="swiglu" if args.swiglu else "gelu",
-        add_bias_linear=not args.disable_bias_linear, hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        init_method_std=args.init_method_std, seed=args.seed, params_dtype=args.params_dtype,
-        sequence_parallel=args.sequence_parallel,
-        recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers, cp_comm_type=args.cp_comm_type,
-        hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes,
-        allow_dummy_heads=not args.no_cp_dummy_heads)
+    """The GPTConfig that the command line describes (derived from its fields' flags)."""
+    return build_config(GPTConfig, args, vocab_size=vocab_size)
 
 
 class Trainer:
@@ -57,19 +48,22 @@ class Trainer:
         self.tokenizer = build_tokenizer(args.tokenizer_type or "NullTokenizer", args.tokenizer_model,
                                          args.vocab_file, args.merge_file, args.vocab_size)
         self.config = config_from_args(args, self.tokenizer.vocab_size)
+        # saved with the arguments: conversions carry exactly the real vocabulary
+        args.true_vocab_size = self.config.vocab_size
+        args.padded_vocab_size = self.config.padded_vocab_size(state.size("tp"))
         vp_args = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
         if (state.virtual_pipeline_model_parallel_size or 1) != vp_args:
             raise ValueError(f"the arguments ask for {vp_args} virtual pipeline stages but the "
                              f"ParallelState was built with "
                              f"{state.virtual_pipeline_model_parallel_size}; pass "
                              f"virtual_pipeline_model_parallel_size to initialize_model_parallel")
-        _build_cp_subgroups(self.config, state)
         if state.size("pp") > 1:  # this rank's stage: one chunk, or one per virtual stage
             models = build_model_chunks(self.config, state, args.decoder_first_pipeline_num_layers,
                                         args.decoder_last_pipeline_num_layers)
         else:
             models = [GPTModel(self.config, state=state, device=self.device)]
-        self.model_chunks = [DistributedDataParallel(m, state, overlap_grad_reduce=args.overlap_grad_reduce)
+        self.model_chunks = [DistributedDataParallel(m, state, bucket_size_mb=args.ddp_bucket_size_mb,
+                                                     overlap_grad_reduce=args.overlap_grad_reduce)
                              for m in models]
         self.model = self.model_chunks[0]
         self.optimizer = MixedPrecisionOptimizer(
@@ -80,16 +74,16 @@ class Trainer:
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters,
             lr_decay_steps=args.lr_decay_iters, lr_decay_style=args.lr_decay_style,
+            init_lr=args.lr_warmup_init, start_wd=args.start_weight_decay,
+            end_wd=args.end_weight_decay, wd_incr_style=args.weight_decay_incr_style,
+            wd_incr_steps=None if args.weight_decay_incr_style == "constant" else args.train_iters,
             use_checkpoint_values=args.use_checkpoint_opt_param_scheduler,
             override_from_arguments=args.override_opt_param_scheduler)
         self.iteration, self.consumed_samples = 0, 0
-        # Fixed P2P buffers [s/cp(/tp with SP), b, h] between pipeline stages.
-        self.pipeline_seq_length = getattr(args, "pipeline_seq_length", None) or args.seq_length
-        shape = pipeline_tensor_shape(self.pipeline_seq_length, args.micro_batch_size,
-                                      args.hidden_size, state.size("cp"), state.size("tp"),
-                                      self.config.sequence_parallel) if state.size("pp") > 1 else None
+        # The P2P buffers between pipeline stages are [length/cp(/tp with SP), b, h]; the
+        # length follows each step's data (see _step_length), the shape is passed per step.
         self.forward_backward = get_forward_backward_func(
-            state, shape, args.params_dtype, getattr(args, "overlap_p2p_comm", False))
+            state, dtype=args.params_dtype, overlap_p2p_comm=getattr(args, "overlap_p2p_comm", False))
 
     # ----- data -----------------------------------------------------------------------
     def build_iterators(self):
@@ -98,18 +92,20 @@ class Trainer:
         num_samples = (a.train_iters * a.global_batch_size,
                        eval_rounds * a.eval_iters * a.global_batch_size, a.eval_iters * a.global_batch_size)
         reads = self.state.rank("tp") == 0  # TP peers receive their batch by broadcast
-        train, valid, _ = build_train_valid_test_datasets(
+        train, valid, test = build_train_valid_test_datasets(
             a.data_path, a.split, num_samples, a.seq_length, a.seed, self.tokenizer,
             mock=a.mock_data, data_cache_path=a.data_cache_path) if reads else (None, None, None)
+        self.datasets = {"train": train, "validation": valid, "test": test}  # for the banner
         dp_rank, dp_size = self.state.rank("dp"), self.state.size("dp")
         self.train_iter = build_data_iterator(train, a.global_batch_size, a.micro_batch_size,
                                               dp_rank, dp_size, self.consumed_samples, a.num_workers)
         self.valid_dataset = valid
 
     def next_microbatches(self, iterator):
-        """This rank's microbatches of one global batch, built and (for CP) partitioned."""
+        """This rank's microbatches of one global batch, padded to the step's length and
+        (for CP) partitioned: ``megatron_cp.data.microbatch`` holds the rule."""
         a, st = self.args, self.state
-        out = []
+        batches = []
         for _ in range(a.num_microbatches):
             text = next(iterator) if iterator is not None else None
             if st.size("tp") > 1:
@@ -117,24 +113,30 @@ class Trainer:
                     text = torch.empty(a.micro_batch_size, a.seq_length + 1, dtype=torch.long)
                 text = text.to(self.device)
                 dist.broadcast(text, src=st.group_ranks("tp")[0], group=st.group("tp"))
-            batch = get_ltor_batch(text.to(self.device), self.tokenizer.eod, a.reset_position_ids,
-                                   a.reset_attention_mask, a.eod_mask_loss)
-            # Pipeline stages exchange fixed-shape buffers: pad every microbatch to the
-            # buffer length by extending its last document (the CP partition does it there).
-            target = self.pipeline_seq_length if st.size("pp") > 1 else None
-            if st.size("cp") > 1:
-                try:
-                    batch = partition_batch(batch, st.rank("cp"), st.size("cp"), target_length=target)
-                except ValueError as error:
-                    if target is None:
-                        raise
-                    raise ValueError(f"{error}. The pipeline buffer holds --pipeline-seq-length "
-                                     f"({target}) tokens per sample: raise --pipeline-seq-length") \
-                        from error
-            elif target is not None:
-                batch = pad_microbatch(batch, target)
-            out.append(batch)
-        return out
+            batches.append(get_ltor_batch(text.to(self.device), self.tokenizer.eod,
+                                          a.reset_position_ids, a.reset_attention_mask,
+                                          a.eod_mask_loss))
+        length = self._step_length(batches)
+        return [prepare_microbatch(batch, st.rank("cp"), st.size("cp"), length)
+                for batch in batches]
+
+    def _step_length(self, batches):
+        """The padded sample length of this step: --pipeline-seq-length when given (PP),
+        else the longest sample once its documents are padded for CP, rounded up (to
+        steps of about seq_length / 8 under PP, so buffer shapes rarely change) and, under
+        PP, agreed over the pipeline group before any stage sends."""
+        a, st = self.args, self.state
+        cp, pp = st.size("cp"), st.size("pp")
+        if pp > 1 and getattr(a, "pipeline_seq_length", None):
+            return a.pipeline_seq_length
+        granularity = split_multiple(cp) * (st.size("tp") if self.config.sequence_parallel else 1)
+        needed = max(required_length(batch, cp) for batch in batches)
+        length = step_length(needed, a.seq_length, granularity, bucketed=pp > 1)
+        if pp > 1:
+            agreed = torch.tensor([length], dtype=torch.long, device=self.device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=st.group("pp"))
+            length = int(agreed.item())
+        return length
 
     # ----- one step -------------------------------------------------------------------
     def _run_batches(self, microbatches, forward_only):
@@ -149,8 +151,13 @@ class Trainer:
             loss_sum = (output.float() * batch["loss_mask"]).sum()
             return loss_sum * (scale / num_tokens), loss_sum
 
+        shape = None
+        if st.size("pp") > 1:  # [length/cp(/tp with SP), b, h], the same on every stage
+            length = microbatches[0]["tokens"].shape[1] * st.size("cp")
+            shape = pipeline_tensor_shape(length, self.args.micro_batch_size, self.args.hidden_size,
+                                          st.size("cp"), st.size("tp"), self.config.sequence_parallel)
         losses = self.forward_backward(forward_step, loss_func, microbatches, self.model_chunks, st,
-                                       forward_only=forward_only)
+                                       forward_only=forward_only, tensor_shape=shape)
         loss_sum = torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
         dist.all_reduce(loss_sum, group=st.group("dp_cp"))
         if st.size("pp") > 1:  # only the last stage holds the loss; share it with every stage
@@ -188,17 +195,20 @@ class Trainer:
         return total / max(tokens, 1)
 
 
-def _build_cp_subgroups(config, state):
-    """The a2a+p2p sub-groups of every CP group, built by every rank at start-up: attention
-    would otherwise build them lazily, which only works when the CP group is the whole world
-    (with PP or DP the ranks of other CP groups would never join the new_group calls)."""
-    if state.size("cp") == 1:
-        return
-    from megatron_cp.context_parallel import build_hierarchical_groups, resolve_comm_type
-    method, sizes = resolve_comm_type(config.cp_comm_type, config.num_query_groups // state.size("tp"),
-                                      state.size("cp"), config.hierarchical_context_parallel_sizes)
-    if method == "a2a+p2p":
-        build_hierarchical_groups(state.layout["cp"], *sizes)
+def build_parallel_state(args, device=None):
+    """The ParallelState that ``args`` describe (torch.distributed already started): every
+    group, including the a2a+p2p sub-groups that the CP comm type resolves to."""
+    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
+    hierarchical = None
+    if cp > 1:
+        _, hierarchical = resolve_comm_type(args.cp_comm_type, args.num_query_groups // tp, cp,
+                                            args.hierarchical_context_parallel_sizes)
+    return initialize_model_parallel(
+        tp, cp, args.pipeline_model_parallel_size, args.expert_model_parallel_size,
+        args.expert_tensor_parallel_size,
+        virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
+        hierarchical_context_parallel_sizes=hierarchical, device=device,
+        timeout_minutes=args.distributed_timeout_minutes)
 
 
 def forward_step(model, batch):
@@ -234,57 +244,120 @@ def _any_rank(flag, device):
 
 
 def pretrain(args, state=None):
-    """Run a whole pretraining job from validated ``args``; returns the list of train losses."""
+    """Run a whole pretraining job from validated ``args``; returns the list of train losses.
+
+    Global rank 0 prints the start-up banner (``run_report``: arguments, sizes, parameter
+    and dataset counts, a line before each slow step) and the end summary. A ``--load`` that
+    already reached ``--train-iters`` says so and trains nothing.
+    """
+    started = time.time()
+    print_rank_0(format_arguments(args))
+    if format_compat_notes(args):
+        print_rank_0(format_compat_notes(args))
     if state is None:
+        print_rank_0("> initializing torch distributed ...")
         _, _, device = initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
-        state = initialize_model_parallel(
-            args.tensor_model_parallel_size, args.context_parallel_size,
-            args.pipeline_model_parallel_size, args.expert_model_parallel_size,
-            args.expert_tensor_parallel_size,
-            virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
-            hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes,
-            device=device, timeout_minutes=args.distributed_timeout_minutes)
+        state = build_parallel_state(args, device)
+    print_rank_0(format_parallel_sizes(args, state))
+    print_rank_0("> building tokenizer, model and optimizer ...")
     trainer = Trainer(args, state)
+    print_rank_0(format_parameter_counts(*count_parameters(trainer.model_chunks, state)))
     if args.load:
+        print_rank_0(f"> loading checkpoint from {args.load} ...")
         trainer.iteration, trainer.consumed_samples = checkpointing.load_checkpoint(trainer, args.load)
+        if trainer.iteration >= args.train_iters:
+            print_rank_0(f"checkpoint at iteration {trainer.iteration} already reached --train-iters "
+                         f"{args.train_iters}; raise --train-iters to train on")
+            return []
+    print_rank_0("> building train, validation and test datasets ...")
     trainer.build_iterators()
+    if getattr(trainer, "datasets", None):
+        print_rank_0(format_dataset_sizes(trainer.datasets))
     logger = TrainingLogger(args, state, model_flops_per_token(trainer.config, args.seq_length))
-    sigterm = _SigtermFlag(args.exit_signal_handler)
-    start = time.time()
-    losses, saved_at = [], (trainer.iteration if args.load else None)
-    while trainer.iteration < args.train_iters:
-        t0 = time.time()
-        loss, grad_norm, ok = trainer.train_step()
-        device_mod.synchronize(state.device)
-        losses.append(loss)
-        logger.record(trainer, loss, grad_norm, ok, time.time() - t0)
-        it = trainer.iteration
-        if args.eval_iters > 0 and args.eval_interval and it % args.eval_interval == 0:
-            logger.validation(it, trainer.evaluate())
-        if args.save and args.save_interval and it % args.save_interval == 0:
-            checkpointing.save_checkpoint(trainer, args.save)
-            saved_at = it
-        stop = bool(args.exit_interval and it % args.exit_interval == 0)
-        if args.exit_duration_in_mins:
-            stop = _any_rank(stop or (time.time() - start) / 60 > args.exit_duration_in_mins,
-                             state.device)
-        if args.exit_signal_handler and _any_rank(sigterm.received, state.device):
-            logger.print(f"received SIGTERM: saving and exiting after iteration {it}")
-            stop = True
-        if stop:
-            break
-    if args.save and saved_at != trainer.iteration:
-        checkpointing.save_checkpoint(trainer, args.save)
+    first = trainer.iteration
+    print_rank_0(f"> start-up took {time.time() - started:.1f} s; training from iteration {first} "
+                 f"to {args.train_iters} ...")
+    train_start = time.time()
+    losses, stop_reason = _train(trainer, logger, train_start)
+    evaluated = logger.last_validation and logger.last_validation[0] == trainer.iteration
+    if losses and stop_reason.startswith("--train-iters") and args.eval_iters > 0 \
+            and args.eval_interval and not evaluated:  # Megatron's end-of-training evaluation
+        logger.validation(trainer.iteration, trainer.evaluate())
     logger.close()
+    if is_global_rank_zero():
+        latest = checkpointing.read_tracker(args.save) if args.save else None
+        print(format_summary(args, first, trainer.iteration, stop_reason, time.time() - started,
+                             time.time() - train_start, logger.last_validation, latest), flush=True)
     return losses
 
 
+def _train(trainer, logger, start):
+    """The loop: train, log, evaluate, save and stop as the arguments say; returns the
+    losses and what stopped it. ``--manual-gc`` turns Python's collector off during the loop
+    and collects after evaluations and saves and every ``--manual-gc-interval`` iterations
+    (0: only then) instead (Megatron's flags)."""
+    args, state = trainer.args, trainer.state
+    manual_gc = getattr(args, "manual_gc", False)
+    gc_interval = getattr(args, "manual_gc_interval", 0) or 0
+    if manual_gc:
+        gc.disable()
+        gc.collect()
+    sigterm = _SigtermFlag(args.exit_signal_handler)
+    losses, saved_at = [], (trainer.iteration if args.load else None)
+    stop_reason = f"--train-iters {args.train_iters}"
+    try:
+        while trainer.iteration < args.train_iters:
+            t0 = time.time()
+            loss, grad_norm, ok = trainer.train_step()
+            device_mod.synchronize(state.device)
+            losses.append(loss)
+            logger.record(trainer, loss, grad_norm, ok, time.time() - t0)
+            it = trainer.iteration
+            collect = manual_gc and gc_interval and it % gc_interval == 0
+            if args.eval_iters > 0 and args.eval_interval and it % args.eval_interval == 0:
+                logger.validation(it, trainer.evaluate())
+                collect = manual_gc
+            if args.save and args.save_interval and it % args.save_interval == 0:
+                checkpointing.save_checkpoint(trainer, args.save)
+                saved_at = it
+                collect = manual_gc
+            if collect:
+                gc.collect()
+            stop = None
+            if args.exit_interval and it % args.exit_interval == 0:
+                stop = f"--exit-interval {args.exit_interval}"
+            if args.exit_duration_in_mins and _any_rank(
+                    (time.time() - start) / 60 > args.exit_duration_in_mins, state.device):
+                stop = stop or f"--exit-duration-in-mins {args.exit_duration_in_mins}"
+            if args.exit_signal_handler and _any_rank(sigterm.received, state.device):
+                logger.print(f"received SIGTERM: saving and exiting after iteration {it}")
+                stop = "SIGTERM (--exit-signal-handler)"
+            if stop:
+                stop_reason = stop
+                break
+        if args.save and saved_at != trainer.iteration:
+            checkpointing.save_checkpoint(trainer, args.save)
+    finally:
+        if manual_gc:
+            gc.enable()
+    return losses, stop_reason
+
+
 def main(argv=None):
-    """Entry point used by pretrain_gpt.py: parse (validating before any group), then train."""
-    from megatron_cp.arguments import parse_args
+    """Entry point used by pretrain_gpt.py: parse (validating before any group), then train.
+
+    A user error (ValueError) prints one ``error:`` line on global rank 0 and returns 2
+    (``check_args``); any other exception keeps its traceback."""
+    from megatron_cp.check_args import parse_arguments, report_user_error
     from megatron_cp.initialize import distributed_env
-    args = parse_args(argv, world_size=distributed_env()["world_size"])
-    pretrain(args)
+    try:
+        args = parse_arguments(argv, distributed_env()["world_size"])
+    except ValueError as error:
+        return report_user_error(error)
+    try:
+        pretrain(args)
+    except ValueError as error:
+        return report_user_error(error, after_startup=True)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

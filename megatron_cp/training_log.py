@@ -1,4 +1,9 @@
-"""Megatron-style log lines, tensorboard scalars and the model-FLOPs count behind throughput."""
+"""Megatron-style log lines, tensorboard scalars and the model-FLOPs count behind throughput.
+
+The line carries throughput (tokens/s and model TFLOP/s per GPU) at every log interval, so
+Megatron's ``--log-throughput`` adds nothing here; ``--log-params-norm`` adds the norm of
+all parameters (each counted once over TP/PP) to the line and to tensorboard.
+"""
 import math
 import resource
 import time
@@ -6,6 +11,7 @@ import time
 import torch
 
 from megatron_cp import device as device_mod
+from megatron_cp.optimizer.clip_grads import get_param_norm
 
 
 def model_flops_per_token(config, seq_length):
@@ -28,6 +34,7 @@ class TrainingLogger:
         self.args, self.state, self.flops_per_token = args, state, flops_per_token
         self.is_writer = state.global_rank == 0
         self.writer = None
+        self.last_validation = None  # (iteration, loss) of the latest evaluation
         if self.is_writer and args.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(log_dir=args.tensorboard_dir)
@@ -62,6 +69,13 @@ class TrainingLogger:
         tokens_per_s = a.global_batch_size * a.seq_length / per_iter
         tflops = tokens_per_s * self.flops_per_token / self.state.world_size / 1e12
         mem_mb = _memory_mb(self.state.device)
+        params_norm = ""
+        if getattr(a, "log_params_norm", False):  # a collective: every rank gets here
+            norm = get_param_norm([p for c in trainer.model_chunks for p in c.parameters()],
+                                  self.state)
+            params_norm = f" params norm: {norm:.3f} |"
+            if self.writer is not None:
+                self.writer.add_scalar("params-norm", norm, it)
         self.print(
             f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {it:8d}/{a.train_iters:8d} |"
             f" consumed samples: {trainer.consumed_samples:12d} |"
@@ -70,7 +84,7 @@ class TrainingLogger:
             f" tokens per second: {tokens_per_s:.1f} |"
             f" learning rate: {lr:.6E} | global batch size: {a.global_batch_size:5d} |"
             f" lm loss: {self.loss / self.count:.6E} | loss scale: {scale:.1f} |"
-            f" grad norm: {grad_norm:.4f} |"
+            f" grad norm: {grad_norm:.4f} |{params_norm}"
             f" number of skipped iterations: {trainer.optimizer.num_skipped_iters:3d} |")
         if self.writer is not None:
             self.writer.add_scalar("throughput/tflops-per-gpu", tflops, it)
@@ -81,6 +95,7 @@ class TrainingLogger:
         self._reset()
 
     def validation(self, iteration, loss):
+        self.last_validation = (iteration, loss)
         ppl = math.exp(min(20.0, loss))
         line = (f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} |"
                 f" lm loss PPL: {ppl:.6E} |")

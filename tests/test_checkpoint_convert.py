@@ -1,5 +1,6 @@
 """Checkpoint conversion: TP/PP resharding keeps the model exactly; Hugging Face Llama export
-gives the same logits and imports back bit for bit."""
+gives the same logits and imports back bit for bit. The vocabulary (513 with EOD) pads to 768
+at TP=2 and 640 at TP=1: conversions carry exactly the real rows."""
 import torch
 
 from dist_harness import run_workers
@@ -12,7 +13,9 @@ from training_utils import TINY, train_losses
 LLAMA = (TINY.replace("--position-embedding-type rope", "--position-embedding-type rope "
                       "--normalization RMSNorm --swiglu --disable-bias-linear "
                       "--untie-embeddings-and-output-weights --group-query-attention "
-                      "--num-query-groups 2 --lr-decay-iters 10"))
+                      "--num-query-groups 2 --lr-decay-iters 10")
+         .replace("--vocab-size 200 --make-vocab-size-divisible-by 64",
+                  "--tokenizer-type NullTokenizer --vocab-size 512"))
 
 
 def test_tp_spec_matches_the_layers():
@@ -46,20 +49,22 @@ def test_hf_llama_export_and_import(tmp_path):
     ck, hf_dir = tmp_path / "ck", tmp_path / "hf"
     run_workers(train_losses, 2, f"{LLAMA} --train-iters 2 --tensor-model-parallel-size 2 --save {ck}")
     full, args, _ = convert.load_full(str(ck))
+    assert full["embedding.word_embeddings.weight"].shape[0] == 513  # no TP padding rows
     hf_llama.to_hf(full, args, str(hf_dir))
     hf = LlamaForCausalLM.from_pretrained(str(hf_dir)).eval()
-    config = tiny_config(vocab_size=full["embedding.word_embeddings.weight"].shape[0],
-                         make_vocab_size_divisible_by=1, normalization="RMSNorm", activation="swiglu",
-                         add_bias_linear=False, untie_embeddings_and_output_weights=True,
-                         num_query_groups=2, seed=11, max_position_embeddings=32,
-                         ffn_hidden_size=128)
-    ours = GPTModel(config).eval()
-    ours.load_state_dict(full)
-    tokens = torch.randint(0, 200, (2, 32), generator=torch.Generator().manual_seed(0))
+    assert hf.config.vocab_size == 513
+    config = tiny_config(vocab_size=513, make_vocab_size_divisible_by=128, normalization="RMSNorm",
+                         activation="swiglu", add_bias_linear=False,
+                         untie_embeddings_and_output_weights=True, num_query_groups=2, seed=11,
+                         max_position_embeddings=32, ffn_hidden_size=128)
+    ours = GPTModel(config).eval()  # TP=1: 640 rows
+    ours.load_state_dict(convert.pad_vocab_rows(full, args, 1))
+    tokens = torch.randint(0, 513, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        ours_logits = ours(tokens, torch.arange(32).expand(2, 32)).transpose(0, 1)  # [b, s, v]
-        hf_logits = hf(input_ids=tokens).logits
-    torch.testing.assert_close(ours_logits, hf_logits, rtol=1e-4, atol=1e-4)
+        ours_logits = ours(tokens, torch.arange(32).expand(2, 32)).transpose(0, 1)  # [b, s, 640]
+        hf_logits = hf(input_ids=tokens).logits  # [b, s, 513]
+    assert torch.isinf(ours_logits[..., 513:]).all()  # padding is out of every softmax
+    torch.testing.assert_close(ours_logits[..., :513], hf_logits, rtol=1e-4, atol=1e-4)
     back, back_args, _ = hf_llama.from_hf(str(hf_dir))
     assert set(back) == set(full)
     for name in full:

@@ -90,3 +90,34 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
     saved = checkpointing.read_tracker(str(tmp_path))
     assert saved is not None and saved >= 3
     assert os.path.exists(tmp_path / f"iter_{saved:07d}" / "mp_rank_00" / "model_optim_rng.pt")
+
+
+def test_use_checkpoint_args_needs_no_model_flags(tmp_path):
+    """--use-checkpoint-args takes the model's shape and tokenizer from the checkpoint: a run
+    that names no model flag resumes and trains on like one that names them all."""
+    from megatron_cp.arguments import parse_args
+    model = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
+             "--group-query-attention --num-query-groups 2 --swiglu --normalization RMSNorm "
+             "--position-embedding-type rope --mock-data --tokenizer-type NullTokenizer "
+             "--vocab-size 200")
+    run = ("--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --lr-warmup-iters 1 "
+           "--hidden-dropout 0 --attention-dropout 0 --eval-iters 0 --seed 11 "
+           "--override-opt_param-scheduler")
+    run_workers(train_losses, 1, f"{model} {run} --train-iters 2 --save {tmp_path}")
+    named = run_workers(train_losses, 1, f"{model} {run} --train-iters 4 --load {tmp_path}")[0]
+    bare = f"{run} --mock-data --train-iters 4 --load {tmp_path} --use-checkpoint-args"
+    args = parse_args(bare.split())
+    assert (args.num_layers, args.num_query_groups, args.swiglu, args.normalization,
+            args.vocab_size, args.seq_length) == (2, 2, True, "RMSNorm", 200, 32)
+    assert run_workers(train_losses, 1, bare)[0] == named
+    with pytest.raises(ValueError, match="give --load DIR"):
+        parse_args(f"{run} --mock-data --train-iters 4 --use-checkpoint-args".split())
+    with pytest.raises(ValueError, match="no checkpoint under"):
+        parse_args(f"{bare} --load {tmp_path}/empty".split())
+
+
+def test_exit_on_missing_checkpoint(tmp_path):
+    with pytest.raises(WorkerError, match="--exit-on-missing-checkpoint: no checkpoint under"):
+        run_workers(train_losses, 1, f"{TINY} --train-iters 3 --load {tmp_path} "
+                                     f"--exit-on-missing-checkpoint")
+    assert len(run_workers(train_losses, 1, f"{TINY} --train-iters 3 --load {tmp_path}")[0]) == 3

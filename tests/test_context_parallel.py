@@ -1,7 +1,7 @@
 """Context-parallel attention against the single-process reference, on gloo workers.
 
 Every case builds the same full q, k, v (same seed) on every rank, partitions the batch
-with partition_batch, runs context_parallel_attention on the local shard and compares the
+with prepare_microbatch, runs context_parallel_attention on the local shard and compares the
 output and dq, dk, dv with reference_attention on the full sequence (fp32, 1e-5). Cases
 are grouped so each world size is spawned only a few times.
 """
@@ -11,11 +11,12 @@ import torch.distributed as dist
 
 from dist_harness import run_workers
 from megatron_cp.context_parallel import (block_backward, block_forward,
-                                          build_hierarchical_groups, context_parallel_attention,
-                                          partition_batch, plan_heads, reference_attention,
+                                          context_parallel_attention, plan_heads,
+                                          reference_attention, resolve_comm_type,
                                           use_block_kernel, zigzag_indices)
 from megatron_cp.context_parallel.block_attention import attention_mask
 from megatron_cp.context_parallel.ring import RingLayout
+from megatron_cp.data.microbatch import prepare_microbatch
 from megatron_cp.initialize import initialize_model_parallel
 from test_context_parallel_partition import DOC_LENGTHS, make_batch
 
@@ -27,14 +28,25 @@ def _take(x, index):
     return x.gather(2, index[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
 
 
-def _check_case(case, cp_group, cp_rank, cp_size):
-    """Run one case on this rank and compare with the reference; returns the case name."""
+def _hierarchical_groups(cp_size, sizes_list):
+    """{(U, R): (inner, outer) groups} from ParallelStates built with each (U, R)."""
+    groups = {}
+    for sizes in sizes_list:
+        state = initialize_model_parallel(context_parallel_size=cp_size,
+                                          hierarchical_context_parallel_sizes=sizes)
+        groups[sizes] = (state.group("hcp_inner"), state.group("hcp_outer"))
+    return groups
+
+
+def _check_case(case, cp_group, cp_rank, cp_size, hierarchical=None):
+    """Run one case on this rank and compare with the reference; returns the case name.
+    ``hierarchical``: {(U, R): (inner, outer) groups} for the a2a+p2p cases."""
     name = f"{case['comm']} cp={cp_size} {case}"
     if case.get("docs"):
         batch = make_batch(doc_lengths=DOC_LENGTHS)  # 36 tokens per sample, padded per document
     else:
         batch = make_batch(seq_len=case.get("s", 64))
-    parts = [partition_batch(batch, r, cp_size) for r in range(cp_size)]
+    parts = [prepare_microbatch(batch, r, cp_size) for r in range(cp_size)]
     mine = parts[cp_rank]
     index, docs = mine["token_index"], mine["document_ids"]
     b, total = index.shape[0], cp_size * index.shape[1]
@@ -57,8 +69,9 @@ def _check_case(case, cp_group, cp_rank, cp_size):
     else:
         leaves = local = [_take(t, index).requires_grad_() for t in (q, k, v)]
     with use_block_kernel(case.get("kernel", "auto")):
+        sizes = resolve_comm_type(case["comm"], case["nkv"], cp_size, case.get("hier"))[1]
         out = context_parallel_attention(*local, index, docs, cp_group, case["comm"],
-                                         hierarchical_sizes=case.get("hier"))
+                                         hierarchical_groups=(hierarchical or {}).get(sizes))
         (out * _take(g, index)).sum().backward()
     torch.testing.assert_close(out, _take(ref, index), **TOL, msg=lambda m: f"{name} out: {m}")
     for what, leaf, want in zip("qkv", leaves, ref_grads):
@@ -103,14 +116,15 @@ CP2_CASES = [
 
 def _cp4_worker(rank, world_size):
     group = dist.new_group(list(range(world_size)))
-    return [_check_case(case, group, rank, world_size) for case in CP4_CASES]
+    hierarchical = _hierarchical_groups(4, [(2, 2)])
+    return [_check_case(case, group, rank, world_size, hierarchical) for case in CP4_CASES]
 
 
-def _cp2_worker(rank, world_size):
+def _cp2_worker(rank, world_size):  # two CP groups of 2 (CP x DP): sub-groups of each
     state = initialize_model_parallel(context_parallel_size=2)
-    for sizes in ((1, 2), (2, 1)):  # every rank builds the sub-groups of every CP group
-        build_hierarchical_groups(state.layout["cp"], *sizes)
-    return [_check_case(case, state.group("cp"), state.rank("cp"), 2) for case in CP2_CASES]
+    hierarchical = _hierarchical_groups(2, [(1, 2), (2, 1)])
+    return [_check_case(case, state.group("cp"), state.rank("cp"), 2, hierarchical)
+            for case in CP2_CASES]
 
 
 def test_context_parallel_cp4_matches_reference():
@@ -132,7 +146,7 @@ def _errors_and_memory_worker(rank, world_size):
     group = dist.new_group(list(range(world_size)))
     b, d, s_local = 2, 8, 16
     q, k, v = torch.randn(b, 6, s_local, d), torch.randn(b, 2, s_local, d), torch.randn(b, 2, s_local, d)
-    index = partition_batch(make_batch(seq_len=64), rank, world_size)["token_index"]
+    index = prepare_microbatch(make_batch(seq_len=64), rank, world_size)["token_index"]
 
     def boom(*args, **kwargs):
         raise AssertionError("communication before input validation")
@@ -142,10 +156,9 @@ def _errors_and_memory_worker(rank, world_size):
         setattr(dist, n, boom)
     try:
         bad = [(dict(comm_type="a2a", allow_dummy_heads=False), "dummy heads are disabled"),
-               (dict(comm_type="a2a+p2p", hierarchical_sizes=(2, 3)), r"multiply to 6"),
-               (dict(comm_type="a2a+p2p", hierarchical_sizes=(2, 1, 2)), "needs hierarchical"),
-               (dict(comm_type="a2a+p2p", hierarchical_sizes=(4, 1), allow_dummy_heads=False),
-                "dummy heads"),
+               (dict(comm_type="a2a+p2p"), "needs hierarchical"),
+               (dict(comm_type="a2a+p2p", hierarchical_groups=(group, group)), "multiply to 16"),
+               (dict(comm_type="auto"), r"hierarchical_context_parallel_sizes=\(2, 2\)"),
                (dict(comm_type="ring"), "unknown"),
                (dict(comm_type="p2p", token_index=index[:, :8]), r"token_index must be")]
         for kwargs, match in bad:
@@ -158,7 +171,7 @@ def _errors_and_memory_worker(rank, world_size):
 
     # Saved for backward by ring attention: local q, k, v, out, lse (+ O(s) int metadata).
     for docs in (False, True):
-        part = partition_batch(make_batch(doc_lengths=DOC_LENGTHS) if docs else make_batch(seq_len=64),
+        part = prepare_microbatch(make_batch(doc_lengths=DOC_LENGTHS) if docs else make_batch(seq_len=64),
                                rank, world_size)
         s_loc = part["token_index"].shape[1]
         local = [torch.randn(b, h, s_loc, d, requires_grad=True) for h in (4, 2, 2)]
@@ -204,7 +217,7 @@ def test_single_rank_and_block_kernels():
         results[kernel] = (o, lse, *grads)
     for a, b in zip(results["auto"], results["torch"]):
         torch.testing.assert_close(a, b, **TOL)
-    # The zigzag fast path is detected for partition_batch's layout, and for the outer ring
+    # The zigzag fast path is detected for prepare_microbatch's layout, and for the outer ring
     # of the hybrid after the inner all-to-all's gathered tokens are sorted (2 x 2 here).
     index = [zigzag_indices(r, 4, 32) for r in range(4)]
     assert RingLayout.from_metadata(torch.stack(index)[:, None], None).zigzag

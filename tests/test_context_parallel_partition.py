@@ -1,9 +1,10 @@
-"""Zigzag split / inverse and partition_batch (plain and packed documents); no processes."""
+"""Zigzag split / inverse and prepare_microbatch (the one padding rule, then the CP
+partition; plain and packed documents, fixed and data-driven lengths); no processes."""
 import pytest
 import torch
 
-from megatron_cp.context_parallel import (partition_batch, zigzag_gather, zigzag_indices,
-                                          zigzag_split)
+from megatron_cp.context_parallel import zigzag_gather, zigzag_indices, zigzag_split
+from megatron_cp.data.microbatch import prepare_microbatch, required_length, step_length
 
 DOC_LENGTHS = ([5, 19, 3, 9], [12, 7, 17])  # two samples of 36 tokens; 5 and 3 < one chunk
 
@@ -40,32 +41,36 @@ def test_zigzag_round_trip_and_indices():
 
 def test_partition_plain_batch():
     batch = make_batch(seq_len=32)
-    parts = [partition_batch(batch, r, 4) for r in range(4)]
+    parts = [prepare_microbatch(batch, r, 4) for r in range(4)]
     for key in ("tokens", "labels", "loss_mask", "position_ids"):
         assert torch.equal(zigzag_gather([p[key] for p in parts], dim=1), batch[key])
     assert parts[1]["token_index"][0].tolist() == [4, 5, 6, 7, 24, 25, 26, 27]
-    assert parts[0]["document_ids"] is None and parts[0]["cu_seqlens"] is None
-    with pytest.raises(ValueError, match=r"sequence length \(36\).*2 x 8 = 16"):
-        partition_batch(make_batch(seq_len=36), 0, 8)
-    single = partition_batch(make_batch(seq_len=35), 0, 1)  # CP=1: nothing to split or pad
-    assert single["tokens"].shape == (2, 35) and single["token_index"][0].tolist() == list(range(35))
-    padded = partition_batch(make_batch(seq_len=30), 0, 2, target_length=32)  # pad then split
+    assert parts[0]["document_ids"] is None
+    with pytest.raises(ValueError, match=r"\(36\) must be a multiple of 2 x CP \(16\)"):
+        prepare_microbatch(make_batch(seq_len=36), 0, 8, target_length=36)
+    single = prepare_microbatch(make_batch(seq_len=35), 0, 1)  # CP=1: nothing to split or pad
+    assert single["tokens"].shape == (2, 35) and single["token_index"] is None
+    padded = prepare_microbatch(make_batch(seq_len=30), 0, 2, target_length=32)  # pad then split
     assert padded["tokens"].shape == (2, 16)
-    with pytest.raises(ValueError, match="target_length"):
-        partition_batch(make_batch(seq_len=36), 0, 2, target_length=32)
+    with pytest.raises(ValueError, match="more than --pipeline-seq-length \\(32\\)"):
+        prepare_microbatch(make_batch(seq_len=36), 0, 2, target_length=32)
+
+
+def _bounds(lengths, multiple, total):
+    padded = [-(-n // multiple) * multiple for n in lengths]
+    padded[-1] += total - sum(padded)  # the last document is extended to the sample length
+    return padded, torch.tensor([0] + padded).cumsum(0)
 
 
 @pytest.mark.parametrize("cp_size", [2, 4])
 def test_partition_packed_documents(cp_size):
     batch = make_batch(doc_lengths=DOC_LENGTHS)
-    parts = [partition_batch(batch, r, cp_size) for r in range(cp_size)]
+    parts = [prepare_microbatch(batch, r, cp_size) for r in range(cp_size)]
     multiple = 2 * cp_size
-    padded = [[-(-n // multiple) * multiple for n in lengths] for lengths in DOC_LENGTHS]
-    total = max(sum(p) for p in padded)
+    total = max(sum(-(-n // multiple) * multiple for n in lengths) for lengths in DOC_LENGTHS)
+    assert required_length(batch, cp_size) == total
     for n, lengths in enumerate(DOC_LENGTHS):
-        sample_padded = padded[n][:-1] + [padded[n][-1] + total - sum(padded[n])]
-        bounds = torch.tensor([0] + sample_padded).cumsum(0)
-        assert torch.equal(parts[0]["cu_seqlens"][n], bounds)
+        sample_padded, bounds = _bounds(lengths, multiple, total)
         index = torch.cat([p["token_index"][n] for p in parts])
         assert torch.equal(index.sort().values, torch.arange(total))  # every token once
         full = {}
@@ -76,21 +81,46 @@ def test_partition_packed_documents(cp_size):
         start = 0
         for doc, (length, size) in enumerate(zip(lengths, sample_padded)):
             lo, hi = int(bounds[doc]), int(bounds[doc + 1])
-            assert hi - lo == size
             assert torch.equal(full["tokens"][lo:lo + length], batch["tokens"][n, start:start + length])
             assert (full["loss_mask"][lo + length:hi] == 0).all()
             assert (full["labels"][lo + length:hi] == 0).all() and (full["tokens"][lo + length:hi] == 0).all()
-            assert torch.equal(full["position_ids"][lo:hi], torch.arange(size))  # continuing
+            # real positions kept; pad tokens repeat the document's last position (a learned
+            # position table is never indexed past the real positions)
+            expected = torch.cat([torch.arange(length), torch.full((size - length,), length - 1)])
+            assert torch.equal(full["position_ids"][lo:hi], expected)
             assert (full["document_ids"][lo:hi] == doc).all()
             for p in parts:  # each rank holds size / cp tokens of every document
                 held = ((p["token_index"][n] >= lo) & (p["token_index"][n] < hi)).sum()
                 assert int(held) == size // cp_size
             start += length
-    with pytest.raises(ValueError, match="target_length"):
-        partition_batch(batch, 0, cp_size, target_length=total - multiple)
-    single = partition_batch(batch, 0, 1)  # CP=1: documents kept as they are, no padding
+    with pytest.raises(ValueError, match=f"needs {total} tokens per sample"):
+        prepare_microbatch(batch, 0, cp_size, target_length=total - multiple)
+    single = prepare_microbatch(batch, 0, 1)  # CP=1: documents kept as they are, no padding
     assert torch.equal(single["tokens"], batch["tokens"])
-    assert single["document_ids"][1].tolist() == [0] * 12 + [1] * 7 + [2] * 17
-    longer = partition_batch(batch, 0, cp_size, target_length=total + multiple)
+    assert torch.equal(single["document_ids"], batch["document_ids"])
+    longer = prepare_microbatch(batch, 0, cp_size, target_length=total + multiple)
     assert longer["tokens"].shape == (2, (total + multiple) // cp_size)
-    assert len(longer["cu_seqlens"][0]) == len(DOC_LENGTHS[0]) + 1  # no zero-length document
+    runs = torch.unique_consecutive(longer["document_ids"][0])  # no zero-length document
+    assert runs.tolist() == list(range(len(DOC_LENGTHS[0])))
+
+
+def test_pipeline_padding_extends_the_last_document():
+    """CP=1 with a target length: the same rule, applied at the end of each sample."""
+    batch = make_batch(seq_len=36, doc_lengths=DOC_LENGTHS)
+    padded = prepare_microbatch(batch, 0, 1, target_length=40)
+    assert padded["tokens"].shape == (2, 40) and padded["token_index"] is None
+    for key in ("tokens", "labels", "loss_mask", "position_ids"):  # real tokens untouched
+        assert torch.equal(padded[key][:, :36], batch[key])
+    assert padded["loss_mask"][:, 36:].eq(0).all() and padded["tokens"][:, 36:].eq(0).all()
+    assert padded["position_ids"][0, 36:].tolist() == [8] * 4  # the last document's last
+    assert padded["document_ids"][0, 34:].tolist() == [3] * 6  # ... and its id
+    plain = prepare_microbatch(make_batch(seq_len=30), 0, 1, target_length=32)
+    assert plain["document_ids"] is None and plain["position_ids"][0, 29:].tolist() == [29] * 3
+
+
+def test_step_length_rounds_up_and_buckets():
+    assert step_length(36, 32, 4, bucketed=False) == 36
+    assert step_length(37, 32, 4, bucketed=False) == 40
+    assert step_length(20, 32, 4, bucketed=True) == 32  # never below the sequence length
+    assert step_length(4100, 4096, 4, bucketed=True) == 4608  # steps of seq_length / 8
+    assert step_length(4100, 4096, 8, bucketed=True) % 8 == 0

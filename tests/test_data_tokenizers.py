@@ -41,7 +41,7 @@ def test_null_tokenizer_follows_megatron():
 
 def test_unknown_type_and_missing_files_name_the_choices():
     with pytest.raises(ValueError) as err:
-        build_tokenizer("HuggingFaceTokenizer")
+        build_tokenizer("BertWordPieceLowerCase")
     for name in TOKENIZER_TYPES:
         assert name in str(err.value)
     with pytest.raises(ValueError, match="tokenizer-model"):
@@ -110,3 +110,63 @@ def test_gpt2_bpe_on_a_hand_written_vocab(tmp_path):
     with pytest.raises(ValueError, match="endoftext"):
         build_tokenizer("GPT2BPETokenizer", vocab_file=str(vocab_file),
                         merge_file=str(merge_file))
+
+
+def _train_hf_bpe(tmp_path, special="</s>"):
+    """A small byte-level BPE trained here with the ``tokenizers`` library: (Tokenizer, file)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    texts = ["def main():\n    return 0\n", "hello world, hello tokenizers", "for x in range(3):"]
+    tok.train_from_iterator(texts * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=[special], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    return tok, str(path)
+
+
+def test_hugging_face_tokenizer_from_folder_and_file(tmp_path):
+    from transformers import PreTrainedTokenizerFast
+
+    raw, file = _train_hf_bpe(tmp_path)
+    folder = tmp_path / "hf_folder"
+    PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="</s>").save_pretrained(str(folder))
+    text = "def main():\n    return 'hello world'\n"
+    expected = raw.encode(text).ids
+    for path in (str(folder), file, str(folder / "tokenizer.json")):
+        tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=path)
+        assert tok.eod == raw.token_to_id("</s>"), path
+        assert tok.vocab_size == raw.get_vocab_size(), path
+        assert tok.tokenize(text) == expected, path
+        assert tok.detokenize(tok.tokenize(text)) == text, path
+    hf = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(folder))._hf
+    assert type(hf).__module__.startswith("transformers.")  # a folder goes through AutoTokenizer
+
+
+def test_hugging_face_tokenizer_errors(tmp_path):
+    with pytest.raises(ValueError, match="needs --tokenizer-model"):
+        build_tokenizer("HuggingFaceTokenizer")
+    with pytest.raises(ValueError, match="does not exist.*not downloaded"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model="gpt2")
+    _, file = _train_hf_bpe(tmp_path, special="<pad>")  # no eos token anywhere
+    with pytest.raises(ValueError, match="no eos token"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model=file)
+
+
+def test_preprocess_with_hugging_face_tokenizer(tmp_path):
+    from megatron_cp.data.indexed_dataset import IndexedDataset
+
+    raw, file = _train_hf_bpe(tmp_path)
+    corpus = tmp_path / "corpus.jsonl"
+    docs = ["hello world", "def main():\n    return 0\n"]
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    prefix = str(tmp_path / "out")
+    out = load_tool("preprocess_data").main(["--input", str(corpus), "--output-prefix", prefix,
+                                             "--tokenizer-type", "HuggingFaceTokenizer",
+                                             "--tokenizer-model", file, "--append-eod"])
+    dataset = IndexedDataset(out["text"])
+    eod = raw.token_to_id("</s>")
+    assert [list(map(int, dataset[i])) for i in range(len(docs))] == \
+        [raw.encode(d).ids + [eod] for d in docs]

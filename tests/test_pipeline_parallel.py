@@ -13,7 +13,8 @@ from dist_harness import run_workers
 from megatron_cp.initialize import initialize_model_parallel
 from megatron_cp.model import GPTModel
 from megatron_cp.optimizer.distributed import allreduce_embedding_grads
-from megatron_cp.pipeline_parallel import build_model_chunks, get_forward_backward_func, pad_microbatch
+from megatron_cp.data.microbatch import prepare_microbatch
+from megatron_cp.pipeline_parallel import build_model_chunks, get_forward_backward_func
 from model_utils import tiny_config
 from training_utils import TINY, max_rel_diff, train_losses
 
@@ -38,7 +39,7 @@ LAYOUTS = {
     "pp2_padded_packed": (2, "packed", f"{PP2} {PACKED} --pipeline-seq-length 40"),
     "pp4": (4, "tied", f"{PP4} --eval-iters 1 --eval-interval 5"),
     "tp2_pp2": (4, "tied", f"{TP2} {PP2}"),
-    "cp2_pp2_packed_ring": (4, "packed", f"{CP2} {PP2} {PACKED} --pipeline-seq-length 48"),
+    "cp2_pp2_packed_ring": (4, "packed", f"{CP2} {PP2} {PACKED}"),  # buffers follow the data
     "cp2_pp2_packed_hybrid": (4, "packed", f"{CP2} {PP2} {PACKED} --pipeline-seq-length 48 "
                                            f"--cp-comm-type a2a+p2p "
                                            f"--hierarchical-context-parallel-sizes 2 1"),
@@ -46,8 +47,7 @@ LAYOUTS = {
     "pp2_vp2_dp2_overlap": (4, "tied", f"{PP2} --num-layers-per-virtual-pipeline-stage 1 "
                                        f"--overlap-grad-reduce"),
     "tp2_cp2_pp2_a2a": (8, "tied", f"{TP2} {CP2} {PP2} --cp-comm-type a2a"),
-    "pp2_dp2_cp2_packed_all_gather": (8, "packed", f"{PP2} {CP2} {PACKED} --cp-comm-type all_gather "
-                                                   f"--pipeline-seq-length 48"),
+    "pp2_dp2_cp2_packed_all_gather": (8, "packed", f"{PP2} {CP2} {PACKED} --cp-comm-type all_gather"),
 }
 
 
@@ -119,7 +119,7 @@ def _variable_length_worker(rank, world, untied):
         return loss_sum / num_tokens, loss_sum
 
     schedule = get_forward_backward_func(state, (32, 2, config.hidden_size), torch.float32)
-    losses = schedule(_forward, loss_func, [pad_microbatch(b, 32) for b in microbatches], chunks,
+    losses = schedule(_forward, loss_func, [prepare_microbatch(b, 0, 1, 32) for b in microbatches], chunks,
                       state)
     allreduce_embedding_grads(chunks, state)
     expected = []

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from megatron_cp.arguments import parse_args
-from megatron_cp.pipeline_parallel import (P2PCommunicator, chunk_layer_numbers, pad_microbatch,
+from megatron_cp.pipeline_parallel import (P2PCommunicator, chunk_layer_numbers,
                                            pipeline_tensor_shape, stage_layer_counts,
                                            virtual_pipeline_size)
 from megatron_cp.pipeline_parallel.replay import record_program, simulate
-from megatron_cp.pipeline_parallel.schedules import backward_step, deallocate_output_tensor
+from megatron_cp.pipeline_parallel.steps import backward_step, deallocate_output_tensor
 from training_utils import TINY
 
 BASE = TINY.replace("--num-layers 2", "--num-layers 4") + " --train-iters 10"
@@ -63,44 +63,7 @@ def test_pipeline_is_built_by_default():
     args = parse_args(f"{BASE} --pipeline-model-parallel-size 2 "
                       f"--num-layers-per-virtual-pipeline-stage 1".split(), world_size=2)
     assert args.virtual_pipeline_model_parallel_size == 2
-    assert args.pipeline_seq_length == args.seq_length
-
-
-def _packed(lengths, docs):
-    """A [len(lengths) samples] batch; sample n has ``lengths[n]`` tokens in docs of ``docs[n]``."""
-    s = max(lengths)
-    out = {k: [] for k in ("tokens", "labels", "loss_mask", "position_ids", "document_ids")}
-    for n, (length, split) in enumerate(zip(lengths, docs)):
-        doc = torch.cat([torch.full((d,), i) for i, d in enumerate(split)])
-        pos = torch.cat([torch.arange(d) for d in split])
-        assert doc.numel() == length == s  # one length per batch, as in a real microbatch
-        out["tokens"].append(torch.arange(length) + 10 * n + 1)
-        out["labels"].append(torch.arange(length) + 10 * n + 2)
-        out["loss_mask"].append(torch.ones(length))
-        out["position_ids"].append(pos)
-        out["document_ids"].append(doc)
-    return {k: torch.stack(v) for k, v in out.items()}
-
-
-def test_padding_extends_the_last_document():
-    batch = _packed([5, 5], [[2, 3], [5]])
-    padded = pad_microbatch(batch, 8)
-    assert padded["tokens"].shape == (2, 8)
-    assert padded["loss_mask"][:, 5:].eq(0).all() and padded["loss_mask"][:, :5].eq(1).all()
-    assert padded["tokens"][:, 5:].eq(0).all() and padded["labels"][:, 5:].eq(0).all()
-    assert padded["document_ids"].tolist() == [[0, 0, 1, 1, 1, 1, 1, 1], [0] * 8]
-    assert padded["position_ids"].tolist() == [[0, 1, 0, 1, 2, 3, 4, 5], list(range(8))]
-    for key in batch:  # the real tokens are untouched
-        assert torch.equal(padded[key][:, :5], batch[key])
-    assert pad_microbatch(batch, 5) is batch
-    no_docs = dict(batch, document_ids=None, token_index=None)
-    assert pad_microbatch(no_docs, 7)["document_ids"] is None
-
-
-def test_microbatch_longer_than_the_buffer_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"sequence length 5, longer than the pipeline buffer "
-                                         r"\(4 tokens per sample, --pipeline-seq-length\)"):
-        pad_microbatch(_packed([5], [[5]]), 4)
+    assert args.pipeline_seq_length is None  # the buffers follow each step's data
 
 
 def test_buffer_shape_and_shape_check_before_sending():

@@ -2,8 +2,7 @@
 import torch
 
 from megatron_cp.arguments import parse_args
-from megatron_cp.initialize import initialize_model_parallel
-from megatron_cp.training import pretrain
+from megatron_cp.training import build_parallel_state, pretrain
 
 TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
         "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 2 "
@@ -15,13 +14,7 @@ TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32
 def train_losses(rank, world, argv, built=("tensor", "data", "context", "pipeline")):
     """Worker: parse ``argv`` for this world size, train, return the per-iteration losses."""
     args = parse_args(argv.split() if isinstance(argv, str) else argv, world_size=world, built=built)
-    state = initialize_model_parallel(
-        args.tensor_model_parallel_size, args.context_parallel_size,
-        args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
-        hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes,
-        device=torch.device("cpu"))
-    return pretrain(args, state)
+    return pretrain(args, build_parallel_state(args, torch.device("cpu")))
 
 
 def max_rel_diff(losses, reference):

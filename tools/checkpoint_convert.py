@@ -25,6 +25,7 @@ from megatron_cp import checkpointing  # noqa: E402
 from megatron_cp.tensor_parallel import merge_shards, split_full  # noqa: E402
 
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")  # [padded vocab, h]
 
 
 def tp_spec(name, swiglu):
@@ -51,13 +52,14 @@ def _chunk_states(payload):
 
 
 def load_full(load_dir):
-    """Assemble the full model of the latest checkpoint: (state dict, args dict, meta dict)."""
+    """Assemble the full model of the latest checkpoint: (state dict, args dict, meta dict).
+
+    The vocabulary rows are the real ones (``true_vocab_size``), without the TP padding."""
     it = checkpointing.read_tracker(load_dir)
     if it is None:
         raise ValueError(f"{load_dir} has no {checkpointing.TRACKER}: not a megatron_cp checkpoint")
     root = checkpointing.iteration_dir(load_dir, it)
-    lead = "mp_rank_00" if os.path.isdir(os.path.join(root, "mp_rank_00")) else "mp_rank_00_000"
-    first = torch.load(os.path.join(root, lead, "model_optim_rng.pt"), map_location="cpu",
+    first = torch.load(checkpointing.latest_first_shard(load_dir), map_location="cpu",
                        weights_only=False)
     args = first["args"]
     tp, pp = args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"]
@@ -80,17 +82,40 @@ def load_full(load_dir):
         spec = tp_spec(name, args["swiglu"])
         parts = [per_rank[r] for r in range(tp)]
         full[name] = merge_shards(parts, *spec) if spec else parts[0]
+    true_vocab = args.get("true_vocab_size")
+    for name in VOCAB_ROWS:  # the padding depends on the TP size: keep the real rows only
+        if name in full and true_vocab:
+            full[name] = full[name][:true_vocab]
     meta = {"iteration": first["iteration"], "consumed_samples": first["consumed_samples"]}
     return full, args, meta
 
 
+def pad_vocab_rows(full, args, tp):
+    """``full`` with the vocabulary rows zero-padded as a TP=``tp`` model pads them."""
+    from megatron_cp.model import pad_vocab_size
+    rows = full["embedding.word_embeddings.weight"].shape[0]
+    padded = pad_vocab_size(args.get("true_vocab_size") or rows,
+                            args.get("make_vocab_size_divisible_by", 128), tp)
+    out = dict(full)
+    for name in VOCAB_ROWS:
+        if name in out:
+            weight = out[name][:args.get("true_vocab_size") or rows]
+            out[name] = torch.cat([weight, weight.new_zeros(padded - weight.shape[0],
+                                                            *weight.shape[1:])])
+    return out
+
+
 def save_layout(full, args, meta, save_dir, tp, pp, vp_layers=None, first=None, last=None):
     """Write ``full`` as a checkpoint for TP=tp, PP=pp (optionally virtual stages)."""
+    args = dict(args, true_vocab_size=args.get("true_vocab_size") or
+                full["embedding.word_embeddings.weight"].shape[0])
+    full = pad_vocab_rows(full, args, tp)
     from megatron_cp.pipeline_parallel.stages import chunk_layer_numbers, virtual_pipeline_size
     num_layers = args["num_layers"]
     vp = virtual_pipeline_size(num_layers, pp, vp_layers) if vp_layers else None
     tied = not args["untie_embeddings_and_output_weights"]
     new_args = dict(args, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                    padded_vocab_size=full["embedding.word_embeddings.weight"].shape[0],
                     num_layers_per_virtual_pipeline_stage=vp_layers,
                     decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last)
     root = checkpointing.iteration_dir(save_dir, meta["iteration"])

@@ -97,5 +97,6 @@ def from_hf(hf_dir):
             "max_position_embeddings": c["max_position_embeddings"],
             "norm_epsilon": c.get("rms_norm_eps", 1e-5), "rotary_base": c.get("rope_theta", 1e4),
             "untie_embeddings_and_output_weights": not tied, **REQUIRED,
+            "true_vocab_size": c["vocab_size"],
             "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}
     return full, args, {"iteration": 0, "consumed_samples": 0}

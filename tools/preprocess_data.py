@@ -73,7 +73,9 @@ def get_args(argv=None):
                        help="keys to extract from each json record (default: text)")
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
-    group.add_argument("--tokenizer-model", default=None, help="sentencepiece .model file")
+    group.add_argument("--tokenizer-model", default=None,
+                       help="sentencepiece .model file, or (HuggingFaceTokenizer) a local "
+                            "tokenizer folder or tokenizer.json file")
     group.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json")
     group.add_argument("--merge-file", default=None, help="GPT-2 merges.txt")
     group.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocab size")

@@ -1,9 +1,9 @@
-"""The entry point the model's attention calls: ``context_parallel_attention``.
+"""The entry point the model's attention uses: :class:`ContextParallelAttention`.
 
-It validates the inputs (every user error is raised before any communication), resolves
-the communication type (Megatron's --cp-comm-type names: p2p, a2a, a2a+p2p, all_gather,
-plus auto) and dispatches to ring / Ulysses / hybrid / all-gather attention. A CP group of
-size 1 (or None) runs plain local attention.
+Built once per attention layer, it resolves the communication type (Megatron's
+--cp-comm-type names: p2p, a2a, a2a+p2p, all_gather, plus auto) and checks the heads, so
+every user error is raised before any communication; each call validates the inputs and
+dispatches to ring / Ulysses / hybrid / all-gather attention.
 """
 import math
 
@@ -12,6 +12,7 @@ from megatron_cp.context_parallel import comm
 from megatron_cp.context_parallel.all_gather import all_gather_attention
 from megatron_cp.context_parallel.ring import ring_attention
 from megatron_cp.context_parallel.ulysses import plan_heads, ulysses_attention
+from megatron_cp.initialize import check_hierarchical_sizes
 
 COMM_TYPES = ("p2p", "a2a", "a2a+p2p", "all_gather", "auto")
 
@@ -20,7 +21,8 @@ def resolve_comm_type(comm_type, num_kv_heads, cp_size, hierarchical_sizes=None)
     """(comm type, (U, R) or None) actually used; "auto" picks U = gcd(num_kv_heads, cp_size).
 
     auto: pure a2a when U == cp_size, pure p2p when U == 1, else a2a+p2p with (U, cp/U).
-    Call it at model build time to know which hierarchical groups to build.
+    The one rule for which hierarchical CP groups a model needs: the trainer calls it before
+    ``initialize_model_parallel`` builds them, each attention layer when it is built.
     """
     if comm_type not in COMM_TYPES:
         raise ValueError(f"cp comm type {comm_type!r} is unknown; use one of {list(COMM_TYPES)}")
@@ -36,11 +38,62 @@ def resolve_comm_type(comm_type, num_kv_heads, cp_size, hierarchical_sizes=None)
     if hierarchical_sizes is None or len(hierarchical_sizes) != 2:
         raise ValueError(f"--cp-comm-type a2a+p2p needs hierarchical_sizes (U, R) with U x R = "
                          f"cp size ({cp_size}); got {hierarchical_sizes}")
-    inner, outer = (int(size) for size in hierarchical_sizes)
-    if inner < 1 or outer < 1 or inner * outer != cp_size:
-        raise ValueError(f"hierarchical_sizes (U={inner}, R={outer}) multiply to {inner * outer}, "
-                         f"but the context parallel size is {cp_size}; give U x R = {cp_size}")
-    return "a2a+p2p", (inner, outer)
+    return "a2a+p2p", check_hierarchical_sizes(hierarchical_sizes, cp_size)
+
+
+class ContextParallelAttention:
+    """Causal (and document-masked) attention of a sequence sharded over ``cp_group``, with
+    its communication resolved once, when the attention layer is built.
+
+    ``comm_type``: "p2p" (ring), "a2a" (Ulysses), "a2a+p2p" (Ulysses over the inner group,
+    ring over the outer one of ``hierarchical_groups``, from ``ParallelState``'s
+    ``hcp_inner`` / ``hcp_outer``), "all_gather" or "auto". ``num_heads`` /
+    ``num_kv_heads``: this rank's query and KV heads (after the TP split). Every user error
+    (unknown type, missing sub-groups, heads that cannot split) is raised here, before any
+    communication. A CP group of size 1 (or None) runs plain local attention.
+    """
+
+    def __init__(self, cp_group, comm_type, num_heads, num_kv_heads, hierarchical_groups=None,
+                 allow_dummy_heads=True, softmax_scale=None):
+        self.cp_group, self.softmax_scale = cp_group, softmax_scale
+        self.allow_dummy_heads = allow_dummy_heads
+        self.cp_size = comm.group_size(cp_group)
+        groups = tuple(hierarchical_groups) if hierarchical_groups else None
+        sizes = tuple(comm.group_size(g) for g in groups) if groups else None
+        self.method, wanted = (None, None) if self.cp_size == 1 else \
+            resolve_comm_type(comm_type, num_kv_heads, self.cp_size, sizes)
+        self.inner_group = self.outer_group = None
+        if self.method == "a2a":
+            plan_heads(num_heads, num_kv_heads, self.cp_size, allow_dummy_heads)
+        elif self.method == "a2a+p2p":
+            if sizes != wanted:
+                raise ValueError(
+                    f"cp comm type {comm_type!r} runs a2a+p2p with (U, R) = {wanted}, but the "
+                    f"hierarchical CP groups given are {sizes}; build the ParallelState with "
+                    f"hierarchical_context_parallel_sizes={wanted}")
+            plan_heads(num_heads, num_kv_heads, wanted[0], allow_dummy_heads)
+            self.inner_group, self.outer_group = groups
+
+    def _ring_over_outer(self, q, k, v, token_index, document_ids, scale):
+        return ring_attention(q, k, v, token_index, document_ids, self.outer_group, scale)
+
+    def __call__(self, q, k, v, token_index, document_ids):
+        """q [b, nh, s_local, d], k/v [b, nkv, s_local, d], token_index [b, s_local] (each
+        token's index in the full padded sample), document_ids [b, s_local] or None ->
+        [b, nh, s_local, d] in q's dtype; gradients flow to q, k and v."""
+        scale = self.softmax_scale
+        if self.cp_size == 1:
+            return blocks.local_attention(q, k, v, token_index, document_ids, scale)
+        _check_inputs(q, k, v, token_index, document_ids)
+        if self.method == "p2p":
+            return ring_attention(q, k, v, token_index, document_ids, self.cp_group, scale)
+        if self.method == "all_gather":
+            return all_gather_attention(q, k, v, token_index, document_ids, self.cp_group, scale)
+        if self.method == "a2a":
+            return ulysses_attention(q, k, v, token_index, document_ids, self.cp_group, scale,
+                                     self.allow_dummy_heads)
+        return ulysses_attention(q, k, v, token_index, document_ids, self.inner_group, scale,
+                                 self.allow_dummy_heads, inner_attention=self._ring_over_outer)
 
 
 def _check_inputs(q, k, v, token_index, document_ids):
@@ -58,45 +111,14 @@ def _check_inputs(q, k, v, token_index, document_ids):
             raise ValueError(f"{name} must be [b={b}, s_local={s}]; got {tuple(meta.shape)}")
     if token_index is None:
         raise ValueError("token_index is required with context parallelism; take it from "
-                         "partition_batch(...)['token_index']")
+                         "prepare_microbatch(...)['token_index']")
 
 
 def context_parallel_attention(q, k, v, token_index, document_ids, cp_group, comm_type,
-                               softmax_scale=None, hierarchical_sizes=None,
+                               softmax_scale=None, hierarchical_groups=None,
                                allow_dummy_heads=True):
-    """Causal (and document-masked) attention of a sequence sharded over ``cp_group``.
-
-    q: [b, nh, s_local, d]; k, v: [b, nkv, s_local, d] (nh % nkv == 0, GQA: KV heads are
-    never repeated before communication except where an all-to-all needs it);
-    token_index: [b, s_local] int64, each token's index in the full padded sample
-    (causality: token_index_q >= token_index_k); document_ids: [b, s_local] or None (a query
-    sees only keys of its own document; rows that see no key give 0). comm_type: "p2p"
-    (ring), "a2a" (Ulysses), "a2a+p2p" (Ulysses over U consecutive CP ranks, ring over the
-    R ranks with equal cp_rank % U; hierarchical_sizes=(U, R)), "all_gather" or "auto".
-    Returns [b, nh, s_local, d] in q's dtype. Forward and backward are those of the chosen
-    method (custom autograd Functions); gradients flow to q, k and v.
-    """
-    cp_size = comm.group_size(cp_group)
-    if cp_size == 1:
-        return blocks.local_attention(q, k, v, token_index, document_ids, softmax_scale)
-    _check_inputs(q, k, v, token_index, document_ids)
-    method, sizes = resolve_comm_type(comm_type, k.shape[1], cp_size, hierarchical_sizes)
-    if method == "a2a":
-        plan_heads(q.shape[1], k.shape[1], cp_size, allow_dummy_heads)
-    elif method == "a2a+p2p":
-        plan_heads(q.shape[1], k.shape[1], sizes[0], allow_dummy_heads)
-
-    if method == "p2p":
-        return ring_attention(q, k, v, token_index, document_ids, cp_group, softmax_scale)
-    if method == "all_gather":
-        return all_gather_attention(q, k, v, token_index, document_ids, cp_group, softmax_scale)
-    if method == "a2a":
-        return ulysses_attention(q, k, v, token_index, document_ids, cp_group, softmax_scale,
-                                 allow_dummy_heads)
-    inner_group, outer_group = comm.hierarchical_groups(cp_group, *sizes)
-
-    def ring_over_outer(q_, k_, v_, tokens, docs, scale):
-        return ring_attention(q_, k_, v_, tokens, docs, outer_group, scale)
-
-    return ulysses_attention(q, k, v, token_index, document_ids, inner_group, softmax_scale,
-                             allow_dummy_heads, inner_attention=ring_over_outer)
+    """One call of :class:`ContextParallelAttention` (built for these heads and groups);
+    a model builds the object once per layer instead."""
+    attention = ContextParallelAttention(cp_group, comm_type, q.shape[1], k.shape[1],
+                                         hierarchical_groups, allow_dummy_heads, softmax_scale)
+    return attention(q, k, v, token_index, document_ids)

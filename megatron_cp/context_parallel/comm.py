@@ -6,15 +6,14 @@
 - ``all_gather_stack`` / ``gather_sequence`` / ``reduce_scatter_stack``: plain (non-autograd)
   collectives the attention Functions call inside their forward/backward.
 - ``seq_to_heads`` / ``heads_to_seq``: the Ulysses all-to-all as autograd Functions.
-- ``build_hierarchical_groups`` / ``hierarchical_groups``: the inner (all-to-all) and outer
-  (ring) sub-groups of a CP group for the a2a+p2p hybrid, cached by rank tuples.
+The a2a+p2p sub-groups of a CP group are built by ``initialize_model_parallel`` and held
+by the ``ParallelState`` (``hcp_inner`` / ``hcp_outer``).
 """
 import torch
 import torch.distributed as dist
 
 from megatron_cp import device as device_mod
-
-_HIERARCHICAL_GROUPS = {}  # (cp ranks tuple, U, R) -> (inner group, outer group) of this rank
+from megatron_cp.dist_compat import all_gather_flat, reduce_scatter_flat
 
 
 def group_size(group):
@@ -77,8 +76,7 @@ def all_gather_stack(x, group):
     size = dist.get_world_size(group)
     # The collective wants the output as [size * x0, *rest]; view it as [size, *x.shape].
     out = torch.empty((size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, x.contiguous(), group=group)
+    all_gather_flat(out, x.contiguous(), group=group)
     return out.view((size,) + tuple(x.shape))  # [size, *x.shape]
 
 
@@ -94,8 +92,7 @@ def reduce_scatter_stack(x, group):
     """Sum [size, *shape] over ``group`` and keep this rank's slot: returns [*shape]."""
     out = torch.empty(tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     flat = x.contiguous().view((-1,) + tuple(x.shape[2:]))  # [size * shape0, *rest]
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    scatter(out, flat, group=group)
+    reduce_scatter_flat(out, flat, group=group)
     return out
 
 
@@ -159,61 +156,3 @@ def seq_to_heads(x, group):
 def heads_to_seq(x, group):
     """Inverse of :func:`seq_to_heads`: [*, H/U, U*s_local, d] -> [*, H, s_local, d]."""
     return _HeadsToSeq.apply(x, group)
-
-
-def _hierarchical_rank_lists(cp_ranks, inner_size, outer_size):
-    inner = [list(cp_ranks[g * inner_size:(g + 1) * inner_size]) for g in range(outer_size)]
-    outer = [list(cp_ranks[u::inner_size]) for u in range(inner_size)]
-    return inner, outer
-
-
-def _check_hierarchical_sizes(cp_size, inner_size, outer_size):
-    if inner_size < 1 or outer_size < 1 or inner_size * outer_size != cp_size:
-        raise ValueError(
-            f"hierarchical sizes (U={inner_size}, R={outer_size}) must multiply to the context "
-            f"parallel size ({cp_size}); pick U dividing {cp_size} and R = {cp_size} // U")
-
-
-def build_hierarchical_groups(cp_rank_lists, inner_size, outer_size, timeout=None):
-    """Create the a2a+p2p sub-groups of every CP group; EVERY rank of the world must call this.
-
-    cp_rank_lists: all CP groups' rank lists (``state.layout["cp"]``) or one list. Inner
-    groups are U consecutive CP ranks ([0..U-1], [U..2U-1], ...) for the all-to-all; outer
-    groups are the CP ranks with the same cp_rank % U, for the ring. dist.new_group is
-    called for every group of every CP group in the same order on all ranks (a collective
-    requirement of torch.distributed); the pair belonging to this rank is cached.
-    """
-    if cp_rank_lists and isinstance(cp_rank_lists[0], int):
-        cp_rank_lists = [cp_rank_lists]
-    me = dist.get_rank()
-    kwargs = {} if timeout is None else {"timeout": timeout}
-    for cp_ranks in cp_rank_lists:
-        _check_hierarchical_sizes(len(cp_ranks), inner_size, outer_size)
-        inner_lists, outer_lists = _hierarchical_rank_lists(cp_ranks, inner_size, outer_size)
-        mine = [None, None]
-        for slot, rank_lists in enumerate((inner_lists, outer_lists)):
-            for ranks in rank_lists:
-                group = dist.new_group(ranks, **kwargs)
-                if me in ranks:
-                    mine[slot] = group
-        if me in cp_ranks:
-            _HIERARCHICAL_GROUPS[(tuple(cp_ranks), inner_size, outer_size)] = tuple(mine)
-
-
-def hierarchical_groups(cp_group, inner_size, outer_size):
-    """(inner, outer) sub-groups of ``cp_group`` built by :func:`build_hierarchical_groups`.
-
-    If the CP group spans the whole world they are built here on first use (every rank is
-    then inside this call); otherwise a missing entry is a ValueError naming the fix.
-    """
-    cp_ranks = tuple(dist.get_process_group_ranks(cp_group))
-    _check_hierarchical_sizes(len(cp_ranks), inner_size, outer_size)
-    key = (cp_ranks, inner_size, outer_size)
-    if key not in _HIERARCHICAL_GROUPS:
-        if len(cp_ranks) != dist.get_world_size():
-            raise ValueError(
-                f"no a2a+p2p sub-groups (U={inner_size}, R={outer_size}) were built for CP ranks "
-                f"{list(cp_ranks)}; call build_hierarchical_groups(state.layout['cp'], "
-                f"{inner_size}, {outer_size}) on every rank after initialize_model_parallel")
-        build_hierarchical_groups(list(cp_ranks), inner_size, outer_size)
-    return _HIERARCHICAL_GROUPS[key]

@@ -15,7 +15,7 @@ import logging
 from megatron_cp.data.blended_dataset import BlendedDataset, blend_num_samples
 from megatron_cp.data.gpt_dataset import GPTDataset, MockGPTDataset, default_cache_dir
 from megatron_cp.data.indexed_dataset import IndexedDataset
-from megatron_cp.data.utils import SPLIT_NAMES, get_split_ranges, parse_data_path
+from megatron_cp.data.utils import SPLIT_NAMES, get_split_ranges, global_rank, parse_data_path
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +29,9 @@ def _split_datasets(make, num_documents, split, num_samples, where):
         if weight == 0:
             datasets.append(None)
         elif end <= begin:
-            logger.warning("%s: the %s split (weight %.4f of %d documents) holds no document; "
-                           "it is skipped", where, name, weight, num_documents)
+            if global_rank() == 0:  # every reading rank gets here: say it once
+                logger.warning("%s: the %s split (weight %.4f of %d documents) holds no document; "
+                               "it is skipped", where, name, weight, num_documents)
             datasets.append(None)
         else:
             datasets.append(make(name, (begin, end), n))

@@ -9,15 +9,20 @@ Each tokenizer exposes ``vocab_size``, ``eod``, ``tokenize(text) -> list[int]`` 
 - ``GPT2BPETokenizer``: GPT-2 byte-level BPE from ``vocab.json`` + ``merges.txt``
   (``--vocab-file``, ``--merge-file``) through the HF ``tokenizers`` library, imported
   lazily; ``eod`` is the id of ``<|endoftext|>``.
+- ``HuggingFaceTokenizer``: a LOCAL Hugging Face tokenizer (``--tokenizer-model``): a folder
+  written by ``save_pretrained`` (read by ``transformers.AutoTokenizer`` when transformers is
+  installed) or a ``tokenizer.json`` file (read by the ``tokenizers`` library). Nothing is
+  downloaded. ``eod`` is the tokenizer's eos token.
 - ``NullTokenizer``: text is whitespace-separated integer ids. As in Megatron-LM, the
   eod id is ``vocab_size`` (one past the given ids) and ``.vocab_size`` reports
   ``vocab_size + 1`` so the embedding has a row for it.
 """
 import json
+import os
 
 # GPTSentencePieceTokenizer is accepted as Megatron's name for the same eos-as-eod behaviour.
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "GPT2BPETokenizer",
-                   "NullTokenizer")
+                   "HuggingFaceTokenizer", "NullTokenizer")
 
 
 class SentencePieceTokenizer:
@@ -91,6 +96,78 @@ class GPT2BPETokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
+class HuggingFaceTokenizer:
+    """A local Hugging Face tokenizer: a ``save_pretrained`` folder or a ``tokenizer.json``."""
+
+    # eos names looked up in a bare tokenizer.json, which records no eos of its own
+    EOS_NAMES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eos|>")
+
+    def __init__(self, path):
+        if not os.path.exists(path):
+            raise ValueError(f"HuggingFaceTokenizer: {path} does not exist; give a local folder "
+                             f"written by save_pretrained or a tokenizer.json file (hub names "
+                             f"are not downloaded)")
+        self.path = path
+        self._hf = _auto_tokenizer(path) if os.path.isdir(path) else None
+        if self._hf is not None:
+            eos, self._vocab_size = self._hf.eos_token_id, len(self._hf)
+        else:
+            file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+            from tokenizers import Tokenizer
+
+            self._tok = Tokenizer.from_file(file)
+            vocab = self._tok.get_vocab(with_added_tokens=True)
+            self._vocab_size = max(len(vocab), max(vocab.values()) + 1)
+            eos = vocab.get(_configured_eos(os.path.dirname(file)) or "")
+            if eos is None:
+                eos = next((vocab[name] for name in self.EOS_NAMES if name in vocab), None)
+        if eos is None:
+            raise ValueError(f"HuggingFaceTokenizer: {path} has no eos token, which is used as "
+                             f"eod; give the tokenizer one (e.g. eos_token='</s>' in "
+                             f"tokenizer_config.json)")
+        self._eod = int(eos)
+
+    @property
+    def vocab_size(self):
+        return self._vocab_size
+
+    @property
+    def eod(self):
+        return self._eod
+
+    def tokenize(self, text):
+        """Token ids of ``text`` (no bos/eos added)."""
+        if self._hf is not None:
+            return list(self._hf.encode(text, add_special_tokens=False))
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids):
+        """Text of ``ids``."""
+        ids = [int(i) for i in ids]
+        if self._hf is not None:
+            return self._hf.decode(ids, clean_up_tokenization_spaces=False)
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+
+def _auto_tokenizer(folder):
+    """``transformers.AutoTokenizer`` of a local folder, or None without transformers."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        return None
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+def _configured_eos(folder):
+    """The eos token named by ``tokenizer_config.json`` in ``folder``, if any."""
+    config = os.path.join(folder, "tokenizer_config.json")
+    if not os.path.isfile(config):
+        return None
+    with open(config, encoding="utf-8") as f:
+        eos = json.load(f).get("eos_token")
+    return eos.get("content") if isinstance(eos, dict) else eos
+
+
 class NullTokenizer:
     """Whitespace-separated integer ids; eod is ``vocab_size`` (Megatron's convention)."""
 
@@ -129,6 +206,11 @@ def build_tokenizer(tokenizer_type, tokenizer_model=None, vocab_file=None, merge
             raise ValueError(f"GPT2BPETokenizer needs --vocab-file and --merge-file, got "
                              f"vocab_file={vocab_file!r}, merge_file={merge_file!r}")
         return GPT2BPETokenizer(vocab_file, merge_file)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        if not tokenizer_model:
+            raise ValueError("HuggingFaceTokenizer needs --tokenizer-model (a local folder written "
+                             "by save_pretrained, or a tokenizer.json file)")
+        return HuggingFaceTokenizer(tokenizer_model)
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
     raise ValueError(f"unknown tokenizer type {tokenizer_type!r}; choose one of "

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_cp import tensor_parallel as tpar
-from megatron_cp.context_parallel import context_parallel_attention, local_attention
+from megatron_cp.context_parallel import ContextParallelAttention, local_attention
 from megatron_cp.model.rotary import apply_rotary
 
 
@@ -21,7 +21,8 @@ class SelfAttention(torch.nn.Module):
     contiguous TP split hands each rank whole groups.
     """
 
-    def __init__(self, config, prefix, tp_group, cp_group, rng_tracker, device=None):
+    def __init__(self, config, prefix, tp_group, cp_group, rng_tracker, device=None,
+                 hierarchical_cp_groups=None):
         super().__init__()
         tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
         config.validate_parallel(tp_size)
@@ -46,15 +47,17 @@ class SelfAttention(torch.nn.Module):
             init_method=tpar.normal_init(tpar.scaled_init_std(std, config.num_layers)),
             seed=tpar.init_seed(config.seed, prefix + ".linear_proj"), **common)
         self.rotary_dim = int(d * config.rotary_percent)
+        self.cp_attention = None  # built once: the comm type and head plan are checked here
+        if self.cp_size > 1:
+            self.cp_attention = ContextParallelAttention(
+                cp_group, config.cp_comm_type, self.local_heads, self.local_groups,
+                hierarchical_cp_groups, config.allow_dummy_heads)
 
     def core_attention(self, q, k, v, token_index, document_ids):
         """q [b, nh/tp, s, d], k/v [b, ng/tp, s, d] -> [b, nh/tp, s, d]."""
         dropout = self.config.attention_dropout if self.training else 0.0
-        if self.cp_size > 1:
-            return context_parallel_attention(
-                q, k, v, token_index, document_ids, self.cp_group, self.config.cp_comm_type,
-                hierarchical_sizes=self.config.hierarchical_context_parallel_sizes,
-                allow_dummy_heads=self.config.allow_dummy_heads)
+        if self.cp_attention is not None:
+            return self.cp_attention(q, k, v, token_index, document_ids)
         if dropout > 0.0:
             with self.rng_tracker.fork():  # heads differ across TP ranks: so do their masks
                 return local_attention(q, k, v, token_index, document_ids, dropout_p=dropout)

@@ -27,7 +27,8 @@ class Embedding(torch.nn.Module):
         self.tp_group = tp_group
         std = config.init_method_std
         self.word_embeddings = tpar.VocabParallelEmbedding(
-            padded_vocab, config.hidden_size, tp_group=tp_group, init_method=tpar.normal_init(std),
+            padded_vocab, config.hidden_size, tp_group=tp_group,
+            init_method=tpar.real_rows_init(tpar.normal_init(std), config.vocab_size),
             seed=tpar.init_seed(config.seed, WORD_EMBEDDING_KEY),
             reduce_scatter_output=config.sequence_parallel, params_dtype=config.params_dtype,
             device=device)
@@ -97,7 +98,8 @@ class GPTModel(torch.nn.Module):
                 key = WORD_EMBEDDING_KEY if tied else "output_layer"
                 self.output_layer = tpar.ColumnParallelLinear(
                     config.hidden_size, self.padded_vocab_size, tp_group=tp_group,
-                    init_method=tpar.normal_init(config.init_method_std),
+                    init_method=tpar.real_rows_init(tpar.normal_init(config.init_method_std),
+                                                    config.vocab_size),
                     seed=tpar.init_seed(config.seed, key), bias=False,
                     sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype,
                     device=device)
@@ -114,13 +116,16 @@ class GPTModel(torch.nn.Module):
         return self.embedding.word_embeddings.weight
 
     def _logits(self, h):
+        """[s, b, v/tp] logits; padded vocabulary entries are -inf (out of every softmax)."""
         if self.output_layer is not None:
-            return self.output_layer(h)
-        if self.sequence_parallel:
-            h = tpar.gather_from_sequence_parallel_region(h, self.tp_group)  # [s, b, h]
+            logits = self.output_layer(h)
         else:
-            h = tpar.copy_to_tensor_model_parallel_region(h, self.tp_group)
-        return F.linear(h, self.embedding.word_embeddings.weight)  # [s, b, v/tp]
+            if self.sequence_parallel:
+                h = tpar.gather_from_sequence_parallel_region(h, self.tp_group)  # [s, b, h]
+            else:
+                h = tpar.copy_to_tensor_model_parallel_region(h, self.tp_group)
+            logits = F.linear(h, self.embedding.word_embeddings.weight)  # [s, b, v/tp]
+        return tpar.mask_padded_vocab(logits, self.config.vocab_size, self.tp_group)
 
     def forward(self, tokens, position_ids, labels=None, token_index=None, document_ids=None):
         if self.pre_process:

@@ -42,8 +42,11 @@ class TransformerLayer(torch.nn.Module):
         norm = lambda: build_norm(config.normalization, config.hidden_size, config.norm_epsilon,
                                   config.params_dtype, device)
         self.input_layernorm = norm()
+        hierarchical = None  # the a2a+p2p sub-groups, when the state was built with them
+        if state is not None and state.group("hcp_inner") is not None:
+            hierarchical = (state.group("hcp_inner"), state.group("hcp_outer"))
         self.self_attention = SelfAttention(config, prefix + ".self_attention", tp_group, cp_group,
-                                            rng_tracker, device)
+                                            rng_tracker, device, hierarchical)
         self.pre_mlp_layernorm = norm()
         if config.num_moe_experts > 0:
             raise ValueError(f"num_moe_experts ({config.num_moe_experts}): MoE layers are not built "

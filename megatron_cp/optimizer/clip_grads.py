@@ -12,6 +12,9 @@ norm is reduced only over the groups along which the *parameters themselves* dif
   ``tensor_model_parallel``) and PP: reduce over ``ep``, ``etp`` then ``pp``; the
   replicated-over-ETP ones are counted on ETP rank 0 only.
 
+The same rule gives the parameter norm of ``--log-params-norm`` (``get_param_norm``) and,
+through ``counted_here``, the whole-model parameter count of the start-up banner.
+
 Every rank issues the same collectives, whether or not it holds expert params, so a
 pipeline stage without MoE layers cannot deadlock one with them.
 """
@@ -28,8 +31,9 @@ def grad_of(param):
     return getattr(param, "main_grad", None)
 
 
-def _counted_here(param, state):
-    """True if this rank owns the norm contribution of ``param`` (no double counting)."""
+def counted_here(param, state):
+    """True if this rank owns the contribution of ``param`` to a whole-model norm or parameter
+    count (no double counting; see the module docstring)."""
     if getattr(param, "shared_embedding", False) and state.size("pp") > 1 \
             and not state.is_pipeline_first_stage:
         return False
@@ -51,23 +55,34 @@ def get_grad_norm(params, state, norm_type=2):
     same attributes); those without a gradient are ignored. ``norm_type`` is 2 (default),
     any p >= 1, or ``inf``.
     """
+    return _global_norm(params, state, norm_type, grad_of)
+
+
+def get_param_norm(params, state, norm_type=2):
+    """The norm of all parameters of the whole model (Megatron's ``params norm``), counting
+    each parameter once whatever the layout; the same float on every rank."""
+    return _global_norm(params, state, norm_type, lambda param: param.detach())
+
+
+def _global_norm(params, state, norm_type, tensor_of):
+    """The ``norm_type`` norm of ``tensor_of(param)`` over the whole model (None: skipped)."""
     norm_type = float(norm_type)
     if not (norm_type == math.inf or norm_type >= 1.0):
         raise ValueError(f"norm_type ({norm_type}) must be >= 1 or inf; use 2 for the L2 norm")
     seen, dense, expert = set(), [], []
     for param in params:
-        grad = grad_of(param)
-        if grad is None or id(param) in seen or not _counted_here(param, state):
+        tensor = tensor_of(param)
+        if tensor is None or id(param) in seen or not counted_here(param, state):
             continue
         seen.add(id(param))
-        (expert if getattr(param, "is_expert", False) else dense).append(grad)
+        (expert if getattr(param, "is_expert", False) else dense).append(tensor)
 
-    def local(grads):
-        # Accumulate in fp32 whatever the grad dtype: bf16 squares overflow and lose bits.
-        if not grads:
+    def local(tensors):
+        # Accumulate in fp32 whatever the dtype: bf16 squares overflow and lose bits.
+        if not tensors:
             return torch.zeros((), dtype=torch.float32, device=state.device)
-        norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
-                             for g in grads])
+        norms = torch.stack([torch.linalg.vector_norm(t, norm_type, dtype=torch.float32)
+                             for t in tensors])
         return norms.max() if norm_type == math.inf else norms.pow(norm_type).sum()
 
     op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM

@@ -11,6 +11,11 @@ import math
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
+# The command-line flag behind each checked value, for the mismatch message.
+_FLAG_OF = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters",
+            "lr_decay_steps": "--lr-decay-iters", "lr_decay_style": "--lr-decay-style",
+            "start_wd": "--start-weight-decay", "end_wd": "--end-weight-decay",
+            "wd_incr_style": "--weight-decay-incr-style"}
 _CHECKED_KEYS = ("max_lr", "min_lr", "init_lr", "lr_warmup_steps", "lr_decay_steps",
                  "lr_decay_style", "start_wd", "end_wd", "wd_incr_steps", "wd_incr_style")
 
@@ -22,7 +27,8 @@ class OptimizerParamScheduler:
     :class:`~megatron_cp.optimizer.optimizer.MixedPrecisionOptimizer`). ``start_wd`` and
     ``end_wd`` left as None leave the groups' weight decay untouched. ``use_checkpoint_values``
     makes :meth:`load_state_dict` adopt the saved schedule; ``override_from_arguments`` keeps
-    the constructor's; with neither, a mismatch raises ValueError.
+    the constructor's (the flags ``--use-checkpoint-opt_param-scheduler`` and
+    ``--override-opt_param-scheduler``); with neither, a mismatch raises ValueError naming them.
     """
 
     def __init__(self, optimizer, max_lr, min_lr=0.0, lr_warmup_steps=0, lr_decay_steps=None,
@@ -69,7 +75,9 @@ class OptimizerParamScheduler:
         self.use_checkpoint_values = use_checkpoint_values
         self.override_from_arguments = override_from_arguments
         if use_checkpoint_values and override_from_arguments:
-            raise ValueError("use_checkpoint_values and override_from_arguments are exclusive; pick one")
+            raise ValueError("--use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler "
+                             "are exclusive (use_checkpoint_values / override_from_arguments); "
+                             "pick one")
         self.num_steps = 0
         self.step(0)
 
@@ -125,16 +133,34 @@ class OptimizerParamScheduler:
 
     def load_state_dict(self, state_dict):
         """Resume at the saved step; see the class docstring for mismatched schedules."""
-        for key in _CHECKED_KEYS:
-            if key not in state_dict:
-                continue
-            mine, saved = getattr(self, key), state_dict[key]
-            if self.override_from_arguments or mine == saved:
-                continue
-            if not self.use_checkpoint_values:
-                raise ValueError(f"scheduler {key} is {mine} but the checkpoint has {saved}; make the "
-                                 f"arguments match, or pass use_checkpoint_values=True / "
-                                 f"override_from_arguments=True")
-            setattr(self, key, saved)
+        mismatched = [key for key in _CHECKED_KEYS
+                      if key in state_dict and getattr(self, key) != state_dict[key]]
+        if mismatched and not (self.override_from_arguments or self.use_checkpoint_values):
+            raise ValueError(self._mismatch_message(state_dict, mismatched))
+        if self.use_checkpoint_values:
+            for key in mismatched:
+                setattr(self, key, state_dict[key])
         self.num_steps = 0
         self.step(int(state_dict["num_steps"]))
+
+    def _mismatch_message(self, saved, keys):
+        """Which schedule values differ, why (extending --train-iters moves the default
+        --lr-decay-iters), and the flags that choose one schedule."""
+        diffs = "; ".join(f"{k}{' (' + _FLAG_OF[k] + ')' if k in _FLAG_OF else ''} is "
+                          f"{getattr(self, k)} now but {saved[k]} in the checkpoint" for k in keys)
+        step, decay = saved["num_steps"], "lr_decay_steps" in keys
+        follow = [what for key, what in (("lr_decay_steps", "--lr-decay-iters"),
+                                         ("wd_incr_steps", "the weight-decay increment"))
+                  if key in keys]
+        why = (f" ({' and '.join(follow)} default{'s' if len(follow) == 1 else ''} to "
+               f"--train-iters, so changing --train-iters changes "
+               f"{'its' if len(follow) == 1 else 'their'} length)") if follow else ""
+        keep = f" (past step {saved['lr_decay_steps']} the rate stays at --min-lr)" if decay else ""
+        again = ""
+        if all(k in _FLAG_OF for k in keys):  # else a flag alone cannot restore it
+            again = (", or give the checkpoint's values again ("
+                     + " ".join(f"{_FLAG_OF[k]} {saved[k]}" for k in keys) + ")")
+        return (f"the learning-rate schedule differs from the checkpoint's: {diffs}{why}. Pass "
+                f"--override-opt_param-scheduler to take the new schedule from step {step} on "
+                f"(the rate moves to its value there) or --use-checkpoint-opt_param-scheduler "
+                f"to keep the checkpoint's{keep}{again}")

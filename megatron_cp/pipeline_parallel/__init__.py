@@ -1,7 +1,6 @@
 """Pipeline parallelism: stage split, fixed-shape P2P, microbatch padding and the
 forward-backward schedules (none, 1F1B, interleaved 1F1B)."""
 from megatron_cp.pipeline_parallel.p2p_communication import P2PCommunicator  # noqa: F401
-from megatron_cp.pipeline_parallel.padding import pad_microbatch  # noqa: F401
 from megatron_cp.pipeline_parallel.schedules import (  # noqa: F401
     forward_backward_no_pipelining, forward_backward_pipelining_without_interleaving,
     get_forward_backward_func)

@@ -27,8 +27,7 @@ blocking schedule, so it cannot deadlock where that one does not.
 import collections
 
 from megatron_cp.pipeline_parallel.p2p_communication import P2PCommunicator, Received, resolve
-from megatron_cp.pipeline_parallel.schedules import (backward_step, deallocate_output_tensor,
-                                                     forward_step)
+from megatron_cp.pipeline_parallel.steps import backward_step, deallocate_output_tensor, forward_step
 from megatron_cp.pipeline_parallel.stages import validate_interleaved_microbatches
 
 

@@ -22,6 +22,38 @@ def normal_init(std):
     return init
 
 
+def real_rows_init(init_method, num_rows):
+    """init_method for a vocabulary-padded weight: draw the unpadded ``[num_rows, ...]``
+    weight from the generator, then zero the padding rows.
+
+    The real rows are then the same whatever the padding (which grows with the TP size),
+    and the padded rows start, and stay, zero (they get no gradient: see
+    :func:`mask_padded_vocab`).
+    """
+    def init(tensor, generator):
+        real = torch.empty((num_rows,) + tuple(tensor.shape[1:]), dtype=tensor.dtype)
+        init_method(real, generator)
+        with torch.no_grad():
+            tensor.zero_()
+            tensor[:num_rows].copy_(real)
+    return init
+
+
+def mask_padded_vocab(logits, vocab_size, tp_group):
+    """Vocab-parallel logits [s, b, v/tp] with the padded vocabulary entries set to -inf.
+
+    Padding rows exist only to make the vocabulary divide over TP; as -inf they take no
+    part in the softmax (so the loss does not depend on the padding) and get no gradient.
+    """
+    tp_size, tp_rank = _group_size_rank(tp_group)
+    local = logits.shape[-1]
+    start = tp_rank * local
+    if start + local <= vocab_size:
+        return logits
+    padded = torch.arange(start, start + local, device=logits.device) >= vocab_size  # [v/tp]
+    return logits.masked_fill(padded, float("-inf"))
+
+
 def _group_size_rank(group):
     if group is None:
         return 1, 0

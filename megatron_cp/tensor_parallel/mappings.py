@@ -7,6 +7,8 @@ backward. The sequence-parallel ones split / gather along dim 0, the sequence di
 import torch
 import torch.distributed as dist
 
+from megatron_cp.dist_compat import all_gather_flat, reduce_scatter_flat
+
 
 def _world(group):
     return dist.get_world_size(group) if group is not None else 1
@@ -53,7 +55,7 @@ def _gather_first(x, group):
     if size == 1:
         return x
     out = torch.empty((x.shape[0] * size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    all_gather_flat(out, x.contiguous(), group=group)
     return out
 
 
@@ -62,7 +64,7 @@ def _reduce_scatter_first(x, group):
     if size == 1:
         return x
     out = torch.empty((x.shape[0] // size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    reduce_scatter_flat(out, x.contiguous(), group=group)
     return out
 
 

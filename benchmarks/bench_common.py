@@ -1,0 +1,37 @@
+"""What every benchmark shares: where its JSON goes and how it states its verdict.
+
+Results go to ``runs/benchmarks/<name>.json`` (untracked: /runs/ is in .gitignore) unless
+``--output PATH`` says otherwise, so a run never overwrites the committed figures in
+``benchmarks/results/``; pass ``--output benchmarks/results/<name>.json`` to update them.
+Each benchmark prints PASS or FAIL against the goal stated in its docstring.
+"""
+import json
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS_DIR = os.path.join(ROOT, "runs", "benchmarks")
+
+
+def default_output(name):
+    """The untracked default JSON path of benchmark ``name``."""
+    return os.path.join(RESULTS_DIR, f"{name}.json")
+
+
+def add_output_argument(parser, name):
+    """``--output PATH`` with the untracked default of benchmark ``name``."""
+    parser.add_argument("--output", default=default_output(name),
+                        help=f"where the JSON goes (default runs/benchmarks/{name}.json, untracked; "
+                             f"benchmarks/results/{name}.json holds the committed figures)")
+
+
+def verdict(passed):
+    """'PASS' or 'FAIL'."""
+    return "PASS" if passed else "FAIL"
+
+
+def write_json(path, data):
+    """Write ``data`` to ``path`` (creating its folder) and say where it went."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+    print(f"wrote {path}")

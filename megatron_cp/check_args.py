@@ -1,0 +1,101 @@
+"""User errors as one line, and the argument check the launch scripts run before torchrun.
+
+A user error is a ``ValueError`` (a bad flag, a bad combination, a checkpoint that does not
+fit) or an argparse error (unknown flag, bad value). It is printed as ONE line,
+``error: <what and the fix>``, on global rank 0 only, and the process exits with status 2,
+argparse's status for usage errors; anything else is a crash and keeps its traceback.
+
+torchrun prints its own failure block whenever a worker exits non-zero, so the example
+scripts first check the arguments in one process, for the world size they will launch::
+
+    python -m megatron_cp.check_args --world-size 8 --num-layers 4 ...   # the training flags
+
+which prints nothing and exits 0 when the arguments are valid, or prints the one error line
+and exits 2. It also checks that every ``--data-path`` prefix has its .bin/.idx files.
+"""
+import contextlib
+import io
+import os
+import signal
+import sys
+import threading
+import time
+
+from megatron_cp.run_report import is_global_rank_zero
+
+USAGE_ERROR = 2
+# On a user error the ranks other than 0 wait this long before exiting: rank 0, which failed
+# the same way, prints the line and exits first, and the launcher (torchrun, srun
+# --kill-on-bad-exit) ends the others quietly. Exiting at once could get rank 0 killed
+# before it prints. An error that came from a running job may be one rank's own (a missing
+# checkpoint shard): a rank still alive after the wait then prints it, naming itself.
+OTHER_RANK_GRACE_SECONDS = 3.0
+
+
+def parse_arguments(argv, world_size):
+    """``arguments.parse_args`` with argparse's errors turned into ValueError (one line, no
+    usage text) and its output (``--help``) printed by global rank 0 only."""
+    from megatron_cp.arguments import parse_args
+    captured = io.StringIO()
+    out = sys.stdout if is_global_rank_zero() else io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(out):
+            return parse_args(argv, world_size=world_size)
+    except SystemExit as stop:
+        if stop.code in (0, None):  # --help
+            raise
+        lines = [line for line in captured.getvalue().splitlines() if line.strip()]
+        message = lines[-1] if lines else f"invalid arguments (exit status {stop.code})"
+        message = message.split(": error: ", 1)[-1]
+        raise ValueError(f"{message} (see --help)") from None
+
+
+def report_user_error(error, after_startup=False):
+    """Print ``error: <message>`` on stderr once (global rank 0) and return exit status 2.
+
+    Other ranks wait OTHER_RANK_GRACE_SECONDS first; with ``after_startup`` (the error came
+    from a running job) they then print it too, prefixed with their rank."""
+    message = " ".join(str(error).split("\n"))
+    if is_global_rank_zero():
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        return USAGE_ERROR
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher may end us while we wait
+    time.sleep(OTHER_RANK_GRACE_SECONDS)
+    if after_startup:
+        import torch.distributed as dist
+        rank = dist.get_rank() if dist.is_initialized() else "?"
+        print(f"error: (rank {rank}) {message}", file=sys.stderr, flush=True)
+    return USAGE_ERROR
+
+
+def check_data_files(args):
+    """ValueError unless every ``--data-path`` prefix has its .bin and .idx files."""
+    if args.mock_data or not args.data_path:
+        return
+    from megatron_cp.data.indexed_dataset import data_file_path, index_file_path
+    from megatron_cp.data.utils import parse_data_path
+    prefixes, _ = parse_data_path(args.data_path)
+    for prefix in prefixes:
+        missing = [p for p in (data_file_path(prefix), index_file_path(prefix)) if not os.path.isfile(p)]
+        if missing:
+            raise ValueError(f"--data-path {prefix}: {' and '.join(missing)} not found; build them "
+                             f"with tools/preprocess_data.py (or examples/prepare_pydoc_data.sh)")
+
+
+def main(argv=None):
+    """``--world-size N`` then the training flags: 0 when they are valid, else one line and 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) < 2 or argv[0] != "--world-size" or not argv[1].isdigit():
+        print("error: usage: python -m megatron_cp.check_args --world-size N <training flags>",
+              file=sys.stderr)
+        return USAGE_ERROR
+    try:
+        check_data_files(parse_arguments(argv[2:], int(argv[1])))
+    except ValueError as error:
+        return report_user_error(error)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

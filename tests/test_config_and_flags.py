@@ -1,0 +1,313 @@
+"""A setting lives in one place: GPTConfig's fields give the flags, the config built from the
+arguments, the checkpoint resume check and the flag names in errors; the Megatron-LM flag
+table accepts, rewrites, notes or refuses every flag it lists."""
+import dataclasses
+import re
+
+import pytest
+import torch
+
+from dist_harness import run_workers
+from megatron_cp import arguments, checkpointing, training
+from megatron_cp.arguments import build_parser, parse_args
+from megatron_cp.arguments_compat import COMPAT_FLAGS, MAP, REFUSE, SAME, STORE
+from megatron_cp.config_flags import arg_of, checkpoint_args, flag_of, setting
+from megatron_cp.model.config import GPTConfig
+from megatron_cp.optimizer import OptimizerParamScheduler
+from megatron_cp.training import config_from_args
+
+BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
+        "--micro-batch-size 2 --train-iters 5 --lr 1e-3 --mock-data --vocab-size 100")
+
+
+def _parse(extra="", world=1):
+    return parse_args(f"{BASE} {extra}".split(), world_size=world)
+
+
+# ----- one field, everything derived -------------------------------------------------------
+@dataclasses.dataclass
+class _WithNewSetting(GPTConfig):
+    """GPTConfig plus one hyper-parameter, declared once, the way a new one is added."""
+    attention_temperature: float = setting(1.0, shapes=True,
+                                           help="Divide the attention logits by this.")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.attention_temperature <= 0:
+            raise ValueError(f"attention_temperature ({self.attention_temperature}) must be > 0")
+
+
+def test_a_new_field_is_one_edit(monkeypatch):
+    monkeypatch.setattr(arguments, "GPTConfig", _WithNewSetting)
+    monkeypatch.setattr(training, "GPTConfig", _WithNewSetting)
+    help_text = build_parser().format_help()
+    assert "--attention-temperature" in help_text and "Divide the attention logits" in help_text
+    args = _parse("--attention-temperature 2.5")
+    assert args.attention_temperature == 2.5
+    config = config_from_args(args, 100)
+    assert isinstance(config, _WithNewSetting) and config.attention_temperature == 2.5
+    assert "attention_temperature" in checkpoint_args(_WithNewSetting)
+    # its rule runs at argument time, and the message names the flag
+    with pytest.raises(ValueError, match=r"^--attention-temperature \(-1.0\) must be > 0$"):
+        _parse("--attention-temperature -1")
+
+
+def test_every_field_has_help_a_flag_or_a_source_and_reaches_the_config():
+    parser = build_parser()
+    options = {o for action in parser._actions for o in action.option_strings}
+    args = _parse()
+    config = config_from_args(args, 100)
+    for f in dataclasses.fields(GPTConfig):
+        assert f.metadata.get("help"), f"GPTConfig.{f.name} has no help"
+        if flag_of(f) is not None:
+            assert flag_of(f) in options, f.name
+        if arg_of(f) is not None:
+            assert hasattr(args, arg_of(f)), f.name
+    assert config.vocab_size == 100 and config.params_dtype == torch.float32
+    # Megatron-LM's defaults for the flags, where they differ from the config's own
+    assert config.position_embedding_type == "learned_absolute"
+    assert config.max_position_embeddings == 32 and config.num_query_groups == 4
+    assert config.recompute_num_layers == 1 and config.num_moe_experts == 0
+
+
+def test_model_args_are_the_shaping_fields_plus_the_layout():
+    shaping = [arg_of(f) for f in dataclasses.fields(GPTConfig) if f.metadata.get("shapes")]
+    for name in shaping + ["tensor_model_parallel_size", "pipeline_model_parallel_size",
+                           "num_layers_per_virtual_pipeline_stage", "params_dtype",
+                           "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"]:
+        assert name in checkpointing.MODEL_ARGS, name
+    # the names tools/checkpoint_convert.py and tools/hf_llama.py read from saved args
+    for name in ("swiglu", "disable_bias_linear", "untie_embeddings_and_output_weights",
+                 "num_query_groups", "kv_channels", "normalization", "position_embedding_type"):
+        assert name in checkpointing.MODEL_ARGS, name
+    assert "rotary_base" not in checkpointing.MODEL_ARGS  # does not shape a saved tensor
+    args = _parse()
+    for name in checkpointing.MODEL_ARGS:
+        assert hasattr(args, name), name
+
+
+def test_megatron_flags_map_onto_config_fields():
+    args = _parse("--swiglu --disable-bias-linear --untie-embeddings-and-output-weights "
+                  "--group-query-attention --num-query-groups 2 --kv-channels 16 "
+                  "--ffn-hidden-size 96 --normalization RMSNorm --norm-epsilon 1e-6 "
+                  "--position-embedding-type rope --rotary-base 500000 --rotary-percent 0.5 "
+                  "--hidden-dropout 0.2 --attention-dropout 0.3 --init-method-std 0.01 "
+                  "--make-vocab-size-divisible-by 64 --max-position-embeddings 64 --seed 7 "
+                  "--bf16 --recompute-granularity full --recompute-method block "
+                  "--recompute-num-layers 2 --cp-comm-type a2a --no-cp-dummy-heads "
+                  "--tensor-model-parallel-size 2 --sequence-parallel", world=2)
+    config = config_from_args(args, 100)
+    expected = dict(activation="swiglu", add_bias_linear=False,
+                    untie_embeddings_and_output_weights=True, num_query_groups=2, kv_channels=16,
+                    ffn_hidden_size=96, normalization="RMSNorm", norm_epsilon=1e-6,
+                    position_embedding_type="rope", rotary_base=500000.0, rotary_percent=0.5,
+                    hidden_dropout=0.2, attention_dropout=0.3, init_method_std=0.01,
+                    make_vocab_size_divisible_by=64, max_position_embeddings=64, seed=7,
+                    params_dtype=torch.bfloat16, recompute_granularity="full",
+                    recompute_method="block", recompute_num_layers=2, cp_comm_type="a2a",
+                    allow_dummy_heads=False, sequence_parallel=True)
+    assert {k: getattr(config, k) for k in expected} == expected
+    # saved-argument names stay those Megatron-LM and the tools use
+    assert args.swiglu and args.disable_bias_linear and args.num_query_groups == 2
+    assert _parse("--num-query-groups 2").num_query_groups == 4  # ignored without GQA
+    sizes = _parse("--context-parallel-size 4 --attention-dropout 0 --cp-comm-type a2a+p2p "
+                   "--hierarchical-context-parallel-sizes 2 2", world=4)
+    assert config_from_args(sizes, 100).hierarchical_context_parallel_sizes == (2, 2)
+
+
+# ----- errors name the flags ---------------------------------------------------------------
+@pytest.mark.parametrize("extra,world,message", [
+    ("--tensor-model-parallel-size 8", 8,
+     "--num-attention-heads (4) must be divisible by --tensor-model-parallel-size (8)"),
+    ("--ffn-hidden-size 30 --tensor-model-parallel-size 4", 4,
+     "--ffn-hidden-size (30) must be divisible by --tensor-model-parallel-size (4)"),
+    ("--hidden-size 30", 1,
+     "--hidden-size (30) must be divisible by --num-attention-heads (4), or set --kv-channels"),
+    ("--group-query-attention --num-query-groups 3", 1,
+     "--num-attention-heads (4) must be divisible by --num-query-groups (3)"),
+    ("--recompute-granularity full", 1,
+     "--recompute-granularity 'full' needs --recompute-method uniform or block (got None)"),
+    ("--context-parallel-size 2", 2, "--attention-dropout (0.1) is not supported inside "
+     "context-parallel attention (--context-parallel-size 2); set --attention-dropout 0"),
+    ("--context-parallel-size 4 --attention-dropout 0 --cp-comm-type a2a+p2p", 4,
+     "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes U R"),
+    ("--context-parallel-size 2 --attention-dropout 0 --hierarchical-context-parallel-sizes 2 3",
+     2, "--hierarchical-context-parallel-sizes [2, 3] multiply to 6, not --context-parallel-size (2)"),
+    ("--max-position-embeddings 16", 1, "--max-position-embeddings (16) must be at least "
+     "--seq-length (32) with learned absolute positions; raise --max-position-embeddings to at "
+     "least 32 or use --position-embedding-type rope"),
+])
+def test_config_rules_fire_at_argument_time_and_name_flags(extra, world, message):
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(ValueError) as err:
+        _parse(extra, world)
+    assert message in str(err.value)
+    assert not re.search(r"\b[a-z]+_[a-z_]+\b", str(err.value)), str(err.value)  # no field names
+    assert not torch.distributed.is_initialized()
+
+
+# ----- the Megatron-LM flag table ----------------------------------------------------------
+def _given(entry):
+    """Command-line words that give ``entry``'s flag with a value other than its default."""
+    kwargs = entry.argparse
+    if not kwargs:
+        return [entry.flag]
+    if "choices" in kwargs:  # a value other than the default, or the default when the
+        # others are all refused (--optimizer adam, --ckpt-format torch)
+        others = [c for c in kwargs["choices"] if c != kwargs.get("default") and c not in entry.refuse]
+        value = others[0] if others else kwargs.get("default")
+        return [entry.flag, str(value)]
+    nargs = kwargs.get("nargs")
+    count = nargs if isinstance(nargs, int) else 1
+    return [entry.flag] + [str(kwargs.get("type", str)(3))] * count
+
+
+@pytest.mark.parametrize("entry", [e for e in COMPAT_FLAGS if e.kind == REFUSE],
+                         ids=lambda e: e.flag)
+def test_refused_flags_say_why(entry):
+    with pytest.raises(ValueError) as err:
+        parse_args(BASE.split() + _given(entry))
+    assert str(err.value).startswith(entry.flag) and entry.why in str(err.value)
+
+
+@pytest.mark.parametrize("entry", [e for e in COMPAT_FLAGS if e.kind == SAME],
+                         ids=lambda e: e.flag)
+def test_flags_that_select_what_we_do_anyway_leave_a_note(entry):
+    args = parse_args(BASE.split() + _given(entry))
+    assert args.compat_notes == [f"{' '.join(_given(entry))}: {entry.why}"]
+
+
+@pytest.mark.parametrize("entry", [e for e in COMPAT_FLAGS if e.kind == STORE],
+                         ids=lambda e: e.flag)
+def test_stored_flags_parse_and_keep_their_value(entry):
+    default = parse_args(BASE.split())
+    assert getattr(default, entry.dest) == entry.argparse.get("default", False)
+    if entry.dest in ("lr_warmup_samples", "lr_decay_samples", "start_weight_decay",
+                      "end_weight_decay", "weight_decay_incr_style", "use_checkpoint_args"):
+        return  # they need companions; see test_sample_based_schedule / test_weight_decay_* /
+        # test_checkpointing.test_use_checkpoint_args_needs_no_model_flags
+    args = parse_args(BASE.split() + _given(entry))
+    words = _given(entry)
+    expected = True if len(words) == 1 else entry.argparse.get("type", str)(words[1])
+    assert getattr(args, entry.dest) == expected and args.compat_notes == []
+
+
+@pytest.mark.parametrize("flag,value,why", [(e.flag, value, why) for e in COMPAT_FLAGS
+                                            for value, why in e.refuse.items()])
+def test_refused_values_of_accepted_flags(flag, value, why):
+    with pytest.raises(ValueError) as err:
+        _parse(f"{flag} {value}")
+    assert str(err.value) == f"{flag} {value}: {why}"
+
+
+@pytest.mark.parametrize("argv,message", [
+    ("--ckpt-format torch_dist", "--ckpt-format torch_dist: not built yet; use --ckpt-format "
+                                 "torch (tools/checkpoint_convert.py reshards)"),
+    ("--optimizer sgd", "--optimizer sgd: only Adam"),
+    ("--dataloader-type cyclic", "--dataloader-type cyclic: the cyclic"),
+    ("--rampup-batch-size 8 8 100", "--rampup-batch-size 8 8 100: batch-size ramp-up is not "
+                                    "built; drop it"),
+    ("--no-position-embedding", "--no-position-embedding: the model needs a position embedding; "
+                                "use --position-embedding-type rope"),
+    ("--recompute-activations --recompute-granularity full --recompute-method uniform",
+     "--recompute-activations means --recompute-granularity selective"),
+])
+def test_refused_values(argv, message):
+    with pytest.raises(ValueError) as err:
+        _parse(argv)
+    assert message in str(err.value)
+
+
+def test_accepted_values_and_aliases():
+    args = _parse("--ckpt-format torch --optimizer adam --dataloader-type single --vocab-extra-ids 0 "
+                  "--transformer-impl local --attention-backend auto")
+    assert args.compat_notes == [] and args.ckpt_format == "torch"
+    args = _parse("--recompute-activations")
+    assert args.recompute_granularity == "selective"
+    assert config_from_args(args, 100).recompute_granularity == "selective"
+    args = _parse("--use-rotary-position-embeddings --max-position-embeddings 16")
+    assert config_from_args(args, 100).position_embedding_type == "rope"
+    args = _parse("--use-flash-attn --transformer-impl transformer_engine")
+    assert args.compat_notes == [
+        "--use-flash-attn: attention kernels are chosen per device (PyTorch flash/SDPA on CUDA)",
+        "--transformer-impl transformer_engine: layers are megatron_cp's own PyTorch modules; "
+        "norms use Transformer Engine when it is installed"]
+    assert _parse("--ddp-bucket-size 1000").ddp_bucket_size_mb * 2 ** 20 / 4 == 1000
+
+
+def test_every_table_flag_is_in_the_parser_with_help():
+    parser = build_parser()
+    by_flag = {o: a for a in parser._actions for o in a.option_strings}
+    for entry in COMPAT_FLAGS:
+        assert entry.kind in (STORE, SAME, MAP, REFUSE) and entry.why
+        assert by_flag[entry.flag].help, entry.flag
+    assert "Refused: batch-size ramp-up is not built" in parser.format_help()
+
+
+# ----- schedules in samples and weight-decay increments ------------------------------------
+class _Groups:
+    def __init__(self):
+        self.param_groups = [{"wd_mult": 1.0}]
+
+
+def test_sample_based_schedule_matches_megatron():
+    with pytest.raises(ValueError, match="goes with --train-samples alone"):
+        _parse("--lr-decay-samples 80")
+    base = BASE.replace("--train-iters 5", "--train-samples 100")
+    with pytest.raises(ValueError, match="not both"):
+        parse_args(f"{base} --lr-decay-samples 80 --lr-warmup-iters 1".split())
+    args = parse_args(f"{base} --global-batch-size 8 --lr-decay-samples 80 --lr-warmup-samples 12 "
+                      f"--lr-decay-style cosine --min-lr 1e-4 --lr-warmup-init 1e-5".split())
+    assert args.train_iters == 13 and args.lr_decay_iters == 10 and args.lr_warmup_iters == 1.5
+    ours = OptimizerParamScheduler(_Groups(), max_lr=1e-3, min_lr=1e-4, init_lr=1e-5,
+                                   lr_warmup_steps=args.lr_warmup_iters,
+                                   lr_decay_steps=args.lr_decay_iters, lr_decay_style="cosine")
+    # Megatron-LM counts the schedule in samples and steps it by the global batch size
+    megatron = OptimizerParamScheduler(_Groups(), max_lr=1e-3, min_lr=1e-4, init_lr=1e-5,
+                                       lr_warmup_steps=12, lr_decay_steps=80,
+                                       lr_decay_style="cosine")
+    for _ in range(args.train_iters):
+        assert ours.get_lr() == pytest.approx(megatron.get_lr(), rel=1e-12)
+        ours.step(1)
+        megatron.step(8)
+
+
+def test_weight_decay_increment_flags():
+    with pytest.raises(ValueError, match="--start-weight-decay and --end-weight-decay need "
+                                         "--weight-decay-incr-style linear or cosine"):
+        _parse("--start-weight-decay 0 --end-weight-decay 0.1")
+    with pytest.raises(ValueError, match="--weight-decay-incr-style cosine needs both"):
+        _parse("--weight-decay-incr-style cosine --end-weight-decay 0.1")
+    with pytest.raises(ValueError, match=r"need 0 <= --start-weight-decay \(0.2\)"):
+        _parse("--weight-decay-incr-style linear --start-weight-decay 0.2 --end-weight-decay 0.1")
+
+
+def _trainer_schedule(rank, world, argv):
+    from megatron_cp.initialize import initialize_model_parallel
+    from megatron_cp.training import Trainer
+
+    args = parse_args(argv.split(), world_size=world)
+    trainer = Trainer(args, initialize_model_parallel(device=torch.device("cpu")))
+    sched = trainer.scheduler
+    first = [g["weight_decay"] for g in trainer.optimizer.param_groups]
+    sched.step(args.train_iters)
+    last = [g["weight_decay"] for g in trainer.optimizer.param_groups]
+    return sched.init_lr, sched.wd_incr_style, sched.wd_incr_steps, first, last, \
+        [len(chunk.buckets) for chunk in trainer.model_chunks]
+
+
+def test_trainer_gets_warmup_init_weight_decay_increment_and_bucket_size():
+    argv = (f"{BASE} --lr-warmup-iters 2 --lr-warmup-init 1e-4 --weight-decay-incr-style linear "
+            f"--start-weight-decay 0.0 --end-weight-decay 0.1 --ddp-bucket-size 1000")
+    init_lr, style, steps, first, last, buckets = run_workers(_trainer_schedule, 1, argv)[0]
+    assert (init_lr, style, steps) == (1e-4, "linear", 5)
+    assert sorted(first) == [0.0, 0.0] and sorted(last) == [0.0, pytest.approx(0.1)]
+    assert buckets[0] > 5  # ~10k params in buckets of 1000 gradient elements
+
+
+def test_hugging_face_tokenizer_flag_needs_its_model():
+    with pytest.raises(ValueError, match="--tokenizer-type HuggingFaceTokenizer needs "
+                                         "--tokenizer-model"):
+        _parse("--tokenizer-type HuggingFaceTokenizer")
+    args = _parse("--tokenizer-type HuggingFaceTokenizer --tokenizer-model /some/folder")
+    assert args.tokenizer_model == "/some/folder"
