@@ -259,9 +259,8 @@ def _validate_model(args, names):
         # The vocabulary comes from the tokenizer, built later; no rule depends on it.
         config = build_config(GPTConfig, args, vocab_size=1)
         config.validate_parallel(args.tensor_model_parallel_size, args.context_parallel_size)
+        # pad tokens repeat their document's last position: only real positions need rows
         config.check_positions(args.seq_length, "seq_length")
-        if args.pipeline_seq_length is not None:
-            config.check_positions(args.pipeline_seq_length, "pipeline_seq_length")
     except ValueError as err:
         raise ValueError(name_flags(str(err), names)) from err
     fill_args(config, args)

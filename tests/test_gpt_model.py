@@ -92,3 +92,35 @@ def test_recompute_gives_same_grads():
     for other in grads[1:]:
         for n in grads[0]:
             close(other[n], grads[0][n])
+
+
+def test_vocabulary_padding_never_changes_the_model():
+    """513 real entries padded to 640 or to 1024 (what TP=1 and TP=8 pad to): the same real
+    rows, zero padded rows, -inf padded logits, the same loss, and no gradient on padding."""
+    tokens, positions, labels, _ = _batch(vocab=513)
+    out = {}
+    for divisible_by, untied in ((128, False), (1024, False), (128, True), (1024, True)):
+        config = tiny_config(vocab_size=513, make_vocab_size_divisible_by=divisible_by,
+                             untie_embeddings_and_output_weights=untied,
+                             position_embedding_type="learned_absolute")
+        model = GPTModel(config)
+        weights = [model.embedding.word_embeddings.weight]
+        if untied:
+            weights.append(model.output_layer.weight)
+        for weight in weights:
+            assert weight.shape[0] == (640 if divisible_by == 128 else 1024)
+            assert (weight[513:] == 0).all()
+        with torch.no_grad():
+            logits = model(tokens, positions)  # [s, b, padded]
+        assert torch.isinf(logits[..., 513:]).all() and torch.isfinite(logits[..., :513]).all()
+        loss = model(tokens, positions, labels=labels).sum()
+        loss.backward()
+        for weight in weights:
+            assert (weight.grad[513:] == 0).all()
+        out[divisible_by, untied] = (loss.detach(), logits[..., :513],
+                                     [w.detach()[:513] for w in weights])
+    for untied in (False, True):
+        a, b = out[128, untied], out[1024, untied]
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        for wa, wb in zip(a[2], b[2]):
+            assert torch.equal(wa, wb)

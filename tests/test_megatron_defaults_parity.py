@@ -40,6 +40,8 @@ LAYOUTS = {
     "tp2_sp_cp2_pp2_packed": (8, "packed", f"{TP2} --sequence-parallel {CP2} {PP2} {PACKED}"),
     "cp2_pp2_packed": (4, "packed", f"{CP2} {PP2} {PACKED}"),
     "cp2_pp2_packed_rope": (4, "packed_rope", f"{CP2} {PP2} {PACKED} {ROPE}"),
+    # a fixed buffer longer than the position table: pad tokens repeat real positions
+    "pp2_fixed_buffer_packed": (2, "packed", f"{PP2} {PACKED} --pipeline-seq-length 40"),
 }
 for _pos, _ref in (("learned", "packed"), ("rope", "packed_rope")):
     _extra = PACKED if _pos == "learned" else f"{PACKED} {ROPE}"

@@ -25,12 +25,9 @@ class SelfAttention(torch.nn.Module):
                  hierarchical_cp_groups=None):
         super().__init__()
         tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
-        config.validate_parallel(tp_size)
         self.config, self.tp_group, self.cp_group, self.rng_tracker = config, tp_group, cp_group, rng_tracker
         self.cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
-        if self.cp_size > 1 and config.attention_dropout > 0:
-            raise ValueError(f"attention_dropout ({config.attention_dropout}) is not supported with "
-                             f"context parallelism (cp size {self.cp_size}); set it to 0")
+        config.validate_parallel(tp_size, self.cp_size)
         d, nh, ng = config.kv_channels, config.num_attention_heads, config.num_query_groups
         self.head_dim, self.heads_per_group = d, nh // ng
         self.local_groups = ng // tp_size
