@@ -7,6 +7,7 @@ Each benchmark prints PASS or FAIL against the goal stated in its docstring.
 """
 import json
 import os
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(ROOT, "runs", "benchmarks")
@@ -35,3 +36,16 @@ def write_json(path, data):
     with open(path, "w") as f:
         json.dump(data, f, indent=2)
     print(f"wrote {path}")
+
+
+def min_thread_time(fn, repeats, warmup=0):
+    """Min CPU time of this thread over ``repeats`` calls of ``fn`` after ``warmup`` calls
+    (time the thread spends descheduled does not count: steadier on a shared machine)."""
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.thread_time()
+        fn()
+        best = min(best, time.thread_time() - start)
+    return best

@@ -39,10 +39,10 @@ for path in (ROOT, os.path.join(ROOT, "tests")):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-from bench_common import add_output_argument, verdict, write_json  # noqa: E402
+from bench_common import add_output_argument, min_thread_time, verdict, write_json  # noqa: E402
 from dist_harness import run_workers  # noqa: E402
-from megatron_cp.context_parallel import (block_attention, context_parallel_attention,  # noqa: E402
-                                          local_attention, zigzag_indices)
+from megatron_cp.context_parallel import (blockwise, context_parallel_attention,  # noqa: E402
+                                          local_attention, ring, zigzag_indices)
 from megatron_cp.context_parallel.ring import RingLayout  # noqa: E402
 
 # (a) ring bytes x CP / CP=1 bytes, (b) zigzag max/min rank compute, (c) sum-over-ranks
@@ -106,16 +106,6 @@ def run_memory(seq_lens, heads, dim):
     return rows
 
 
-def _time_min(fn, repeats):
-    """Min CPU time of this thread over ``repeats`` calls (time descheduled does not count)."""
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.thread_time()
-        fn()
-        best = min(best, time.thread_time() - start)
-    return best
-
-
 def _rank_work(layout, rank, q, k, v, scale):
     """Forward + backward block kernels of one simulated ring rank (plans precomputed)."""
     plans = [layout.plan(rank, src) for src in range(layout.size)]
@@ -124,11 +114,11 @@ def _rank_work(layout, rank, q, k, v, scale):
 
     def work():
         for plan in plans:
-            for q_sl, kv_sl, causal, mask in plan:
+            for q_sl, kv_sl, kind, segments in plan:
                 args = (q[:, :, q_sl], k[:, :, kv_sl], v[:, :, kv_sl])
-                block_attention.block_forward(*args, scale, causal, mask)
-                block_attention.block_backward(dout[:, :, q_sl], *args, out[:, :, q_sl],
-                                               lse[:, :, q_sl], scale, causal, mask)
+                blockwise.block_forward(*args, scale, kind, segments)
+                blockwise.block_backward(dout[:, :, q_sl], *args, out[:, :, q_sl],
+                                         lse[:, :, q_sl], scale, kind, segments)
 
     return work
 
@@ -147,21 +137,23 @@ def run_balance(s, cp, heads, dim, repeats):
         times = [float("inf")] * cp
         for _ in range(repeats):  # round robin, min per rank: robust to other load on the box
             for r, work in enumerate(works):
-                times[r] = min(times[r], _time_min(work, 1))
+                times[r] = min(times[r], min_thread_time(work, 1))
         result[name] = {"rank_seconds": times, "max_over_min": max(times) / min(times)}
     return result
 
 
 def _serialize_kernels(lock):
-    """Make the block kernels of all ranks take turns (the ring still communicates freely)."""
-    for name in ("block_forward", "block_backward"):
-        kernel = getattr(block_attention, name)
+    """Make the block kernels of all ranks take turns (the ring still communicates freely):
+    the names ring attention and the one-block Function (Ulysses) call are wrapped."""
+    for module in (ring, blockwise):
+        for name in ("block_forward", "block_backward"):
+            kernel = getattr(module, name)
 
-        def locked(*args, _kernel=kernel, **kwargs):
-            with lock:
-                return _kernel(*args, **kwargs)
+            def locked(*args, _kernel=kernel, **kwargs):
+                with lock:
+                    return _kernel(*args, **kwargs)
 
-        setattr(block_attention, name, locked)
+            setattr(module, name, locked)
 
 
 def _overhead_worker(rank, world_size, s, heads, dim, repeats, comm_types, lock):

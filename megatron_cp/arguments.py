@@ -63,7 +63,16 @@ def _training_args(g):
     g.add_argument("--loss-scale-window", type=int, default=1000, help="Good steps before the scale grows.")
     g.add_argument("--hysteresis", type=int, default=2, help="Overflows tolerated before backing off.")
     g.add_argument("--overlap-grad-reduce", action="store_true",
-                   help="Overlap the DP gradient all-reduce with backward.")
+                   help="Overlap the DP gradient all-reduce (reduce-scatter with the distributed "
+                        "optimizer) with backward.")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="ZeRO-1: shard the fp32 main params and Adam state over the data-parallel "
+                        "(DP x CP) ranks; gradients are reduce-scattered and the updated params "
+                        "all-gathered, bucket by bucket.")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="With --use-distributed-optimizer: run the parameter all-gather in the "
+                        "background after the step; each module's forward waits for its own "
+                        "bucket.")
     g.add_argument("--exit-interval", type=int, default=None, help="Exit after iterations divisible by this.")
     g.add_argument("--exit-duration-in-mins", type=float, default=None, help="Exit after this many minutes.")
     g.add_argument("--exit-signal-handler", action="store_true",
@@ -121,6 +130,10 @@ def _io_args(g):
     g.add_argument("--save", default=None, help="Checkpoint directory to save to.")
     g.add_argument("--load", default=None, help="Checkpoint directory to resume from.")
     g.add_argument("--save-interval", type=int, default=None, help="Save every this many iterations.")
+    g.add_argument("--async-save", action="store_true",
+                   help="With --ckpt-format torch_dist: copy the state, then write it in the "
+                        "background while training goes on; the tracker file is written once "
+                        "every rank has finished writing.")
     g.add_argument("--no-load-optim", action="store_true", help="Do not load optimizer state.")
     g.add_argument("--no-load-rng", action="store_true", help="Do not load RNG state.")
     g.add_argument("--override-opt_param-scheduler", action="store_true",
@@ -247,7 +260,20 @@ def validate_args(args, world_size, built=("tensor", "data", "context")):
     _validate_data(args)
     if args.exit_signal_handler and not args.save:
         raise ValueError("--exit-signal-handler saves a checkpoint on SIGTERM: give --save")
+    _validate_optimizer_and_checkpoint(args)
     return args
+
+
+def _validate_optimizer_and_checkpoint(args):
+    """The distributed optimizer's and the checkpoint format's companions."""
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        raise ValueError("--overlap-param-gather overlaps the distributed optimizer's parameter "
+                         "all-gather: add --use-distributed-optimizer")
+    if args.async_save and args.ckpt_format != "torch_dist":
+        raise ValueError(f"--async-save writes --ckpt-format torch_dist checkpoints, not "
+                         f"{args.ckpt_format}; add --ckpt-format torch_dist")
+    if args.async_save and not args.save:
+        raise ValueError("--async-save needs a checkpoint directory: give --save")
 
 
 def _validate_model(args, names):

@@ -10,7 +10,7 @@ Kinds of entry:
 - ``REFUSE``: giving it raises ValueError naming the flag and why.
 
 An entry may also refuse some values only (``refuse={value: why}``), e.g. ``--ckpt-format
-torch_dist``. A flag counts as given when its value differs from its default.
+zarr``. A flag counts as given when its value differs from its default.
 """
 from dataclasses import dataclass, field
 
@@ -51,12 +51,14 @@ COMPAT_FLAGS = (
     CompatFlag("--no-save-optim", STORE, "Do not save optimizer state.",
                group="checkpointing and logging"),
     CompatFlag("--no-save-rng", STORE, "Do not save RNG state.", group="checkpointing and logging"),
-    CompatFlag("--ckpt-format", STORE, "Checkpoint format.", group="checkpointing and logging",
+    CompatFlag("--ckpt-format", STORE, "Checkpoint format of --save: torch (one file per "
+               "model-parallel rank, loads into the same TP/PP layout) or torch_dist "
+               "(torch.distributed.checkpoint: every rank writes its shards in parallel and "
+               "--load restores it under any TP/PP/CP/DP layout). --load reads either.",
+               group="checkpointing and logging",
                argparse=dict(choices=["torch", "torch_dist", "zarr"], default="torch"),
-               refuse={"torch_dist": "not built yet; use --ckpt-format torch "
-                                     "(tools/checkpoint_convert.py reshards)",
-                       "zarr": "not built; use --ckpt-format torch "
-                               "(tools/checkpoint_convert.py reshards)"}),
+               refuse={"zarr": "not built; use --ckpt-format torch_dist (same sharded, "
+                               "layout-free checkpoints)"}),
     CompatFlag("--log-throughput", SAME, "the log line always shows throughput (TFLOP/s per "
                "GPU, tokens per second)"),
     CompatFlag("--log-params-norm", STORE, "Log the norm of the parameters.",
@@ -157,12 +159,6 @@ COMPAT_FLAGS = (
                "built; give --data-path with --split", argparse=dict(nargs="*", default=None)),
     CompatFlag("--rampup-batch-size", REFUSE, "batch-size ramp-up is not built; drop it",
                argparse=dict(nargs=3, default=None)),
-    CompatFlag("--use-distributed-optimizer", REFUSE, "the distributed (ZeRO-1) optimizer is not "
-               "built yet: optimizer states are replicated over data-parallel ranks; drop it"),
-    CompatFlag("--overlap-param-gather", REFUSE, "it needs the distributed optimizer, which is "
-               "not built yet; drop it (--overlap-grad-reduce overlaps the gradient all-reduce)"),
-    CompatFlag("--async-save", REFUSE, "asynchronous checkpoint saving is not built yet: saves "
-               "are synchronous and atomic (written to iter_N.tmp, then renamed); drop it"),
     CompatFlag("--wandb-project", REFUSE, "Weights & Biases is not a dependency; use "
                "--tensorboard-dir", argparse=dict(default=None)),
     CompatFlag("--wandb-exp-name", REFUSE, "Weights & Biases is not a dependency; use "

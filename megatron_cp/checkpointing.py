@@ -1,6 +1,8 @@
-"""Checkpoints: one shard per model-parallel rank, saved atomically, resumed exactly.
+"""Checkpoints: saved atomically, resumed exactly; ``--ckpt-format torch`` here, and the
+dispatch to ``--ckpt-format torch_dist`` (:mod:`megatron_cp.dist_checkpoint`), which loads
+into any parallel layout. ``--load`` reads either format, whatever ``--ckpt-format`` says.
 
-Layout (Megatron's)::
+The torch format has one shard per model-parallel rank (Megatron's layout)::
 
     <dir>/latest_checkpointed_iteration.txt          "20"
     <dir>/iter_0000020/mp_rank_00/model_optim_rng.pt         (PP = 1)
@@ -10,7 +12,9 @@ Layout (Megatron's)::
 A save writes into ``iter_N.tmp`` and renames it to ``iter_N`` only when every rank has
 written; the tracker file is replaced last. A crash mid-save leaves the previous checkpoint
 and tracker untouched. Shards are written by the DP rank 0, CP rank 0 replica of each
-model-parallel rank (the others hold identical weights and optimizer states).
+model-parallel rank (the others hold identical weights and optimizer states); with the
+distributed optimizer its shards are gathered to that rank first, so the file is the same
+with or without it and loads into either.
 """
 import os
 import random
@@ -31,7 +35,8 @@ TRACKER = "latest_checkpointed_iteration.txt"
 LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
                "decoder_last_pipeline_num_layers")
-MODEL_ARGS = checkpoint_args(GPTConfig) + LAYOUT_ARGS
+MODEL_ONLY_ARGS = checkpoint_args(GPTConfig)
+MODEL_ARGS = MODEL_ONLY_ARGS + LAYOUT_ARGS
 
 
 def iteration_dir(root, iteration):
@@ -76,10 +81,18 @@ def _model_states(trainer):
 
 
 def save_checkpoint(trainer, root):
-    """Save model, optimizer, scheduler, RNG, consumed samples and arguments atomically."""
+    """Save model, optimizer, scheduler, RNG, consumed samples and arguments atomically,
+    in ``--ckpt-format`` (with ``--async-save``, torch_dist, in the background)."""
+    args = trainer.args
+    if getattr(args, "ckpt_format", "torch") == "torch_dist":
+        from megatron_cp.dist_checkpoint import torch_dist
+        return torch_dist.save(trainer, root, async_save=getattr(args, "async_save", False))
     st, it = trainer.state, trainer.iteration
     final = iteration_dir(root, it)
     tmp = final + ".tmp"
+    trainer.optimizer.finish_param_sync()
+    # a collective with the distributed optimizer (its shards are gathered): every rank
+    optimizer_state = None if getattr(args, "no_save_optim", False) else trainer.optimizer.state_dict()
     if st.global_rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
@@ -90,24 +103,55 @@ def save_checkpoint(trainer, root):
         args = {k: v for k, v in vars(trainer.args).items() if _plain(v)}
         args["params_dtype"] = str(trainer.args.params_dtype)
         payload = {"iteration": it, "consumed_samples": trainer.consumed_samples, "args": args,
-                   "optimizer": trainer.optimizer.state_dict(),
                    "opt_param_scheduler": trainer.scheduler.state_dict(),
                    "checkpoint_version": 3.0, **_model_states(trainer)}
+        if optimizer_state is not None:
+            payload["optimizer"] = optimizer_state
+        else:
+            payload["converted"] = True  # weights only: the schedule resumes, Adam starts fresh
         _atomic_torch_save(payload, os.path.join(shard, "model_optim_rng.pt"))
     _atomic_torch_save(_rng_state(trainer), os.path.join(tmp, "rng", f"rank_{st.global_rank:05d}.pt"))
     dist.barrier()
     if st.global_rank == 0:
-        if os.path.exists(final):  # re-saving an iteration: keep the old copy until the swap
-            old = final + ".old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _atomic_write_text(os.path.join(root, TRACKER), str(it))
-        print(f" saved checkpoint at iteration {it} to {root}", flush=True)
+        commit_checkpoint(root, it)
     dist.barrier()
+
+
+def commit_checkpoint(root, it):
+    """Rename ``iter_N.tmp`` to ``iter_N`` (keeping an older ``iter_N`` until the swap), then
+    point the tracker at it: the last step of every save, run by one rank after all wrote."""
+    final = iteration_dir(root, it)
+    tmp = final + ".tmp"
+    if os.path.exists(final):  # re-saving an iteration: keep the old copy until the swap
+        old = final + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _atomic_write_text(os.path.join(root, TRACKER), str(it))
+    print(f" saved checkpoint at iteration {it} to {root}", flush=True)
+
+
+def wait_for_async_save(trainer):
+    """Block until a background (``--async-save``) save has written and committed."""
+    from megatron_cp.dist_checkpoint import torch_dist
+    torch_dist.wait_for_async_save(trainer)
+
+
+def resume_schedule_only(trainer, root, it, iteration, consumed_samples):
+    """After loading weights only (a converted checkpoint, or one saved with
+    ``--no-save-optim``): the optimizer and RNG start fresh, but the learning-rate schedule
+    goes on at the saved iteration (one step per iteration), as the iteration count does,
+    instead of warming up again. Returns (iteration, consumed samples)."""
+    trainer.scheduler.num_steps = 0
+    trainer.scheduler.step(iteration)
+    if trainer.state.global_rank == 0:
+        print(f" loaded weights only from {root} at iteration {it}: optimizer and RNG "
+              f"start fresh, the learning-rate schedule resumes at iteration {iteration}",
+              flush=True)
+    return iteration, consumed_samples
 
 
 def _plain(value):
@@ -126,11 +170,14 @@ def read_tracker(root):
 
 
 def latest_first_shard(root):
-    """Path of the (TP 0, PP 0) shard of the latest checkpoint under ``root`` (None if none)."""
+    """Path of the (TP 0, PP 0) shard of the latest checkpoint under ``root`` (None if none;
+    for a torch_dist checkpoint its ``common.pt``)."""
     it = read_tracker(root)
     if it is None:
         return None
     folder = iteration_dir(root, it)
+    if os.path.exists(os.path.join(folder, ".metadata")):
+        return os.path.join(folder, "common.pt")
     for pp_size in (1, 2):  # mp_rank_00 without PP, mp_rank_00_000 with
         path = os.path.join(folder, shard_name(0, 0, pp_size), "model_optim_rng.pt")
         if os.path.exists(path):
@@ -148,11 +195,11 @@ def saved_args(root):
     return torch.load(path, map_location="cpu", weights_only=False)["args"]
 
 
-def check_args_match(saved, args):
-    """Refuse a checkpoint whose model arguments differ, naming every mismatch."""
+def check_args_match(saved, args, names=MODEL_ARGS):
+    """Refuse a checkpoint whose model arguments (``names``) differ, naming every mismatch."""
     current = dict(vars(args), params_dtype=str(args.params_dtype))
     diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}"
-             for k in MODEL_ARGS if k in saved and saved.get(k) != current.get(k)]
+             for k in names if k in saved and saved.get(k) != current.get(k)]
     if diffs:
         raise ValueError("checkpoint was saved with other model arguments: " + "; ".join(diffs) +
                          ". Use the same arguments, or convert it with tools/checkpoint_convert.py")
@@ -169,6 +216,9 @@ def load_checkpoint(trainer, root):
         if st.global_rank == 0:
             print(f" no checkpoint under {root} (no {TRACKER}); starting from scratch", flush=True)
         return 0, 0
+    if os.path.exists(os.path.join(iteration_dir(root, it), ".metadata")):
+        from megatron_cp.dist_checkpoint import torch_dist
+        return torch_dist.load(trainer, root, it)
     path = os.path.join(iteration_dir(root, it), shard_name(st.rank("tp"), st.rank("pp"),
                                                             st.size("pp")), "model_optim_rng.pt")
     if not os.path.exists(path):
@@ -179,23 +229,19 @@ def load_checkpoint(trainer, root):
     chunks = [c.module if hasattr(c, "module") else c for c in trainer.model_chunks]
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(payload["model"] if len(chunks) == 1 else payload[f"model{i}"])
+    trainer.optimizer.reload_model_params()  # fp32 main params follow the loaded weights
     if args.finetune:
         return 0, 0
     if payload.get("converted") or "opt_param_scheduler" not in payload:
-        # weights only (tools/checkpoint_convert.py): the optimizer and RNG start fresh, but
-        # the learning-rate schedule goes on at the saved iteration (one step per iteration),
-        # as the iteration count does, instead of warming up again
-        trainer.scheduler.num_steps = 0
-        trainer.scheduler.step(payload["iteration"])
-        if st.global_rank == 0:
-            print(f" loaded weights only from {root} at iteration {it}: optimizer and RNG "
-                  f"start fresh, the learning-rate schedule resumes at iteration "
-                  f"{payload['iteration']}", flush=True)
-        return payload["iteration"], payload["consumed_samples"]
+        return resume_schedule_only(trainer, root, it, payload["iteration"],
+                                    payload["consumed_samples"])
     if not args.no_load_optim:
         trainer.optimizer.load_state_dict(payload["optimizer"])
         trainer.scheduler.load_state_dict(payload["opt_param_scheduler"])
-    if not args.no_load_rng:
+    if payload.get("no_rng") and not args.no_load_rng and st.global_rank == 0:
+        print(" the checkpoint was converted to another layout without RNG states: the RNG "
+              "streams (dropout) start afresh", flush=True)
+    if not args.no_load_rng and not payload.get("no_rng"):
         rng_path = os.path.join(iteration_dir(root, it), "rng", f"rank_{st.global_rank:05d}.pt")
         if not os.path.exists(rng_path):
             raise ValueError(f"{rng_path} is missing (saved on another number of ranks?); "

@@ -4,6 +4,7 @@ Everything else asks this module (or the ParallelState, which asks it) for its d
 the CPU/gloo path and the GPU/NCCL path run the same code.
 """
 import contextlib
+import functools
 
 import torch
 
@@ -28,6 +29,18 @@ def device_for_local_rank(local_rank: int, backend: str) -> torch.device:
         torch.cuda.set_device(device)
         return device
     return torch.device("cpu")
+
+
+def flash_attention_supported(device: torch.device) -> bool:
+    """True when PyTorch's flash-attention kernels run on ``device`` (CUDA, sm80 or newer)."""
+    if device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int):
+    return torch.cuda.get_device_capability(index)
 
 
 def synchronize(device: torch.device) -> None:
@@ -67,6 +80,12 @@ def max_memory_allocated(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return 0
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start :func:`max_memory_allocated` afresh (nothing on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def rng_state(device: torch.device):

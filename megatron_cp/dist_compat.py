@@ -9,13 +9,15 @@ functions, so the choice lives here and nowhere else. The name is looked up at e
 import torch.distributed as dist
 
 
-def all_gather_flat(output, tensor, group=None):
-    """Gather ``tensor`` of every rank of ``group`` into ``output`` (rank-major along dim 0)."""
+def all_gather_flat(output, tensor, group=None, async_op=False):
+    """Gather ``tensor`` of every rank of ``group`` into ``output`` (rank-major along dim 0);
+    with ``async_op`` returns the work handle to wait on."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return gather(output, tensor, group=group)
+    return gather(output, tensor, group=group, async_op=async_op)
 
 
-def reduce_scatter_flat(output, tensor, group=None):
-    """Sum ``tensor`` over ``group`` and keep this rank's dim-0 slice of it in ``output``."""
+def reduce_scatter_flat(output, tensor, group=None, async_op=False):
+    """Sum ``tensor`` over ``group`` and keep this rank's dim-0 slice of it in ``output``;
+    with ``async_op`` returns the work handle to wait on."""
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return scatter(output, tensor, group=group)
+    return scatter(output, tensor, group=group, async_op=async_op)

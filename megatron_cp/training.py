@@ -23,8 +23,9 @@ from megatron_cp.data.microbatch import (prepare_microbatch, required_length, sp
                                          step_length)
 from megatron_cp.initialize import initialize_distributed, initialize_model_parallel
 from megatron_cp.model import GPTConfig, GPTModel
-from megatron_cp.optimizer import (DistributedDataParallel, MixedPrecisionOptimizer,
-                                   OptimizerParamScheduler, finalize_model_grads, get_param_groups)
+from megatron_cp.optimizer import (DistributedDataParallel, DistributedOptimizer,
+                                   MixedPrecisionOptimizer, OptimizerParamScheduler,
+                                   finalize_model_grads, get_param_groups)
 from megatron_cp.pipeline_parallel import (build_model_chunks, get_forward_backward_func,
                                            pipeline_tensor_shape)
 from megatron_cp.run_report import (count_parameters, format_arguments, format_compat_notes,
@@ -62,15 +63,19 @@ class Trainer:
                                         args.decoder_last_pipeline_num_layers)
         else:
             models = [GPTModel(self.config, state=state, device=self.device)]
-        self.model_chunks = [DistributedDataParallel(m, state, bucket_size_mb=args.ddp_bucket_size_mb,
-                                                     overlap_grad_reduce=args.overlap_grad_reduce)
-                             for m in models]
+        distributed = getattr(args, "use_distributed_optimizer", False)
+        self.model_chunks = [DistributedDataParallel(
+            m, state, bucket_size_mb=args.ddp_bucket_size_mb,
+            overlap_grad_reduce=args.overlap_grad_reduce, use_distributed_optimizer=distributed,
+            overlap_param_gather=getattr(args, "overlap_param_gather", False)) for m in models]
         self.model = self.model_chunks[0]
-        self.optimizer = MixedPrecisionOptimizer(
-            get_param_groups(models, args.weight_decay), state, lr=args.lr,
-            weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2),
-            eps=args.adam_eps, clip_grad=args.clip_grad, params_dtype=args.params_dtype,
-            grad_scaler=_grad_scaler(args))
+        adam = dict(lr=args.lr, weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2),
+                    eps=args.adam_eps, clip_grad=args.clip_grad, params_dtype=args.params_dtype,
+                    grad_scaler=_grad_scaler(args))
+        groups = get_param_groups(models, args.weight_decay)
+        self.optimizer = DistributedOptimizer(groups, self.model_chunks, state, **adam) \
+            if distributed else MixedPrecisionOptimizer(groups, state, **adam)
+        self.pending_save = None  # the --async-save in flight (megatron_cp.dist_checkpoint)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters,
             lr_decay_steps=args.lr_decay_iters, lr_decay_style=args.lr_decay_style,
@@ -177,6 +182,10 @@ class Trainer:
             self.scheduler.step(1)
         self.iteration += 1
         self.consumed_samples += self.args.global_batch_size
+        a = self.args
+        if getattr(a, "log_params_norm", False) and (self.iteration % a.log_interval == 0
+                                                     or self.iteration == a.train_iters):
+            self.optimizer.finish_param_sync()  # the norm reads every param: wait for the gathers
         return loss, grad_norm, ok
 
     @torch.no_grad()
@@ -337,6 +346,9 @@ def _train(trainer, logger, start):
                 break
         if args.save and saved_at != trainer.iteration:
             checkpointing.save_checkpoint(trainer, args.save)
+        if args.save:
+            checkpointing.wait_for_async_save(trainer)  # the tracker is written before we return
+        trainer.optimizer.finish_param_sync()  # no all-gather left running (--overlap-param-gather)
     finally:
         if manual_gc:
             gc.enable()

@@ -35,6 +35,7 @@ class TrainingLogger:
         self.is_writer = state.global_rank == 0
         self.writer = None
         self.last_validation = None  # (iteration, loss) of the latest evaluation
+        self.memory_reported = False
         if self.is_writer and args.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(log_dir=args.tensorboard_dir)
@@ -86,6 +87,11 @@ class TrainingLogger:
             f" lm loss: {self.loss / self.count:.6E} | loss scale: {scale:.1f} |"
             f" grad norm: {grad_norm:.4f} |{params_norm}"
             f" number of skipped iterations: {trainer.optimizer.num_skipped_iters:3d} |")
+        if not self.memory_reported:  # Megatron's one memory report, after the first interval
+            self.memory_reported = True
+            what = "max allocated" if self.state.device.type == "cuda" else "peak resident"
+            self.print(f" [Rank {self.state.global_rank}] (after {it} iterations) memory (MB) |"
+                       f" {what}: {mem_mb:.1f}")
         if self.writer is not None:
             self.writer.add_scalar("throughput/tflops-per-gpu", tflops, it)
             self.writer.add_scalar("throughput/tokens-per-second", tokens_per_s, it)

@@ -201,8 +201,13 @@ def test_refused_values_of_accepted_flags(flag, value, why):
 
 
 @pytest.mark.parametrize("argv,message", [
-    ("--ckpt-format torch_dist", "--ckpt-format torch_dist: not built yet; use --ckpt-format "
-                                 "torch (tools/checkpoint_convert.py reshards)"),
+    ("--ckpt-format zarr", "--ckpt-format zarr: not built; use --ckpt-format torch_dist"),
+    ("--overlap-param-gather", "--overlap-param-gather overlaps the distributed optimizer's "
+                               "parameter all-gather: add --use-distributed-optimizer"),
+    ("--async-save --save ck", "--async-save writes --ckpt-format torch_dist checkpoints, not "
+                               "torch; add --ckpt-format torch_dist"),
+    ("--async-save --ckpt-format torch_dist", "--async-save needs a checkpoint directory: give "
+                                              "--save"),
     ("--optimizer sgd", "--optimizer sgd: only Adam"),
     ("--dataloader-type cyclic", "--dataloader-type cyclic: the cyclic"),
     ("--rampup-batch-size 8 8 100", "--rampup-batch-size 8 8 100: batch-size ramp-up is not "
@@ -216,6 +221,13 @@ def test_refused_values(argv, message):
     with pytest.raises(ValueError) as err:
         _parse(argv)
     assert message in str(err.value)
+
+
+def test_distributed_optimizer_and_checkpoint_flags_parse():
+    args = _parse("--use-distributed-optimizer --overlap-param-gather --overlap-grad-reduce "
+                  "--ckpt-format torch_dist --async-save --save ck")
+    assert (args.use_distributed_optimizer, args.overlap_param_gather, args.ckpt_format,
+            args.async_save, args.compat_notes) == (True, True, "torch_dist", True, [])
 
 
 def test_accepted_values_and_aliases():

@@ -10,11 +10,9 @@ import torch
 import torch.distributed as dist
 
 from dist_harness import run_workers
-from megatron_cp.context_parallel import (block_backward, block_forward,
+from megatron_cp.context_parallel import (block_backward, block_forward, classify_block,
                                           context_parallel_attention, plan_heads,
-                                          reference_attention, resolve_comm_type,
-                                          use_block_kernel, zigzag_indices)
-from megatron_cp.context_parallel.block_attention import attention_mask
+                                          reference_attention, resolve_comm_type, zigzag_indices)
 from megatron_cp.context_parallel.ring import RingLayout
 from megatron_cp.data.microbatch import prepare_microbatch
 from megatron_cp.initialize import initialize_model_parallel
@@ -68,11 +66,11 @@ def _check_case(case, cp_group, cp_rank, cp_size, hierarchical=None):
         local = [t.permute(1, 2, 0, 3) for t in leaves]  # [b, h, s_local, d] views
     else:
         leaves = local = [_take(t, index).requires_grad_() for t in (q, k, v)]
-    with use_block_kernel(case.get("kernel", "auto")):
-        sizes = resolve_comm_type(case["comm"], case["nkv"], cp_size, case.get("hier"))[1]
-        out = context_parallel_attention(*local, index, docs, cp_group, case["comm"],
-                                         hierarchical_groups=(hierarchical or {}).get(sizes))
-        (out * _take(g, index)).sum().backward()
+    sizes = resolve_comm_type(case["comm"], case["nkv"], cp_size, case.get("hier"))[1]
+    out = context_parallel_attention(*local, index, docs, cp_group, case["comm"],
+                                     hierarchical_groups=(hierarchical or {}).get(sizes),
+                                     kernel=case.get("kernel", "auto"))
+    (out * _take(g, index)).sum().backward()
     torch.testing.assert_close(out, _take(ref, index), **TOL, msg=lambda m: f"{name} out: {m}")
     for what, leaf, want in zip("qkv", leaves, ref_grads):
         got = leaf.grad.permute(1, 2, 0, 3) if case.get("sbhd") else leaf.grad
@@ -204,13 +202,13 @@ def test_single_rank_and_block_kernels():
         out = context_parallel_attention(q, k, v, tokens, document_ids, None, "p2p")
         torch.testing.assert_close(out, reference_attention(q, k, v, tokens, document_ids), **TOL)
     # Queries 0..5 against keys 5..11: rows 0..4 see no key -> lse -inf, out 0, finite grads.
-    mask = attention_mask(tokens[:, :6], tokens[:, 5:], docs[:, :6], docs[:, 5:])
+    kind, plan = classify_block(tokens[:, :6], tokens[:, 5:], docs[:, :6], docs[:, 5:])
+    assert kind == "segments"
     results = {}
     for kernel in ("auto", "torch"):
-        with use_block_kernel(kernel):
-            o, lse = block_forward(q[:, :, :6], k[:, :, 5:], v[:, :, 5:], 0.3, False, mask)
-            grads = block_backward(torch.ones_like(o), q[:, :, :6], k[:, :, 5:], v[:, :, 5:],
-                                   o, lse, 0.3, False, mask)
+        o, lse = block_forward(q[:, :, :6], k[:, :, 5:], v[:, :, 5:], 0.3, kind, plan, kernel)
+        grads = block_backward(torch.ones_like(o), q[:, :, :6], k[:, :, 5:], v[:, :, 5:],
+                               o, lse, 0.3, kind, plan, kernel)
         assert torch.isinf(lse[:, :, :5]).all() and (o[:, :, :5] == 0).all()
         assert torch.isfinite(lse[:, :, 5]).all()
         assert all(torch.isfinite(x).all() for x in grads)

@@ -1,25 +1,32 @@
 """Context parallelism: sequence partition, ring / Ulysses / hybrid / all-gather attention.
 
-The model calls :func:`context_parallel_attention`; the data path splits microbatches with
-``megatron_cp.data.microbatch.prepare_microbatch``. See attention.py for the dispatcher and ring.py, ulysses.py,
-all_gather.py, block_attention.py, partition.py, comm.py for the pieces.
+The model calls :class:`ContextParallelAttention` (or :func:`local_attention` without CP);
+the data path splits microbatches with ``megatron_cp.data.microbatch.prepare_microbatch``.
+The pieces: attention.py (dispatcher), ring.py, ulysses.py, all_gather.py (communication),
+blockwise.py (one block: dense or segment plan, log-sum-exp merge), segments.py (the
+per-document segment planner), kernels.py / cuda_kernels.py (the kernels of each device
+behind an explicit :class:`AttentionKernel` choice), local.py (no CP), reference.py (the
+fp32 truth), partition.py and comm.py.
 """
 from megatron_cp.context_parallel.all_gather import all_gather_attention
 from megatron_cp.context_parallel.attention import (COMM_TYPES, ContextParallelAttention,
                                                     context_parallel_attention, resolve_comm_type)
-from megatron_cp.context_parallel.block_attention import (attention_mask, block_backward,
-                                                          block_forward, local_attention,
-                                                          masked_attention, merge_partial,
-                                                          reference_attention, use_block_kernel)
+from megatron_cp.context_parallel.blockwise import (Block, block_backward, block_forward,
+                                                    masked_attention, merge_partial)
+from megatron_cp.context_parallel.kernels import KERNEL_NAMES, AttentionKernel, attention_kernel
+from megatron_cp.context_parallel.local import local_attention
 from megatron_cp.context_parallel.partition import (zigzag_all_gather, zigzag_gather,
                                                     zigzag_indices, zigzag_split)
+from megatron_cp.context_parallel.reference import attention_mask, reference_attention
 from megatron_cp.context_parallel.ring import ring_attention
+from megatron_cp.context_parallel.segments import classify_block, plan_segments
 from megatron_cp.context_parallel.ulysses import plan_heads, ulysses_attention
 
 __all__ = [
-    "COMM_TYPES", "ContextParallelAttention", "all_gather_attention", "attention_mask",
-    "block_backward", "block_forward", "context_parallel_attention", "local_attention",
-    "masked_attention", "merge_partial", "plan_heads", "reference_attention",
-    "resolve_comm_type", "ring_attention", "ulysses_attention", "use_block_kernel",
-    "zigzag_all_gather", "zigzag_gather", "zigzag_indices", "zigzag_split",
+    "COMM_TYPES", "KERNEL_NAMES", "AttentionKernel", "Block", "ContextParallelAttention",
+    "all_gather_attention", "attention_kernel", "attention_mask", "block_backward",
+    "block_forward", "classify_block", "context_parallel_attention", "local_attention",
+    "masked_attention", "merge_partial", "plan_heads", "plan_segments", "reference_attention",
+    "resolve_comm_type", "ring_attention", "ulysses_attention", "zigzag_all_gather",
+    "zigzag_gather", "zigzag_indices", "zigzag_split",
 ]

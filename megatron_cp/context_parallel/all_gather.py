@@ -3,14 +3,16 @@
 Forward: all-gather the KV (k and v stacked, KV heads only) and the token metadata of every
 CP rank at once, then attend the local queries to each rank's KV block with the ring's
 block plan (zigzag: one causal diagonal block and half-size unmasked blocks; otherwise a
-per-block mask, empty blocks skipped) and merge with the log-sum-exp rule. The full KV is
-NOT saved: backward all-gathers it again, recomputes the blocks, and reduce-scatters dK/dV
-so each rank gets the gradient of its own KV summed over every rank's queries.
+per-block classification, empty blocks skipped, document-masked ones as segment plans)
+and merge with the log-sum-exp rule. The full KV is NOT saved: backward all-gathers it
+again, recomputes the blocks (with the forward's plans), and reduce-scatters dK/dV so each
+rank gets the gradient of its own KV summed over every rank's queries.
 """
 import torch
 
-from megatron_cp.context_parallel import block_attention as blocks
 from megatron_cp.context_parallel import comm
+from megatron_cp.context_parallel.kernels import attention_kernel
+from megatron_cp.context_parallel.reference import softmax_scale_for
 from megatron_cp.context_parallel.ring import (Accumulator, RingLayout, add_kv_grads,
                                               backward_blocks, forward_blocks)
 
@@ -20,7 +22,7 @@ class _AllGatherAttention(torch.autograd.Function):
     reduce-scatter dK/dV. Inputs q [b, nh, s/P, d], k/v [b, nkv, s/P, d]."""
 
     @staticmethod
-    def forward(ctx, q, k, v, token_index, document_ids, group, softmax_scale):
+    def forward(ctx, q, k, v, token_index, document_ids, group, softmax_scale, kernel):
         size, rank = comm.group_size(group), comm.group_rank(group)
         token_all = comm.all_gather_stack(token_index, group)  # [P, b, s/P]
         doc_all = None if document_ids is None else comm.all_gather_stack(document_ids, group)
@@ -28,37 +30,41 @@ class _AllGatherAttention(torch.autograd.Function):
         kv_all = comm.all_gather_stack(torch.stack([k, v]), group)  # [P, 2, b, nkv, s/P, d]
         acc = Accumulator(q)
         for src in range(size):
-            forward_blocks(q, kv_all[src, 0], kv_all[src, 1], layout, rank, src, softmax_scale, acc)
+            forward_blocks(q, kv_all[src, 0], kv_all[src, 1], layout, rank, src, softmax_scale,
+                           acc, kernel)
         out_acc, lse_acc = acc.result()
         out = out_acc.to(q.dtype)
-        ctx.group, ctx.softmax_scale, ctx.zigzag = group, softmax_scale, layout.zigzag
-        ctx.save_for_backward(q, k, v, out, lse_acc, *layout.saved())
+        ctx.group, ctx.softmax_scale, ctx.layout, ctx.kernel = group, softmax_scale, layout, kernel
+        ctx.save_for_backward(q, k, v, out, lse_acc)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, token_all, doc_all = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         size, rank = comm.group_size(ctx.group), comm.group_rank(ctx.group)
-        layout = RingLayout(size, q.shape[2], token_all, doc_all, ctx.zigzag)
+        layout = ctx.layout
         kv_all = comm.all_gather_stack(torch.stack([k, v]), ctx.group)  # [P, 2, b, nkv, s/P, d]
         dout = dout.contiguous()
         dq, dkv_all = None, []
         for src in range(size):
             dq, kv_grads = backward_blocks(dout, q, kv_all[src, 0], kv_all[src, 1], out, lse,
-                                           layout, rank, src, ctx.softmax_scale, dq)
+                                           layout, rank, src, ctx.softmax_scale, dq, ctx.kernel)
             dkv_all.append(torch.stack(add_kv_grads(None, kv_grads, k.shape, q.device)))
         if dq is None:
             dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv_all = torch.stack(dkv_all)  # [P, 2, b, nkv, s/P, d]: every rank's KV gradient
         dkv = comm.reduce_scatter_stack(dkv_all, ctx.group)  # [2, b, nkv, s/P, d]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None,
+                None)
 
 
-def all_gather_attention(q, k, v, token_index, document_ids, group, softmax_scale=None):
+def all_gather_attention(q, k, v, token_index, document_ids, group, softmax_scale=None,
+                         kernel=None):
     """All-gather context-parallel attention over ``group``; differentiable wrt q, k, v.
 
     q: [b, nh, s/P, d]; k, v: [b, nkv, s/P, d]; token_index / document_ids: [b, s/P].
-    Returns [b, nh, s/P, d] in q's dtype.
+    Returns [b, nh, s/P, d] in q's dtype. ``kernel``: AttentionKernel or name (None: "auto").
     """
-    scale = blocks.softmax_scale_for(q, softmax_scale)
-    return _AllGatherAttention.apply(q, k, v, token_index, document_ids, group, scale)
+    scale = softmax_scale_for(q, softmax_scale)
+    return _AllGatherAttention.apply(q, k, v, token_index, document_ids, group, scale,
+                                     attention_kernel(kernel))

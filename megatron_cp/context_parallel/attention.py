@@ -3,13 +3,15 @@
 Built once per attention layer, it resolves the communication type (Megatron's
 --cp-comm-type names: p2p, a2a, a2a+p2p, all_gather, plus auto) and checks the heads, so
 every user error is raised before any communication; each call validates the inputs and
-dispatches to ring / Ulysses / hybrid / all-gather attention.
+dispatches to ring / Ulysses / hybrid / all-gather attention with the layer's explicit
+kernel choice (:class:`~megatron_cp.context_parallel.kernels.AttentionKernel`).
 """
 import math
 
-from megatron_cp.context_parallel import block_attention as blocks
 from megatron_cp.context_parallel import comm
 from megatron_cp.context_parallel.all_gather import all_gather_attention
+from megatron_cp.context_parallel.kernels import attention_kernel
+from megatron_cp.context_parallel.local import local_attention
 from megatron_cp.context_parallel.ring import ring_attention
 from megatron_cp.context_parallel.ulysses import plan_heads, ulysses_attention
 from megatron_cp.initialize import check_hierarchical_sizes
@@ -50,12 +52,14 @@ class ContextParallelAttention:
     ``hcp_inner`` / ``hcp_outer``), "all_gather" or "auto". ``num_heads`` /
     ``num_kv_heads``: this rank's query and KV heads (after the TP split). Every user error
     (unknown type, missing sub-groups, heads that cannot split) is raised here, before any
-    communication. A CP group of size 1 (or None) runs plain local attention.
+    communication. A CP group of size 1 (or None) runs plain local attention. ``kernel``:
+    "auto" (the device's fused kernels), "torch" (plain PyTorch) or an AttentionKernel.
     """
 
     def __init__(self, cp_group, comm_type, num_heads, num_kv_heads, hierarchical_groups=None,
-                 allow_dummy_heads=True, softmax_scale=None):
+                 allow_dummy_heads=True, softmax_scale=None, kernel="auto"):
         self.cp_group, self.softmax_scale = cp_group, softmax_scale
+        self.kernel = attention_kernel(kernel)
         self.allow_dummy_heads = allow_dummy_heads
         self.cp_size = comm.group_size(cp_group)
         groups = tuple(hierarchical_groups) if hierarchical_groups else None
@@ -75,23 +79,25 @@ class ContextParallelAttention:
             self.inner_group, self.outer_group = groups
 
     def _ring_over_outer(self, q, k, v, token_index, document_ids, scale):
-        return ring_attention(q, k, v, token_index, document_ids, self.outer_group, scale)
+        return ring_attention(q, k, v, token_index, document_ids, self.outer_group, scale,
+                              self.kernel)
 
     def __call__(self, q, k, v, token_index, document_ids):
         """q [b, nh, s_local, d], k/v [b, nkv, s_local, d], token_index [b, s_local] (each
         token's index in the full padded sample), document_ids [b, s_local] or None ->
         [b, nh, s_local, d] in q's dtype; gradients flow to q, k and v."""
-        scale = self.softmax_scale
+        scale, kernel = self.softmax_scale, self.kernel
         if self.cp_size == 1:
-            return blocks.local_attention(q, k, v, token_index, document_ids, scale)
+            return local_attention(q, k, v, token_index, document_ids, scale, kernel=kernel)
         _check_inputs(q, k, v, token_index, document_ids)
         if self.method == "p2p":
-            return ring_attention(q, k, v, token_index, document_ids, self.cp_group, scale)
+            return ring_attention(q, k, v, token_index, document_ids, self.cp_group, scale, kernel)
         if self.method == "all_gather":
-            return all_gather_attention(q, k, v, token_index, document_ids, self.cp_group, scale)
+            return all_gather_attention(q, k, v, token_index, document_ids, self.cp_group, scale,
+                                        kernel)
         if self.method == "a2a":
             return ulysses_attention(q, k, v, token_index, document_ids, self.cp_group, scale,
-                                     self.allow_dummy_heads)
+                                     self.allow_dummy_heads, kernel=kernel)
         return ulysses_attention(q, k, v, token_index, document_ids, self.inner_group, scale,
                                  self.allow_dummy_heads, inner_attention=self._ring_over_outer)
 
@@ -116,9 +122,10 @@ def _check_inputs(q, k, v, token_index, document_ids):
 
 def context_parallel_attention(q, k, v, token_index, document_ids, cp_group, comm_type,
                                softmax_scale=None, hierarchical_groups=None,
-                               allow_dummy_heads=True):
+                               allow_dummy_heads=True, kernel="auto"):
     """One call of :class:`ContextParallelAttention` (built for these heads and groups);
     a model builds the object once per layer instead."""
     attention = ContextParallelAttention(cp_group, comm_type, q.shape[1], k.shape[1],
-                                         hierarchical_groups, allow_dummy_heads, softmax_scale)
+                                         hierarchical_groups, allow_dummy_heads, softmax_scale,
+                                         kernel)
     return attention(q, k, v, token_index, document_ids)

@@ -11,8 +11,10 @@ Block plan. When every rank holds the plain zigzag layout (chunks r and 2P-1-r, 
 documents) the three cases of CP_NOTES apply: j == i is the only masked block (the
 kernel's causal flag, no mask tensor); j < i is Q(all) x KV(j, early half) unmasked;
 j > i is Q(late half) x KV(j) unmasked. Otherwise (packed documents, any other layout)
-the block mask is built from the metadata, fully masked blocks are skipped and fully
-visible ones run without a mask.
+each block is classified from the metadata on the host (segments.classify_block): empty
+blocks are skipped, causal / fully visible ones run dense, and the rest run as a segment
+plan (per-document variable-length calls, see segments.py), never with an [s, s] mask.
+The plans are computed once per forward and reused by the backward.
 
 Backward recomputes every block from the saved local q, k, v, out, lse (flash-attention
 formulas with the final out and lse, see ``block_backward``). dQ accumulates locally. dK/dV
@@ -21,13 +23,21 @@ block j that arrived from rank i-1 and sends it on to rank i+1; after the last s
 more hop brings every accumulator home to its owner. We chose this over all-gather +
 reduce-scatter because it keeps the memory at two KV blocks (never the full-sequence KV)
 and every dKV hop overlaps the next step's compute. Saved for backward: local q, k, v,
-out, lse, plus the O(s) metadata in the general case; never [s, s] nor the full KV.
+out, lse, plus (on ctx, in the general case) the layout with its O(s) integer metadata and
+segment plans; never [s, s] nor the full KV.
+
+Kernels: an explicit ``kernel`` (AttentionKernel or its name, None = "auto") is passed down
+to every block.
 """
 import torch
 
-from megatron_cp.context_parallel import block_attention as blocks
 from megatron_cp.context_parallel import comm
+from megatron_cp.context_parallel.blockwise import (Block, block_backward, block_forward,
+                                                    merge_partial)
+from megatron_cp.context_parallel.kernels import attention_kernel
 from megatron_cp.context_parallel.partition import zigzag_indices
+from megatron_cp.context_parallel.reference import softmax_scale_for
+from megatron_cp.context_parallel.segments import classify_block
 
 _KV_TAG, _DKV_TAG = 10, 20  # + index of the tensor in the message
 
@@ -36,12 +46,14 @@ class RingLayout:
     """Which tokens every ring rank holds, and the block plan between any two ranks.
 
     ``token_all`` / ``doc_all``: [P, b, s_local] metadata of every rank (None in the zigzag
-    fast path, where the layout is implied by the ranks themselves).
+    fast path, where the layout is implied by the ranks themselves). Plans are cached, so
+    the backward reuses the forward's (host copies of the metadata are made once).
     """
 
     def __init__(self, size, seq_local, token_all=None, doc_all=None, zigzag=False):
         self.size, self.seq_local = size, seq_local
         self.token_all, self.doc_all, self.zigzag = token_all, doc_all, zigzag
+        self._host, self._plans = None, {}
 
     @classmethod
     def from_metadata(cls, token_all, doc_all):
@@ -54,25 +66,26 @@ class RingLayout:
                 return cls(size, seq_local, zigzag=True)
         return cls(size, seq_local, token_all, doc_all)
 
-    def saved(self):
-        return self.token_all, self.doc_all
-
     def plan(self, i, j):
-        """Blocks of query rank i against the KV of rank j: [(q slice, kv slice, causal, mask)]."""
+        """Blocks of query rank i against the KV of rank j: a list of :class:`Block`."""
         everything = slice(None)
         if self.zigzag:
             half = self.seq_local // 2
             if j == i:
-                return [(everything, everything, True, None)]
+                return [Block(everything, everything, "causal", None)]
             if j < i:
-                return [(everything, slice(0, half), False, None)]
-            return [(slice(half, None), everything, False, None)]
-        doc_q = None if self.doc_all is None else self.doc_all[i]
-        doc_k = None if self.doc_all is None else self.doc_all[j]
-        kind, mask = blocks.classify_block(self.token_all[i], self.token_all[j], doc_q, doc_k)
-        if kind == "empty":
-            return []
-        return [(everything, everything, kind == "causal", mask)]
+                return [Block(everything, slice(0, half), "full", None)]
+            return [Block(slice(half, None), everything, "full", None)]
+        if (i, j) not in self._plans:
+            if self._host is None:  # one device-to-host copy of the metadata per layout
+                self._host = (self.token_all.cpu(),
+                              None if self.doc_all is None else self.doc_all.cpu())
+            tokens, docs = self._host
+            kind, segments = classify_block(tokens[i], tokens[j], None if docs is None else docs[i],
+                                            None if docs is None else docs[j])
+            block = Block(everything, everything, kind, segments)
+            self._plans[i, j] = [] if kind == "empty" else [block]
+        return self._plans[i, j]
 
 
 class Accumulator:
@@ -91,7 +104,7 @@ class Accumulator:
             return
         if self.out is None:
             self._start_empty()
-        blocks.merge_partial(self.out[:, :, q_sl], self.lse[:, :, q_sl], out_blk, lse_blk)
+        merge_partial(self.out[:, :, q_sl], self.lse[:, :, q_sl], out_blk, lse_blk)
 
     def _start_empty(self):  # (0, -inf): the neutral element of the merge
         self.out = torch.zeros(self.q.shape, dtype=torch.float32, device=self.q.device)
@@ -105,11 +118,11 @@ class Accumulator:
         return self.out, self.lse
 
 
-def forward_blocks(q, k, v, layout, rank, src, softmax_scale, acc):
+def forward_blocks(q, k, v, layout, rank, src, softmax_scale, acc, kernel):
     """Attend the local q to rank ``src``'s KV (k, v [b, nkv, s/P, d]); merge into ``acc``."""
-    for q_sl, kv_sl, causal, mask in layout.plan(rank, src):
-        out_blk, lse_blk = blocks.block_forward(
-            q[:, :, q_sl], k[:, :, kv_sl], v[:, :, kv_sl], softmax_scale, causal, mask)
+    for q_sl, kv_sl, kind, segments in layout.plan(rank, src):
+        out_blk, lse_blk = block_forward(q[:, :, q_sl], k[:, :, kv_sl], v[:, :, kv_sl],
+                                         softmax_scale, kind, segments, kernel)
         acc.add(q_sl, out_blk, lse_blk)
 
 
@@ -123,17 +136,17 @@ def _add_into(acc, sl, grad, shape):
     return acc
 
 
-def backward_blocks(dout, q, k, v, out, lse, layout, rank, src, softmax_scale, dq):
+def backward_blocks(dout, q, k, v, out, lse, layout, rank, src, softmax_scale, dq, kernel):
     """Gradients of the blocks against rank ``src``'s KV, from the final out and lse.
 
     Adds into dq (fp32 [b, nh, s/P, d] or None) and returns (dq, [(kv slice, dk, dv), ...]):
     the KV gradients are returned per block so the caller adds them where they belong.
     """
     kv_grads = []
-    for q_sl, kv_sl, causal, mask in layout.plan(rank, src):
-        dq_blk, dk_blk, dv_blk = blocks.block_backward(
+    for q_sl, kv_sl, kind, segments in layout.plan(rank, src):
+        dq_blk, dk_blk, dv_blk = block_backward(
             dout[:, :, q_sl], q[:, :, q_sl], k[:, :, kv_sl], v[:, :, kv_sl],
-            out[:, :, q_sl], lse[:, :, q_sl], softmax_scale, causal, mask)
+            out[:, :, q_sl], lse[:, :, q_sl], softmax_scale, kind, segments, kernel)
         dq = _add_into(dq, q_sl, dq_blk, q.shape)
         kv_grads.append((kv_sl, dk_blk, dv_blk))
     return dq, kv_grads
@@ -155,7 +168,7 @@ class _RingAttention(torch.autograd.Function):
     riding the ring home. Inputs q [b, nh, s/P, d], k/v [b, nkv, s/P, d]."""
 
     @staticmethod
-    def forward(ctx, q, k, v, token_index, document_ids, group, softmax_scale):
+    def forward(ctx, q, k, v, token_index, document_ids, group, softmax_scale, kernel):
         size, rank = comm.group_size(group), comm.group_rank(group)
         token_all = comm.all_gather_stack(token_index, group)  # [P, b, s/P]
         doc_all = None if document_ids is None else comm.all_gather_stack(document_ids, group)
@@ -167,21 +180,21 @@ class _RingAttention(torch.autograd.Function):
         for step in range(size):
             if step + 1 < size:
                 ring.post(kv)  # next step's KV travels while this step computes
-            forward_blocks(q, kv[0], kv[1], layout, rank, (rank - step) % size, softmax_scale, acc)
+            forward_blocks(q, kv[0], kv[1], layout, rank, (rank - step) % size, softmax_scale, acc,
+                           kernel)
             if step + 1 < size:
                 kv = ring.wait()
         out_acc, lse_acc = acc.result()
         out = out_acc.to(q.dtype)
-        ctx.group, ctx.softmax_scale, ctx.zigzag = group, softmax_scale, layout.zigzag
-        ctx.save_for_backward(q, k, v, out, lse_acc, *layout.saved())
+        ctx.group, ctx.softmax_scale, ctx.layout, ctx.kernel = group, softmax_scale, layout, kernel
+        ctx.save_for_backward(q, k, v, out, lse_acc)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, token_all, doc_all = ctx.saved_tensors
-        group, scale = ctx.group, ctx.softmax_scale
+        q, k, v, out, lse = ctx.saved_tensors
+        group, scale, layout, kernel = ctx.group, ctx.softmax_scale, ctx.layout, ctx.kernel
         size, rank = comm.group_size(group), comm.group_rank(group)
-        layout = RingLayout(size, q.shape[2], token_all, doc_all, ctx.zigzag)
         dout = dout.contiguous()
 
         dq, dkv, kv = None, None, [k, v]
@@ -191,7 +204,7 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < size:
                 kv_ring.post(kv)
             dq, kv_grads = backward_blocks(dout, q, kv[0], kv[1], out, lse, layout, rank,
-                                           (rank - step) % size, scale, dq)
+                                           (rank - step) % size, scale, dq, kernel)
             # Block src's dK/dV so far arrived from rank-1 during the compute; add ours.
             incoming = dkv_ring.wait() if step > 0 else None
             dkv = add_kv_grads(incoming, kv_grads, k.shape, q.device)  # [dk, dv] fp32
@@ -203,15 +216,18 @@ class _RingAttention(torch.autograd.Function):
             dkv = dkv_ring.wait()  # our own KV's gradient, complete
         if dq is None:
             dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None)
+        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None,
+                None)
 
 
-def ring_attention(q, k, v, token_index, document_ids, group, softmax_scale=None):
+def ring_attention(q, k, v, token_index, document_ids, group, softmax_scale=None, kernel=None):
     """Ring (p2p) context-parallel attention over ``group``; differentiable wrt q, k, v.
 
     q: [b, nh, s/P, d]; k, v: [b, nkv, s/P, d] (GQA: only the KV heads travel);
     token_index / document_ids: [b, s/P] int64 (document_ids may be None). Returns
-    [b, nh, s/P, d] in q's dtype. All ranks must pass the same local length.
+    [b, nh, s/P, d] in q's dtype. All ranks must pass the same local length. ``kernel``:
+    an AttentionKernel or its name (None: "auto").
     """
-    scale = blocks.softmax_scale_for(q, softmax_scale)
-    return _RingAttention.apply(q, k, v, token_index, document_ids, group, scale)
+    scale = softmax_scale_for(q, softmax_scale)
+    return _RingAttention.apply(q, k, v, token_index, document_ids, group, scale,
+                                attention_kernel(kernel))

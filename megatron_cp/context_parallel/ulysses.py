@@ -3,10 +3,11 @@
 An all-to-all turns [b, H, s/U, d] into [b, H/U, s, d]: each rank then runs attention on
 the whole sequence for H/U heads, and the reverse all-to-all brings the output back. The
 all-to-alls are autograd Functions whose backward is the reverse all-to-all. The token
-metadata is all-gathered so masks use global positions; when there are no documents the
-gathered sequence is sorted back into token order, so a plain zigzag sample becomes an
-ordinary causal sequence (fused causal kernel, no mask) and, in the hybrid, a zigzag
-over the outer ring.
+metadata is all-gathered so masks use global positions, and the gathered sequence is
+sorted back into token order (per sample): a plain zigzag sample becomes an ordinary causal
+sequence (fused causal kernel, no mask) and, in the hybrid, a zigzag over the outer ring;
+with packed documents every document becomes one contiguous run, i.e. one causal segment
+of a variable-length call instead of 2U x 2U small pieces.
 
 Heads: the all-to-all needs the query heads and the KV heads to split evenly over U with
 the GQA grouping intact on every rank. ``plan_heads`` repeats each KV head (when U does
@@ -19,8 +20,10 @@ from collections import namedtuple
 
 import torch
 
-from megatron_cp.context_parallel import block_attention as blocks
 from megatron_cp.context_parallel import comm
+from megatron_cp.context_parallel.blockwise import masked_attention
+from megatron_cp.context_parallel.kernels import attention_kernel
+from megatron_cp.context_parallel.reference import softmax_scale_for
 
 HeadPlan = namedtuple("HeadPlan", "q_index kv_index out_index num_dummy_heads")
 
@@ -72,23 +75,29 @@ def _select_heads(x, index):
     return x.index_select(1, torch.tensor(index, device=x.device))
 
 
-def _token_order(token_index, document_ids):
-    """Permutation sorting the gathered sequence into token order (None if not applicable)."""
-    if document_ids is not None or not torch.equal(token_index, token_index[:1].expand_as(token_index)):
+def _token_order(token_index):
+    """Per-sample permutation [b, s] sorting the gathered sequence into token order, or None
+    when every sample already is in order."""
+    if bool((token_index[:, 1:] >= token_index[:, :-1]).all()):
         return None
-    perm = torch.argsort(token_index[0], stable=True)
-    if torch.equal(perm, torch.arange(perm.numel(), device=perm.device)):
-        return None
-    return perm
+    return torch.argsort(token_index, dim=1, stable=True)
 
 
-def _local_inner(q, k, v, token_index, document_ids, softmax_scale):
-    return blocks.masked_attention(q, k, v, token_index, token_index, document_ids, document_ids,
-                                   softmax_scale)
+def _permute(x, perm, dim):
+    """x with its sequence axis ``dim`` reordered per sample by perm [b, s]; the sample axis
+    is the one just before the heads (x: [b, h, s, d] or [2, b, h, s, d])."""
+    shape = [1] * x.dim()
+    shape[dim - 2], shape[dim] = perm.shape  # [.., b, 1, s, 1]
+    return x.gather(dim, perm.view(shape).expand(*x.shape[:dim], -1, *x.shape[dim + 1:]))
+
+
+def _local_inner(q, k, v, token_index, document_ids, softmax_scale, kernel=None):
+    return masked_attention(q, k, v, token_index, token_index, document_ids, document_ids,
+                            softmax_scale, kernel)
 
 
 def ulysses_attention(q, k, v, token_index, document_ids, group, softmax_scale=None,
-                      allow_dummy_heads=True, inner_attention=None):
+                      allow_dummy_heads=True, inner_attention=None, kernel=None):
     """All-to-all (Ulysses) context-parallel attention over ``group``; differentiable.
 
     q: [b, nh, s/U, d]; k, v: [b, nkv, s/U, d]; token_index / document_ids: [b, s/U].
@@ -97,11 +106,15 @@ def ulysses_attention(q, k, v, token_index, document_ids, group, softmax_scale=N
     local attention; the hybrid passes ring attention over the outer group), all-to-all
     back, drop dummy heads. Backward: autograd through the all-to-all Functions (reverse
     all-to-alls) and the inner attention's own backward. Returns [b, nh, s/U, d].
+    ``kernel`` (AttentionKernel or name, None: "auto") runs the default inner attention.
     """
     size = comm.group_size(group)
-    scale = blocks.softmax_scale_for(q, softmax_scale)
+    scale = softmax_scale_for(q, softmax_scale)
     plan = plan_heads(q.shape[1], k.shape[1], size, allow_dummy_heads)  # before any communication
-    inner_attention = inner_attention or _local_inner
+    kernel = attention_kernel(kernel)
+    if inner_attention is None:
+        def inner_attention(*args):
+            return _local_inner(*args, kernel=kernel)
 
     q = _select_heads(q, plan.q_index)  # [b, H, s/U, d]
     kv = torch.stack([_select_heads(k, plan.kv_index), _select_heads(v, plan.kv_index)])
@@ -110,14 +123,15 @@ def ulysses_attention(q, k, v, token_index, document_ids, group, softmax_scale=N
     docs = comm.gather_sequence(document_ids, group)  # [b, s] or None
     q = comm.seq_to_heads(q, group)  # [b, H/U, s, d]
     kv = comm.seq_to_heads(kv, group)  # [2, b, K/U, s, d]
-    perm = _token_order(tokens, docs)
+    perm = _token_order(tokens)
     if perm is not None:
-        q = q.index_select(-2, perm)  # [b, H/U, s, d] in token order
-        kv = kv.index_select(-2, perm)
-        tokens = tokens.index_select(-1, perm)
+        q = _permute(q, perm, 2)  # [b, H/U, s, d] in token order
+        kv = _permute(kv, perm, 3)  # [2, b, K/U, s, d]
+        tokens = tokens.gather(1, perm)
+        docs = None if docs is None else docs.gather(1, perm)
     out = inner_attention(q, kv[0], kv[1], tokens, docs, scale)  # [b, H/U, s, d]
     if perm is not None:
-        out = out.index_select(-2, torch.argsort(perm))  # back to the all-to-all order
+        out = _permute(out, torch.argsort(perm, dim=1), 2)  # back to the all-to-all order
     out = comm.heads_to_seq(out, group)  # [b, H, s/U, d]
     if plan.num_dummy_heads or plan.out_index != list(range(len(plan.out_index))):
         out = out.index_select(1, torch.tensor(plan.out_index, device=out.device))  # [b, nh, s/U, d]

@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_cp import tensor_parallel as tpar
-from megatron_cp.context_parallel import ContextParallelAttention, local_attention
-from megatron_cp.model.rotary import apply_rotary
+from megatron_cp.context_parallel import (ContextParallelAttention, attention_kernel,
+                                          local_attention)
+from megatron_cp.model.rotary import rotary_cos_sin, rotate
 
 
 class SelfAttention(torch.nn.Module):
@@ -44,11 +45,13 @@ class SelfAttention(torch.nn.Module):
             init_method=tpar.normal_init(tpar.scaled_init_std(std, config.num_layers)),
             seed=tpar.init_seed(config.seed, prefix + ".linear_proj"), **common)
         self.rotary_dim = int(d * config.rotary_percent)
+        # chosen once per layer: "auto" (the device's fused kernels) or "torch" (plain PyTorch)
+        self.attention_kernel = attention_kernel(config.attention_kernel)
         self.cp_attention = None  # built once: the comm type and head plan are checked here
         if self.cp_size > 1:
             self.cp_attention = ContextParallelAttention(
                 cp_group, config.cp_comm_type, self.local_heads, self.local_groups,
-                hierarchical_cp_groups, config.allow_dummy_heads)
+                hierarchical_cp_groups, config.allow_dummy_heads, kernel=self.attention_kernel)
 
     def core_attention(self, q, k, v, token_index, document_ids):
         """q [b, nh/tp, s, d], k/v [b, ng/tp, s, d] -> [b, nh/tp, s, d]."""
@@ -57,8 +60,9 @@ class SelfAttention(torch.nn.Module):
             return self.cp_attention(q, k, v, token_index, document_ids)
         if dropout > 0.0:
             with self.rng_tracker.fork():  # heads differ across TP ranks: so do their masks
-                return local_attention(q, k, v, token_index, document_ids, dropout_p=dropout)
-        return local_attention(q, k, v, token_index, document_ids)
+                return local_attention(q, k, v, token_index, document_ids, dropout_p=dropout,
+                                       kernel=self.attention_kernel)
+        return local_attention(q, k, v, token_index, document_ids, kernel=self.attention_kernel)
 
     def forward(self, x, position_ids, token_index=None, document_ids=None):
         """x [s/tp with SP else s, b, h] -> same shape."""
@@ -69,8 +73,8 @@ class SelfAttention(torch.nn.Module):
         k = qkv[:, :, :, self.heads_per_group]  # [s, b, ng/tp, d]
         v = qkv[:, :, :, self.heads_per_group + 1]
         if self.config.position_embedding_type == "rope":
-            q = apply_rotary(q, position_ids, self.rotary_dim, self.config.rotary_base)
-            k = apply_rotary(k, position_ids, self.rotary_dim, self.config.rotary_base)
+            cos, sin = rotary_cos_sin(position_ids, self.rotary_dim, self.config.rotary_base)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)  # one cos/sin for both
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if self.config.recompute_granularity == "selective":
             out = tpar.checkpoint(self.core_attention, self.rng_tracker, q, k, v, token_index,

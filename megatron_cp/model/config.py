@@ -13,7 +13,12 @@ import torch
 
 from megatron_cp.config_flags import check_choices, setting
 from megatron_cp.context_parallel.attention import COMM_TYPES
+from megatron_cp.context_parallel.kernels import KERNEL_NAMES
 from megatron_cp.initialize import check_hierarchical_sizes
+
+
+# torch.compile's modes; the last two capture CUDA graphs (refused in GPTConfig.__post_init__)
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
 
 
 def pad_vocab_size(vocab_size, make_vocab_size_divisible_by=128, tensor_model_parallel_size=1):
@@ -73,6 +78,23 @@ class GPTConfig:
     recompute_num_layers: int | None = setting(
         None, cli_default=1, group="training",
         help="Layers per recompute chunk (uniform) or recomputed layers (block).")
+    torch_compile: bool = setting(
+        False, group="training",
+        help="Compile each transformer layer with torch.compile (TorchInductor: fused "
+             "elementwise kernels for norms, rotary, SwiGLU, residuals). Core attention stays "
+             "eager (one fused kernel either way; context-parallel communication runs as in "
+             "eager mode). The first iterations pay the compile time.")
+    torch_compile_mode: str = setting(
+        "default", choices=COMPILE_MODES, group="training",
+        help="torch.compile mode with --torch-compile: default, or max-autotune-no-cudagraphs "
+             "(autotuned kernels, longer compile). The CUDA-graph modes (reduce-overhead, "
+             "max-autotune) are refused: pipeline schedules keep several forwards in flight "
+             "and full recomputation reruns a layer inside backward.")
+    attention_kernel: str = setting(
+        "auto", choices=KERNEL_NAMES, group="training",
+        help="Attention kernels: auto (the device's fused kernels: PyTorch flash / flash "
+             "varlen for packed documents on CUDA, the CPU flash kernel on CPU) or torch "
+             "(plain PyTorch, scores materialised per block: a second opinion for debugging).")
     cp_comm_type: str = setting("p2p", choices=COMM_TYPES, group="parallelism",
                                 help="Context-parallel attention communication.")
     hierarchical_context_parallel_sizes: tuple[int, ...] | None = setting(
@@ -100,6 +122,12 @@ class GPTConfig:
         if self.num_attention_heads % self.num_query_groups != 0:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
                              f"num_query_groups ({self.num_query_groups})")
+        if self.torch_compile_mode in ("reduce-overhead", "max-autotune"):
+            mode = self.torch_compile_mode
+            raise ValueError(f"torch_compile_mode ({mode!r}) captures CUDA graphs, which replay "
+                             f"fixed buffers while pipeline schedules keep several microbatches "
+                             f"in flight and recomputation reruns layers in backward; use "
+                             f"torch_compile_mode 'default' or 'max-autotune-no-cudagraphs'")
         if self.recompute_granularity == "full" and self.recompute_method not in ("uniform", "block"):
             raise ValueError(f"recompute_granularity 'full' needs recompute_method uniform or block "
                              f"(got {self.recompute_method!r})")

@@ -5,6 +5,39 @@ import torch.nn.functional as F
 from megatron_cp import tensor_parallel as tpar
 
 
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up of h = [gate | up] (halves of the last dim).
+
+    Backward writes d gate and d up straight into the two halves of one gradient buffer (no
+    ``torch.cat``), and only h is saved: autograd's own graph would also keep silu(gate), one
+    more [s, b, ffn/tp] tensor per layer.
+    """
+
+    @staticmethod
+    def forward(ctx, h):
+        gate, up = h.chunk(2, dim=-1)  # views, [s, b, ffn/tp] each
+        ctx.save_for_backward(h)
+        return F.silu(gate).mul_(up)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (h,) = ctx.saved_tensors
+        gate, up = h.chunk(2, dim=-1)
+        if torch.compiler.is_compiling():  # no out= into a strided view; inductor fuses the cat
+            return torch.cat((torch.ops.aten.silu_backward(grad * up, gate), F.silu(gate) * grad),
+                             dim=-1)
+        grad_h = torch.empty_like(h)  # [s, b, 2 ffn/tp]
+        grad_gate, grad_up = grad_h.chunk(2, dim=-1)
+        torch.mul(F.silu(gate), grad, out=grad_up)
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
+        return grad_h
+
+
+def swiglu(h):
+    """SwiGLU of h [..., 2 f] stacked as [gate | up] -> [..., f]."""
+    return _SwiGLU.apply(h)
+
+
 class MLP(torch.nn.Module):
     """[s, b, h] -> [s, b, h]; ffn split over TP. SwiGLU's fc1 stacks [gate; up] (stride 2)."""
 
@@ -27,8 +60,7 @@ class MLP(torch.nn.Module):
     def forward(self, x):
         h = self.linear_fc1(x)  # [s, b, ffn/tp (x2 for swiglu)]
         if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            h = swiglu(h)  # [s, b, ffn/tp]
         else:
             h = F.gelu(h)
         return self.linear_fc2(h)

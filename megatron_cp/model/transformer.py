@@ -3,13 +3,15 @@
 A stack holds any contiguous (or, for virtual pipeline stages, any) set of GLOBAL layer
 numbers, so a pipeline stage builds exactly the layers it owns with the weights the
 single-process model would have. Full activation recomputation checkpoints whole layers
-(uniform chunks or the first N, Megatron's ``--recompute-method``).
+(uniform chunks or the first N, Megatron's ``--recompute-method``). With ``--torch-compile``
+each layer is compiled on its own (see compile_layers.py).
 """
 import torch
 import torch.nn.functional as F
 
 from megatron_cp import tensor_parallel as tpar
 from megatron_cp.model.attention import SelfAttention
+from megatron_cp.model.compile_layers import compile_layer
 from megatron_cp.model.fused import build_norm
 from megatron_cp.model.mlp import MLP
 
@@ -74,6 +76,9 @@ class TransformerBlock(torch.nn.Module):
         self.layers = torch.nn.ModuleList(
             TransformerLayer(config, n, tp_group, cp_group, rng_tracker, device, state=state)
             for n in self.layer_numbers)
+        if config.torch_compile:
+            for layer in self.layers:
+                compile_layer(layer, config.torch_compile_mode)
 
     def _run(self, start, end):
         def run(x, position_ids, token_index, document_ids):

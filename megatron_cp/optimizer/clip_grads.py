@@ -15,6 +15,10 @@ norm is reduced only over the groups along which the *parameters themselves* dif
 The same rule gives the parameter norm of ``--log-params-norm`` (``get_param_norm``) and,
 through ``counted_here``, the whole-model parameter count of the start-up banner.
 
+With ``sharded=True`` (the distributed optimizer) each rank holds a disjoint shard of the
+gradients of its model-parallel rank: the dense part is first summed over ``dp_cp`` and the
+expert part over ``edp`` (each shard counted once), then reduced as above.
+
 Every rank issues the same collectives, whether or not it holds expert params, so a
 pipeline stage without MoE layers cannot deadlock one with them.
 """
@@ -48,14 +52,15 @@ def _all_reduce(tensor, state, name, op):
         dist.all_reduce(tensor, op=op, group=state.group(name))
 
 
-def get_grad_norm(params, state, norm_type=2):
+def get_grad_norm(params, state, norm_type=2, sharded=False):
     """The norm of all gradients of the whole model, the same float on every rank.
 
     ``params`` are this rank's parameters (model params, or fp32 main params carrying the
     same attributes); those without a gradient are ignored. ``norm_type`` is 2 (default),
-    any p >= 1, or ``inf``.
+    any p >= 1, or ``inf``. ``sharded``: the params are this rank's distributed-optimizer
+    shards (module docstring).
     """
-    return _global_norm(params, state, norm_type, grad_of)
+    return _global_norm(params, state, norm_type, grad_of, sharded)
 
 
 def get_param_norm(params, state, norm_type=2):
@@ -64,7 +69,7 @@ def get_param_norm(params, state, norm_type=2):
     return _global_norm(params, state, norm_type, lambda param: param.detach())
 
 
-def _global_norm(params, state, norm_type, tensor_of):
+def _global_norm(params, state, norm_type, tensor_of, sharded=False):
     """The ``norm_type`` norm of ``tensor_of(param)`` over the whole model (None: skipped)."""
     norm_type = float(norm_type)
     if not (norm_type == math.inf or norm_type >= 1.0):
@@ -88,6 +93,9 @@ def _global_norm(params, state, norm_type, tensor_of):
     op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
     dense_part = local(dense).reshape(1)
     expert_part = local(expert).reshape(1)
+    if sharded:
+        _all_reduce(dense_part, state, "dp_cp", op)
+        _all_reduce(expert_part, state, "edp", op)
     _all_reduce(expert_part, state, "ep", op)
     _all_reduce(expert_part, state, "etp", op)
     _all_reduce(dense_part, state, "tp", op)
@@ -98,18 +106,19 @@ def _global_norm(params, state, norm_type, tensor_of):
     return both.sum().pow(1.0 / norm_type).item()
 
 
-def clip_grad_norm(params, max_norm, state, norm_type=2, total_norm=None):
+def clip_grad_norm(params, max_norm, state, norm_type=2, total_norm=None, sharded=False):
     """Scale all gradients in place so their global norm is at most ``max_norm``.
 
     Returns the global norm before clipping (computed with :func:`get_grad_norm` unless
     ``total_norm`` is given). Uses torch's ``max_norm / (norm + 1e-6)`` coefficient.
+    ``sharded``: as in :func:`get_grad_norm`.
     """
     if not max_norm > 0:
         raise ValueError(f"max_norm ({max_norm}) must be > 0; pass --clip-grad 0 to disable clipping "
                          f"instead of calling clip_grad_norm")
     params = list(params)
     if total_norm is None:
-        total_norm = get_grad_norm(params, state, norm_type)
+        total_norm = get_grad_norm(params, state, norm_type, sharded)
     clip_coeff = max_norm / (total_norm + 1.0e-6)
     if clip_coeff < 1.0:
         seen = set()

@@ -1,17 +1,22 @@
 """Data-parallel gradient reduction in flat buckets, and the end-of-step gradient fix-ups.
 
 Megatron-style grad buffers: every trainable parameter gets ``param.main_grad``, a view
-into one flat buffer per (grad dtype, dense/expert) pair, fp32 by default. A
+into one flat buffer per (dense/expert) set of params, fp32 by default. A
 post-accumulate-grad hook adds ``param.grad`` into ``main_grad`` and frees ``param.grad``,
 so microbatches accumulate in fp32 even for bf16/fp16 models and the reduction works in
-place on contiguous slices (buckets) of the buffer with no flatten/unflatten copies.
+place on contiguous slices (buckets) of the buffer with no flatten/unflatten copies. The
+layout lives in :mod:`megatron_cp.optimizer.buckets`.
 
 The reduction is a SUM: the training loop makes each rank's loss
 ``sum(token_loss * mask) / global_num_tokens`` (tokens counted over the whole DP x CP
 group), so the sum of the per-rank gradients is exactly the global-batch gradient. Dense
 params reduce over ``dp_cp``, expert params (``is_expert``) over ``edp``.
 ``average_in_collective=True`` divides by the group size instead, for a loss that is a
-per-rank mean.
+per-rank mean. With ``use_distributed_optimizer`` each bucket is reduce-scattered instead
+of all-reduced (every rank keeps the sum for its shard only) and, after the optimizer
+step, the updated params are all-gathered bucket by bucket (``start_param_sync``); with
+``overlap_param_gather`` those all-gathers run in the background and a forward pre-hook on
+every module waits for the buckets of its own params only.
 
 Buckets are launched strictly in one global order (the order backward fills them), never
 out of order, so every rank issues the same collectives in the same sequence on every
@@ -23,78 +28,61 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_cp.optimizer.buckets import build_buckets
 from megatron_cp.optimizer.clip_grads import grad_of
-
-
-class _Bucket:
-    """A contiguous slice of one grad buffer, reduced by one collective."""
-
-    def __init__(self, params, data, group_name):
-        self.params = params
-        self.data = data  # [numel] view of the buffer
-        self.group_name = group_name
-        self.ready = set()
-        self.handle = None
-        self.launched = False
-
-    def reset(self):
-        self.ready.clear()
-        self.handle = None
-        self.launched = False
 
 
 class DistributedDataParallel(nn.Module):
     """Wrap ``module``; gradients land in ``param.main_grad`` and are reduced over DP x CP.
 
     ``bucket_size_mb`` caps a bucket's size (None: one bucket per buffer). With
-    ``overlap_grad_reduce`` a bucket's all-reduce starts, asynchronously, as soon as the last
+    ``overlap_grad_reduce`` a bucket's reduction starts, asynchronously, as soon as the last
     of its params got its gradient during backward; otherwise :meth:`finish_grad_sync`
     reduces every bucket. For gradient accumulation run every microbatch's backward but the
     last inside :meth:`no_sync`. ``grad_reduce_dtype`` is the buffer dtype (default fp32).
+    ``use_distributed_optimizer`` shards the buckets for
+    :class:`~megatron_cp.optimizer.distrib_optimizer.DistributedOptimizer` (module docstring).
     """
 
     def __init__(self, module, state, bucket_size_mb=40.0, overlap_grad_reduce=False,
-                 average_in_collective=False, grad_reduce_dtype=torch.float32):
+                 average_in_collective=False, grad_reduce_dtype=torch.float32,
+                 use_distributed_optimizer=False, overlap_param_gather=False):
         super().__init__()
         if bucket_size_mb is not None and not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb ({bucket_size_mb}) must be > 0, or None for one "
                              f"bucket per grad buffer")
+        if overlap_param_gather and not use_distributed_optimizer:
+            raise ValueError("overlap_param_gather overlaps the distributed optimizer's parameter "
+                             "all-gather: pass use_distributed_optimizer=True too "
+                             "(--use-distributed-optimizer)")
         self.module = module
         self.state = state
         self.overlap_grad_reduce = overlap_grad_reduce
         self.average_in_collective = average_in_collective
+        self.use_distributed_optimizer = use_distributed_optimizer
+        self.overlap_param_gather = overlap_param_gather
         self._sync_enabled = True
         params = [p for p in module.parameters() if p.requires_grad]
         # Backward produces grads roughly in reverse definition order: lay buffers out that way.
         order = list(reversed(params))
         position = {id(p): i for i, p in enumerate(order)}
-        per_key = {}
-        for p in order:
-            per_key.setdefault(bool(getattr(p, "is_expert", False)), []).append(p)
         elem_bytes = torch.empty((), dtype=grad_reduce_dtype).element_size()
         bucket_numel = None if bucket_size_mb is None else max(1, int(bucket_size_mb * 2 ** 20 / elem_bytes))
-        self.buffers, self.buckets = [], []
-        for is_expert, key_params in per_key.items():
-            total = sum(p.numel() for p in key_params)
-            buffer = torch.zeros(total, dtype=grad_reduce_dtype, device=key_params[0].device)  # [total]
-            self.buffers.append(buffer)
-            group_name = "edp" if is_expert else "dp_cp"
-            offset, start, members = 0, 0, []
-            for p in key_params:
-                p.main_grad = buffer[offset:offset + p.numel()].view(p.shape)
-                offset += p.numel()
-                members.append(p)
-                if bucket_numel is not None and offset - start >= bucket_numel:
-                    self.buckets.append(_Bucket(members, buffer[start:offset], group_name))
-                    start, members = offset, []
-            if members:
-                self.buckets.append(_Bucket(members, buffer[start:offset], group_name))
+        self.buffers, self.param_buffers, self.buckets = build_buckets(
+            order, state, bucket_numel, grad_reduce_dtype, shard=use_distributed_optimizer)
         # One global launch order: by when backward completes the bucket (its latest param).
         self.buckets.sort(key=lambda b: max(position[id(p)] for p in b.params))
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next_launch = 0
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._accumulate_hook)
                               for p in params]
+        if overlap_param_gather:
+            for sub in module.modules():
+                own = [self._bucket_of[id(p)] for p in sub.parameters(recurse=False)
+                       if id(p) in self._bucket_of]
+                if own:
+                    self._hook_handles.append(sub.register_forward_pre_hook(
+                        self._param_gather_hook(list({id(b): b for b in own}.values()))))
 
     def forward(self, *args, **kwargs):
         """Run the wrapped module."""
@@ -118,13 +106,7 @@ class DistributedDataParallel(nn.Module):
             self._launch(nxt)
 
     def _launch(self, bucket):
-        size = self.state.size(bucket.group_name)
-        if self.average_in_collective and size > 1:
-            bucket.data.mul_(1.0 / size)
-        if size > 1:
-            bucket.handle = dist.all_reduce(bucket.data, group=self.state.group(bucket.group_name),
-                                            async_op=True)
-        bucket.launched = True
+        bucket.start_grad_reduce(self.average_in_collective)
         self._next_launch += 1
 
     @contextlib.contextmanager
@@ -155,12 +137,39 @@ class DistributedDataParallel(nn.Module):
         for buffer in self.buffers:
             buffer.zero_()
 
+    # ----- distributed optimizer: the parameter all-gather -------------------------------
+    def start_param_sync(self, force_sync=False):
+        """All-gather every bucket's updated param shards, first-used bucket first; in the
+        background with ``overlap_param_gather`` (unless ``force_sync``), else now."""
+        if not self.use_distributed_optimizer:
+            return
+        self.finish_param_sync()  # a bucket whose params no forward used may still be gathering
+        overlap = self.overlap_param_gather and not force_sync
+        for bucket in reversed(self.buckets):  # the forward meets the last-reduced bucket first
+            bucket.start_param_gather(async_op=overlap)
+
+    def finish_param_sync(self):
+        """Wait for every pending parameter all-gather (call before reading the params
+        outside a forward: saving, norms)."""
+        for bucket in self.buckets:
+            bucket.finish_param_gather()
+
+    @staticmethod
+    def _param_gather_hook(buckets):
+        def hook(module, args):
+            for bucket in buckets:
+                bucket.finish_param_gather()
+        return hook
+
     def state_dict(self, *args, **kwargs):
         """The wrapped module's state dict (no ``module.`` prefix)."""
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict=True, assign=False):
         """Load into the wrapped module."""
+        if assign and self.use_distributed_optimizer:
+            raise ValueError("assign=True would detach the params from the flat parameter "
+                             "buffers of the distributed optimizer; load with assign=False")
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
 

@@ -14,7 +14,13 @@ which can lie outside the ``mp`` group, and one scalar per step costs nothing.
 
 The fused Adam (apex ``FusedAdam``, else torch's ``fused=True``) is chosen in
 :func:`build_adamw` only, and only on CUDA; the CPU path is plain ``torch.optim.AdamW``.
+
+:meth:`MixedPrecisionOptimizer.param_shards` describes the optimizer state per model param
+as flat ranges (the whole param here, a shard with the distributed optimizer), which is
+what the layout-free checkpoint (``megatron_cp/dist_checkpoint``) saves and loads.
 """
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -58,6 +64,60 @@ def _as_chunks(model):
     return list(model) if isinstance(model, (list, tuple)) else [model]
 
 
+def no_weight_decay(name, ndim):
+    """True for params that get no weight decay: 1-D params (biases, norm weights), names
+    ending in ``bias``, and params of modules whose name ends in ``norm``."""
+    module_name = name.rsplit(".", 1)[0] if "." in name else ""
+    return ndim == 1 or name.endswith("bias") or module_name.endswith("norm")
+
+
+@dataclass
+class ParamShard:
+    """The flat elements ``[start, stop)`` of ``model_param`` that this rank's optimizer owns.
+
+    ``main`` (fp32; None when the model param is its own fp32 main param), ``exp_avg`` and
+    ``exp_avg_sq`` are 1-D views of length ``stop - start`` of the live optimizer state.
+    """
+    model_param: torch.Tensor
+    start: int
+    stop: int
+    main: torch.Tensor | None
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+
+
+def adam_state(optimizer, param):
+    """The Adam state of ``param`` (``step``, ``exp_avg``, ``exp_avg_sq``), created as zeros
+    when the optimizer has not stepped yet, as torch's AdamW would create it, so a checkpoint
+    can be loaded into it in place."""
+    state = optimizer.state[param]
+    if "exp_avg" not in state:
+        group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
+        on_device = group.get("fused") or group.get("capturable")
+        state["step"] = torch.zeros((), dtype=torch.float32,
+                                    device=param.device if on_device else "cpu")
+        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    return state
+
+
+def adam_step(optimizer):
+    """The number of Adam steps taken (the same for every param; 0 before the first)."""
+    steps = [float(st["step"]) for st in optimizer.state.values() if "step" in st]
+    steps += [float(g["step"]) for g in optimizer.param_groups if "step" in g]  # apex FusedAdam
+    return max(steps, default=0.0)
+
+
+def set_adam_step(optimizer, step):
+    """Set the Adam step count of every param (and group, for apex) to ``step``."""
+    for param_state in optimizer.state.values():
+        if "step" in param_state:
+            param_state["step"].fill_(step)
+    for group in optimizer.param_groups:
+        if "step" in group:
+            group["step"] = int(step)
+
+
 def get_param_groups(model, weight_decay):
     """Split trainable params into a weight-decay group and a no-weight-decay group.
 
@@ -72,8 +132,7 @@ def get_param_groups(model, weight_decay):
             if not param.requires_grad or id(param) in seen:
                 continue
             seen.add(id(param))
-            module_name = name.rsplit(".", 1)[0] if "." in name else ""
-            if param.dim() == 1 or name.endswith("bias") or module_name.endswith("norm"):
+            if no_weight_decay(name, param.dim()):
                 no_decay.append(param)
             else:
                 decay.append(param)
@@ -94,23 +153,12 @@ class MixedPrecisionOptimizer:
     disables clipping (the norm is still computed and returned).
     """
 
+    # the grads are this rank's distributed-optimizer shards (norms sum them over DP x CP)
+    shards_grads = False
+
     def __init__(self, model_params, state, lr, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8,
                  clip_grad=1.0, params_dtype=torch.float32, grad_scaler=None, use_fused=None):
-        if params_dtype not in (torch.float32,) + _HALF_DTYPES:
-            raise ValueError(f"params_dtype {params_dtype} is not supported; use torch.float32, "
-                             f"torch.bfloat16 or torch.float16")
-        if params_dtype == torch.float16 and grad_scaler is None:
-            grad_scaler = DynamicGradScaler()
-        self.state = state
-        self.clip_grad = float(clip_grad or 0.0)
-        self.grad_scaler = grad_scaler
-        self.num_skipped_iters = 0
-        groups = list(model_params)
-        if not groups:
-            raise ValueError("MixedPrecisionOptimizer got no parameters; pass model.parameters() "
-                             "or get_param_groups(model, weight_decay)")
-        if not isinstance(groups[0], dict):
-            groups = [{"params": groups}]
+        groups = self._setup(model_params, state, clip_grad, params_dtype, grad_scaler)
         self._pairs = []  # (model param, main param); the same object twice for fp32 params
         main_groups = []
         for group in groups:
@@ -131,6 +179,25 @@ class MixedPrecisionOptimizer:
                 mains.append(main)
             main_groups.append({**group, "params": mains})
         self.optimizer = build_adamw(main_groups, lr, weight_decay, betas, eps, state.device, use_fused)
+
+    def _setup(self, model_params, state, clip_grad, params_dtype, grad_scaler):
+        """Check the dtype, keep the shared settings; returns the param groups (dicts)."""
+        if params_dtype not in (torch.float32,) + _HALF_DTYPES:
+            raise ValueError(f"params_dtype {params_dtype} is not supported; use torch.float32, "
+                             f"torch.bfloat16 or torch.float16")
+        if params_dtype == torch.float16 and grad_scaler is None:
+            grad_scaler = DynamicGradScaler()
+        self.state = state
+        self.clip_grad = float(clip_grad or 0.0)
+        self.grad_scaler = grad_scaler
+        self.num_skipped_iters = 0
+        groups = list(model_params)
+        if not groups:
+            raise ValueError(f"{type(self).__name__} got no parameters; pass model.parameters() "
+                             f"or get_param_groups(model, weight_decay)")
+        if not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        return groups
 
     @property
     def param_groups(self):
@@ -193,16 +260,20 @@ class MixedPrecisionOptimizer:
                     return False, None, None
             mains = self._main_params()
             if self.clip_grad > 0:
-                grad_norm = clip_grad_norm(mains, self.clip_grad, self.state)
+                grad_norm = clip_grad_norm(mains, self.clip_grad, self.state,
+                                           sharded=self.shards_grads)
             else:
-                grad_norm = get_grad_norm(mains, self.state)
+                grad_norm = get_grad_norm(mains, self.state, sharded=self.shards_grads)
             self.optimizer.step()
-            for model, main in self._pairs:
-                if main is not model:
-                    model.copy_(main)
+            self._copy_main_to_model()
             return True, grad_norm, None
         finally:
             self._release_aliased_grads()
+
+    def _copy_main_to_model(self):
+        for model, main in self._pairs:
+            if main is not model:
+                model.copy_(main)
 
     def zero_grad(self, set_to_none=True):
         """Drop model and main grads (the DDP buffer is zeroed by ``zero_grad_buffer``)."""
@@ -221,6 +292,21 @@ class MixedPrecisionOptimizer:
         for model, main in self._pairs:
             if main is not model:
                 main.copy_(model)
+
+    def param_shards(self):
+        """A :class:`ParamShard` per model param, in param-group order: the whole param here
+        (Adam state created as zeros before the first step)."""
+        shards = []
+        for model, main in self._pairs:
+            st = adam_state(self.optimizer, main)
+            shards.append(ParamShard(model, 0, model.numel(),
+                                     None if main is model else main.view(-1),
+                                     st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1)))
+        return shards
+
+    def finish_param_sync(self):
+        """Nothing is gathered after a step here (the distributed optimizer waits for its
+        parameter all-gathers)."""
 
     def state_dict(self):
         """Inner optimizer, grad scaler, fp32 main params and skip count.

@@ -15,9 +15,10 @@ def _world(group):
 
 
 def _all_reduce(x, group):
+    """The sum of ``x`` over ``group`` in a new tensor (``x`` itself on a group of one: no copy)."""
     if _world(group) == 1:
         return x
-    x = x.contiguous()
+    x = x.clone(memory_format=torch.contiguous_format)  # all_reduce works in place
     dist.all_reduce(x, group=group)
     return x
 
@@ -78,7 +79,7 @@ class CopyToTensorParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad.clone(), ctx.group), None
+        return _all_reduce(grad, ctx.group), None
 
 
 class ReduceFromTensorParallelRegion(torch.autograd.Function):
@@ -86,7 +87,7 @@ class ReduceFromTensorParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group)
+        return _all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad):

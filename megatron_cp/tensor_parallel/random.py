@@ -81,9 +81,15 @@ def init_seed(base_seed, name):
     return (base_seed * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63)
 
 
+@torch.compiler.disable
 def checkpoint(function, tracker, *args):
     """Activation recomputation: run ``function(*args)`` without keeping its activations and
-    recompute it in backward with the same default and tracker RNG states."""
+    recompute it in backward with the same default and tracker RNG states.
+
+    Always eager: dynamo cannot trace a checkpoint whose ``context_fn`` replays the tracker,
+    so inside a compiled layer (selective recomputation of the eager core attention) the
+    call is a graph break, and around compiled layers (full recomputation) it reruns them.
+    """
     snapshot = tracker.get_states() if tracker is not None else None
 
     @contextlib.contextmanager

@@ -1,0 +1,244 @@
+"""One NVIDIA GPU: the Llama-style 1.3B model through pretrain_gpt.py, eager and compiled,
+against Hugging Face LlamaForCausalLM (fp32 params + bf16 autocast, and bf16 params) in the
+same run; context-parallel block kernels against SDPA; packed documents against one document;
+peak memory of every run.
+
+Goals (one H100; ``--peak-tflops`` is the GPU's dense bf16 peak, 989 for an H100 SXM):
+
+- 1.3B config (24 layers, hidden 2048, 16 heads, ffn 5504 SwiGLU, RMSNorm, RoPE, no bias,
+  untied, vocab 32000, seq 4096, micro batch 1, global batch 8, bf16): >= 50% MFU by the log
+  line's own formula (>= 495 TFLOP/s on an H100), ahead of both Hugging Face runs, and peak
+  memory no higher than HF autocast's;
+- ring blocks (forward + backward of one causal / full block): >= 90% of SDPA's TFLOP/s at
+  every s >= 8k; packed documents (8 per sample): >= 70% of the one-document figure.
+
+FLOPs follow the flash-attention convention (forward 4 b h s^2 d, halved for causal, backward
+2.5 x forward); the models' by ``megatron_cp.training_log.model_flops_per_token``, the
+formula of the training log line, for ours and Hugging Face's alike.
+
+    python benchmarks/gpu.py                          # everything, on the GPU
+    python benchmarks/gpu.py --only blocks            # or: models
+    python benchmarks/gpu.py --smoke --device cpu     # the script's logic on a tiny config
+
+``--smoke`` runs tiny sizes (its figures mean nothing; the verdicts are printed but the goals
+are the GPU's). The JSON goes to runs/benchmarks/gpu.json unless --output says otherwise.
+"""
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from bench_common import add_output_argument, verdict, write_json  # noqa: E402
+from megatron_cp import device as device_mod  # noqa: E402
+from megatron_cp.model import GPTConfig  # noqa: E402
+from megatron_cp.training_log import model_flops_per_token  # noqa: E402
+
+COMPILE_FLAG = "--torch-compile"
+MFU_GOAL, BLOCK_GOAL, PACKED_GOAL = 0.50, 0.90, 0.70
+MODEL_1P3B = dict(layers=24, hidden=2048, heads=16, kv_heads=16, ffn=5504, vocab=32000, seq=4096,
+                  micro_batch=1, global_batch=8, iters=20)
+MODEL_SMOKE = dict(layers=2, hidden=64, heads=4, kv_heads=4, ffn=172, vocab=256, seq=128,
+                   micro_batch=1, global_batch=2, iters=4)
+BLOCK_LENGTHS, BLOCK_SMOKE = (4096, 8192, 16384, 32768), (128, 256)
+
+
+# ----------------------------------------------------------------------------- models
+def gpt_config(m):
+    """The megatron_cp config of model sizes ``m`` (what the FLOP formula reads)."""
+    return GPTConfig(num_layers=m["layers"], hidden_size=m["hidden"],
+                     num_attention_heads=m["heads"], num_query_groups=m["kv_heads"],
+                     ffn_hidden_size=m["ffn"], vocab_size=m["vocab"],
+                     make_vocab_size_divisible_by=128, max_position_embeddings=m["seq"],
+                     position_embedding_type="rope", normalization="RMSNorm", activation="swiglu",
+                     add_bias_linear=False, untie_embeddings_and_output_weights=True)
+
+
+def pretrain_flags(m, device, compiled):
+    """pretrain_gpt.py's flags for model ``m`` on mock data (NullTokenizer adds the EOD)."""
+    flags = [
+        "--num-layers", m["layers"], "--hidden-size", m["hidden"], "--num-attention-heads",
+        m["heads"], "--ffn-hidden-size", m["ffn"], "--swiglu", "--normalization", "RMSNorm",
+        "--position-embedding-type", "rope", "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights", "--seq-length", m["seq"],
+        "--max-position-embeddings", m["seq"], "--micro-batch-size", m["micro_batch"],
+        "--global-batch-size", m["global_batch"], "--train-iters", m["iters"],
+        "--log-interval", m["iters"] // 2, "--eval-iters", 0, "--lr", "1e-4",
+        "--hidden-dropout", 0, "--attention-dropout", 0, "--mock-data",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", m["vocab"] - 1,
+        "--distributed-backend", "nccl" if device.type == "cuda" else "gloo"]
+    if device.type == "cuda":
+        flags.append("--bf16")
+    if compiled:
+        flags.append(COMPILE_FLAG)
+    return [str(f) for f in flags]
+
+
+def run_pretrain(m, device, compiled):
+    """TFLOP/s of the last log line (the second half of the run: compilation excluded) and
+    the peak memory (MB) that pretrain_gpt.py reports."""
+    env = dict(os.environ, MASTER_PORT=str(29500 + (7 if compiled else 3)))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"),
+                           *pretrain_flags(m, device, compiled)],
+                          cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"pretrain_gpt.py failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    tflops = [float(x) for x in re.findall(r"throughput per GPU \(TFLOP/s/GPU\): ([0-9.]+)",
+                                           proc.stdout)]
+    memory = re.findall(r"memory \(MB\) \| [a-z ]+: ([0-9.]+)", proc.stdout)
+    return {"tflops": tflops[-1], "peak_memory_mb": float(memory[-1]) if memory else None}
+
+
+def run_hf(m, device, mode):
+    """Hugging Face Llama on the same config and batches: ``mode`` "autocast" (fp32 params,
+    bf16 autocast) or "bf16" (bf16 params). TFLOP/s by our formula, peak memory (MB)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=m["vocab"], hidden_size=m["hidden"],
+                         intermediate_size=m["ffn"], num_hidden_layers=m["layers"],
+                         num_attention_heads=m["heads"], num_key_value_heads=m["kv_heads"],
+                         max_position_embeddings=m["seq"], tie_word_embeddings=False,
+                         attention_bias=False, mlp_bias=False, attn_implementation="sdpa")
+    low = torch.bfloat16 if device.type == "cuda" else torch.float32
+    device_mod.reset_peak_memory(device)
+    model = LlamaForCausalLM(config).to(device=device, dtype=low if mode == "bf16" else torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    micro = m["global_batch"] // m["micro_batch"]
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, m["vocab"], (micro, m["micro_batch"], m["seq"] + 1), generator=gen)
+    tokens = tokens.to(device)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        for batch in tokens:
+            autocast = mode == "autocast" and low != torch.float32  # CPU smoke runs: fp32
+            with torch.autocast(device.type, dtype=low, enabled=autocast):
+                logits = model(input_ids=batch[:, :-1]).logits
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
+                                                     batch[:, 1:].flatten())
+            (loss / micro).backward()
+        optimizer.step()
+
+    seconds = timed(step, device, iters=max(2, m["iters"] // 2), warmup=2)
+    tokens_per_s = m["global_batch"] * m["seq"] / seconds
+    flops = tokens_per_s * model_flops_per_token(gpt_config(m), m["seq"])
+    peak = device_mod.max_memory_allocated(device) / 2 ** 20
+    del model, optimizer
+    return {"tflops": flops / 1e12, "peak_memory_mb": peak if device.type == "cuda" else None}
+
+
+# ----------------------------------------------------------------------------- blocks
+def timed(fn, device, iters=5, warmup=2):
+    """Seconds per call of ``fn`` (device-synchronized)."""
+    for _ in range(warmup):
+        fn()
+    device_mod.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    device_mod.synchronize(device)
+    return (time.perf_counter() - start) / iters
+
+
+def attention_flops(b, h, d, lengths, causal):
+    """Forward + backward FLOPs (flash convention) of attention over documents ``lengths``."""
+    forward = sum(4 * b * h * d * n * n for n in lengths) * (0.5 if causal else 1.0)
+    return 3.5 * forward
+
+
+def block_rates(s, device, dtype, heads=16, dim=128, documents=8):
+    """TFLOP/s of SDPA and of our CP blocks (causal, full, packed documents) at length s."""
+    from megatron_cp.context_parallel import local_attention, masked_attention
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, g = (torch.randn(1, heads, s, dim, generator=gen).to(device, dtype) for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    tokens = torch.arange(s, device=device).expand(1, s)
+    later = tokens + s  # keys strictly before every query: a full block
+    docs = (torch.arange(s, device=device) * documents // s).expand(1, s)
+
+    def sdpa(causal):
+        def run():
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            torch.autograd.grad(out, (q, k, v), g)
+        return run
+
+    def ours(tq, tk, dq=None, dk=None):
+        def run():
+            out = masked_attention(q, k, v, tq, tk, dq, dk)
+            torch.autograd.grad(out, (q, k, v), g)
+        return run
+
+    def packed():
+        out = local_attention(q, k, v, tokens, docs)
+        torch.autograd.grad(out, (q, k, v), g)
+
+    rate = {}
+    for name, fn, lengths, causal in (
+            ("sdpa_causal", sdpa(True), [s], True), ("sdpa_full", sdpa(False), [s], False),
+            ("ours_causal", ours(tokens, tokens), [s], True),
+            ("ours_full", ours(later, tokens), [s], False),
+            ("ours_packed", packed, [s // documents] * documents, True)):
+        rate[name] = attention_flops(1, heads, dim, lengths, causal) / timed(fn, device) / 1e12
+    return rate
+
+
+# ----------------------------------------------------------------------------- main
+def main():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if device_mod.accelerator_available() else "cpu")
+    p.add_argument("--only", choices=("models", "blocks"), default=None)
+    p.add_argument("--smoke", action="store_true", help="tiny sizes: check the script runs")
+    p.add_argument("--peak-tflops", type=float, default=989.0,
+                   help="the GPU's dense bf16 peak (H100 SXM 989)")
+    add_output_argument(p, "gpu")
+    a = p.parse_args()
+    device = torch.device(a.device)
+    m = MODEL_SMOKE if a.smoke else MODEL_1P3B
+    out, checks = {"device": str(device), "torch": torch.__version__, "smoke": a.smoke}, []
+    if a.only in (None, "models"):
+        runs = {"megatron_cp eager": run_pretrain(m, device, False),
+                "megatron_cp compiled": run_pretrain(m, device, True),
+                "hf autocast": run_hf(m, device, "autocast"),
+                "hf bf16": run_hf(m, device, "bf16")}
+        print(f"{'1.3B' if not a.smoke else 'smoke'} model   {'TFLOP/s':>9} {'MFU':>6} {'peak MB':>9}")
+        for name, r in runs.items():
+            r["mfu"] = r["tflops"] / a.peak_tflops
+            mem = f"{r['peak_memory_mb']:.0f}" if r["peak_memory_mb"] else "-"
+            print(f"{name:<21} {r['tflops']:>9.1f} {r['mfu']:>6.1%} {mem:>9}")
+        best = max(runs["megatron_cp eager"]["tflops"], runs["megatron_cp compiled"]["tflops"])
+        hf_best = max(runs["hf autocast"]["tflops"], runs["hf bf16"]["tflops"])
+        ours_mem = runs["megatron_cp compiled"]["peak_memory_mb"]
+        hf_mem = runs["hf autocast"]["peak_memory_mb"]
+        checks += [("1.3B MFU >= 50%", best / a.peak_tflops >= MFU_GOAL),
+                   ("ahead of both HF runs", best > hf_best),
+                   ("peak memory <= HF autocast", ours_mem is not None and hf_mem is not None
+                    and ours_mem <= hf_mem)]
+        out["models"] = runs
+    if a.only in (None, "blocks"):
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        rows = {s: block_rates(s, device, dtype) for s in (BLOCK_SMOKE if a.smoke else BLOCK_LENGTHS)}
+        print(f"{'s':>6} {'SDPA causal':>11} {'ours causal':>11} {'SDPA full':>9} {'ours full':>9} "
+              f"{'packed':>7}   (TFLOP/s)")
+        for s, r in rows.items():
+            print(f"{s:>6} {r['sdpa_causal']:>11.1f} {r['ours_causal']:>11.1f} {r['sdpa_full']:>9.1f} "
+                  f"{r['ours_full']:>9.1f} {r['ours_packed']:>7.1f}")
+        long = [r for s, r in rows.items() if s >= (256 if a.smoke else 8192)]
+        checks += [("blocks >= 90% of SDPA at s >= 8k", all(
+                       r["ours_causal"] >= BLOCK_GOAL * r["sdpa_causal"] and
+                       r["ours_full"] >= BLOCK_GOAL * r["sdpa_full"] for r in long)),
+                   ("packed >= 70% of one document", all(
+                       r["ours_packed"] >= PACKED_GOAL * r["ours_causal"] for r in rows.values()))]
+        out["blocks"] = {str(s): r for s, r in rows.items()}
+    for name, ok in checks:
+        print(f"{name:<36} {verdict(ok)}")
+    out["checks"] = {name: ok for name, ok in checks}
+    write_json(a.output, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""Where this rank's piece of a parameter sits in the canonical (unsharded) tensor.
+
+A layout-free checkpoint stores every tensor under its canonical name (global layer
+numbers: ``decoder.layers.<global layer>.<...>``) and its global shape, and each rank
+describes its piece as boxes (offsets, sizes) of that global tensor:
+
+* TP: a param split along ``partition_dim`` is a plain chunk of the global tensor. A strided
+  split (``partition_stride`` s > 1, e.g. SwiGLU's fc1 that stacks the gate and up
+  projections) is not one chunk of the full weight, so its canonical form splits the
+  partition dim into ``[s, n/s]``: TP rank r then holds the chunk ``[:, r*n/(s*tp) : ...]``,
+  and the canonical tensor reshaped back is exactly the full TP=1 weight.
+* vocabulary rows: the padded vocabulary grows with the TP size, so the canonical word
+  embedding / output layer holds the real rows only (``vocab_size``); padded rows are zero
+  and stay zero, nothing of them is saved.
+* the distributed optimizer's shard of a param is a flat range ``[start, stop)`` of the
+  local param; :func:`flat_range_boxes` cuts it into at most ``2 * ndim - 1`` boxes, each a
+  contiguous run of the flat range, so every box is a view of the 1-D shard.
+"""
+import math
+import re
+from dataclasses import dataclass
+
+LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def canonical_name(local_name, layer_numbers):
+    """``decoder.layers.<local i>.x`` -> ``decoder.layers.<global layer>.x`` (others unchanged)."""
+    m = LAYER.match(local_name)
+    if not m:
+        return local_name
+    return f"decoder.layers.{layer_numbers[int(m.group(1))]}.{m.group(2)}"
+
+
+def flat_range_boxes(shape, start, stop):
+    """Boxes ``(offsets, sizes, flat_start)`` covering the row-major flat range
+    ``[start, stop)`` of a tensor of ``shape``; each box is a contiguous run beginning at
+    flat index ``flat_start``, and the boxes come in flat order."""
+    shape = tuple(shape)
+    if start >= stop:
+        return []
+    if not shape:
+        return [((), (), start)]
+    inner = math.prod(shape[1:])
+    zeros = (0,) * (len(shape) - 1)
+    boxes = []
+    if start % inner:  # the head: part of one row
+        row = start // inner
+        head_stop = min(stop, (row + 1) * inner)
+        for off, size, flat in flat_range_boxes(shape[1:], start - row * inner, head_stop - row * inner):
+            boxes.append(((row,) + off, (1,) + size, flat + row * inner))
+        start = head_stop
+    full_stop = stop - stop % inner
+    if start < full_stop:  # whole rows
+        boxes.append(((start // inner,) + zeros, ((full_stop - start) // inner,) + shape[1:], start))
+        start = full_stop
+    if start < stop:  # the tail: the beginning of one row
+        row = start // inner
+        for off, size, flat in flat_range_boxes(shape[1:], 0, stop - row * inner):
+            boxes.append(((row,) + off, (1,) + size, flat + row * inner))
+    return boxes
+
+
+@dataclass(frozen=True)
+class CanonicalSpec:
+    """How one local param maps into its canonical tensor.
+
+    ``local_shape``: the canonical view of the local tensor (the partition dim split into
+    ``[stride, n/stride]`` when strided); ``global_shape``: the canonical tensor's shape
+    (real vocabulary rows only); ``offset``: where the local view starts in it;
+    ``row_limit``: rows of dim 0 that exist in the canonical tensor (None: all).
+    """
+    name: str
+    local_shape: tuple
+    global_shape: tuple
+    offset: tuple
+    row_limit: int | None = None
+
+    def boxes(self, start, stop):
+        """Boxes ``(global offsets, sizes, flat_start)`` of the local flat range
+        ``[start, stop)``, clipped to the real vocabulary rows."""
+        out = []
+        for off, size, flat in flat_range_boxes(self.local_shape, start, stop):
+            global_off = tuple(o + base for o, base in zip(off, self.offset))
+            if self.row_limit is not None:
+                rows = min(size[0], self.row_limit - global_off[0])
+                if rows <= 0:
+                    continue  # padding rows only
+                size = (rows,) + tuple(size[1:])
+            out.append((global_off, tuple(size), flat))
+        return out
+
+
+def param_spec(name, param, tp_size, tp_rank, vocab_size=None):
+    """The :class:`CanonicalSpec` of a local param (``name`` already canonical).
+
+    ``tp_size`` / ``tp_rank`` of the group the param is split over (``tensor_model_parallel``
+    params only); ``vocab_size`` the real vocabulary (rows beyond it are padding).
+    """
+    shape = tuple(param.shape)
+    offset, global_shape = [0] * len(shape), list(shape)
+    if getattr(param, "tensor_model_parallel", False):
+        dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+        if stride > 1:  # [.., n, ..] -> [.., stride, n/stride, ..]: TP chunks the second
+            shape = shape[:dim] + (stride, shape[dim] // stride) + shape[dim + 1:]
+            offset, global_shape = [0] * len(shape), list(shape)
+            dim += 1
+        global_shape[dim] = shape[dim] * tp_size
+        offset[dim] = shape[dim] * tp_rank
+    row_limit = None
+    if vocab_size is not None and name.endswith(VOCAB_PARAMS):
+        row_limit = vocab_size
+        global_shape[0] = vocab_size
+    return CanonicalSpec(name, shape, tuple(global_shape), tuple(offset), row_limit)
+
+
+def full_from_canonical(tensor, tp_split):
+    """The plain full weight of a canonical tensor: a strided ``[.., s, n/s, ..]`` tensor
+    gets its split dim merged back (``tp_split``: (partition_dim, stride) or None)."""
+    if not tp_split or tp_split[1] == 1:
+        return tensor
+    dim, _ = tp_split
+    return tensor.reshape(tensor.shape[:dim] + (-1,) + tensor.shape[dim + 2:])
+
+
+def canonical_from_full(tensor, tp_split):
+    """Inverse of :func:`full_from_canonical`."""
+    if not tp_split or tp_split[1] == 1:
+        return tensor
+    dim, stride = tp_split
+    n = tensor.shape[dim]
+    return tensor.reshape(tensor.shape[:dim] + (stride, n // stride) + tensor.shape[dim + 1:])

@@ -1,0 +1,263 @@
+"""``--ckpt-format torch_dist``: save a trainer's state with torch.distributed.checkpoint so
+that ``--load`` restores it under any TP / PP / CP / DP layout, with or without the
+distributed optimizer.
+
+Layout of one iteration's folder::
+
+    iter_0000020/.metadata            DCP's index: every tensor's global shape and chunks
+    iter_0000020/__<rank>_0.distcp    the chunks each rank wrote (in parallel)
+    iter_0000020/common.pt            iteration, samples, arguments, schedule, loss scale
+    iter_0000020/rng/rank_00005.pt    every rank's RNG states (restored under the same layout)
+
+Tensors are keyed by canonical name (:mod:`megatron_cp.dist_checkpoint.canonical`):
+``model.<name>`` holds the model weights, ``optimizer.exp_avg.<name>`` /
+``optimizer.exp_avg_sq.<name>`` the Adam moments and ``optimizer.main_param.<name>`` the
+fp32 main params of a bf16/fp16 model, each in the same canonical form as its weight, so
+any layout reads back the same full tensors. Replicas (DP, CP, TP-replicated params) give
+DCP identical chunks, which it writes once; the tied output-layer copy of the last
+pipeline stage is not saved (it loads from ``model.embedding.word_embeddings.weight``).
+
+A save goes into ``iter_N.tmp`` and becomes ``iter_N`` (tracker file last) only when every
+rank has written; with ``--async-save`` the state is first copied (the only time training
+waits) and a background thread writes it, coordinated over a gloo group of its own.
+"""
+import os
+import random
+import shutil
+import threading
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from megatron_cp import checkpointing as ckpt
+from megatron_cp import device as device_mod
+from megatron_cp.dist_checkpoint.canonical import canonical_name, param_spec
+from megatron_cp.dist_checkpoint.pieces import Pieces, PiecesLoadPlanner, PiecesSavePlanner
+from megatron_cp.optimizer.optimizer import adam_step, set_adam_step
+
+COMMON = "common.pt"
+OPTIMIZER_KINDS = ("exp_avg", "exp_avg_sq", "main_param")
+GROUP_SETTINGS = ("lr", "weight_decay", "betas", "eps", "wd_mult", "lr_mult")
+LAYOUT_KEYS = ("world_size", "tensor_model_parallel_size", "context_parallel_size",
+               "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+               "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+               "expert_model_parallel_size", "expert_tensor_parallel_size")
+
+
+def is_torch_dist(folder):
+    """True if the iteration folder ``folder`` holds a torch_dist checkpoint."""
+    return os.path.exists(os.path.join(folder, ".metadata"))
+
+
+def read_common(folder):
+    """The common (non-tensor) state of the torch_dist checkpoint in ``folder``."""
+    return torch.load(os.path.join(folder, COMMON), map_location="cpu", weights_only=False)
+
+
+def _chunks(trainer):
+    return [c.module if hasattr(c, "module") else c for c in trainer.model_chunks]
+
+
+def _param_specs(trainer):
+    """{id(param): (CanonicalSpec, is the last stage's tied copy)} for this rank's params."""
+    st = trainer.state
+    out = {}
+    for chunk in _chunks(trainer):
+        layers = list(chunk.decoder.layer_numbers)
+        for name, param in chunk.named_parameters():
+            if getattr(param, "is_expert", False):
+                raise ValueError("expert (MoE) parameters have no canonical checkpoint name yet; "
+                                 "save with --ckpt-format torch")
+            tied_copy = name == "output_layer.weight" and getattr(param, "shared_embedding", False)
+            canon = "embedding.word_embeddings.weight" if tied_copy else canonical_name(name, layers)
+            out[id(param)] = (param_spec(canon, param, st.size("tp"), st.rank("tp"),
+                                         trainer.config.vocab_size), tied_copy)
+    return out
+
+
+def sharded_state(trainer, with_optimizer, for_load=False):
+    """``{key: Pieces}`` of this rank: live views of the model params and, with
+    ``with_optimizer``, of the optimizer shards. ``for_load`` includes the tied copy (it
+    reads the embedding's key); a save leaves it out."""
+    specs = _param_specs(trainer)
+    state = {}
+
+    def put(key, spec, flat, start, stop):
+        if key in state:
+            raise AssertionError(f"two pieces of {key} on one rank")
+        state[key] = Pieces.of_flat(spec, flat, start, stop)
+
+    for chunk in _chunks(trainer):
+        for param in chunk.parameters():
+            spec, tied_copy = specs[id(param)]
+            if for_load or not tied_copy:
+                put(f"model.{spec.name}", spec, param.detach().view(-1), 0, param.numel())
+    if with_optimizer:
+        for shard in trainer.optimizer.param_shards():
+            spec, tied_copy = specs[id(shard.model_param)]
+            if tied_copy and not for_load:
+                continue
+            for kind, flat in zip(OPTIMIZER_KINDS, (shard.exp_avg, shard.exp_avg_sq, shard.main)):
+                if flat is not None:
+                    put(f"optimizer.{kind}.{spec.name}", spec, flat, shard.start, shard.stop)
+    return state
+
+
+def layout_of(args):
+    """The parallel layout ``args`` describe (RNG states are restored only under the same)."""
+    values = vars(args) if not isinstance(args, dict) else args
+    return {k: values.get(k) for k in LAYOUT_KEYS}
+
+
+def _common(trainer, with_optimizer):
+    """The non-tensor state; a collective (the Adam step count is agreed by every rank)."""
+    opt = trainer.optimizer
+    step = torch.tensor([adam_step(opt.optimizer)], dtype=torch.float64)
+    dist.all_reduce(step, op=dist.ReduceOp.MAX)  # a distributed-optimizer rank may own nothing
+    args = {k: v for k, v in vars(trainer.args).items() if ckpt._plain(v)}
+    args["params_dtype"] = str(trainer.args.params_dtype)
+    common = {"iteration": trainer.iteration, "consumed_samples": trainer.consumed_samples,
+              "args": args, "checkpoint_version": 3.0, "ckpt_format": "torch_dist",
+              "layout": layout_of(trainer.args), "has_optimizer": with_optimizer,
+              "opt_param_scheduler": trainer.scheduler.state_dict()}
+    if with_optimizer:
+        common.update(adam_step=step.item(), num_skipped_iters=opt.num_skipped_iters,
+                      grad_scaler=None if opt.grad_scaler is None else opt.grad_scaler.state_dict(),
+                      param_groups=[{k: v for k, v in g.items() if k != "params"}
+                                    for g in opt.optimizer.param_groups])
+    return common
+
+
+def checkpoint_group(trainer):
+    """A gloo group over every rank for checkpoint coordination (created once, collectively),
+    so a background save never shares a communicator with training."""
+    group = getattr(trainer, "_checkpoint_group", None)
+    if group is None:
+        group = dist.new_group(backend="gloo")
+        trainer._checkpoint_group = group
+    return group
+
+
+class AsyncSave:
+    """One background save: a thread writing staged copies; :meth:`wait` re-raises its error."""
+
+    def __init__(self, target):
+        self.error = None
+
+        def run():
+            try:
+                target()
+            except BaseException as error:  # reported by wait() on the training thread
+                self.error = error
+
+        self.thread = threading.Thread(target=run, name="async-checkpoint-save", daemon=True)
+        self.thread.start()
+
+    def wait(self):
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+def wait_for_async_save(trainer):
+    """Block until the background save in flight (if any) has written and committed."""
+    pending, trainer.pending_save = getattr(trainer, "pending_save", None), None
+    if pending is not None:
+        pending.wait()
+
+
+def save(trainer, root, async_save=False):
+    """Save ``trainer`` under ``root`` (every rank calls it); see the module docstring."""
+    st, args = trainer.state, trainer.args
+    wait_for_async_save(trainer)
+    trainer.optimizer.finish_param_sync()
+    with_optimizer = not getattr(args, "no_save_optim", False)
+    state = sharded_state(trainer, with_optimizer)
+    common = _common(trainer, with_optimizer)
+    rng = None if getattr(args, "no_save_rng", False) else ckpt._rng_state(trainer)
+    it = trainer.iteration
+    tmp = ckpt.iteration_dir(root, it) + ".tmp"
+    group = checkpoint_group(trainer)
+    if st.global_rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
+    dist.barrier(group=group)
+    if async_save:
+        state = {key: pieces.staged() for key, pieces in state.items()}
+
+    def write():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=PiecesSavePlanner(),
+                 process_group=group)
+        if rng is not None:
+            ckpt._atomic_torch_save(rng, os.path.join(tmp, "rng", f"rank_{st.global_rank:05d}.pt"))
+        if st.global_rank == 0:
+            ckpt._atomic_torch_save(common, os.path.join(tmp, COMMON))
+        dist.barrier(group=group)  # every rank has written: only now may the tracker move
+        if st.global_rank == 0:
+            ckpt.commit_checkpoint(root, it)
+        dist.barrier(group=group)
+
+    if async_save:
+        trainer.pending_save = AsyncSave(write)
+    else:
+        write()
+
+
+def load(trainer, root, it):
+    """Load the torch_dist checkpoint of iteration ``it`` under ``root`` into ``trainer``,
+    whatever layout saved it; returns (iteration, consumed samples)."""
+    st, args = trainer.state, trainer.args
+    folder = ckpt.iteration_dir(root, it)
+    common = read_common(folder)
+    ckpt.check_args_match(common["args"], args, ckpt.MODEL_ONLY_ARGS)
+    wait_for_async_save(trainer)
+    trainer.optimizer.finish_param_sync()
+    with_optimizer = common["has_optimizer"] and not args.finetune and not args.no_load_optim
+    state = sharded_state(trainer, with_optimizer, for_load=True)
+    dcp.load(state, storage_reader=dcp.FileSystemReader(folder), planner=PiecesLoadPlanner(),
+             process_group=checkpoint_group(trainer))
+    if not with_optimizer:
+        trainer.optimizer.reload_model_params()
+    if args.finetune:
+        return 0, 0
+    if not common["has_optimizer"]:
+        return ckpt.resume_schedule_only(trainer, root, it, common["iteration"],
+                                         common["consumed_samples"])
+    if with_optimizer:
+        _restore_optimizer(trainer.optimizer, common)
+        trainer.scheduler.load_state_dict(common["opt_param_scheduler"])
+    _restore_rng(trainer, folder, common)
+    if st.global_rank == 0:
+        print(f" loaded checkpoint from {root} at iteration {it}", flush=True)
+    return common["iteration"], common["consumed_samples"]
+
+
+def _restore_optimizer(opt, common):
+    set_adam_step(opt.optimizer, common["adam_step"])
+    for group, saved in zip(opt.optimizer.param_groups, common["param_groups"]):
+        # the hyper-parameters only: kernel switches (fused, foreach) follow this run's device
+        group.update({k: v for k, v in saved.items() if k in GROUP_SETTINGS})
+    if opt.grad_scaler is not None and common.get("grad_scaler") is not None:
+        opt.grad_scaler.load_state_dict(common["grad_scaler"])
+    opt.num_skipped_iters = int(common.get("num_skipped_iters", 0))
+
+
+def _restore_rng(trainer, folder, common):
+    st, args = trainer.state, trainer.args
+    if args.no_load_rng:
+        return
+    path = os.path.join(folder, "rng", f"rank_{st.global_rank:05d}.pt")
+    if common.get("layout") != layout_of(args) or not os.path.exists(path):
+        if st.global_rank == 0:
+            print(" the checkpoint was saved under another parallel layout (or without RNG "
+                  "states): data order and optimizer resume exactly, the RNG streams (dropout) "
+                  "start afresh", flush=True)
+        return
+    rng = torch.load(path, weights_only=False)
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    device_mod.set_rng_state(rng["device"], trainer.device)
+    _chunks(trainer)[0].rng_tracker.set_states(rng["tracker"])

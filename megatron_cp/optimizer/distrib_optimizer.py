@@ -1,0 +1,249 @@
+"""The distributed optimizer (ZeRO-1, Megatron-LM's ``--use-distributed-optimizer``).
+
+The fp32 main params and the Adam moments are sharded over the data-parallel ranks: dense
+params over DP x CP, expert params over expert-DP. The shards are exactly the bucket shards
+of :mod:`megatron_cp.optimizer.buckets` -- one layout for the gradient reduce-scatter,
+the optimizer state and the parameter all-gather -- so a rank's shard of a bucket may hold
+the tail of one param and the head of the next. One step:
+
+1. the gradients were reduce-scattered by :class:`DistributedDataParallel`: this rank's
+   shard of every bucket holds the summed gradient (the rest of the buffer is stale);
+2. unscale and inf/nan check (the world agrees), clip by the global norm, each shard
+   counted once (``sharded=True``: summed over DP x CP, then over TP/PP as usual);
+3. AdamW on the shard main params; the result is written into this rank's shard of the
+   flat parameter buffer (fp32 models: the main param *is* that view, nothing to copy);
+4. every bucket's param buffer is all-gathered over its group (asynchronously with
+   ``overlap_param_gather``: the next forward waits per module).
+
+Memory per rank, per parameter: bf16/fp16 params 2 + fp32 grads 4 + (fp32 main 4 + Adam 8)
+/ d bytes = 6 + 12/d; fp32 params 4 + grads 4 + Adam 8/d = 8 + 8/d
+(:mod:`megatron_cp.optimizer.memory` measures it).
+
+``state_dict`` gathers the shards into the plain :class:`MixedPrecisionOptimizer` format,
+so ``--ckpt-format torch`` checkpoints are the same with or without this optimizer;
+``--ckpt-format torch_dist`` saves the shards directly (:meth:`param_shards`).
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_cp import dist_compat
+from megatron_cp.optimizer.optimizer import (_PARAM_ATTRS, MixedPrecisionOptimizer, ParamShard,
+                                             adam_state, adam_step, build_adamw, set_adam_step)
+
+
+@dataclass
+class _Shard:
+    """Flat elements [start, stop) of ``model`` owned here: views into the DDP buffers."""
+    model: torch.Tensor
+    bucket: object
+    start: int  # in the param's flat coordinates
+    stop: int
+    main: torch.Tensor  # [stop - start] fp32; the param-buffer view itself for fp32 params
+    grad_view: torch.Tensor  # [stop - start] view of the gradient buffer
+    param_view: torch.Tensor  # [stop - start] view of the parameter buffer
+
+
+class DistributedOptimizer(MixedPrecisionOptimizer):
+    """AdamW over this rank's shards; see the module docstring for one step's stages.
+
+    ``model_params`` as for :class:`MixedPrecisionOptimizer` (param groups from
+    :func:`get_param_groups`); ``model_chunks`` are the
+    :class:`DistributedDataParallel` wrappers built with ``use_distributed_optimizer=True``
+    that hold those params.
+    """
+
+    shards_grads = True
+
+    def __init__(self, model_params, model_chunks, state, lr, weight_decay=0.0,
+                 betas=(0.9, 0.999), eps=1e-8, clip_grad=1.0, params_dtype=torch.float32,
+                 grad_scaler=None, use_fused=None):
+        groups = self._setup(model_params, state, clip_grad, params_dtype, grad_scaler)
+        self.model_chunks = list(model_chunks)
+        location = {}
+        for chunk in self.model_chunks:
+            if not getattr(chunk, "use_distributed_optimizer", False):
+                raise ValueError("DistributedOptimizer needs the model chunks wrapped in "
+                                 "DistributedDataParallel(..., use_distributed_optimizer=True)")
+            for bucket in chunk.buckets:
+                for p in bucket.params:
+                    location[id(p)] = bucket
+        self._pairs = []  # the base class's (model, main) pairs: none, the shards replace them
+        self._groups = groups
+        self._shards = []
+        inner_groups = []
+        for group in groups:
+            mains = []
+            for param in group["params"]:
+                if id(param) not in location:
+                    raise ValueError(f"a parameter of shape {tuple(param.shape)} is in no "
+                                     f"DistributedDataParallel buffer; pass the param groups of "
+                                     f"the wrapped model chunks")
+                if param.dtype not in (torch.float32, params_dtype):
+                    raise ValueError(f"a parameter has dtype {param.dtype} but params_dtype is "
+                                     f"{params_dtype}; cast the model to params_dtype")
+                shard = self._make_shard(param, location[id(param)])
+                if shard is not None:
+                    self._shards.append(shard)
+                    mains.append(shard.main)
+            inner_groups.append({**group, "params": mains})
+        self.optimizer = build_adamw(inner_groups, lr, weight_decay, betas, eps, state.device,
+                                     use_fused)
+
+    @staticmethod
+    def _make_shard(param, bucket):
+        lo, hi = bucket.offsets[id(param)]
+        first, last = bucket.shard_range()
+        a, b = max(lo, first), min(hi, last)
+        if a >= b:
+            return None  # no element of this param in this rank's shard
+        param_view = bucket.param_data[a:b]  # [b - a]
+        grad_view = bucket.grad_data[a:b]
+        main = param_view if param.dtype == torch.float32 else param_view.detach().float()
+        for attr in _PARAM_ATTRS:
+            if hasattr(param, attr):
+                setattr(main, attr, getattr(param, attr))
+        return _Shard(param, bucket, a - lo, b - lo, main, grad_view, param_view)
+
+    # ----- the step's stages (the base class's step() drives them) -----------------------
+    def _main_params(self):
+        return [s.main for s in self._shards]
+
+    def _prepare_main_grads(self):
+        for s in self._shards:
+            s.main.grad = s.grad_view if s.grad_view.dtype == torch.float32 else s.grad_view.float()
+
+    def _release_aliased_grads(self):
+        for s in self._shards:
+            s.main.grad = None
+
+    @torch.no_grad()
+    def _copy_main_to_model(self):
+        self.finish_param_sync()  # no gather may still be writing the param buffers
+        for s in self._shards:
+            if s.main is not s.param_view:
+                s.param_view.copy_(s.main)
+        for chunk in self.model_chunks:
+            chunk.start_param_sync()
+
+    def finish_param_sync(self):
+        """Wait for the parameter all-gathers still running (``overlap_param_gather``)."""
+        for chunk in self.model_chunks:
+            chunk.finish_param_sync()
+
+    def zero_grad(self, set_to_none=True):
+        """Drop the shard grads (the DDP buffer is zeroed by ``zero_grad_buffer``)."""
+        for s in self._shards:
+            s.main.grad = None
+
+    @torch.no_grad()
+    def reload_model_params(self):
+        """Refresh the fp32 main shards from the model params (after loading weights only)."""
+        self.finish_param_sync()
+        for s in self._shards:
+            if s.main is not s.param_view:
+                s.main.copy_(s.param_view)
+
+    def param_shards(self):
+        """A :class:`ParamShard` per shard of this rank, in param-group order."""
+        out = []
+        for s in self._shards:
+            st = adam_state(self.optimizer, s.main)
+            out.append(ParamShard(s.model, s.start, s.stop,
+                                  None if s.main is s.param_view else s.main,
+                                  st["exp_avg"], st["exp_avg_sq"]))
+        return out
+
+    # ----- the plain (unsharded) format, for --ckpt-format torch --------------------------
+    def _model_order(self):
+        return [p for group in self._groups for p in group["params"]]
+
+    def _gather_full(self, kind):
+        """{id(model param): full fp32 tensor} of ``kind`` (main / exp_avg / exp_avg_sq),
+        all-gathered bucket by bucket over each bucket's group."""
+        shards_of = {}
+        for shard in self.param_shards():
+            shards_of.setdefault(id(shard.model_param), shard)
+        full = {}
+        for chunk in self.model_chunks:
+            for bucket in chunk.buckets:
+                flat = torch.zeros(bucket.grad_data.numel(), dtype=torch.float32,
+                                   device=bucket.grad_data.device)  # [n]
+                for p in bucket.params:
+                    shard = shards_of.get(id(p))
+                    if shard is not None:
+                        lo = bucket.offsets[id(p)][0]
+                        value = shard.main if kind == "main" else getattr(shard, kind)
+                        if value is not None:  # None: an fp32 param is its own main param
+                            flat[lo + shard.start:lo + shard.stop].copy_(value)
+                first, last = bucket.shard_range()
+                if bucket.group_size > 1:
+                    dist_compat.all_gather_flat(flat, flat[first:last].clone(), group=bucket.group)
+                for p in bucket.params:
+                    lo, hi = bucket.offsets[id(p)]
+                    full[id(p)] = flat[lo:hi].view(p.shape)
+        return full
+
+    def state_dict(self):
+        """The state in :class:`MixedPrecisionOptimizer`'s format (full tensors per param);
+        a collective over every data-parallel group: call it on every rank."""
+        self.finish_param_sync()
+        order = self._model_order()
+        step = torch.tensor([adam_step(self.optimizer)], dtype=torch.float64)
+        dist.all_reduce(step, op=dist.ReduceOp.MAX)  # a rank may own no shard at all
+        avg, avg_sq = self._gather_full("exp_avg"), self._gather_full("exp_avg_sq")
+        half = [p for p in order if p.dtype != torch.float32]
+        mains = self._gather_full("main") if half else {}
+        state = {}
+        if step.item() > 0:
+            state = {i: {"step": torch.tensor(step.item(), dtype=torch.float32),
+                         "exp_avg": avg[id(p)], "exp_avg_sq": avg_sq[id(p)]}
+                     for i, p in enumerate(order)}
+        groups, index = [], 0
+        for outer, inner in zip(self._groups, self.optimizer.param_groups):
+            count = len(outer["params"])
+            hyper = {k: v for k, v in inner.items() if k != "params"}
+            groups.append({**hyper, "params": list(range(index, index + count))})
+            index += count
+        return {"optimizer": {"state": state, "param_groups": groups},
+                "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict(),
+                "main_params": [mains[id(p)] for p in half],
+                "num_skipped_iters": self.num_skipped_iters}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict):
+        """Restore the plain format (from this optimizer or from MixedPrecisionOptimizer):
+        each rank keeps its shards; the model params are refreshed from the main params."""
+        saved = state_dict["optimizer"]
+        order = self._model_order()
+        if len(saved["param_groups"]) != len(self._groups) or \
+                sum(len(g["params"]) for g in saved["param_groups"]) != len(order):
+            raise ValueError("the checkpoint's optimizer has other parameter groups than this "
+                             "model; load it into the same model (or pass --no-load-optim)")
+        for group, saved_group in zip(self.optimizer.param_groups, saved["param_groups"]):
+            group.update({k: v for k, v in saved_group.items() if k != "params"})
+        index_of = {id(p): i for i, p in enumerate(order)}
+        half = [p for p in order if p.dtype != torch.float32]
+        if len(state_dict["main_params"]) != len(half):
+            raise ValueError(f"checkpoint has {len(state_dict['main_params'])} fp32 main params but "
+                             f"this optimizer has {len(half)}; load a checkpoint saved with the "
+                             f"same model and params_dtype")
+        main_of = {id(p): value for p, value in zip(half, state_dict["main_params"])}
+        step = 0.0
+        for s, shard in zip(self._shards, self.param_shards()):
+            per_param = saved["state"].get(index_of[id(s.model)])
+            if per_param is not None:
+                shard.exp_avg.copy_(per_param["exp_avg"].reshape(-1)[s.start:s.stop])
+                shard.exp_avg_sq.copy_(per_param["exp_avg_sq"].reshape(-1)[s.start:s.stop])
+                step = float(per_param["step"])
+            if id(s.model) in main_of:
+                s.main.copy_(main_of[id(s.model)].reshape(-1)[s.start:s.stop])
+                s.param_view.copy_(s.main)
+        set_adam_step(self.optimizer, step)
+        saved_scaler = state_dict.get("grad_scaler")
+        if self.grad_scaler is not None and saved_scaler is not None:
+            self.grad_scaler.load_state_dict(saved_scaler)
+        self.num_skipped_iters = int(state_dict.get("num_skipped_iters", 0))
+        for chunk in self.model_chunks:
+            chunk.start_param_sync(force_sync=True)

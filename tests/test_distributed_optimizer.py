@@ -1,0 +1,191 @@
+"""The distributed optimizer (ZeRO-1, --use-distributed-optimizer).
+
+- 10 training steps give the losses and gradient norms of the non-distributed optimizer of
+  the same layout (relative 1e-6) under DP=2, DP=4, DP=2 x CP=2, TP=2 x DP=2 and
+  PP=2 x DP=2 (plus interleaved virtual stages), with and without overlapping the gradient
+  reduce-scatter and the parameter all-gather (small buckets, so both cut params across
+  shards); fp16 loss scaling skips the same steps; clipping is active.
+- Memory per rank follows 8 + 8/d (fp32) and 6 + 12/d (bf16) bytes per parameter at
+  d = 1, 2, 4, and 16 / 18 without sharding.
+- Expert parameters (``is_expert``, no MoE layer exists yet: a toy module) are sharded over
+  the expert-DP group and dense ones over DP x CP, with the replicated optimizer's results.
+
+All runs of one world size share one set of workers.
+"""
+import pytest
+import torch
+from torch import nn
+
+from dist_harness import run_workers
+from megatron_cp.arguments import parse_args
+from megatron_cp.initialize import initialize_model_parallel
+from megatron_cp.optimizer import (DistributedDataParallel, DistributedOptimizer,
+                                   MixedPrecisionOptimizer, expected_bytes_per_param,
+                                   finalize_model_grads, get_param_groups, memory_breakdown)
+from megatron_cp.training import Trainer, build_parallel_state
+from training_utils import TINY, max_rel_diff
+
+STEPS = TINY.replace("--num-layers 2", "--num-layers 4").replace("--clip-grad 1.0", "--clip-grad 0.5") \
+    + " --train-iters 10"
+DIST = "--use-distributed-optimizer"
+OVERLAP = f"{DIST} --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 3000"
+FP16 = "--fp16 --initial-loss-scale 1048576 --hysteresis 1"
+# name: (world, layout arguments)
+LAYOUTS = {
+    "dp2": (2, ""),
+    "dp2_fp16": (2, FP16),
+    "dp4": (4, ""),
+    "dp2_cp2": (4, "--context-parallel-size 2"),
+    "tp2_dp2": (4, "--tensor-model-parallel-size 2 --sequence-parallel"),
+    "pp2_dp2": (4, "--pipeline-model-parallel-size 2"),
+    "pp2_vp2_dp2_untied": (4, "--pipeline-model-parallel-size 2 --untie-embeddings-and-output-weights "
+                              "--num-layers-per-virtual-pipeline-stage 1"),
+}
+# memory: name -> (layout arguments, d, distributed); world 4
+MEMORY = {f"{dtype}_{name}": (f"{flag} {layout}", d, dist_opt)
+          for dtype, flag in (("fp32", ""), ("bf16", "--bf16"))
+          for name, layout, d, dist_opt in (
+              ("d1", f"--tensor-model-parallel-size 4 {DIST}", 1, True),
+              ("d2", f"--tensor-model-parallel-size 2 {DIST}", 2, True),
+              ("d4", DIST, 4, True),
+              ("d4_replicated", "", 4, False))}
+
+
+def _trainer(rank, world, argv):
+    args = parse_args(argv.split(), world_size=world)
+    trainer = Trainer(args, build_parallel_state(args, torch.device("cpu")))
+    trainer.build_iterators()
+    return trainer
+
+
+def _steps(rank, world, argv):
+    """(losses, grad norms, skipped iterations, a param all-gather was still running after
+    a step) of training ``argv``."""
+    trainer = _trainer(rank, world, argv)
+    losses, norms, in_flight = [], [], False
+    for _ in range(trainer.args.train_iters):
+        loss, norm, _ = trainer.train_step()
+        losses.append(loss)
+        norms.append(norm)
+        in_flight |= any(bucket.gather_handle is not None for chunk in trainer.model_chunks
+                         for bucket in chunk.buckets)
+    return losses, norms, trainer.optimizer.num_skipped_iters, in_flight
+
+
+def _memory(rank, world, argv):
+    trainer = _trainer(rank, world, argv)
+    trainer.train_step()  # Adam state as torch creates it
+    return memory_breakdown(trainer.model_chunks, trainer.optimizer)
+
+
+class _ToyWithExpert(nn.Module):
+    """A dense layer (the same on every rank) and one expert matrix per EP rank."""
+
+    def __init__(self, ep_rank):
+        super().__init__()
+        self.dense = nn.Linear(5, 6)  # drawn from the global seed: the same on every rank
+        self.expert = nn.Parameter(torch.randn(6, 3, generator=torch.Generator().manual_seed(10 + ep_rank)))
+        self.expert.is_expert = True
+
+    def forward(self, x):
+        return (self.dense(x) @ self.expert).square().mean()
+
+
+def _expert_job(rank, world, _):
+    """(final params, grad norms) of 3 steps, replicated then distributed, at EP=2 x EDP=2."""
+    state = initialize_model_parallel(expert_model_parallel_size=2)
+    assert (state.size("edp"), state.size("dp_cp")) == (2, 4)
+    out = []
+    for distributed in (False, True):
+        torch.manual_seed(0)
+        model = _ToyWithExpert(state.rank("ep"))
+        ddp = DistributedDataParallel(model, state, use_distributed_optimizer=distributed)
+        groups = get_param_groups(model, 0.01)
+        opt = DistributedOptimizer(groups, [ddp], state, lr=0.1, clip_grad=0.05) if distributed \
+            else MixedPrecisionOptimizer(groups, state, lr=0.1, clip_grad=0.05)
+        norms = []
+        for step in range(3):
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            x = torch.randn(4, 5, generator=torch.Generator().manual_seed(100 * step + rank))
+            ddp(x).backward()
+            finalize_model_grads([ddp], state)
+            norms.append(opt.step()[1])
+        opt.finish_param_sync()
+        out.append(([p.detach().tolist() for p in model.parameters()], norms))
+    return out  # lists, not tensors: a tensor's storage would not outlive its worker
+
+
+def _run_all(rank, world, jobs):
+    return {name: fn(rank, world, argv) for name, (fn, argv) in jobs.items()}
+
+
+_RUNS = {}
+
+
+def _results(world):
+    if world not in _RUNS:
+        jobs = {}
+        for name, (w, layout) in LAYOUTS.items():
+            if w == world:
+                for variant, extra in (("plain", ""), ("dist", DIST), ("overlap", OVERLAP)):
+                    jobs[f"{name}:{variant}"] = (_steps, f"{STEPS} {layout} {extra}")
+        if world == 4:
+            jobs["expert"] = (_expert_job, "")
+            for name, (layout, _, _) in MEMORY.items():
+                jobs[f"memory:{name}"] = (_memory, f"{STEPS} {layout}")
+        _RUNS[world] = run_workers(_run_all, world, jobs, timeout=500)
+    return _RUNS[world]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("variant", ["dist", "overlap"])
+def test_distributed_optimizer_matches_the_replicated_one(name, variant):
+    world, _ = LAYOUTS[name]
+    for rank_results in _results(world):
+        losses, norms, skipped, in_flight = rank_results[f"{name}:{variant}"]
+        ref_losses, ref_norms, ref_skipped, _ = rank_results[f"{name}:plain"]
+        assert skipped == ref_skipped
+        # --overlap-param-gather leaves the all-gathers running into the next forward
+        assert in_flight == (variant == "overlap")
+        assert ref_losses[-1] < ref_losses[0], "the tiny model must learn"
+        kept = [i for i, n in enumerate(ref_norms) if n is not None]
+        assert [norms[i] is not None for i in range(len(norms))] == \
+            [n is not None for n in ref_norms]
+        loss_diff = max_rel_diff(losses, ref_losses)
+        norm_diff = max_rel_diff([norms[i] for i in kept], [ref_norms[i] for i in kept])
+        print(f"{name} {variant}: losses {loss_diff:.1e}, grad norms {norm_diff:.1e}, "
+              f"skipped {skipped}")
+        assert loss_diff <= 1e-6 and norm_diff <= 1e-6
+        assert max(ref_norms[i] for i in kept) > 0.5, "clipping (--clip-grad 0.5) must act"
+    if "fp16" in name:
+        assert skipped > 0, "the fp16 run must skip overflowing steps"
+
+
+@pytest.mark.parametrize("name", list(MEMORY))
+def test_memory_per_rank_follows_the_formula(name):
+    _, d, distributed = MEMORY[name]
+    dtype = torch.bfloat16 if name.startswith("bf16") else torch.float32
+    expected = expected_bytes_per_param(dtype, d, distributed)
+    for rank_results in _results(4):
+        measured = rank_results[f"memory:{name}"]
+        n = measured["num_params"]
+        print(f"{name}: {measured['bytes_per_param']:.3f} bytes/param (formula {expected:.3f}); "
+              f"params {measured['params']}, grads {measured['grads']}, main "
+              f"{measured['main_params']}, Adam {measured['optimizer_state']} for {n} params")
+        assert measured["bytes_per_param"] == pytest.approx(expected, rel=2e-3)
+        shard = d if distributed else 1
+        main = 4 * n / shard if dtype == torch.bfloat16 else 0  # fp32 params are their own main
+        assert measured["main_params"] == pytest.approx(main, rel=2e-3)
+        assert measured["optimizer_state"] == pytest.approx(8 * n / shard, rel=2e-3)
+    assert expected == {(torch.float32, True): 8 + 8 / d, (torch.bfloat16, True): 6 + 12 / d,
+                        (torch.float32, False): 16, (torch.bfloat16, False): 18}[dtype, distributed]
+
+
+def test_expert_params_shard_over_expert_data_parallel():
+    for rank_results in _results(4):
+        (params, norms), (dist_params, dist_norms) = rank_results["expert"]
+        assert max_rel_diff(dist_norms, norms) <= 1e-6
+        assert norms[0] > 0.05, "clipping must act"
+        for a, b in zip(dist_params, params):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-6, atol=1e-7)

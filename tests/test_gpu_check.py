@@ -1,0 +1,177 @@
+"""tools/gpu_check.py on the CPU: the suite's logic runs and has teeth.
+
+- ``--device cpu --quick`` exits 0, every section prints rows, every row passes, and the
+  rows cover every block kind, both kernels, fp32 and bf16, and ring / Ulysses / hybrid at
+  CP 2 and 4 (the table is parsed).
+- The one-process simulation the suite's CP rows rest on IS the distributed algorithm: its
+  outputs and gradients equal, bit for bit, those of 4 gloo ranks running
+  context_parallel_attention (ring, Ulysses with dummy heads and repeated KV, hybrid).
+- Deliberately broken code makes it exit 1, on the rows that exercise the broken piece only:
+  bf16 document-masked gradients 10% off (the class of bug the suite was built for), a ring
+  merge that forgets to update the log-sum-exp, and a kernel that raises.
+
+One compute thread: the box has 2 cores shared with other jobs, where two OpenMP threads
+spinning against each other made the same run 30x slower.
+"""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dist_harness import run_workers
+from megatron_cp.context_parallel import blockwise, context_parallel_attention, kernels, ring
+from megatron_cp.context_parallel.simulate import simulated_attention
+from megatron_cp.data.microbatch import prepare_microbatch
+from megatron_cp.initialize import initialize_model_parallel
+from tools import gpu_check
+from tools.gpu_check_lib import Randn, microbatch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROW = re.compile(r"^(?P<name>[a-z]\S*)\s+(?P<worst>\S+)\s+(?P<abs>\S+)\s+(?P<rel>\S+)\s+"
+                 r"(?P<tol>\S+)\s+(?P<status>PASS|FAIL|SKIP)$")
+
+
+def _rows(text):
+    """{check name: status} of the table rows in the suite's output."""
+    return {m["name"]: m["status"] for m in map(ROW.match, text.splitlines()) if m}
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _run_in_process(capsys, *flags):
+    """main() with --device cpu --quick and ``flags`` -> (exit status, {name: status})."""
+    status = gpu_check.main(["--device", "cpu", "--quick", *flags])
+    return status, _rows(capsys.readouterr().out)
+
+
+def test_quick_cpu_suite_passes_every_section():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "tools/gpu_check.py", "--device", "cpu", "--quick"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = result.stdout
+    assert result.returncode == 0, out[-4000:] + result.stderr[-4000:]
+    rows = _rows(out)
+    assert {name.split("/")[0] for name in rows} == set(gpu_check.SECTIONS)
+    assert set(rows.values()) == {"PASS"}, [n for n, s in rows.items() if s != "PASS"]
+    summary = re.search(r"^(\d+) checks: (\d+) PASS, 0 FAIL, 0 SKIP in", out, re.M)
+    assert summary and int(summary[1]) == int(summary[2]) == len(rows)
+
+    def covered(*parts):
+        return any(all(part in name for part in parts) for name in rows)
+
+    for kind in ("causal", "full", "empty", "segments"):
+        for dtype in ("fp32", "bf16"):
+            for kernel in ("auto", "torch"):
+                assert covered(f"blocks/{kind}/", f"/{dtype}/{kernel}"), (kind, dtype, kernel)
+    assert covered("blocks/", "/sbhd/") and covered("blocks/", "/bhsd/")
+    assert covered("blocks/", "/s=40/") and covered("blocks/", "/s=512/")
+    assert covered("local/packed/", "/auto") and covered("local/packed/", "/torch")
+    assert covered("local/plain/")
+    for comm in ("cp/p2p/", "cp/a2a/", "cp/a2a+p2p("):
+        for dtype in ("fp32", "bf16"):
+            assert covered(comm, "/packed/", f"/{dtype}") and covered(comm, "/plain/", f"/{dtype}")
+    for cp_size in (2, 4):
+        assert covered("cp/p2p/", f"/P={cp_size}/") and covered("cp/a2a/", f"/P={cp_size}/")
+    assert covered("cp/a2a/", "/h6:2/")  # 6 heads over 4 ranks: dummy heads
+    assert covered("train/fp32/") and covered("train/bf16-vs-fp32/")
+    assert rows["blocks/kinds-covered"] == "PASS"
+
+
+def test_wrong_bf16_document_gradients_fail(monkeypatch, capsys, one_thread):
+    real = blockwise.segments_backward
+
+    def broken(dout, q, *args):
+        dq, dk, dv = real(dout, q, *args)
+        return (dq, dk * 1.1, dv) if q.dtype == torch.bfloat16 else (dq, dk, dv)
+
+    monkeypatch.setattr(blockwise, "segments_backward", broken)
+    status, rows = _run_in_process(capsys, "--sections", "blocks,local", "--max-seq", "128")
+    assert status == 1
+    failed = {name for name, s in rows.items() if s == "FAIL"}
+    # every bf16 segments block and packed local run fails; nothing else does
+    expected = {name for name in rows if "/bf16/" in name and
+                (name.startswith("blocks/segments/") or name.startswith("local/packed/"))}
+    assert expected and failed == expected
+
+
+def test_ring_merge_that_keeps_a_stale_lse_fails(monkeypatch, capsys, one_thread):
+    def stale_lse(out_acc, lse_acc, out_blk, lse_blk):
+        saved = lse_acc.clone()
+        blockwise.merge_partial(out_acc, lse_acc, out_blk, lse_blk)
+        lse_acc.copy_(saved)  # out merged right, lse not updated: the backward goes wrong
+
+    monkeypatch.setattr(ring, "merge_partial", stale_lse)
+    status, rows = _run_in_process(capsys, "--sections", "cp")
+    assert status == 1
+    failed = {name for name, s in rows.items() if s == "FAIL"}
+    assert any(n.startswith("cp/p2p/") for n in failed)
+    assert any(n.startswith("cp/a2a+p2p(") for n in failed)
+    assert not any(n.startswith("cp/a2a/") for n in failed)  # Ulysses merges nothing
+
+
+def test_a_kernel_that_raises_is_a_failed_row(monkeypatch, capsys, one_thread):
+    def raising(self, q, k, v, scale, causal):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(kernels.CpuBackend, "dense_forward", raising)
+    status, rows = _run_in_process(capsys, "--sections", "reference,local", "--max-seq", "40")
+    assert status == 1
+    assert rows["reference/chunked-vs-reference_attention/s=40/fp32"] == "PASS"
+    assert rows["local/packed/h8:2/sbhd/s=40/fp32/auto"] == "FAIL"
+    assert rows["local/packed/h8:2/sbhd/s=40/fp32/torch"] == "PASS"  # the torch kernel
+
+
+# ----------------------------------------------------------------------------- simulation == ranks
+SIM_CASES = [("p2p", None, 4, 2, True), ("a2a", None, 6, 2, False), ("a2a", None, 8, 2, True),
+             ("a2a+p2p", (2, 2), 8, 2, True), ("a2a+p2p", (2, 2), 4, 1, False)]
+
+
+def _sim_inputs(case, cp_size):
+    """Per-rank shards (q, k, v, dout: lists of [b, h, s/P, d]) and metadata of one case."""
+    _, _, nh, nkv, packed = case
+    parts = [prepare_microbatch(microbatch(64, 2, packed, seed=5), r, cp_size)
+             for r in range(cp_size)]
+    index = [p["token_index"] for p in parts]
+    docs = [p["document_ids"] for p in parts] if packed else None
+    total = cp_size * index[0].shape[1]
+    rand = Randn(11, torch.float32, torch.device("cpu"))
+    full = [rand.bhsd(2, h, total, d=16) for h in (nh, nkv, nkv, nh)]  # q, k, v, dout
+    shards = [[gpu_check._take(x, idx) for idx in index] for x in full]
+    return shards, index, docs
+
+
+def _distributed_worker(rank, world_size):
+    state = initialize_model_parallel(context_parallel_size=world_size,
+                                      hierarchical_context_parallel_sizes=(2, 2))
+    results = []
+    for case in SIM_CASES:
+        (qs, ks, vs, douts), index, docs = _sim_inputs(case, world_size)
+        leaves = [x[rank].clone().requires_grad_() for x in (qs, ks, vs)]
+        out = context_parallel_attention(
+            *leaves, index[rank], None if docs is None else docs[rank], state.group("cp"),
+            case[0], hierarchical_groups=(state.group("hcp_inner"), state.group("hcp_outer")))
+        out.backward(douts[rank])
+        results.append([out.detach()] + [leaf.grad for leaf in leaves])
+    return results
+
+
+def test_simulation_is_the_distributed_algorithm(one_thread):
+    per_rank = run_workers(_distributed_worker, 4, timeout=240)
+    for n, case in enumerate(SIM_CASES):
+        (qs, ks, vs, douts), index, docs = _sim_inputs(case, 4)
+        leaves = [[x.clone().requires_grad_() for x in shards] for shards in (qs, ks, vs)]
+        outs = simulated_attention(case[0], *leaves, index, docs, case[1])
+        torch.autograd.backward(outs, douts)
+        for rank in range(4):
+            simulated = [outs[rank].detach()] + [shards[rank].grad for shards in leaves]
+            for what, got, want in zip(("out", "dq", "dk", "dv"), simulated, per_rank[rank][n]):
+                assert torch.equal(got, want), (case, rank, what, (got - want).abs().max())
