@@ -1,7 +1,9 @@
 """Packaging for megatron_cp.
 
 Install torch first on CPU machines (``pip install torch==2.13.0``) so that the
-``torch>=2.3`` requirement below is already met and no CUDA wheels are pulled.
+``torch>=2.3`` requirement below is already met and no CUDA wheels are pulled;
+``scripts/env.sh`` does it. apex and Transformer Engine are optional accelerators installed
+by hand (see the README), not extras: the package index's ``apex`` is another project.
 """
 from setuptools import find_packages, setup
 
@@ -20,7 +22,6 @@ setup(
     ],
     extras_require={
         "dev": ["pytest", "pytest-timeout", "tokenizers", "safetensors", "transformers"],
-        "gpu": ["apex", "transformer-engine"],
         "bench": ["transformers"],
     },
 )

@@ -77,6 +77,13 @@ def _training_args(g):
     g.add_argument("--exit-duration-in-mins", type=float, default=None, help="Exit after this many minutes.")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="On SIGTERM, save a checkpoint and exit cleanly.")
+    g.add_argument("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_true", default=True,
+                   help="Stop, naming the iteration and rank, when the training loss or the "
+                        "gradient norm is NaN or inf (the default; with fp16 loss scaling an "
+                        "overflowing gradient is a skipped step instead).")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false", help="Train on through a NaN or inf loss or gradient norm.")
 
 
 def _parallel_args(g):
@@ -182,23 +189,40 @@ RUN_SETTINGS = ("hidden_dropout", "attention_dropout", "recompute_granularity", 
 TOKENIZER_ARGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")
 
 
-def parse_args(argv=None, world_size=1, built=("tensor", "data", "context")):
+# Defaults of a run that only evaluates or generates (``inference=True``): no training
+# schedule, no dataset, one sample per microbatch unless the user asks for more, no dropout.
+INFERENCE_DEFAULTS = {"micro_batch_size": 1, "hidden_dropout": 0.0, "attention_dropout": 0.0}
+
+
+def parse_args(argv=None, world_size=1, built=("tensor", "data", "context"),
+               extra_args_provider=None, inference=False):
     """Parse ``argv``, fill derived values and validate against ``world_size``.
 
     With ``--use-checkpoint-args`` the model and tokenizer flags not on the command line
-    come from the checkpoint under ``--load`` (so a user names no model flag)."""
+    come from the checkpoint under ``--load`` (so a user names no model flag).
+    ``extra_args_provider(parser)`` adds a script's own flags (Megatron's hook, e.g. the
+    tasks' ``--task``). ``inference``: the run evaluates or generates from a checkpoint, so
+    the training flags (``--lr``, ``--train-iters``, a dataset) are not needed,
+    ``--micro-batch-size`` defaults to 1 and dropout to 0, and with ``--use-checkpoint-args``
+    the checkpoint also gives the dtype (``--bf16`` / ``--fp16``) unless one is given."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    if extra_args_provider is not None:
+        extra_args_provider(parser)
+    if inference:
+        for action in parser._actions:
+            if action.dest in INFERENCE_DEFAULTS:
+                action.required, action.default = False, INFERENCE_DEFAULTS[action.dest]
     if "--use-checkpoint-args" in argv:
         for action in parser._actions:  # the checkpoint supplies what is missing
             action.required = False
     args = parser.parse_args(argv)
     if args.use_checkpoint_args:
-        _take_checkpoint_args(args, argv)
-    return validate_args(args, world_size, built)
+        _take_checkpoint_args(args, argv, inference)
+    return validate_args(args, world_size, built, inference)
 
 
-def _take_checkpoint_args(args, argv):
+def _take_checkpoint_args(args, argv, inference=False):
     if not args.load:
         raise ValueError("--use-checkpoint-args reads the model flags from a checkpoint: give "
                          "--load DIR")
@@ -212,6 +236,8 @@ def _take_checkpoint_args(args, argv):
         flag = "--" + name.replace("_", "-")
         if name in saved and name not in RUN_SETTINGS and flag not in argv:
             setattr(args, name, saved[name])
+    if inference and not (args.bf16 or args.fp16):  # the weights' own dtype
+        args.bf16, args.fp16 = bool(saved.get("bf16")), bool(saved.get("fp16"))
     missing = [f"--{n.replace('_', '-')}" for n in ("num_layers", "hidden_size",
                "num_attention_heads", "seq_length", "micro_batch_size") if getattr(args, n) is None]
     if missing:
@@ -219,8 +245,10 @@ def _take_checkpoint_args(args, argv):
                          f"{args.load}; pass them on the command line")
 
 
-def validate_args(args, world_size, built=("tensor", "data", "context")):
-    """Derive defaults (DP size, batch sizes, dtype) and raise ValueError on bad combinations."""
+def validate_args(args, world_size, built=("tensor", "data", "context"), inference=False):
+    """Derive defaults (DP size, batch sizes, dtype) and raise ValueError on bad combinations.
+
+    ``inference``: no training schedule or dataset is checked (see :func:`parse_args`)."""
     parser = build_parser()
     args.compat_notes = apply_compat_flags(args, parser.get_default)
     for name, what in NOT_YET_BUILT.items():
@@ -246,7 +274,7 @@ def validate_args(args, world_size, built=("tensor", "data", "context")):
                          f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size ({dp}); "
                          f"use a multiple of {args.micro_batch_size * dp}")
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
-    _validate_pipeline(args)
+    _validate_pipeline(args, check_microbatches=not inference)
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # Megatron turns it off silently for TP=1
     _validate_model(args, flag_names(parser))
@@ -256,8 +284,11 @@ def validate_args(args, world_size, built=("tensor", "data", "context")):
         raise ValueError(f"--seq-length ({args.seq_length}) must be divisible by "
                          f"{'2 x CP (' + str(2 * cp) + ')' if cp > 1 else '1'}"
                          f"{' x TP (' + str(tp) + ') for sequence parallelism' if args.sequence_parallel else ''}")
-    _validate_schedule(args)
-    _validate_data(args)
+    if inference:
+        args.train_iters = args.train_iters or 0
+    else:
+        _validate_schedule(args)
+    _validate_data(args, need_data=not inference)
     if args.exit_signal_handler and not args.save:
         raise ValueError("--exit-signal-handler saves a checkpoint on SIGTERM: give --save")
     _validate_optimizer_and_checkpoint(args)
@@ -346,9 +377,9 @@ def _validate_schedule(args):
         args.ddp_bucket_size * 4 / 2 ** 20
 
 
-def _validate_data(args):
-    """A data source and the tokenizer files it needs."""
-    if not args.mock_data:
+def _validate_data(args, need_data=True):
+    """A data source (when ``need_data``) and the tokenizer files it needs."""
+    if need_data and not args.mock_data:
         if not args.data_path:
             raise ValueError("no data: give --data-path PREFIX (from tools/preprocess_data.py) "
                              "or --mock-data")
@@ -365,14 +396,16 @@ def _validate_data(args):
                          "needs --vocab-size")
 
 
-def _validate_pipeline(args):
-    """Stage split, virtual stages, interleaving's microbatch rule and the buffer length."""
+def _validate_pipeline(args, check_microbatches=True):
+    """Stage split, virtual stages, interleaving's microbatch rule (when
+    ``check_microbatches``: evaluation pads its own microbatch count) and the buffer length."""
     pp = args.pipeline_model_parallel_size
     args.virtual_pipeline_model_parallel_size = virtual_pipeline_size(
         args.num_layers, pp, args.num_layers_per_virtual_pipeline_stage,
         args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
-    validate_interleaved_microbatches(args.num_microbatches, pp,
-                                      args.virtual_pipeline_model_parallel_size)
+    if check_microbatches:
+        validate_interleaved_microbatches(args.num_microbatches, pp,
+                                          args.virtual_pipeline_model_parallel_size)
     if args.pipeline_seq_length is None:
         return  # the pipeline buffers follow each step's data
     if args.pipeline_seq_length < args.seq_length:

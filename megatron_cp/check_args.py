@@ -32,15 +32,16 @@ USAGE_ERROR = 2
 OTHER_RANK_GRACE_SECONDS = 3.0
 
 
-def parse_arguments(argv, world_size):
+def parse_arguments(argv, world_size, **options):
     """``arguments.parse_args`` with argparse's errors turned into ValueError (one line, no
-    usage text) and its output (``--help``) printed by global rank 0 only."""
+    usage text) and its output (``--help``) printed by global rank 0 only. ``options`` go to
+    ``parse_args`` (``extra_args_provider``, ``inference``)."""
     from megatron_cp.arguments import parse_args
     captured = io.StringIO()
     out = sys.stdout if is_global_rank_zero() else io.StringIO()
     try:
         with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(out):
-            return parse_args(argv, world_size=world_size)
+            return parse_args(argv, world_size=world_size, **options)
     except SystemExit as stop:
         if stop.code in (0, None):  # --help
             raise
@@ -70,10 +71,11 @@ def report_user_error(error, after_startup=False):
 
 
 def check_data_files(args):
-    """ValueError unless every ``--data-path`` prefix has its .bin and .idx files."""
+    """ValueError unless every ``--data-path`` prefix has its .bin and .idx files, and they
+    open (a wrong magic, a truncated index, a .bin shorter than the index: the file named)."""
     if args.mock_data or not args.data_path:
         return
-    from megatron_cp.data.indexed_dataset import data_file_path, index_file_path
+    from megatron_cp.data.indexed_dataset import IndexedDataset, data_file_path, index_file_path
     from megatron_cp.data.utils import parse_data_path
     prefixes, _ = parse_data_path(args.data_path)
     for prefix in prefixes:
@@ -81,6 +83,7 @@ def check_data_files(args):
         if missing:
             raise ValueError(f"--data-path {prefix}: {' and '.join(missing)} not found; build them "
                              f"with tools/preprocess_data.py (or examples/prepare_pydoc_data.sh)")
+        IndexedDataset(prefix)
 
 
 def main(argv=None):

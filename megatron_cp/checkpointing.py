@@ -15,9 +15,14 @@ and tracker untouched. Shards are written by the DP rank 0, CP rank 0 replica of
 model-parallel rank (the others hold identical weights and optimizer states); with the
 distributed optimizer its shards are gathered to that rank first, so the file is the same
 with or without it and loads into either.
+
+Every file a load reads goes through :func:`load_file` / :func:`read_tracker`: a truncated or
+corrupted file (or a tracker naming a missing iteration) is a ValueError naming the file and
+the way out (an earlier checkpoint, listed), never an unpickling or zip traceback.
 """
 import os
 import random
+import re
 import shutil
 
 import numpy as np
@@ -63,6 +68,9 @@ def _atomic_write_text(path, text):
         f.flush()
         os.fsync(f.fileno())
     os.replace(partial, path)
+
+
+RNG_KEYS = ("python", "numpy", "torch", "device", "tracker")
 
 
 def _rng_state(trainer):
@@ -158,15 +166,59 @@ def _plain(value):
     return isinstance(value, (int, float, str, bool, type(None), list, tuple))
 
 
+def saved_iterations(root):
+    """The iterations that have a committed folder ``iter_NNNNNNN`` under ``root`` (sorted)."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(name[5:]) for name in os.listdir(root) if re.fullmatch(r"iter_\d{7}", name))
+
+
+def _earlier(root, it):
+    """How to resume from another checkpoint than iteration ``it``: one sentence."""
+    others = [i for i in saved_iterations(root) if i != it]
+    tracker = os.path.join(root, TRACKER)
+    if not others:
+        return (f"there is no other checkpoint under {root}: restore the file from a copy, or "
+                f"start again without --load")
+    return (f"restore the file from a copy, or resume from another checkpoint by writing its "
+            f"iteration (saved: {', '.join(map(str, others))}) into {tracker}")
+
+
 def read_tracker(root):
-    """The latest iteration saved under ``root`` (None if there is none)."""
+    """The latest iteration saved under ``root`` (None if there is none); ValueError when the
+    tracker file is not an iteration number or names an iteration with no folder."""
     path = os.path.join(root, TRACKER)
     if not os.path.exists(path):
         return None
-    text = open(path).read().strip()
+    with open(path, "rb") as f:
+        text = f.read(64).decode("utf-8", errors="replace").strip()
     if not text.isdigit():
-        raise ValueError(f"{path} holds {text!r}, not an iteration number; fix or delete it")
-    return int(text)
+        raise ValueError(f"checkpoint tracker {path} holds {text!r}, not an iteration number "
+                         f"(truncated or corrupted); {_earlier(root, None)}")
+    it = int(text)
+    if not os.path.isdir(iteration_dir(root, it)):
+        raise ValueError(f"checkpoint tracker {path} names iteration {it} but "
+                         f"{iteration_dir(root, it)} does not exist; {_earlier(root, it)}")
+    return it
+
+
+def load_file(path, root, it, map_location="cpu", keys=()):
+    """``torch.load(path)`` of a checkpoint file of iteration ``it`` under ``root``; a
+    missing, truncated or corrupted file, or one without ``keys``, is a ValueError naming it."""
+    if not os.path.isfile(path):
+        raise ValueError(f"checkpoint file {path} is missing (a partial copy, or saved on "
+                         f"another number of ranks?); {_earlier(root, it)}")
+    try:
+        payload = torch.load(path, map_location=map_location, weights_only=False)
+    except Exception as error:  # unpickling, zip, EOF and storage errors: the file is damaged
+        reason = " ".join(str(error).split())[:160] or type(error).__name__
+        raise ValueError(f"checkpoint file {path} cannot be read, it is truncated or corrupted "
+                         f"({type(error).__name__}: {reason}); {_earlier(root, it)}") from error
+    missing = [k for k in keys if not isinstance(payload, dict) or k not in payload]
+    if missing:
+        raise ValueError(f"checkpoint file {path} has no {', '.join(missing)}: not a megatron_cp "
+                         f"checkpoint file, or a corrupted one; {_earlier(root, it)}")
+    return payload
 
 
 def latest_first_shard(root):
@@ -192,7 +244,7 @@ def saved_args(root):
     if path is None:
         raise ValueError(f"no checkpoint under {root} (no {TRACKER}); train one first, or drop "
                          f"--use-checkpoint-args and give the model flags")
-    return torch.load(path, map_location="cpu", weights_only=False)["args"]
+    return load_file(path, root, read_tracker(root), keys=("args",))["args"]
 
 
 def check_args_match(saved, args, names=MODEL_ARGS):
@@ -224,7 +276,8 @@ def load_checkpoint(trainer, root):
     if not os.path.exists(path):
         raise ValueError(f"checkpoint shard {path} is missing: was it saved with another TP/PP "
                          f"layout? Convert it with tools/checkpoint_convert.py")
-    payload = torch.load(path, map_location=trainer.device, weights_only=False)
+    payload = load_file(path, root, it, trainer.device,
+                        keys=("args", "iteration", "consumed_samples"))
     check_args_match(payload["args"], args)
     chunks = [c.module if hasattr(c, "module") else c for c in trainer.model_chunks]
     for i, chunk in enumerate(chunks):
@@ -246,7 +299,7 @@ def load_checkpoint(trainer, root):
         if not os.path.exists(rng_path):
             raise ValueError(f"{rng_path} is missing (saved on another number of ranks?); "
                              f"resume with --no-load-rng")
-        rng = torch.load(rng_path, weights_only=False)
+        rng = load_file(rng_path, root, it, keys=RNG_KEYS)
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
         torch.set_rng_state(rng["torch"])

@@ -4,8 +4,15 @@ One iteration = one global batch: every microbatch of this DP rank is read up fr
 number of loss tokens of the whole DP x CP group is known before any backward), run
 through the schedule with loss ``sum(token_loss * mask) / global_tokens``, gradients are
 SUM-reduced over DP x CP (exact global-batch gradient), then clipped and applied.
+
+Faults (:mod:`megatron_cp.faults`) end the job with one line: a lost peer (a collective
+failed because a rank died or stopped answering), a NaN or inf in the loss or the gradient
+norm (``--check-for-nan-in-loss-and-grad``), or a file that one rank could not read at
+start-up (every rank then raises it, so rank 0 prints it).
 """
 import gc
+import math
+import os
 import signal
 import sys
 import time
@@ -15,6 +22,7 @@ import torch.distributed as dist
 
 from megatron_cp import checkpointing
 from megatron_cp import device as device_mod
+from megatron_cp import faults
 from megatron_cp.config_flags import build_config
 from megatron_cp.data import build_data_iterator, build_tokenizer, build_train_valid_test_datasets
 from megatron_cp.context_parallel import resolve_comm_type
@@ -24,8 +32,8 @@ from megatron_cp.data.microbatch import (prepare_microbatch, required_length, sp
 from megatron_cp.initialize import initialize_distributed, initialize_model_parallel
 from megatron_cp.model import GPTConfig, GPTModel
 from megatron_cp.optimizer import (DistributedDataParallel, DistributedOptimizer,
-                                   MixedPrecisionOptimizer, OptimizerParamScheduler,
-                                   finalize_model_grads, get_param_groups)
+                                   GradNormNotFinite, MixedPrecisionOptimizer,
+                                   OptimizerParamScheduler, finalize_model_grads, get_param_groups)
 from megatron_cp.pipeline_parallel import (build_model_chunks, get_forward_backward_func,
                                            pipeline_tensor_shape)
 from megatron_cp.run_report import (count_parameters, format_arguments, format_compat_notes,
@@ -46,6 +54,8 @@ class Trainer:
     def __init__(self, args, state):
         self.args, self.state = args, state
         self.device = state.device
+        self.progress = faults.Progress()  # what a lost-contact error says the job was doing
+        self.check_for_nan = getattr(args, "check_for_nan_in_loss_and_grad", True)
         self.tokenizer = build_tokenizer(args.tokenizer_type or "NullTokenizer", args.tokenizer_model,
                                          args.vocab_file, args.merge_file, args.vocab_size)
         self.config = config_from_args(args, self.tokenizer.vocab_size)
@@ -71,7 +81,7 @@ class Trainer:
         self.model = self.model_chunks[0]
         adam = dict(lr=args.lr, weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2),
                     eps=args.adam_eps, clip_grad=args.clip_grad, params_dtype=args.params_dtype,
-                    grad_scaler=_grad_scaler(args))
+                    grad_scaler=_grad_scaler(args), check_for_nan_in_grad=self.check_for_nan)
         groups = get_param_groups(models, args.weight_decay)
         self.optimizer = DistributedOptimizer(groups, self.model_chunks, state, **adam) \
             if distributed else MixedPrecisionOptimizer(groups, state, **adam)
@@ -164,20 +174,33 @@ class Trainer:
         losses = self.forward_backward(forward_step, loss_func, microbatches, self.model_chunks, st,
                                        forward_only=forward_only, tensor_shape=shape)
         loss_sum = torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
+        self._loss_finite_here = torch.isfinite(loss_sum)  # read only if the sum is not finite
         dist.all_reduce(loss_sum, group=st.group("dp_cp"))
         if st.size("pp") > 1:  # only the last stage holds the loss; share it with every stage
             dist.all_reduce(loss_sum, group=st.group("pp"))
         return (loss_sum / num_tokens).item(), int(totals[0].item())
 
     def train_step(self):
+        """One iteration; with ``--check-for-nan-in-loss-and-grad`` a NaN/inf loss or gradient
+        norm raises :class:`~megatron_cp.faults.NonFiniteError` on every rank, before the
+        update (both values are the same on every rank, so all stop together)."""
+        current = self.iteration + 1
+        self.progress.activity = f"iteration {current}"
         microbatches = self.next_microbatches(self.train_iter)
         for chunk in self.model_chunks:
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         loss, _ = self._run_batches(microbatches, forward_only=False)
+        rank = self.state.global_rank
+        if self.check_for_nan and not math.isfinite(loss):
+            bad = faults.ranks_where(not bool(self._loss_finite_here), self.device)
+            raise faults.non_finite("loss", loss, current, rank, bad)
         finalize_model_grads(self.model_chunks, self.state)
-        ok, grad_norm, _ = self.optimizer.step()
+        try:
+            ok, grad_norm, _ = self.optimizer.step()
+        except GradNormNotFinite as bad:
+            raise faults.non_finite("gradient norm", bad.grad_norm, current, rank, bad.ranks) from None
         if ok:
             self.scheduler.step(1)
         self.iteration += 1
@@ -191,6 +214,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self):
         a = self.args
+        self.progress.activity = f"the evaluation after iteration {self.iteration}"
         reads = self.state.rank("tp") == 0
         it = build_data_iterator(self.valid_dataset if reads else None, a.global_batch_size,
                                  a.micro_batch_size, self.state.rank("dp"), self.state.size("dp"),
@@ -257,8 +281,39 @@ def pretrain(args, state=None):
 
     Global rank 0 prints the start-up banner (``run_report``: arguments, sizes, parameter
     and dataset counts, a line before each slow step) and the end summary. A ``--load`` that
-    already reached ``--train-iters`` says so and trains nothing.
+    already reached ``--train-iters`` says so and trains nothing. A collective that fails
+    because another rank died or stopped answering raises
+    :class:`~megatron_cp.faults.LostContactError` naming this rank, what the job was doing
+    and the checkpoint to resume from.
     """
+    progress = faults.Progress()
+    try:
+        return _pretrain(args, state, progress)
+    except RuntimeError as error:
+        if not faults.is_lost_contact(error) or not dist.is_initialized():
+            raise
+        latest = None
+        if args.save:
+            try:
+                latest = checkpointing.read_tracker(args.save)
+            except (OSError, ValueError):
+                pass  # the message then names no iteration
+        raise faults.lost_contact(error, dist.get_rank(), progress.activity, args, latest) from error
+
+
+def _on_every_rank(step, device):
+    """Run ``step()``; a ValueError it raises on some ranks only is raised on every rank
+    (:func:`megatron_cp.faults.raise_on_every_rank`), so rank 0 prints it. Returns its value."""
+    result, error = None, None
+    try:
+        result = step()
+    except ValueError as failure:
+        error = failure
+    faults.raise_on_every_rank(error, device)
+    return result
+
+
+def _pretrain(args, state, progress):
     started = time.time()
     print_rank_0(format_arguments(args))
     if format_compat_notes(args):
@@ -270,16 +325,20 @@ def pretrain(args, state=None):
     print_rank_0(format_parallel_sizes(args, state))
     print_rank_0("> building tokenizer, model and optimizer ...")
     trainer = Trainer(args, state)
+    trainer.progress = progress
     print_rank_0(format_parameter_counts(*count_parameters(trainer.model_chunks, state)))
     if args.load:
         print_rank_0(f"> loading checkpoint from {args.load} ...")
-        trainer.iteration, trainer.consumed_samples = checkpointing.load_checkpoint(trainer, args.load)
+        progress.activity = f"the checkpoint load from {args.load}"
+        trainer.iteration, trainer.consumed_samples = _on_every_rank(
+            lambda: checkpointing.load_checkpoint(trainer, args.load), state.device)
         if trainer.iteration >= args.train_iters:
             print_rank_0(f"checkpoint at iteration {trainer.iteration} already reached --train-iters "
                          f"{args.train_iters}; raise --train-iters to train on")
             return []
     print_rank_0("> building train, validation and test datasets ...")
-    trainer.build_iterators()
+    progress.activity = "the dataset build"
+    _on_every_rank(trainer.build_iterators, state.device)
     if getattr(trainer, "datasets", None):
         print_rank_0(format_dataset_sizes(trainer.datasets))
     logger = TrainingLogger(args, state, model_flops_per_token(trainer.config, args.seq_length))
@@ -327,6 +386,7 @@ def _train(trainer, logger, start):
                 logger.validation(it, trainer.evaluate())
                 collect = manual_gc
             if args.save and args.save_interval and it % args.save_interval == 0:
+                trainer.progress.activity = f"the checkpoint save at iteration {it}"
                 checkpointing.save_checkpoint(trainer, args.save)
                 saved_at = it
                 collect = manual_gc
@@ -344,6 +404,7 @@ def _train(trainer, logger, start):
             if stop:
                 stop_reason = stop
                 break
+        trainer.progress.activity = f"the end of training (iteration {trainer.iteration})"
         if args.save and saved_at != trainer.iteration:
             checkpointing.save_checkpoint(trainer, args.save)
         if args.save:
@@ -359,8 +420,11 @@ def main(argv=None):
     """Entry point used by pretrain_gpt.py: parse (validating before any group), then train.
 
     A user error (ValueError) prints one ``error:`` line on global rank 0 and returns 2
-    (``check_args``); any other exception keeps its traceback."""
-    from megatron_cp.check_args import parse_arguments, report_user_error
+    (``check_args``); a fault of the running job (a lost peer, a NaN: ``faults``) prints one
+    line and returns 1 (a lost peer ends the process with status 1 at once, see below); any
+    other exception keeps its traceback."""
+    from megatron_cp.check_args import (OTHER_RANK_GRACE_SECONDS, parse_arguments,
+                                        report_user_error)
     from megatron_cp.initialize import distributed_env
     try:
         args = parse_arguments(argv, distributed_env()["world_size"])
@@ -370,6 +434,14 @@ def main(argv=None):
         pretrain(args)
     except ValueError as error:
         return report_user_error(error, after_startup=True)
+    except faults.LostContactError as fault:
+        # A peer is gone: tearing the communicators down can hang or abort (a gloo thread
+        # still joinable at exit), so this process ends here, its line printed.
+        faults.report(fault, OTHER_RANK_GRACE_SECONDS)
+        sys.stdout.flush()
+        os._exit(faults.FAULT_EXIT_STATUS)
+    except faults.TrainingFault as fault:
+        return faults.report(fault, OTHER_RANK_GRACE_SECONDS)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -8,9 +8,11 @@
     # TP=2, PP=1 torch checkpoint -> TP=1, PP=2 (weights only: the optimizer starts fresh)
     python tools/checkpoint_convert.py --load-dir ck --save-dir ck_pp2 \
         --target-tensor-parallel-size 1 --target-pipeline-parallel-size 2
-    # to a Hugging Face LlamaForCausalLM folder (RMSNorm + SwiGLU + RoPE + no biases)
+    # to a Hugging Face folder with the tokenizer files: LlamaForCausalLM for RMSNorm + SwiGLU +
+    # RoPE + no biases, GPT2LMHeadModel for Megatron's defaults (LayerNorm, GELU, learned
+    # positions, biases); the checkpoint's arguments say which
     python tools/checkpoint_convert.py --load-dir ck --to-hf hf_out
-    # from a Hugging Face Llama folder to a megatron_cp checkpoint
+    # from a Hugging Face Llama or GPT-2 folder (config.json's model_type) to a checkpoint
     python tools/checkpoint_convert.py --from-hf hf_out --save-dir ck2 --target-tensor-parallel-size 2
 
 The input format is detected. The full (unsharded) model is assembled on CPU under
@@ -307,11 +309,16 @@ def save_torch_dist(full, args, meta, save_dir):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load-dir", help="megatron_cp checkpoint to read (torch or torch_dist)")
-    p.add_argument("--from-hf", help="Hugging Face Llama folder to read instead")
+    p.add_argument("--from-hf", help="Hugging Face Llama or GPT-2 folder to read instead")
     p.add_argument("--save-dir", help="megatron_cp checkpoint to write")
     p.add_argument("--target-ckpt-format", choices=["torch", "torch_dist"], default="torch",
                    help="format of --save-dir (torch_dist: loads under any layout)")
-    p.add_argument("--to-hf", help="write a Hugging Face Llama folder here")
+    p.add_argument("--to-hf", help="write a Hugging Face folder here (Llama or GPT-2, from the "
+                   "checkpoint's arguments), with the tokenizer files")
+    p.add_argument("--hf-skip-tokenizer", action="store_true",
+                   help="--to-hf without the tokenizer files (weights and config only)")
+    p.add_argument("--hf-accept-tanh-gelu", action="store_true",
+                   help="--from-hf a GPT-2 with gelu_new (tanh GELU) into megatron_cp's exact GELU")
     p.add_argument("--target-tensor-parallel-size", type=int, default=1, help="TP of a torch output")
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1, help="PP of a torch output")
     p.add_argument("--target-num-layers-per-virtual-pipeline-stage", type=int, default=None,
@@ -330,8 +337,8 @@ def main(argv=None):
         full, args, meta = load_full(a.load_dir)
         source_dist = is_torch_dist(checkpointing.iteration_dir(a.load_dir, meta["iteration"]))
     else:
-        from tools.hf_llama import from_hf
-        full, args, meta = from_hf(a.from_hf)
+        from tools.hf_convert import import_hf
+        full, args, meta = import_hf(a.from_hf, accept_tanh_gelu=a.hf_accept_tanh_gelu)
     if a.save_dir and a.target_ckpt_format == "torch_dist":
         save_torch_dist(full, args, meta, a.save_dir)
         print(f"wrote {a.save_dir} (torch_dist, loads under any layout) at iteration {meta['iteration']}")
@@ -343,9 +350,9 @@ def main(argv=None):
         print(f"wrote {a.save_dir} (TP={a.target_tensor_parallel_size}, "
               f"PP={a.target_pipeline_parallel_size}) at iteration {meta['iteration']}")
     if a.to_hf:
-        from tools.hf_llama import to_hf
-        to_hf(full, args, a.to_hf)
-        print(f"wrote Hugging Face Llama folder {a.to_hf}")
+        from tools.hf_convert import export_hf
+        architecture = export_hf(full, args, a.to_hf, tokenizer=not a.hf_skip_tokenizer)
+        print(f"wrote Hugging Face {architecture} folder {a.to_hf}")
     return 0
 
 

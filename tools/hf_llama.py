@@ -4,10 +4,9 @@ megatron_cp fuses QKV per query group ([q heads of the group | k | v] rows) and 
 SwiGLU's [gate; up] in fc1; Llama keeps q/k/v and gate/up separate. Both use the
 half-split rotary convention, so no permutation of head dims is needed.
 """
-import json
-import os
-
 import torch
+
+from tools.hf_io import dtype_name, read_config, read_weights, real_rows, require, write_folder
 
 REQUIRED = {"normalization": "RMSNorm", "swiglu": True, "disable_bias_linear": True,
             "position_embedding_type": "rope"}
@@ -20,15 +19,17 @@ def _dims(args):
     return nh, ng, d, h
 
 
-def to_hf(full, args, out_dir):
-    """Write ``config.json`` + ``model.safetensors`` loadable by LlamaForCausalLM."""
-    for key, value in REQUIRED.items():
-        if args.get(key) != value:
-            raise ValueError(f"Llama export needs {key}={value!r}, the checkpoint has "
-                             f"{args.get(key)!r}; only Llama-style models map onto LlamaForCausalLM")
-    from safetensors.torch import save_file
+def to_hf(full, args, out_dir, token_ids=None):
+    """Write ``config.json`` + ``model.safetensors`` loadable by LlamaForCausalLM.
+
+    ``token_ids``: ``bos_token_id`` / ``eos_token_id`` for the config, from the tokenizer."""
+    require(args, REQUIRED, "LlamaForCausalLM")
+    if args.get("rotary_percent", 1.0) != 1.0:
+        raise ValueError(f"rotary_percent ({args['rotary_percent']}) must be 1.0: Llama rotates "
+                         f"every head dim")
     nh, ng, d, h = _dims(args)
     hpg = nh // ng
+    full = real_rows(full, args)
     out = {"model.embed_tokens.weight": full["embedding.word_embeddings.weight"],
            "model.norm.weight": full["final_layernorm.weight"]}
     tied = not args["untie_embeddings_and_output_weights"]
@@ -47,32 +48,45 @@ def to_hf(full, args, out_dir):
         out[dst + "mlp.down_proj.weight"] = full[src + "mlp.linear_fc2.weight"]
         out[dst + "input_layernorm.weight"] = full[src + "input_layernorm.weight"]
         out[dst + "post_attention_layernorm.weight"] = full[src + "pre_mlp_layernorm.weight"]
-    os.makedirs(out_dir, exist_ok=True)
-    save_file({k: v.contiguous().clone() for k, v in out.items()},
-              os.path.join(out_dir, "model.safetensors"))
+    embed = out["model.embed_tokens.weight"]
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-              "vocab_size": full["embedding.word_embeddings.weight"].shape[0], "hidden_size": h,
+              "vocab_size": embed.shape[0], "hidden_size": h,
               "intermediate_size": args["ffn_hidden_size"], "num_hidden_layers": args["num_layers"],
               "num_attention_heads": nh, "num_key_value_heads": ng, "head_dim": d,
               "max_position_embeddings": args["max_position_embeddings"],
               "rms_norm_eps": args.get("norm_epsilon", 1e-5), "rope_theta": args.get("rotary_base", 1e4),
               "tie_word_embeddings": tied, "attention_bias": False, "mlp_bias": False,
-              "hidden_act": "silu", "torch_dtype": "float32"}
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+              "hidden_act": "silu", "torch_dtype": dtype_name(embed), "bos_token_id": None,
+              "eos_token_id": None, **(token_ids or {})}
+    write_folder(out_dir, out, config)
+
+
+def _check_config(c, hf_dir):
+    for key, value in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        if c.get(key, value) != value:
+            raise ValueError(f"{hf_dir}: {key}={c[key]!r} has no megatron_cp equivalent "
+                             f"(needs {value!r})")
+    # transformers 5 writes rope_parameters {"rope_theta", "rope_type"}; 4 wrote rope_theta
+    # at the top and rope_scaling for the other rope types
+    scaling = c.get("rope_scaling") or {}
+    rope_type = (c.get("rope_parameters") or scaling).get("rope_type", "default")
+    if rope_type != "default" or (scaling and "rope_type" not in scaling):
+        raise ValueError(f"{hf_dir}: rope type {rope_type!r} "
+                         f"({scaling or c.get('rope_parameters')}) is not implemented in "
+                         f"megatron_cp's rotary embedding (plain RoPE only)")
+
+
+def _rope_theta(c):
+    return c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 1e4)
 
 
 def from_hf(hf_dir):
     """Read a Llama folder into (full state dict, args dict, meta dict) for save_layout."""
-    from safetensors.torch import load_file
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        c = json.load(f)
+    c = read_config(hf_dir)
+    _check_config(c, hf_dir)
     nh, ng, h = c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"]), c["hidden_size"]
     d = c.get("head_dim") or h // nh
-    weights = {}
-    for name in sorted(os.listdir(hf_dir)):
-        if name.endswith(".safetensors"):
-            weights.update(load_file(os.path.join(hf_dir, name)))
+    weights = read_weights(hf_dir)
     tied = c.get("tie_word_embeddings", False)
     full = {"embedding.word_embeddings.weight": weights["model.embed_tokens.weight"],
             "final_layernorm.weight": weights["model.norm.weight"]}
@@ -95,7 +109,7 @@ def from_hf(hf_dir):
             "ffn_hidden_size": c["intermediate_size"], "num_attention_heads": nh,
             "num_query_groups": ng, "kv_channels": d if d != h // nh else None,
             "max_position_embeddings": c["max_position_embeddings"],
-            "norm_epsilon": c.get("rms_norm_eps", 1e-5), "rotary_base": c.get("rope_theta", 1e4),
+            "norm_epsilon": c.get("rms_norm_eps", 1e-5), "rotary_base": _rope_theta(c),
             "untie_embeddings_and_output_weights": not tied, **REQUIRED,
             "true_vocab_size": c["vocab_size"],
             "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}

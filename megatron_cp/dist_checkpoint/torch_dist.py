@@ -20,6 +20,10 @@ pipeline stage is not saved (it loads from ``model.embedding.word_embeddings.wei
 A save goes into ``iter_N.tmp`` and becomes ``iter_N`` (tracker file last) only when every
 rank has written; with ``--async-save`` the state is first copied (the only time training
 waits) and a background thread writes it, coordinated over a gloo group of its own.
+
+A load first reads ``.metadata`` and checks that every file it indexes is there and long
+enough (:func:`check_files`), so a truncated or corrupted file is a ValueError naming it (as
+is one whose tensors cannot be decoded), never a raw DCP or unpickling traceback.
 """
 import os
 import random
@@ -30,9 +34,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from megatron_cp import checkpointing as ckpt
 from megatron_cp import device as device_mod
+from megatron_cp import faults
 from megatron_cp.dist_checkpoint.canonical import canonical_name, param_spec
 from megatron_cp.dist_checkpoint.pieces import Pieces, PiecesLoadPlanner, PiecesSavePlanner
 from megatron_cp.optimizer.optimizer import adam_step, set_adam_step
@@ -51,9 +57,43 @@ def is_torch_dist(folder):
     return os.path.exists(os.path.join(folder, ".metadata"))
 
 
+def _root_and_iteration(folder):
+    name = os.path.basename(os.path.normpath(folder))
+    it = int(name[5:]) if name.startswith("iter_") and name[5:].isdigit() else None
+    return os.path.dirname(os.path.normpath(folder)), it
+
+
 def read_common(folder):
-    """The common (non-tensor) state of the torch_dist checkpoint in ``folder``."""
-    return torch.load(os.path.join(folder, COMMON), map_location="cpu", weights_only=False)
+    """The common (non-tensor) state of the torch_dist checkpoint in ``folder`` (ValueError
+    naming the file when it is missing, truncated or corrupted)."""
+    root, it = _root_and_iteration(folder)
+    return ckpt.load_file(os.path.join(folder, COMMON), root, it,
+                          keys=("iteration", "consumed_samples", "args", "has_optimizer"))
+
+
+def check_files(folder):
+    """Read the DCP index ``.metadata`` of ``folder`` and check that every file it names
+    exists and holds the bytes it indexes; ValueError naming the first damaged file."""
+    root, it = _root_and_iteration(folder)
+    index = os.path.join(folder, ".metadata")
+    try:
+        needed = {}
+        for info in dcp.FileSystemReader(folder).read_metadata().storage_data.values():
+            end = info.offset + info.length
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    except Exception as error:  # unpickling errors, or an object of another shape
+        reason = " ".join(str(error).split())[:160] or type(error).__name__
+        raise ValueError(f"checkpoint index {index} cannot be read, it is truncated or corrupted "
+                         f"({type(error).__name__}: {reason}); {ckpt._earlier(root, it)}") from error
+    for name, end in sorted(needed.items()):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            raise ValueError(f"checkpoint file {path} (named in {index}) is missing; "
+                             f"{ckpt._earlier(root, it)}")
+        size = os.path.getsize(path)
+        if size < end:
+            raise ValueError(f"checkpoint file {path} is {size} bytes but {index} indexes {end}: "
+                             f"it is truncated; {ckpt._earlier(root, it)}")
 
 
 def _chunks(trainer):
@@ -216,8 +256,17 @@ def load(trainer, root, it):
     trainer.optimizer.finish_param_sync()
     with_optimizer = common["has_optimizer"] and not args.finetune and not args.no_load_optim
     state = sharded_state(trainer, with_optimizer, for_load=True)
-    dcp.load(state, storage_reader=dcp.FileSystemReader(folder), planner=PiecesLoadPlanner(),
-             process_group=checkpoint_group(trainer))
+    check_files(folder)
+    try:
+        dcp.load(state, storage_reader=dcp.FileSystemReader(folder), planner=PiecesLoadPlanner(),
+                 process_group=checkpoint_group(trainer))
+    except (Exception, CheckpointException) as error:  # DCP gathers every rank's read error
+        if faults.is_lost_contact(error):
+            raise
+        reason = " ".join(str(error).split())[:300] or type(error).__name__
+        raise ValueError(f"the tensors of checkpoint {folder} cannot be read, a .distcp file is "
+                         f"corrupted ({type(error).__name__}: {reason}); "
+                         f"{ckpt._earlier(root, it)}") from error
     if not with_optimizer:
         trainer.optimizer.reload_model_params()
     if args.finetune:
@@ -255,7 +304,7 @@ def _restore_rng(trainer, folder, common):
                   "states): data order and optimizer resume exactly, the RNG streams (dropout) "
                   "start afresh", flush=True)
         return
-    rng = torch.load(path, weights_only=False)
+    rng = ckpt.load_file(path, *_root_and_iteration(folder), keys=ckpt.RNG_KEYS)
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
     torch.set_rng_state(rng["torch"])

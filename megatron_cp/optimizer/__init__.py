@@ -9,12 +9,12 @@ from megatron_cp.optimizer.distributed import (DistributedDataParallel, allreduc
 from megatron_cp.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron_cp.optimizer.lr_scheduler import OptimizerParamScheduler
 from megatron_cp.optimizer.memory import expected_bytes_per_param, memory_breakdown
-from megatron_cp.optimizer.optimizer import (MixedPrecisionOptimizer, build_adamw,
-                                             get_param_groups)
+from megatron_cp.optimizer.optimizer import (GradNormNotFinite, MixedPrecisionOptimizer,
+                                             build_adamw, get_param_groups)
 
 __all__ = [
     "ConstantGradScaler", "DistributedDataParallel", "DistributedOptimizer", "DynamicGradScaler",
-    "MixedPrecisionOptimizer", "expected_bytes_per_param", "memory_breakdown",
+    "GradNormNotFinite", "MixedPrecisionOptimizer", "expected_bytes_per_param", "memory_breakdown",
     "OptimizerParamScheduler", "allreduce_embedding_grads", "allreduce_sequence_parallel_grads",
     "build_adamw", "clip_grad_norm", "finalize_model_grads", "get_grad_norm", "get_param_groups",
     "grad_of",

@@ -58,8 +58,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def __init__(self, model_params, model_chunks, state, lr, weight_decay=0.0,
                  betas=(0.9, 0.999), eps=1e-8, clip_grad=1.0, params_dtype=torch.float32,
-                 grad_scaler=None, use_fused=None):
+                 grad_scaler=None, use_fused=None, check_for_nan_in_grad=False):
         groups = self._setup(model_params, state, clip_grad, params_dtype, grad_scaler)
+        self.check_for_nan_in_grad = check_for_nan_in_grad
         self.model_chunks = list(model_chunks)
         location = {}
         for chunk in self.model_chunks:

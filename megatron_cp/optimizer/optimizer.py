@@ -7,6 +7,10 @@ param and steps AdamW on those; fp32 model params are stepped directly, with no 
 ``param.grad``), unscale and inf/nan check (when a grad scaler is set), global-norm
 clipping, AdamW, and the copy of the main params back into the model params.
 
+Without a grad scaler, ``check_for_nan_in_grad`` makes a non-finite gradient norm (the one
+clipping computes anyway, identical on every rank) raise :class:`GradNormNotFinite` before
+the update, on every rank at once; with a grad scaler an overflow is a skipped step instead.
+
 Skipping on inf/nan must be agreed by every rank or the replicas diverge. ``found_inf`` is
 reduced (MAX) over the whole world: reducing over ``mp`` would suffice for dense grads
 (identical across DP x CP after the reduction) but expert grads differ across EP ranks,
@@ -19,11 +23,13 @@ The fused Adam (apex ``FusedAdam``, else torch's ``fused=True``) is chosen in
 as flat ranges (the whole param here, a shard with the distributed optimizer), which is
 what the layout-free checkpoint (``megatron_cp/dist_checkpoint``) saves and loads.
 """
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from megatron_cp.faults import ranks_where
 from megatron_cp.optimizer.clip_grads import clip_grad_norm, get_grad_norm
 from megatron_cp.optimizer.grad_scaler import DynamicGradScaler
 
@@ -69,6 +75,17 @@ def no_weight_decay(name, ndim):
     ending in ``bias``, and params of modules whose name ends in ``norm``."""
     module_name = name.rsplit(".", 1)[0] if "." in name else ""
     return ndim == 1 or name.endswith("bias") or module_name.endswith("norm")
+
+
+class GradNormNotFinite(FloatingPointError):
+    """The global gradient norm is NaN or inf (raised on every rank, before the update).
+
+    ``grad_norm`` is the norm; ``ranks`` the global ranks whose own gradients (or shards)
+    hold a NaN or inf."""
+
+    def __init__(self, grad_norm, ranks):
+        super().__init__(f"gradient norm {grad_norm} (non-finite gradients on ranks {ranks})")
+        self.grad_norm, self.ranks = grad_norm, ranks
 
 
 @dataclass
@@ -150,15 +167,18 @@ class MixedPrecisionOptimizer:
     ``model_params`` is an iterable of params or of param-group dicts (as from
     :func:`get_param_groups`). ``params_dtype`` is the model's dtype (fp32, bf16 or fp16);
     fp16 without a ``grad_scaler`` gets a :class:`DynamicGradScaler`. ``clip_grad`` <= 0
-    disables clipping (the norm is still computed and returned).
+    disables clipping (the norm is still computed and returned). ``check_for_nan_in_grad``:
+    raise :class:`GradNormNotFinite` instead of stepping on a NaN/inf norm (no grad scaler).
     """
 
     # the grads are this rank's distributed-optimizer shards (norms sum them over DP x CP)
     shards_grads = False
 
     def __init__(self, model_params, state, lr, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8,
-                 clip_grad=1.0, params_dtype=torch.float32, grad_scaler=None, use_fused=None):
+                 clip_grad=1.0, params_dtype=torch.float32, grad_scaler=None, use_fused=None,
+                 check_for_nan_in_grad=False):
         groups = self._setup(model_params, state, clip_grad, params_dtype, grad_scaler)
+        self.check_for_nan_in_grad = check_for_nan_in_grad
         self._pairs = []  # (model param, main param); the same object twice for fp32 params
         main_groups = []
         for group in groups:
@@ -264,11 +284,18 @@ class MixedPrecisionOptimizer:
                                            sharded=self.shards_grads)
             else:
                 grad_norm = get_grad_norm(mains, self.state, sharded=self.shards_grads)
+            if self.check_for_nan_in_grad and not math.isfinite(grad_norm):
+                raise GradNormNotFinite(grad_norm, self._ranks_with_non_finite_grads())
             self.optimizer.step()
             self._copy_main_to_model()
             return True, grad_norm, None
         finally:
             self._release_aliased_grads()
+
+    def _ranks_with_non_finite_grads(self):
+        """Collective (every rank is here together: the norm is the same everywhere)."""
+        grads = [main.grad for main in self._main_params() if main.grad is not None]
+        return ranks_where(any(not bool(torch.isfinite(g).all()) for g in grads), self.state.device)
 
     def _copy_main_to_model(self):
         for model, main in self._pairs:

@@ -1,0 +1,13 @@
+"""Inference on a trained checkpoint: the pieces that evaluation (``tasks/``) and text
+generation (``tools/run_text_generation.py``) share.
+
+- :mod:`~megatron_cp.inference.model`: parse a script's flags (``--use-checkpoint-args``),
+  build this rank's model chunks and load their weights from ``--load`` (torch or torch_dist).
+- :mod:`~megatron_cp.inference.logits`: full-vocabulary logits and the argmax of
+  vocab-parallel logits.
+- :mod:`~megatron_cp.inference.kv_cache`: incremental decoding that reuses the model's own
+  modules and weights, with a key/value cache per layer.
+- :mod:`~megatron_cp.inference.stages`: one forward through the pipeline stages, step by step.
+- :mod:`~megatron_cp.inference.sampling`: greedy, temperature, top-k and top-p.
+- :mod:`~megatron_cp.inference.generation`: the generation loop.
+"""

@@ -1,0 +1,49 @@
+"""The start-up of an inference script (``tasks/main.py``, ``tools/run_text_generation.py``).
+
+Launched like training (torchrun or srun, the same parallel flags): parse and check the
+arguments before any process group (a user error prints one ``error:`` line on global rank
+0 and exits 2, :mod:`megatron_cp.check_args`), start torch.distributed, build the parallel
+state and run the script's body; a ValueError raised while running (a checkpoint that does
+not fit the layout, a bad input file) is reported the same way.
+"""
+import sys
+
+import torch.distributed as dist
+
+from megatron_cp.check_args import parse_arguments, report_user_error
+from megatron_cp.initialize import distributed_env, initialize_distributed
+from megatron_cp.inference.model import check_checkpoint
+
+
+def parse_inference_args(argv, world_size, extra_args_provider, check=None):
+    """Validated arguments of an inference script: the training flags plus the script's own
+    (``extra_args_provider(parser)``), with --lr / --train-iters / a dataset not needed;
+    ``check(args)`` raises ValueError for the script's own rules."""
+    args = parse_arguments(argv, world_size, extra_args_provider=extra_args_provider,
+                           inference=True)
+    check_checkpoint(args)
+    if check is not None:
+        check(args)
+    return args
+
+
+def run_inference_script(body, argv, extra_args_provider, check=None):
+    """Parse, start the process groups and call ``body(args, state)``; returns the exit
+    status (0, or 2 after one ``error:`` line) and leaves the process group destroyed."""
+    from megatron_cp.training import build_parallel_state
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = parse_inference_args(argv, distributed_env()["world_size"], extra_args_provider,
+                                    check)
+    except ValueError as error:
+        return report_user_error(error)
+    try:
+        _, _, device = initialize_distributed(args.distributed_backend,
+                                              args.distributed_timeout_minutes)
+        body(args, build_parallel_state(args, device))
+    except ValueError as error:
+        return report_user_error(error, after_startup=True)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0

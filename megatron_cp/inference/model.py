@@ -1,0 +1,113 @@
+"""A checkpoint's model on this rank, for inference: its chunks, tokenizer and config.
+
+:class:`InferenceModel` builds the model chunks this rank holds in the parallel layout of the
+arguments (TP shards, the pipeline stage and its virtual stages) exactly as training builds
+them, in eval mode and without gradients, then loads their weights from ``--load`` with
+:func:`megatron_cp.checkpointing.load_checkpoint`: a torch checkpoint of the same TP/PP layout
+or a torch_dist checkpoint of any layout. Only the weights are read: no optimizer, schedule
+or RNG state, and no DDP wrapper or optimizer is built.
+"""
+import torch
+
+from megatron_cp import checkpointing
+from megatron_cp.data import build_tokenizer
+from megatron_cp.model import GPTModel
+from megatron_cp.pipeline_parallel import build_model_chunks
+from megatron_cp.run_report import print_rank_0
+from megatron_cp.training import config_from_args
+
+
+class _NoOptimizer:
+    """The two optimizer calls a checkpoint load makes, for a model that has none."""
+
+    def reload_model_params(self):
+        """Nothing holds a copy of the weights to refresh."""
+
+    def finish_param_sync(self):
+        """No parameter all-gather is ever in flight."""
+
+
+def check_checkpoint(args):
+    """ValueError unless ``--load`` names a folder with a checkpoint (before any group starts)."""
+    if not args.load:
+        raise ValueError("give --load DIR, the checkpoint to evaluate or generate from "
+                         "(with --use-checkpoint-args for its model and tokenizer flags)")
+    if checkpointing.read_tracker(args.load) is None:
+        raise ValueError(f"--load {args.load}: no checkpoint there (no {checkpointing.TRACKER}); "
+                         f"give the --save folder of a training run")
+    if args.tokenizer_type is None and args.vocab_size is None:
+        raise ValueError("no tokenizer: add --use-checkpoint-args (the checkpoint names it) or "
+                         "give --tokenizer-type and its files")
+
+
+def _saved_vocab_size(root):
+    """The real vocabulary size the latest checkpoint under ``root`` was trained with (None if
+    it does not say); its tensors are mapped, not read."""
+    path = checkpointing.latest_first_shard(root)
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception:  # noqa: BLE001 - a damaged file: the checked read names it
+        payload = {"args": checkpointing.saved_args(root)}
+    return payload["args"].get("true_vocab_size")
+
+
+class InferenceModel:
+    """This rank's model chunks of the checkpoint under ``args.load``, loaded, in eval mode.
+
+    Attributes: ``args``, ``state``, ``device``, ``tokenizer``, ``config`` (the GPTConfig),
+    ``model_chunks`` (one per virtual stage of this pipeline rank), ``iteration`` (of the
+    checkpoint). Also what :func:`~megatron_cp.checkpointing.load_checkpoint` reads from a
+    trainer.
+    """
+
+    def __init__(self, args, state):
+        check_checkpoint(args)
+        self.args, self.state, self.device = args, state, state.device
+        self.tokenizer = build_tokenizer(args.tokenizer_type or "NullTokenizer",
+                                         args.tokenizer_model, args.vocab_file, args.merge_file,
+                                         args.vocab_size)
+        self.config = config_from_args(args, self.tokenizer.vocab_size)
+        saved = _saved_vocab_size(args.load)
+        if saved is not None and saved != self.config.vocab_size:
+            raise ValueError(f"the tokenizer has {self.config.vocab_size} tokens but the "
+                             f"checkpoint under {args.load} was trained with {saved}; use its "
+                             f"tokenizer (--use-checkpoint-args)")
+        if state.size("pp") > 1:
+            chunks = build_model_chunks(self.config, state, args.decoder_first_pipeline_num_layers,
+                                        args.decoder_last_pipeline_num_layers)
+        else:
+            chunks = [GPTModel(self.config, state=state, device=self.device)]
+        for chunk in chunks:
+            chunk.eval()
+            chunk.requires_grad_(False)
+        self.model_chunks = chunks
+        self.optimizer = _NoOptimizer()
+        # weights only: the optimizer, schedule and RNG of the run stay in the checkpoint
+        args.finetune, args.no_load_optim, args.no_load_rng = True, True, True
+        print_rank_0(f"> loading weights from {args.load} ...")
+        checkpointing.load_checkpoint(self, args.load)
+        self.iteration = checkpointing.read_tracker(args.load)
+        print_rank_0(f" loaded the weights of iteration {self.iteration} "
+                     f"(TP={state.size('tp')}, CP={state.size('cp')}, PP={state.size('pp')}, "
+                     f"DP={state.size('dp')})")
+
+    @property
+    def is_last_stage(self):
+        """Whether this rank computes the logits (the last pipeline stage)."""
+        return self.state.is_pipeline_last_stage
+
+    def vocab_size(self):
+        """The real vocabulary size (without the TP padding)."""
+        return self.config.vocab_size
+
+    @torch.no_grad()
+    def agree(self, tensor):
+        """``tensor`` as held by the last pipeline stage (TP rank 0), on every rank of this
+        model replica: a broadcast over TP on the last stage, then over PP."""
+        import torch.distributed as dist
+        st = self.state
+        if st.is_pipeline_last_stage and st.size("tp") > 1:
+            dist.broadcast(tensor, src=st.group_ranks("tp")[0], group=st.group("tp"))
+        if st.size("pp") > 1:
+            dist.broadcast(tensor, src=st.group_ranks("pp")[-1], group=st.group("pp"))
+        return tensor

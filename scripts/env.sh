@@ -1,0 +1,39 @@
+# Sourced by scripts/main.sh and scripts/test.sh: make sure the project's virtual environment
+# (.venv at the repository root) exists and holds megatron_cp and what it needs, then
+# activate it. Only Python >= 3.10 is required on the machine.
+#
+# torch goes in first, pinned to its CPU build (torch==2.13.0), so that no later requirement
+# pulls the multi-gigabyte CUDA wheels. On a GPU machine, install the CUDA build of torch into
+# .venv before the first run (python3 -m venv .venv && .venv/bin/pip install torch): a torch
+# that already imports is kept. MEGATRON_CP_VENV picks another folder; MEGATRON_CP_PYTHON
+# another interpreter.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${MEGATRON_CP_VENV:-$ROOT/.venv}"
+PYTHON="${MEGATRON_CP_PYTHON:-python3}"
+TORCH_PIN="torch==2.13.0"
+
+if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
+    echo "error: $PYTHON is not Python >= 3.10; set MEGATRON_CP_PYTHON to one" >&2
+    exit 2
+fi
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "> creating the virtual environment $VENV"
+    "$PYTHON" -m venv "$VENV"
+fi
+# shellcheck disable=SC1091
+source "$VENV/bin/activate"
+pip() { python -m pip --disable-pip-version-check "$@"; }
+if ! python -c "import torch" 2>/dev/null; then
+    echo "> installing $TORCH_PIN (CPU build) into $VENV"
+    pip install --quiet "$TORCH_PIN"
+fi
+# Reinstall the project when setup.py changed since the last install.
+STAMP="$VENV/.megatron_cp_setup"
+WANT="$(cksum < "$ROOT/setup.py")"
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
+    echo "> installing megatron_cp and its requirements into $VENV"
+    pip install --quiet -e "$ROOT[dev]"
+    echo "$WANT" > "$STAMP"
+fi
+cd "$ROOT"

@@ -1,0 +1,1 @@
+"""Evaluation tasks on a trained checkpoint, launched like training: ``tasks/main.py``."""

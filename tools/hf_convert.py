@@ -1,0 +1,48 @@
+"""Hugging Face export and import: the layout a checkpoint maps to, and the folder as a whole.
+
+The export picks the layout from the checkpoint's arguments: Llama-style models (RMSNorm,
+SwiGLU, RoPE, no biases) become ``LlamaForCausalLM`` (tools/hf_llama.py), Megatron's default
+architecture (LayerNorm, GELU, learned absolute positions, biases) ``GPT2LMHeadModel``
+(tools/hf_gpt2.py); the tokenizer files travel along (tools/hf_tokenizer.py). The import
+picks the layout from ``config.json``'s ``model_type``.
+"""
+from tools import hf_gpt2, hf_llama
+from tools.hf_io import read_config
+
+LAYOUTS = {"llama": (hf_llama, "LlamaForCausalLM"), "gpt2": (hf_gpt2, "GPT2LMHeadModel")}
+SIGNATURE = ("normalization", "swiglu", "disable_bias_linear", "position_embedding_type")
+
+
+def pick_layout(args):
+    """``"llama"`` or ``"gpt2"``: the Hugging Face layout the checkpoint's arguments describe."""
+    for name, (module, _) in LAYOUTS.items():
+        if all(args.get(key) == value for key, value in module.REQUIRED.items()):
+            return name
+    have = ", ".join(f"{key}={args.get(key)!r}" for key in SIGNATURE)
+    wants = "; ".join(f"{cls} needs " + ", ".join(f"{k}={v!r}" for k, v in module.REQUIRED.items())
+                      for module, cls in LAYOUTS.values())
+    raise ValueError(f"the checkpoint ({have}) maps onto no Hugging Face layout: {wants}")
+
+
+def export_hf(full, args, out_dir, tokenizer=True):
+    """Write ``full`` as a Hugging Face folder (the layout from ``args``) with the tokenizer
+    files of the tokenizer ``args`` names; returns the architecture written."""
+    from tools import hf_tokenizer
+
+    module, architecture = LAYOUTS[pick_layout(args)]
+    ids = hf_tokenizer.token_ids(args) if tokenizer else {}  # checks the files before writing
+    module.to_hf(full, args, out_dir, token_ids=ids)
+    if tokenizer:
+        hf_tokenizer.write_tokenizer(args, out_dir)
+    return architecture
+
+
+def import_hf(hf_dir, accept_tanh_gelu=False):
+    """(full state dict, args dict, meta dict) of a Hugging Face folder, by its model_type."""
+    model_type = read_config(hf_dir).get("model_type")
+    if model_type == "gpt2":
+        return hf_gpt2.from_hf(hf_dir, accept_tanh_gelu=accept_tanh_gelu)
+    if model_type == "llama":
+        return hf_llama.from_hf(hf_dir)
+    raise ValueError(f"{hf_dir}: model_type {model_type!r} has no import; megatron_cp reads "
+                     f"{' and '.join(LAYOUTS)} folders")
