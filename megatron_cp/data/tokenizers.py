@@ -55,7 +55,19 @@ class SentencePieceTokenizer:
         return self._sp.decode([int(i) for i in ids])
 
 
-class GPT2BPETokenizer:
+class _SizedTokenizer:
+    """``vocab_size`` and ``eod`` read from what the subclass's constructor found."""
+
+    @property
+    def vocab_size(self):
+        return self._vocab_size
+
+    @property
+    def eod(self):
+        return self._eod
+
+
+class GPT2BPETokenizer(_SizedTokenizer):
     """GPT-2 byte-level BPE from ``vocab.json`` and ``merges.txt`` (HF ``tokenizers``)."""
 
     EOD_TOKEN = "<|endoftext|>"
@@ -79,14 +91,6 @@ class GPT2BPETokenizer:
         self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         self._tok.decoder = decoders.ByteLevel()
 
-    @property
-    def vocab_size(self):
-        return self._vocab_size
-
-    @property
-    def eod(self):
-        return self._eod
-
     def tokenize(self, text):
         """Token ids of ``text``."""
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -96,7 +100,7 @@ class GPT2BPETokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
-class HuggingFaceTokenizer:
+class HuggingFaceTokenizer(_SizedTokenizer):
     """A local Hugging Face tokenizer: a ``save_pretrained`` folder or a ``tokenizer.json``."""
 
     # eos names looked up in a bare tokenizer.json, which records no eos of its own
@@ -126,14 +130,6 @@ class HuggingFaceTokenizer:
                              f"eod; give the tokenizer one (e.g. eos_token='</s>' in "
                              f"tokenizer_config.json)")
         self._eod = int(eos)
-
-    @property
-    def vocab_size(self):
-        return self._vocab_size
-
-    @property
-    def eod(self):
-        return self._eod
 
     def tokenize(self, text):
         """Token ids of ``text`` (no bos/eos added)."""
