@@ -127,7 +127,6 @@ def run_hf(m, device, mode):
     tokens_per_s = m["global_batch"] * m["seq"] / seconds
     flops = tokens_per_s * model_flops_per_token(gpt_config(m), m["seq"])
     peak = device_mod.max_memory_allocated(device) / 2 ** 20
-    del model, optimizer
     return {"tflops": flops / 1e12, "peak_memory_mb": peak if device.type == "cuda" else None}
 
 
