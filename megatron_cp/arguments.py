@@ -26,7 +26,6 @@ from megatron_cp.pipeline_parallel.stages import (validate_interleaved_microbatc
 # Parallel dimensions whose issue has not landed yet: accepted, then refused with this note.
 NOT_YET_BUILT = {
     "context_parallel_size": "context parallelism",
-    "expert_model_parallel_size": "expert parallelism (MoE)",
 }
 
 
@@ -107,7 +106,10 @@ def _parallel_args(g):
                         "compute (1F1B and interleaved 1F1B; no effect at PP=1).")
     g.add_argument("--context-parallel-size", type=int, default=1, help="Context parallel size.")
     g.add_argument("--expert-model-parallel-size", type=int, default=1, help="Expert parallel size.")
-    g.add_argument("--expert-tensor-parallel-size", type=int, default=1, help="Expert tensor parallel size.")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="Tensor parallel size of the expert layers (default "
+                        "--tensor-model-parallel-size). The expert mesh re-views each pipeline "
+                        "stage's ranks as expert-data x EP x ETP.")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="torch.distributed backend (default nccl with CUDA, else gloo).")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10,
@@ -153,10 +155,14 @@ def _io_args(g):
     g.add_argument("--eval-interval", type=int, default=1000, help="Evaluate every this many iterations.")
     g.add_argument("--eval-iters", type=int, default=100, help="Batches per evaluation.")
     g.add_argument("--tensorboard-dir", default=None, help="Write tensorboard logs here.")
+    g.add_argument("--moe-per-layer-logging", action="store_true",
+                   help="Log the MoE balancing losses and token counts of every MoE layer, not "
+                        "only their mean.")
 
 
-GROUPS = ("model", "training", "parallelism", "data", "checkpointing and logging", "compat")
-_GROUP_TITLES = {"compat": "other Megatron-LM flags (accepted, or refused with the reason)"}
+GROUPS = ("model", "moe", "training", "parallelism", "data", "checkpointing and logging",
+          "compat")
+_GROUP_TITLES = {"moe": "mixture of experts", "compat": "other Megatron-LM flags (accepted, or refused with the reason)"}
 
 
 def build_parser():
@@ -255,9 +261,11 @@ def validate_args(args, world_size, built=("tensor", "data", "context"), inferen
         if getattr(args, name) > 1 and what.split()[0] not in built:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: {what} is not built "
                              f"yet in this version of megatron_cp; set it to 1")
-    if args.num_experts:
-        raise ValueError(f"--num-experts {args.num_experts}: MoE layers are not built yet in this "
-                         f"version of megatron_cp; drop the flag for a dense model")
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = args.tensor_model_parallel_size  # Megatron's default
+    if args.expert_model_parallel_size > 1 and not args.num_experts:
+        raise ValueError(f"--expert-model-parallel-size {args.expert_model_parallel_size} splits "
+                         f"MoE experts, but the model has none: add --num-experts")
     args.world_size = world_size
     args.data_parallel_size = validate_sizes(
         world_size, args.tensor_model_parallel_size, args.context_parallel_size,
@@ -316,6 +324,7 @@ def _validate_model(args, names):
         # The vocabulary comes from the tokenizer, built later; no rule depends on it.
         config = build_config(GPTConfig, args, vocab_size=1)
         config.validate_parallel(args.tensor_model_parallel_size, args.context_parallel_size)
+        config.validate_experts(args.expert_model_parallel_size, args.expert_tensor_parallel_size)
         # pad tokens repeat their document's last position: only real positions need rows
         config.check_positions(args.seq_length, "seq_length")
     except ValueError as err:

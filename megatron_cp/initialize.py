@@ -8,7 +8,7 @@ then PP, then DP::
     rank = ((dp * PP + pp) * CP + cp) * TP + tp
 
 The expert mesh re-views, inside each PP stage, the DP x CP x TP ranks (in rank order) as
-EDP x EP x ETP with ETP innermost.
+EDP x EP x ETP with ETP innermost (groups ep, etp, edp and ep_etp, the EP x ETP block).
 """
 import datetime
 import os
@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from megatron_cp import device as device_mod
 
-GROUP_NAMES = ("tp", "cp", "pp", "dp", "dp_cp", "tp_cp", "mp", "embedding", "ep", "etp", "edp")
+GROUP_NAMES = ("tp", "cp", "pp", "dp", "dp_cp", "tp_cp", "mp", "embedding", "ep", "etp", "edp",
+               "ep_etp")
 HIERARCHICAL_GROUP_NAMES = ("hcp_inner", "hcp_outer")  # with hierarchical CP sizes only
 
 
@@ -93,6 +94,7 @@ def rank_layout(world_size, tensor_model_parallel_size=1, context_parallel_size=
     layout["etp"] = lists(expert.reshape(-1, etp))
     layout["ep"] = lists(expert.transpose(0, 1, 3, 2).reshape(-1, ep))
     layout["edp"] = lists(expert.transpose(0, 2, 3, 1).reshape(-1, edp))
+    layout["ep_etp"] = lists(expert.reshape(-1, ep * etp))  # the allgather dispatcher's group
     if hierarchical_context_parallel_sizes is not None:
         inner, outer = check_hierarchical_sizes(hierarchical_context_parallel_sizes, cp)
         cp_groups = np.array(layout["cp"]).reshape(-1, outer, inner)  # [groups, R, U]
@@ -176,7 +178,7 @@ def initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_siz
     sizes = {"tp": tp, "cp": cp, "pp": pp, "dp": world_size // (tp * cp * pp),
              "ep": ep, "etp": etp}
     sizes.update(dp_cp=sizes["dp"] * cp, tp_cp=tp * cp, mp=tp * pp,
-                 edp=world_size // (pp * ep * etp))
+                 edp=world_size // (pp * ep * etp), ep_etp=ep * etp)
     if hierarchical_context_parallel_sizes is not None:
         sizes.update(zip(HIERARCHICAL_GROUP_NAMES, hierarchical_context_parallel_sizes))
     state = ParallelState(world_size=world_size, global_rank=rank, device=device, sizes=sizes,

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from megatron_cp import checkpointing
 from megatron_cp import device as device_mod
 from megatron_cp import faults
+from megatron_cp import moe
 from megatron_cp.config_flags import build_config
 from megatron_cp.data import build_data_iterator, build_tokenizer, build_train_valid_test_datasets
 from megatron_cp.context_parallel import resolve_comm_type
@@ -191,12 +192,16 @@ class Trainer:
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        # MoE balancing losses: the mean over the global batch's microbatches (moe/balancing.py)
+        moe.set_aux_loss_scale(self.model_chunks, float(self.optimizer.get_loss_scale())
+                               / (self.args.global_batch_size // self.args.micro_batch_size))
         loss, _ = self._run_batches(microbatches, forward_only=False)
         rank = self.state.global_rank
         if self.check_for_nan and not math.isfinite(loss):
             bad = faults.ranks_where(not bool(self._loss_finite_here), self.device)
             raise faults.non_finite("loss", loss, current, rank, bad)
         finalize_model_grads(self.model_chunks, self.state)
+        moe.update_expert_bias(self.model_chunks, self.state)
         try:
             ok, grad_norm, _ = self.optimizer.step()
         except GradNormNotFinite as bad:
@@ -247,7 +252,8 @@ def build_parallel_state(args, device=None):
 def forward_step(model, batch):
     """Per-token losses [b, s] of one microbatch (hidden states on non-last stages)."""
     return model(batch["tokens"], batch["position_ids"], labels=batch["labels"],
-                 token_index=batch.get("token_index"), document_ids=batch.get("document_ids"))
+                 token_index=batch.get("token_index"), document_ids=batch.get("document_ids"),
+                 loss_mask=batch.get("loss_mask"))
 
 
 def _grad_scaler(args):

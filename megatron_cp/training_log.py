@@ -11,6 +11,7 @@ import time
 import torch
 
 from megatron_cp import device as device_mod
+from megatron_cp import moe
 from megatron_cp.optimizer.clip_grads import get_param_norm
 
 
@@ -20,10 +21,16 @@ def model_flops_per_token(config, seq_length):
     h, d = config.hidden_size, config.kv_channels
     nh, ng, ffn = config.num_attention_heads, config.num_query_groups, config.ffn_hidden_size
     per_layer = 2 * h * (nh + 2 * ng) * d + 2 * nh * d * h  # qkv + output projections
-    per_layer += 2 * h * ffn * (3 if config.activation == "swiglu" else 2)  # mlp
     per_layer += 2 * 2 * seq_length * nh * d  # q k^T and p v
+    mlp_matrices = 3 if config.activation == "swiglu" else 2
+    dense_mlp = 2 * h * ffn * mlp_matrices
+    moe_mlp = 2 * h * config.num_moe_experts  # router
+    if config.num_moe_experts:  # each token runs top-k routed experts and the shared one
+        moe_mlp += 2 * h * mlp_matrices * (config.moe_router_topk * config.moe_ffn_hidden_size
+                                           + (config.moe_shared_expert_intermediate_size or 0))
+    mlps = sum(moe_mlp if is_moe else dense_mlp for is_moe in config.moe_layer_pattern())
     logits = 2 * h * config.padded_vocab_size(1)
-    return 3 * (config.num_layers * per_layer + logits)
+    return 3 * (config.num_layers * per_layer + mlps + logits)
 
 
 class TrainingLogger:
@@ -77,6 +84,7 @@ class TrainingLogger:
             params_norm = f" params norm: {norm:.3f} |"
             if self.writer is not None:
                 self.writer.add_scalar("params-norm", norm, it)
+        moe_line = self._moe_stats(trainer, it)  # a collective too, on every rank
         self.print(
             f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {it:8d}/{a.train_iters:8d} |"
             f" consumed samples: {trainer.consumed_samples:12d} |"
@@ -85,7 +93,7 @@ class TrainingLogger:
             f" tokens per second: {tokens_per_s:.1f} |"
             f" learning rate: {lr:.6E} | global batch size: {a.global_batch_size:5d} |"
             f" lm loss: {self.loss / self.count:.6E} | loss scale: {scale:.1f} |"
-            f" grad norm: {grad_norm:.4f} |{params_norm}"
+            f" grad norm: {grad_norm:.4f} |{params_norm}{moe_line}"
             f" number of skipped iterations: {trainer.optimizer.num_skipped_iters:3d} |")
         if not self.memory_reported:  # Megatron's one memory report, after the first interval
             self.memory_reported = True
@@ -99,6 +107,42 @@ class TrainingLogger:
             self.writer.add_scalar("memory/max-mb", mem_mb, it)
             self.writer.flush()
         self._reset()
+
+    def _moe_stats(self, trainer, it):
+        """The MoE part of the log line (empty for a dense model): balancing and z-loss, mean
+        over MoE layers and over the interval's microbatches, and the tokens per iteration of
+        the least and most loaded expert (over all MoE layers); tensorboard also gets them per
+        layer with --moe-per-layer-logging."""
+        config = trainer.config
+        if not config.num_moe_experts:
+            return ""
+        aux, z, tokens = moe.take_stats(trainer.model_chunks, self.state, config.num_layers,
+                                        config.num_moe_experts)
+        layers = [n for n, is_moe in enumerate(config.moe_layer_pattern()) if is_moe]
+        microbatches = self.count * (self.args.global_batch_size // self.args.micro_batch_size)
+        aux, z = aux[layers] / microbatches, z[layers] / microbatches  # [moe layers]
+        tokens = tokens[layers] / self.count  # [moe layers, E] per iteration
+        fewest, most = tokens.min().item(), tokens.max().item()
+        line = (f" load_balancing_loss: {aux.mean().item():.6E} | z_loss: {z.mean().item():.6E} |"
+                f" tokens per expert min/max: {fewest:.0f}/{most:.0f} |")
+        if getattr(self.args, "moe_per_layer_logging", False):
+            line += "".join(f" layer {n} balancing/z/min/max: {a:.4E}/{b:.4E}/{lo:.0f}/{hi:.0f} |"
+                            for n, a, b, lo, hi in zip(layers, aux.tolist(), z.tolist(),
+                                                       tokens.min(1).values.tolist(),
+                                                       tokens.max(1).values.tolist()))
+        if self.writer is not None:
+            w = self.writer
+            w.add_scalar("load_balancing_loss", aux.mean().item(), it)
+            w.add_scalar("z_loss", z.mean().item(), it)
+            w.add_scalar("moe/tokens-per-expert-min", fewest, it)
+            w.add_scalar("moe/tokens-per-expert-max", most, it)
+            if getattr(self.args, "moe_per_layer_logging", False):
+                for n, a, b, row in zip(layers, aux.tolist(), z.tolist(), tokens):
+                    w.add_scalar(f"moe/load_balancing_loss_layer_{n}", a, it)
+                    w.add_scalar(f"moe/z_loss_layer_{n}", b, it)
+                    w.add_scalar(f"moe/tokens_per_expert_min_layer_{n}", row.min().item(), it)
+                    w.add_scalar(f"moe/tokens_per_expert_max_layer_{n}", row.max().item(), it)
+        return line
 
     def validation(self, iteration, loss):
         self.last_validation = (iteration, loss)

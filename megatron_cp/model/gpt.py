@@ -58,7 +58,8 @@ class Embedding(torch.nn.Module):
 class GPTModel(torch.nn.Module):
     """A GPT model chunk over the TP and CP groups of ``state`` (None: one process).
 
-    forward(tokens [b, s], position_ids [b, s], labels [b, s] or None, token_index, document_ids):
+    forward(tokens [b, s], position_ids [b, s], labels [b, s] or None, token_index, document_ids,
+    loss_mask [b, s] or None (the tokens MoE balancing losses count; None: all)):
     - post_process with labels -> per-token loss [b, s] (fp32)
     - post_process without labels -> vocab-parallel logits [s, b, v/tp]
     - otherwise -> hidden states [s(/tp), b, h] for the next pipeline stage.
@@ -127,12 +128,13 @@ class GPTModel(torch.nn.Module):
             logits = F.linear(h, self.embedding.word_embeddings.weight)  # [s, b, v/tp]
         return tpar.mask_padded_vocab(logits, self.config.vocab_size, self.tp_group)
 
-    def forward(self, tokens, position_ids, labels=None, token_index=None, document_ids=None):
+    def forward(self, tokens, position_ids, labels=None, token_index=None, document_ids=None,
+                loss_mask=None):
         if self.pre_process:
             h = self.embedding(tokens, position_ids)  # [s(/tp), b, h]
         else:
             h = self.input_tensor
-        h = self.decoder(h, position_ids, token_index, document_ids)
+        h = self.decoder(h, position_ids, token_index, document_ids, loss_mask)
         if not self.post_process:
             return h
         h = self.final_layernorm(h)

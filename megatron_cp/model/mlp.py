@@ -1,4 +1,5 @@
-"""The dense MLP: column-parallel fc1, GeLU or SwiGLU, row-parallel fc2."""
+"""The dense MLP: column-parallel fc1, GeLU or SwiGLU, row-parallel fc2 (also the MoE layer's
+shared experts, with their own hidden size)."""
 import torch
 import torch.nn.functional as F
 
@@ -41,10 +42,10 @@ def swiglu(h):
 class MLP(torch.nn.Module):
     """[s, b, h] -> [s, b, h]; ffn split over TP. SwiGLU's fc1 stacks [gate; up] (stride 2)."""
 
-    def __init__(self, config, prefix, tp_group, device=None):
+    def __init__(self, config, prefix, tp_group, device=None, ffn_hidden_size=None):
         super().__init__()
         self.swiglu = config.activation == "swiglu"
-        ffn, std = config.ffn_hidden_size, config.init_method_std
+        ffn, std = ffn_hidden_size or config.ffn_hidden_size, config.init_method_std
         common = dict(tp_group=tp_group, bias=config.add_bias_linear,
                       sequence_parallel=config.sequence_parallel,
                       params_dtype=config.params_dtype, device=device)

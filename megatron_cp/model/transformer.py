@@ -1,4 +1,4 @@
-"""The transformer layer (pre-norm attention + MLP with residuals) and the layer stack.
+"""The transformer layer (pre-norm attention + MLP or MoE with residuals) and the layer stack.
 
 A stack holds any contiguous (or, for virtual pipeline stages, any) set of GLOBAL layer
 numbers, so a pipeline stage builds exactly the layers it owns with the weights the
@@ -14,6 +14,7 @@ from megatron_cp.model.attention import SelfAttention
 from megatron_cp.model.compile_layers import compile_layer
 from megatron_cp.model.fused import build_norm
 from megatron_cp.model.mlp import MLP
+from megatron_cp.moe.layer import MoELayer
 
 
 def dropout(x, p, training, sequence_parallel, rng_tracker):
@@ -50,18 +51,20 @@ class TransformerLayer(torch.nn.Module):
         self.self_attention = SelfAttention(config, prefix + ".self_attention", tp_group, cp_group,
                                             rng_tracker, device, hierarchical)
         self.pre_mlp_layernorm = norm()
-        if config.num_moe_experts > 0:
-            raise ValueError(f"num_moe_experts ({config.num_moe_experts}): MoE layers are not built "
-                             f"in this version of megatron_cp; use a dense model (0 experts)")
-        self.mlp = MLP(config, prefix + ".mlp", tp_group, device)
+        self.is_moe = config.moe_layer_pattern()[layer_number]
+        if self.is_moe:
+            self.mlp = MoELayer(config, prefix + ".mlp", state, rng_tracker, device)
+        else:
+            self.mlp = MLP(config, prefix + ".mlp", tp_group, device)
         mark_sequence_parallel(self.input_layernorm, config.sequence_parallel)
         mark_sequence_parallel(self.pre_mlp_layernorm, config.sequence_parallel)
 
-    def forward(self, x, position_ids, token_index=None, document_ids=None):
+    def forward(self, x, position_ids, token_index=None, document_ids=None, loss_mask=None):
         c = self.config
         attn = self.self_attention(self.input_layernorm(x), position_ids, token_index, document_ids)
         x = x + dropout(attn, c.hidden_dropout, self.training, c.sequence_parallel, self.rng_tracker)
-        mlp = self.mlp(self.pre_mlp_layernorm(x))
+        h = self.pre_mlp_layernorm(x)
+        mlp = self.mlp(h, loss_mask) if self.is_moe else self.mlp(h)
         return x + dropout(mlp, c.hidden_dropout, self.training, c.sequence_parallel, self.rng_tracker)
 
 
@@ -81,16 +84,16 @@ class TransformerBlock(torch.nn.Module):
                 compile_layer(layer, config.torch_compile_mode)
 
     def _run(self, start, end):
-        def run(x, position_ids, token_index, document_ids):
+        def run(x, position_ids, token_index, document_ids, loss_mask):
             for layer in self.layers[start:end]:
-                x = layer(x, position_ids, token_index, document_ids)
+                x = layer(x, position_ids, token_index, document_ids, loss_mask)
             return x
         return run
 
-    def forward(self, x, position_ids, token_index=None, document_ids=None):
+    def forward(self, x, position_ids, token_index=None, document_ids=None, loss_mask=None):
         c = self.config
         n = len(self.layers)
-        args = (position_ids, token_index, document_ids)
+        args = (position_ids, token_index, document_ids, loss_mask)
         if c.recompute_granularity != "full" or not self.training:
             return self._run(0, n)(x, *args)
         k = c.recompute_num_layers or 1

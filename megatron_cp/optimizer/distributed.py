@@ -201,12 +201,15 @@ def _coalesced_all_reduce(grads, group):
 
 
 def allreduce_sequence_parallel_grads(model, state):
-    """Sum over TP the grads of ``sequence_parallel`` params (each TP rank saw its slice)."""
-    if state.size("tp") == 1:
-        return
-    params = _unique_params(_as_chunks(model), lambda p: getattr(p, "sequence_parallel", False))
-    if params:
-        _coalesced_all_reduce([grad_of(p) for p in params], state.group("tp"))
+    """Sum the grads of ``sequence_parallel`` params over the ranks that each saw a slice of
+    the tokens: TP for dense params, ETP for expert params (an MoE fc2 bias added once)."""
+    for group_name, expert in (("tp", False), ("etp", True)):
+        if state.size(group_name) == 1:
+            continue
+        params = _unique_params(_as_chunks(model), lambda p: getattr(p, "sequence_parallel", False)
+                                and bool(getattr(p, "is_expert", False)) == expert)
+        if params:
+            _coalesced_all_reduce([grad_of(p) for p in params], state.group(group_name))
 
 
 def allreduce_embedding_grads(model, state):

@@ -35,6 +35,7 @@ class RNGStatesTracker:
     def __init__(self, device=torch.device("cpu")):
         self.device = torch.device(device)
         self.states = {}
+        self.recomputing = False  # True while activation recomputation reruns a forward
 
     def add(self, name, seed):
         if name in self.states:
@@ -99,10 +100,12 @@ def checkpoint(function, tracker, *args):
             return
         current = tracker.get_states()
         tracker.set_states(snapshot)
+        tracker.recomputing = True  # layers that record statistics skip the rerun (MoE router)
         try:
             yield
         finally:
             tracker.set_states(current)
+            tracker.recomputing = False
 
     def context_fn():
         return contextlib.nullcontext(), replay()

@@ -1,0 +1,74 @@
+"""Mixture of experts on its own expert-parallel mesh (Megatron-LM's flags).
+
+router.py (top-k routing, capacity, balancing losses, expert bias), routing.py and
+balancing.py (their math), dispatcher.py (all-to-all / all-gather over the EP group),
+experts.py (grouped experts, split over EP and ETP), comm.py (autograd collectives of
+rows), layer.py (the layer), and below what the training loop calls once per step.
+"""
+import torch
+import torch.distributed as dist
+
+from megatron_cp.moe.layer import MoELayer  # noqa: F401
+
+
+def moe_layers(model_chunks):
+    """``(global layer number, MoELayer)`` of every MoE layer in this rank's chunks."""
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            if getattr(module, "is_moe", False):
+                yield module.layer_number, module.mlp
+
+
+def set_aux_loss_scale(model_chunks, scale):
+    """The weight of every router's balancing and z-losses in backward (the training loop
+    passes ``loss_scale / microbatches of the global batch``: balancing.py)."""
+    for _, layer in moe_layers(model_chunks):
+        layer.router.aux_loss_scale = scale
+
+
+def _sum_over(tensor, state, names):
+    for name in names:
+        if state.size(name) > 1:
+            dist.all_reduce(tensor, group=state.group(name))
+    return tensor
+
+
+@torch.no_grad()
+def update_expert_bias(model_chunks, state):
+    """Aux-loss-free balancing, once per global batch: each expert bias moves by
+    ``--moe-router-bias-update-rate`` towards equal loads, ``bias += rate * sign(mean count -
+    count)``, the counts summed over every token of the global batch (all ranks of the
+    stage: TP x CP x DP)."""
+    routers = [layer.router for _, layer in moe_layers(model_chunks)
+               if layer.router.expert_bias is not None]
+    if not routers:
+        return
+    device = routers[0].expert_bias.device
+    counts = torch.stack([r.bias_counts if r.bias_counts is not None else
+                          torch.zeros(r.expert_bias.numel(), dtype=torch.float64, device=device)
+                          for r in routers])  # [routers, E]
+    _sum_over(counts, state, ("tp", "dp_cp"))
+    offset = torch.sign(counts.mean(dim=1, keepdim=True) - counts)  # [routers, E]
+    for router, step in zip(routers, offset):
+        router.expert_bias += router.config.moe_router_bias_update_rate * step.float()
+        router.bias_counts = None
+
+
+@torch.no_grad()
+def take_stats(model_chunks, state, num_layers, num_experts):
+    """Sum, over the whole job, of what the routers recorded since the last call, and reset
+    them. Returns ``(aux [L], z [L], tokens [L, E])`` indexed by global layer number (zero
+    for dense layers): the balancing and z-loss values summed over the training microbatches
+    of every data-parallel rank, and the weighted tokens each expert was chosen for. Every
+    rank must call it (it reduces over TP, DP x CP and PP)."""
+    device = state.device
+    losses = torch.zeros(num_layers, 2, dtype=torch.float64, device=device)  # [L, aux|z]
+    tokens = torch.zeros(num_layers, max(num_experts, 1), dtype=torch.float64, device=device)
+    for number, layer in moe_layers(model_chunks):
+        stats = layer.router.stats
+        losses[number, 0], losses[number, 1] = stats["aux_loss"], stats["z_loss"]
+        tokens[number] = stats["tokens_per_expert"]
+        layer.router.reset_stats()
+    _sum_over(losses, state, ("dp", "pp"))  # a value is whole per microbatch on TP x CP
+    _sum_over(tokens, state, ("tp", "dp_cp", "pp"))
+    return losses[:, 0], losses[:, 1], tokens

@@ -1,0 +1,189 @@
+"""Autograd collectives of token dispatch: rows of a ``[tokens, h]`` tensor moved between ranks.
+
+Every rank may hold a different number of rows, so each function takes the row counts.
+Forward and backward are conjugate (Megatron's f and g):
+
+- :func:`all_to_all`: rows to other ranks by split sizes; backward sends the gradients back
+  with the splits swapped.
+- :func:`gather_rows` / :func:`reduce_scatter_rows`: all-gather of every rank's rows (rank
+  order) and its conjugate, the sum over ranks keeping this rank's rows.
+- :func:`split_rows` / :func:`gather_replicated_rows`: this rank's share of rows that every
+  rank holds alike, and back (backward: all-gather / keep own share).
+
+Uneven row counts are padded to the largest for the flat collectives and cut after.
+"""
+import torch
+import torch.distributed as dist
+
+from megatron_cp.dist_compat import all_gather_flat, reduce_scatter_flat
+
+
+def _size(group):
+    return dist.get_world_size(group) if group is not None else 1
+
+
+def _rank(group):
+    return dist.get_rank(group) if group is not None else 0
+
+
+def _all_to_all(x, output_splits, input_splits, group):
+    out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))  # [sum(output_splits), h]
+    dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+    return out
+
+
+def _gather(x, counts, group):
+    """[counts[rank], ...] on each rank -> [sum(counts), ...] in rank order."""
+    largest = max(counts)
+    padded = x.new_zeros((largest,) + tuple(x.shape[1:]))  # [largest, ...]
+    padded[:x.shape[0]] = x
+    out = x.new_empty((largest * len(counts),) + tuple(x.shape[1:]))  # [ranks * largest, ...]
+    all_gather_flat(out, padded, group=group)
+    return torch.cat([out[r * largest:r * largest + n] for r, n in enumerate(counts)])
+
+
+def _reduce_scatter(x, counts, group):
+    """[sum(counts), ...] on each rank -> its own [counts[rank], ...] rows, summed over ranks."""
+    largest = max(counts)
+    padded = x.new_zeros((largest * len(counts),) + tuple(x.shape[1:]))  # [ranks * largest, ...]
+    start = 0
+    for r, n in enumerate(counts):
+        padded[r * largest:r * largest + n] = x[start:start + n]
+        start += n
+    out = x.new_empty((largest,) + tuple(x.shape[1:]))
+    reduce_scatter_flat(out, padded, group=group)
+    return out[:counts[_rank(group)]]
+
+
+def _own_rows(x, counts, group):
+    start = sum(counts[:_rank(group)])
+    return x[start:start + counts[_rank(group)]]
+
+
+class _AllToAll(torch.autograd.Function):
+    """Forward: rows sent by ``input_splits``, received by ``output_splits``. Backward: the
+    reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group):
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        return _all_to_all(x, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        return _all_to_all(grad, input_splits, output_splits, ctx.group), None, None, None
+
+
+class _GatherRows(torch.autograd.Function):
+    """Forward: all-gather rows (rank order). Backward: reduce-scatter of the gradients."""
+
+    @staticmethod
+    def forward(ctx, x, counts, group):
+        ctx.counts, ctx.group = counts, group
+        return _gather(x, counts, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.counts, ctx.group), None, None
+
+
+class _ReduceScatterRows(torch.autograd.Function):
+    """Forward: sum over ranks, keep own rows. Backward: all-gather of the gradients."""
+
+    @staticmethod
+    def forward(ctx, x, counts, group):
+        ctx.counts, ctx.group = counts, group
+        return _reduce_scatter(x, counts, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.counts, ctx.group), None, None
+
+
+class _SplitRows(torch.autograd.Function):
+    """Forward: this rank's rows of a tensor every rank holds alike. Backward: all-gather
+    (every rank's copy of the input gets the whole gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, counts, group):
+        ctx.counts, ctx.group = counts, group
+        return _own_rows(x, counts, group).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.counts, ctx.group), None, None
+
+
+class _GatherReplicatedRows(torch.autograd.Function):
+    """Forward: all-gather rows into a tensor every rank then holds alike. Backward: this
+    rank's rows of the (identical) gradient."""
+
+    @staticmethod
+    def forward(ctx, x, counts, group):
+        ctx.counts, ctx.group = counts, group
+        return _gather(x, counts, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _own_rows(grad, ctx.counts, ctx.group).contiguous(), None, None
+
+
+def all_to_all(x, output_splits, input_splits, group):
+    """[sum(input_splits), h] -> [sum(output_splits), h] over ``group``."""
+    if _size(group) == 1:
+        return x
+    return _AllToAll.apply(x, list(output_splits), list(input_splits), group)
+
+
+def gather_rows(x, counts, group):
+    """[counts[rank], h] -> [sum(counts), h]; backward sums the gradients over ``group``."""
+    if _size(group) == 1:
+        return x
+    return _GatherRows.apply(x, list(counts), group)
+
+
+def reduce_scatter_rows(x, counts, group):
+    """[sum(counts), h] partial on each rank -> this rank's [counts[rank], h] of the sum."""
+    if _size(group) == 1:
+        return x
+    return _ReduceScatterRows.apply(x, list(counts), group)
+
+
+def split_rows(x, counts, group):
+    """This rank's ``counts[rank]`` rows of ``x`` [sum(counts), h], held alike by every rank."""
+    if _size(group) == 1:
+        return x
+    return _SplitRows.apply(x, list(counts), group)
+
+
+def gather_replicated_rows(x, counts, group):
+    """Inverse of :func:`split_rows`: every rank's rows, in rank order, on every rank."""
+    if _size(group) == 1:
+        return x
+    return _GatherReplicatedRows.apply(x, list(counts), group)
+
+
+def all_gather_counts(counts, group):
+    """[n] int64 on each rank -> [ranks, n] (no gradient)."""
+    if _size(group) == 1:
+        return counts.unsqueeze(0)
+    out = counts.new_empty((_size(group) * counts.numel(),))
+    all_gather_flat(out, counts.contiguous(), group=group)
+    return out.view(_size(group), -1)
+
+
+def exchange_counts(counts, group):
+    """All-to-all of equal-sized count blocks: [ranks, n] (row r goes to rank r) -> [ranks, n]
+    (row r came from rank r)."""
+    if _size(group) == 1:
+        return counts
+    out = torch.empty_like(counts)
+    dist.all_to_all_single(out, counts.contiguous(), group=group)
+    return out
+
+
+def even_counts(total, parts):
+    """``total`` rows cut into ``parts`` contiguous shares, the first ones one longer."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if r < extra else 0) for r in range(parts)]

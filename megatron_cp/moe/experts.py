@@ -1,0 +1,106 @@
+"""The routed experts of one rank: every local expert's MLP in one grouped matmul.
+
+Weights, one tensor per kind for all local experts (the ``nn.Linear`` [out, in] layout
+per expert)::
+
+    linear_fc1.weight  [E_local, ffn/etp (x2 for SwiGLU: [gate; up]), h]
+    linear_fc1.bias    [E_local, ffn/etp (x2)]
+    linear_fc2.weight  [E_local, h, ffn/etp]
+    linear_fc2.bias    [E_local, h]
+
+Expert ``e`` (global index) is drawn whole from its own seed and split over the expert
+tensor-parallel (ETP) ranks like a column-parallel fc1 and a row-parallel fc2, so every
+EP/ETP layout holds exactly the weights of one process. fc2's partial sums are summed over
+ETP by the dispatcher; its bias is added on ETP rank 0 only and its gradient summed over ETP
+(``sequence_parallel`` on an expert parameter means "summed over ETP").
+
+``torch.nn.functional.grouped_mm`` runs all experts in one call where this torch has it and
+supports the case (CPU; bf16 on CUDA; 16-byte aligned rows); otherwise a loop over experts.
+"""
+import torch
+import torch.nn.functional as F
+
+from megatron_cp import tensor_parallel as tpar
+from megatron_cp.model.mlp import swiglu
+from megatron_cp.tensor_parallel.layers import _full_then_split, _mark
+
+
+def grouped_mm_supported(x, weight):
+    """Whether ``F.grouped_mm`` can run ``x`` [N, in] against ``weight`` [E, out, in]."""
+    if not hasattr(F, "grouped_mm") or x.shape[0] == 0:
+        return False
+    if x.device.type == "cuda" and x.dtype != torch.bfloat16:
+        return False
+    size = x.element_size()
+    return all((n * size) % 16 == 0 for n in (weight.shape[1], weight.shape[2]))
+
+
+def grouped_linear(x, weight, counts, bias=None, expert_ids=None):
+    """Rows of ``x`` [N, in], grouped by expert (``counts`` rows each, in order), times each
+    expert's ``weight`` [E, out, in]^T (+ its ``bias`` [E, out]) -> [N, out]."""
+    if grouped_mm_supported(x, weight):
+        offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)  # [E]
+        out = F.grouped_mm(x.contiguous(), weight.transpose(-2, -1), offs=offsets)  # [N, out]
+    else:
+        parts = x.split(list(counts))
+        out = torch.cat([F.linear(part, weight[e]) for e, part in enumerate(parts)])  # [N, out]
+    if bias is not None:
+        out = out + bias[expert_ids]
+    return out
+
+
+class ExpertLinear(torch.nn.Module):
+    """The weights of one linear of every local expert: ``weight`` [E_local, out, in] and
+    ``bias`` [E_local, out] (or None)."""
+
+    def __init__(self, weight, bias):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight)
+        self.bias = torch.nn.Parameter(bias) if bias is not None else None
+
+
+class GroupedExperts(torch.nn.Module):
+    """tokens [N, h] sorted by local expert, ``counts`` [E_local] -> [N, h] (a partial sum
+    over ETP ranks when ETP > 1)."""
+
+    def __init__(self, config, prefix, ep_rank, ep_size, etp_rank, etp_size, device=None):
+        super().__init__()
+        self.swiglu = config.activation == "swiglu"
+        self.etp_rank = etp_rank
+        self.num_local = config.num_moe_experts // ep_size
+        first = ep_rank * self.num_local
+        ffn, h, std = config.moe_ffn_hidden_size, config.hidden_size, config.init_method_std
+        stride = 2 if self.swiglu else 1
+        dtype, bias = config.params_dtype, config.add_bias_linear
+
+        def stacked(name, shape, dim, stride, init_std):
+            return torch.stack([_full_then_split(
+                shape, dim, stride, etp_size, etp_rank, tpar.normal_init(init_std),
+                tpar.init_seed(config.seed, f"{prefix}.{first + e}.{name}"), dtype, device)
+                for e in range(self.num_local)])
+
+        zeros = lambda *shape: torch.zeros(self.num_local, *shape, dtype=dtype, device=device)
+        self.linear_fc1 = ExpertLinear(stacked("linear_fc1", (ffn * stride, h), 0, stride, std),
+                                       zeros(ffn * stride // etp_size) if bias else None)
+        self.linear_fc2 = ExpertLinear(
+            stacked("linear_fc2", (h, ffn), 1, 1, tpar.scaled_init_std(std, config.num_layers)),
+            zeros(h) if bias else None)
+        _mark(self.linear_fc1.weight, 1, stride)
+        _mark(self.linear_fc2.weight, 2)
+        if bias:
+            _mark(self.linear_fc1.bias, 1, stride)
+            self.linear_fc2.bias.sequence_parallel = etp_size > 1
+        for p in self.parameters():
+            p.is_expert = True
+
+    def forward(self, tokens, counts):
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        expert_ids = None
+        if fc1.bias is not None:
+            expert_ids = torch.repeat_interleave(
+                torch.arange(self.num_local, device=tokens.device),
+                torch.tensor(counts, device=tokens.device), output_size=tokens.shape[0])  # [N]
+        h = grouped_linear(tokens, fc1.weight, counts, fc1.bias, expert_ids)  # [N, ffn/etp (x2)]
+        h = swiglu(h) if self.swiglu else F.gelu(h)  # [N, ffn/etp]
+        fc2_bias = fc2.bias if self.etp_rank == 0 else None  # once over ETP (module docstring)
+        return grouped_linear(h, fc2.weight, counts, fc2_bias, expert_ids)  # [N, h]

@@ -1,0 +1,101 @@
+"""The top-k router: logits, routing, capacity, balancing losses, expert bias and the
+statistics the training loop logs.
+
+The router weight ``[E, h]`` is replicated over TP; the MoE layer gives each TP rank its
+own tokens, so the weight's gradient is summed over TP (``sequence_parallel``) as well as
+over DP x CP. The expert bias (aux-loss-free balancing) is a buffer, not a parameter: the
+training loop moves it once per global batch (:func:`megatron_cp.moe.update_expert_bias`)
+from the token counts this router accumulated.
+"""
+import torch
+import torch.nn.functional as F
+
+from megatron_cp import tensor_parallel as tpar
+from megatron_cp.moe.balancing import AttachLoss, aux_loss, z_loss
+from megatron_cp.moe.routing import (apply_capacity, expert_capacity, scores_for_balancing,
+                                     topk_routing)
+
+ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
+
+
+class TopKRouter(torch.nn.Module):
+    """tokens [T, h] -> (probs [T, E], routing_map [T, E] bool), attaching the balancing
+    losses to ``probs`` for backward."""
+
+    def __init__(self, config, prefix, token_groups, dp_group, rng_tracker, tp_size=1,
+                 device=None):
+        super().__init__()
+        self.config, self.rng_tracker = config, rng_tracker
+        self.token_groups, self.dp_group = token_groups, dp_group
+        experts = config.num_moe_experts
+        weight = torch.empty(experts, config.hidden_size)
+        tpar.normal_init(config.init_method_std)(
+            weight, torch.Generator().manual_seed(tpar.init_seed(config.seed, prefix + ".weight")))
+        self.weight = torch.nn.Parameter(weight.to(dtype=config.params_dtype, device=device))
+        self.weight.sequence_parallel = tp_size > 1  # each TP rank routes its own tokens
+        if config.moe_router_enable_expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(experts, dtype=torch.float32,
+                                                            device=device))
+        else:
+            self.expert_bias = None
+        self.aux_loss_scale = 1.0  # set per step by the training loop (balancing.py)
+        self.bias_counts = None  # weighted tokens per expert since the last bias update
+        self.reset_stats()
+
+    def reset_stats(self):
+        """Zero the statistics of the training microbatches seen since the last reset:
+        summed aux and z-loss values and the weighted token count per expert."""
+        device = self.weight.device
+        self.stats = {"aux_loss": torch.zeros((), dtype=torch.float64, device=device),
+                      "z_loss": torch.zeros((), dtype=torch.float64, device=device),
+                      "tokens_per_expert": torch.zeros(self.config.num_moe_experts,
+                                                       dtype=torch.float64, device=device)}
+
+    def _record(self, aux_value, z_value, counts):
+        # Training microbatches only, and not again when full recomputation reruns the layer.
+        if not self.training or getattr(self.rng_tracker, "recomputing", False):
+            return
+        self.stats["aux_loss"] += aux_value.double()
+        self.stats["z_loss"] += z_value.double()
+        self.stats["tokens_per_expert"] += counts.double()
+        if self.expert_bias is not None:
+            self.bias_counts = counts.double() + (0 if self.bias_counts is None else self.bias_counts)
+
+    def forward(self, tokens, weights, seq_ids, num_seqs):
+        """``tokens`` [T, h]; ``weights`` [T] (1 for tokens the losses count); ``seq_ids`` [T]
+        the microbatch row of each token, of ``num_seqs`` rows."""
+        c = self.config
+        dtype = ROUTER_DTYPES[c.moe_router_dtype] or tokens.dtype
+        x = tokens.to(dtype)
+        if self.training and c.moe_input_jitter_eps:
+            eps = c.moe_input_jitter_eps
+            x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
+        logits = F.linear(x, self.weight.to(dtype))  # [T, E]
+        probs, routing_map = topk_routing(
+            logits, c.moe_router_topk, c.moe_router_score_function, c.moe_router_pre_softmax,
+            c.moe_router_topk_scaling_factor, c.moe_router_num_groups, c.moe_router_group_topk,
+            self.expert_bias)
+        counts = (routing_map.to(torch.float32) * weights.to(torch.float32)[:, None]).sum(0)  # [E]
+        local = logits.new_zeros(())
+        aux_value = z_value = torch.zeros((), dtype=torch.float32, device=logits.device)
+        if self.training and c.moe_router_load_balancing_type != "none" and c.moe_aux_loss_coeff > 0:
+            part, aux_value = aux_loss(
+                c.moe_router_load_balancing_type, scores_for_balancing(logits, c.moe_router_score_function),
+                routing_map, weights, topk=c.moe_router_topk, coeff=c.moe_aux_loss_coeff,
+                token_groups=self.token_groups, dp_group=self.dp_group, seq_ids=seq_ids,
+                num_seqs=num_seqs)
+            local = local + part
+        if self.training and c.moe_z_loss_coeff:
+            part, z_value = z_loss(logits, weights, coeff=c.moe_z_loss_coeff,
+                                   token_groups=self.token_groups)
+            local = local + part
+        self._record(aux_value, z_value, counts)
+        if c.moe_expert_capacity_factor is not None:
+            capacity = expert_capacity(tokens.shape[0], c.num_moe_experts, c.moe_router_topk,
+                                       c.moe_expert_capacity_factor)
+            probs, routing_map = apply_capacity(probs, routing_map, capacity,
+                                                c.moe_token_drop_policy,
+                                                c.moe_pad_expert_input_to_capacity)
+        if local.requires_grad:
+            probs = AttachLoss.apply(probs, local, self.aux_loss_scale)
+        return probs.to(tokens.dtype), routing_map

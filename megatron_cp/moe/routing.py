@@ -1,0 +1,101 @@
+"""The router's math, as plain functions of tensors (no process groups, no modules).
+
+Shapes: ``T`` tokens, ``E`` experts, ``k`` = top-k. A routing is two dense ``[T, E]``
+tensors: ``routing_map`` (bool, the token goes to the expert) and ``probs`` (its weight,
+0 where the map is False).
+"""
+import math
+
+import torch
+
+
+def group_limited_topk(scores, topk, num_groups, group_topk):
+    """DeepSeek's node-limited top-k: each group of E/num_groups experts is scored by the sum
+    of its top (topk / group_topk) scores, the best ``group_topk`` groups are kept and the
+    top-k taken inside them. Returns (values [T, k], indices [T, k])."""
+    tokens, experts = scores.shape
+    per_group = scores.view(tokens, num_groups, experts // num_groups)  # [T, G, E/G]
+    group_scores = per_group.topk(topk // group_topk, dim=-1).values.sum(dim=-1)  # [T, G]
+    best = group_scores.topk(group_topk, dim=-1).indices  # [T, group_topk]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)  # [T, G]
+    keep = keep.unsqueeze(-1).expand(-1, -1, experts // num_groups).reshape(tokens, experts)
+    return scores.masked_fill(~keep, float("-inf")).topk(topk, dim=-1)
+
+
+def _topk(scores, topk, num_groups, group_topk):
+    if num_groups:
+        return group_limited_topk(scores, topk, num_groups, group_topk)
+    return scores.topk(topk, dim=-1)
+
+
+def topk_routing(logits, topk, score_function="softmax", pre_softmax=False, scaling_factor=None,
+                 num_groups=None, group_topk=None, expert_bias=None):
+    """Megatron-LM's top-k router on ``logits`` [T, E].
+
+    softmax: the top-k logits are softmaxed among themselves, or (``pre_softmax``) the top-k
+    of the softmax over all experts are taken as they are. sigmoid: the top-k sigmoid scores,
+    normalised to sum to 1 when k > 1; ``expert_bias`` [E] is added for the choice only.
+    Returns ``(probs [T, E], routing_map [T, E] bool)``.
+    """
+    if score_function == "softmax":
+        if pre_softmax:
+            scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
+            chosen, indices = _topk(scores, topk, num_groups, group_topk)
+        else:
+            top_logits, indices = _topk(logits, topk, num_groups, group_topk)
+            chosen = torch.softmax(top_logits, dim=-1, dtype=torch.float32).type_as(logits)
+    elif score_function == "sigmoid":
+        scores = torch.sigmoid(logits.float()).type_as(logits)
+        if expert_bias is not None:
+            _, indices = _topk(scores + expert_bias.to(scores.dtype), topk, num_groups, group_topk)
+            chosen = scores.gather(1, indices)
+        else:
+            chosen, indices = _topk(scores, topk, num_groups, group_topk)
+        if topk > 1:
+            chosen = chosen / (chosen.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        raise ValueError(f"score_function {score_function!r}: use softmax or sigmoid")
+    if scaling_factor:
+        chosen = chosen * scaling_factor
+    probs = torch.zeros_like(logits).scatter(1, indices, chosen)  # [T, E]
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, indices, True)  # [T, E]
+    return probs, routing_map
+
+
+def scores_for_balancing(logits, score_function):
+    """The per-expert scores the balancing loss averages, [T, E]: the softmax over all
+    experts, or the sigmoid scores normalised over all experts."""
+    if score_function == "softmax":
+        return torch.softmax(logits, dim=-1, dtype=torch.float32)
+    scores = torch.sigmoid(logits.float())
+    return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+
+
+def expert_capacity(num_tokens, num_experts, topk, capacity_factor):
+    """Megatron's per-expert capacity: ceil(tokens x topk / experts x factor)."""
+    return math.ceil(num_tokens * topk / num_experts * capacity_factor)
+
+
+def apply_capacity(probs, routing_map, capacity, drop_policy="probs", pad_to_capacity=False):
+    """Keep at most ``capacity`` tokens per expert: those with the highest probability
+    (``probs``) or the first ones (``position``). With ``pad_to_capacity`` every expert gets
+    exactly ``capacity`` tokens (unrouted ones with probability 0, so the function is the
+    same). Returns the new ``(probs, routing_map)``."""
+    tokens = probs.shape[0]
+    k = min(capacity, tokens)
+    if drop_policy == "probs":
+        keep_rows = probs.topk(k, dim=0, sorted=False).indices  # [k, E]
+        keep = torch.zeros_like(routing_map).scatter(0, keep_rows, True)  # [T, E]
+    elif drop_policy == "position":
+        keep = routing_map.long().cumsum(dim=0) <= capacity  # the first `capacity` routed
+    else:
+        raise ValueError(f"drop_policy {drop_policy!r}: use probs or position")
+    if pad_to_capacity:
+        # exactly k rows per expert: the kept routed tokens, then the first unrouted ones
+        kept = routing_map & keep
+        room = k - kept.long().sum(dim=0, keepdim=True)  # [1, E]
+        filler = (~routing_map).long().cumsum(dim=0) <= room  # [T, E]
+        new_map = kept | (~routing_map & filler)
+        return probs * kept, new_map
+    new_map = routing_map & keep
+    return probs * new_map, new_map
