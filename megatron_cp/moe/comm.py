@@ -57,7 +57,7 @@ def _reduce_scatter(x, counts, group):
 
 def _own_rows(x, counts, group):
     start = sum(counts[:_rank(group)])
-    return x[start:start + counts[_rank(group)]]
+    return x[start:start + counts[_rank(group)]].contiguous()
 
 
 class _AllToAll(torch.autograd.Function):
@@ -75,58 +75,24 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad, input_splits, output_splits, ctx.group), None, None, None
 
 
-class _GatherRows(torch.autograd.Function):
-    """Forward: all-gather rows (rank order). Backward: reduce-scatter of the gradients."""
+class _RowCollective(torch.autograd.Function):
+    """Forward ``forward_op(x, counts, group)``, backward its conjugate ``backward_op`` on the
+    gradient (the pairs are listed in the module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, counts, group):
-        ctx.counts, ctx.group = counts, group
-        return _gather(x, counts, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.counts, ctx.group), None, None
-
-
-class _ReduceScatterRows(torch.autograd.Function):
-    """Forward: sum over ranks, keep own rows. Backward: all-gather of the gradients."""
-
-    @staticmethod
-    def forward(ctx, x, counts, group):
-        ctx.counts, ctx.group = counts, group
-        return _reduce_scatter(x, counts, group)
+    def forward(ctx, x, counts, group, forward_op, backward_op):
+        ctx.counts, ctx.group, ctx.backward_op = counts, group, backward_op
+        return forward_op(x, counts, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad, ctx.counts, ctx.group), None, None
+        return ctx.backward_op(grad, ctx.counts, ctx.group), None, None, None, None
 
 
-class _SplitRows(torch.autograd.Function):
-    """Forward: this rank's rows of a tensor every rank holds alike. Backward: all-gather
-    (every rank's copy of the input gets the whole gradient)."""
-
-    @staticmethod
-    def forward(ctx, x, counts, group):
-        ctx.counts, ctx.group = counts, group
-        return _own_rows(x, counts, group).contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, ctx.counts, ctx.group), None, None
-
-
-class _GatherReplicatedRows(torch.autograd.Function):
-    """Forward: all-gather rows into a tensor every rank then holds alike. Backward: this
-    rank's rows of the (identical) gradient."""
-
-    @staticmethod
-    def forward(ctx, x, counts, group):
-        ctx.counts, ctx.group = counts, group
-        return _gather(x, counts, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _own_rows(grad, ctx.counts, ctx.group).contiguous(), None, None
+def _rows(x, counts, group, forward_op, backward_op):
+    if _size(group) == 1:
+        return x
+    return _RowCollective.apply(x, list(counts), group, forward_op, backward_op)
 
 
 def all_to_all(x, output_splits, input_splits, group):
@@ -138,30 +104,22 @@ def all_to_all(x, output_splits, input_splits, group):
 
 def gather_rows(x, counts, group):
     """[counts[rank], h] -> [sum(counts), h]; backward sums the gradients over ``group``."""
-    if _size(group) == 1:
-        return x
-    return _GatherRows.apply(x, list(counts), group)
+    return _rows(x, counts, group, _gather, _reduce_scatter)
 
 
 def reduce_scatter_rows(x, counts, group):
     """[sum(counts), h] partial on each rank -> this rank's [counts[rank], h] of the sum."""
-    if _size(group) == 1:
-        return x
-    return _ReduceScatterRows.apply(x, list(counts), group)
+    return _rows(x, counts, group, _reduce_scatter, _gather)
 
 
 def split_rows(x, counts, group):
     """This rank's ``counts[rank]`` rows of ``x`` [sum(counts), h], held alike by every rank."""
-    if _size(group) == 1:
-        return x
-    return _SplitRows.apply(x, list(counts), group)
+    return _rows(x, counts, group, _own_rows, _gather)
 
 
 def gather_replicated_rows(x, counts, group):
     """Inverse of :func:`split_rows`: every rank's rows, in rank order, on every rank."""
-    if _size(group) == 1:
-        return x
-    return _GatherReplicatedRows.apply(x, list(counts), group)
+    return _rows(x, counts, group, _gather, _own_rows)
 
 
 def all_gather_counts(counts, group):
