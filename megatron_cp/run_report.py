@@ -76,19 +76,25 @@ def count_parameters(model_chunks, state):
     """Parameter counts: ``(rows, total)``, with ``rows`` one ``(tp_rank, pp_rank, count)`` per
     model-parallel rank (all of this rank's chunks) and ``total`` the whole model's, each
     parameter counted once (TP-replicated ones on TP rank 0, the tied embedding on the first
-    stage; the rule of the grad norm). A collective over the model-parallel (TP x PP) group:
-    every rank calls it. Expert parallelism is not counted beyond this group."""
+    stage; the rule of the grad norm), expert parameters summed over the EP x ETP ranks of
+    every stage. A collective over the model-parallel (TP x PP) and expert groups: every
+    rank calls it."""
     params = list({id(p): p for chunk in model_chunks for p in chunk.parameters()}.values())
     local = sum(p.numel() for p in params)
-    owned = sum(p.numel() for p in params if counted_here(p, state))
-    mine = torch.tensor([state.rank("tp"), state.rank("pp"), local, owned], dtype=torch.long,
+    owned = [sum(p.numel() for p in params if counted_here(p, state)
+                 and bool(getattr(p, "is_expert", False)) == expert) for expert in (False, True)]
+    mine = torch.tensor([state.rank("tp"), state.rank("pp"), local, owned[0]], dtype=torch.long,
                         device=state.device)
     gathered = [mine]
     if state.size("mp") > 1:
         gathered = [torch.empty_like(mine) for _ in range(state.size("mp"))]
         dist.all_gather(gathered, mine, group=state.group("mp"))
+    experts = torch.tensor([owned[1]], dtype=torch.long, device=state.device)
+    for name in ("ep", "etp", "pp"):
+        if state.size(name) > 1:
+            dist.all_reduce(experts, group=state.group(name))
     rows = sorted((int(t[0]), int(t[1]), int(t[2])) for t in gathered)
-    return rows, sum(int(t[3]) for t in gathered)
+    return rows, sum(int(t[3]) for t in gathered) + int(experts.item())
 
 
 def format_parameter_counts(rows, total):
