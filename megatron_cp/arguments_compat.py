@@ -143,6 +143,16 @@ COMPAT_FLAGS = (
                "autograd function computed in fp32"),
     CompatFlag("--calculate-per-token-loss", SAME, "the loss is already the token-weighted mean "
                "over the whole global batch (all microbatches and DP x CP ranks)"),
+    CompatFlag("--moe-grouped-gemm", SAME, "the local experts always run in one grouped matmul "
+               "(torch.nn.functional.grouped_mm) where torch supports the case, else a loop"),
+    CompatFlag("--moe-use-legacy-grouped-gemm", SAME, "the local experts always run in one "
+               "grouped matmul (torch.nn.functional.grouped_mm) where torch supports the case"),
+    CompatFlag("--moe-permute-fusion", SAME, "tokens are permuted with plain index ops; no "
+               "fused permute kernel is used"),
+    CompatFlag("--moe-router-fusion", SAME, "the router's top-k and softmax/sigmoid are plain "
+               "PyTorch ops"),
+    CompatFlag("--moe-shared-expert-overlap", SAME, "the shared expert runs after the routed "
+               "experts, not overlapped with their dispatch"),
     # --- refused ---
     CompatFlag("--no-position-embedding", REFUSE, "the model needs a position embedding; use "
                "--position-embedding-type rope (rotary, no learned table)"),
