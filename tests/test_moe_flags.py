@@ -103,3 +103,30 @@ def test_kv_cache_through_moe_layers():
         pieces = cached_chunk_forward(model, tokens[:, 5:], positions[:, 5:], None, cache.layers[0])
         whole = model(tokens, positions)  # [s, b, v]
     torch.testing.assert_close(pieces, whole[-1:], rtol=1e-5, atol=1e-5)  # the last position
+
+
+def _expert_bias_after_steps(rank, world, argv, steps):
+    from megatron_cp import moe
+    from megatron_cp.training import Trainer, build_parallel_state
+    args = parse_args(argv.split(), world_size=world)
+    trainer = Trainer(args, build_parallel_state(args, torch.device("cpu")))
+    trainer.build_iterators()
+    (_, layer), = moe.moe_layers(trainer.model_chunks)
+    before = layer.router.weight.detach().clone()
+    for _ in range(steps):
+        trainer.train_step()
+    names = [n for n, _ in trainer.model.module.named_parameters()]
+    saved = "decoder.layers.1.mlp.router.expert_bias" in trainer.model.module.state_dict()
+    return (layer.router.expert_bias.clone(), saved, names,
+            not torch.equal(before, layer.router.weight.detach()))
+
+
+def test_expert_bias_moves_once_per_global_batch_and_is_not_trained():
+    argv = (f"{BASE} --moe-layer-freq ([0]+[1]) --moe-router-score-function sigmoid "
+            f"--moe-router-enable-expert-bias --moe-router-bias-update-rate 0.25 --log-interval 100")
+    bias, saved, names, router_trained = run_workers(_expert_bias_after_steps, 1, argv, 3)[0]
+    # three updates of +-0.25 each (sign of mean count - count; 0 when exactly even)
+    assert bias.abs().max() > 0 and bias.abs().max() <= 0.75
+    assert torch.equal(bias * 4, (bias * 4).round())
+    assert saved  # in the state dict: checkpoints keep it
+    assert not any("expert_bias" in n for n in names) and router_trained  # a buffer, not a param

@@ -1,26 +1,35 @@
 """Hugging Face export and import: the layout a checkpoint maps to, and the folder as a whole.
 
-The export picks the layout from the checkpoint's arguments: Llama-style models (RMSNorm,
-SwiGLU, RoPE, no biases) become ``LlamaForCausalLM`` (tools/hf_llama.py), Megatron's default
-architecture (LayerNorm, GELU, learned absolute positions, biases) ``GPT2LMHeadModel``
-(tools/hf_gpt2.py); the tokenizer files travel along (tools/hf_tokenizer.py). The import
-picks the layout from ``config.json``'s ``model_type``.
+The export picks the layout from the checkpoint's arguments: MoE models (``--num-experts``)
+become ``MixtralForCausalLM`` (tools/hf_mixtral.py: Llama-style with every MLP an MoE block),
+and only that; dense Llama-style models (RMSNorm, SwiGLU, RoPE, no biases)
+``LlamaForCausalLM`` (tools/hf_llama.py), Megatron's default architecture (LayerNorm, GELU,
+learned absolute positions, biases) ``GPT2LMHeadModel`` (tools/hf_gpt2.py); the tokenizer
+files travel along (tools/hf_tokenizer.py). The import picks the layout from
+``config.json``'s ``model_type``.
 """
-from tools import hf_gpt2, hf_llama
+from tools import hf_gpt2, hf_llama, hf_mixtral
 from tools.hf_io import read_config
 
-LAYOUTS = {"llama": (hf_llama, "LlamaForCausalLM"), "gpt2": (hf_gpt2, "GPT2LMHeadModel")}
+LAYOUTS = {"mixtral": (hf_mixtral, "MixtralForCausalLM"), "llama": (hf_llama, "LlamaForCausalLM"),
+           "gpt2": (hf_gpt2, "GPT2LMHeadModel")}
 SIGNATURE = ("normalization", "swiglu", "disable_bias_linear", "position_embedding_type")
 
 
 def pick_layout(args):
-    """``"llama"`` or ``"gpt2"``: the Hugging Face layout the checkpoint's arguments describe."""
-    for name, (module, _) in LAYOUTS.items():
+    """The Hugging Face layout (a key of LAYOUTS) the checkpoint's arguments describe. An MoE
+    checkpoint maps onto Mixtral only (ValueError naming each setting Mixtral cannot express);
+    a dense one onto Llama or GPT-2."""
+    if args.get("num_experts"):
+        hf_mixtral.check_args(args)
+        return "mixtral"
+    dense = {name: entry for name, entry in LAYOUTS.items() if name != "mixtral"}
+    for name, (module, _) in dense.items():
         if all(args.get(key) == value for key, value in module.REQUIRED.items()):
             return name
     have = ", ".join(f"{key}={args.get(key)!r}" for key in SIGNATURE)
     wants = "; ".join(f"{cls} needs " + ", ".join(f"{k}={v!r}" for k, v in module.REQUIRED.items())
-                      for module, cls in LAYOUTS.values())
+                      for module, cls in dense.values())
     raise ValueError(f"the checkpoint ({have}) maps onto no Hugging Face layout: {wants}")
 
 
@@ -44,5 +53,7 @@ def import_hf(hf_dir, accept_tanh_gelu=False):
         return hf_gpt2.from_hf(hf_dir, accept_tanh_gelu=accept_tanh_gelu)
     if model_type == "llama":
         return hf_llama.from_hf(hf_dir)
+    if model_type == "mixtral":
+        return hf_mixtral.from_hf(hf_dir)
     raise ValueError(f"{hf_dir}: model_type {model_type!r} has no import; megatron_cp reads "
-                     f"{' and '.join(LAYOUTS)} folders")
+                     f"{', '.join(LAYOUTS)} folders")

@@ -142,7 +142,7 @@ class GPTConfig:
     num_moe_experts: int = setting(0, flag="--num-experts", cli_default=None, shapes=True,
                                    group="moe", help="Number of MoE experts (0: a dense model).")
     moe_ffn_hidden_size: int | None = setting(
-        None, shapes=True, group="moe", help="Hidden size of each routed expert (default "
+        None, shapes=True, fill_arg=True, group="moe", help="Hidden size of each routed expert (default "
         "--ffn-hidden-size).")
     moe_layer_freq: str = setting(
         "1", shapes=True, group="moe",
