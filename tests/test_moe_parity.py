@@ -1,5 +1,6 @@
 """Every MoE layout equals one process: 10 training steps, relative difference <= 1e-5 of the
-LM loss AND of the logged balancing and z-losses (fp32, CPU).
+LM loss, of the logged balancing and z-losses and of the gradient norm (every expert parameter
+counted once) (fp32, CPU).
 
 References: Megatron-LM's defaults (learned absolute positions, tied embeddings, LayerNorm +
 GeLU with biases, NullTokenizer --vocab-size 512, padded by TP) with the default allgather
@@ -69,7 +70,8 @@ LAYOUTS = {
 
 
 def _train(rank, world, argv, steps=10):
-    """Train ``steps`` iterations; per step: (lm loss, summed balancing loss, summed z-loss)."""
+    """Train ``steps`` iterations; per step: (lm loss, summed balancing loss, summed z-loss,
+    gradient norm)."""
     import torch
 
     from megatron_cp import moe
@@ -82,10 +84,10 @@ def _train(rank, world, argv, steps=10):
     trainer.build_iterators()
     out = []
     for _ in range(steps):
-        loss, _, _ = trainer.train_step()
+        loss, grad_norm, _ = trainer.train_step()
         aux, z, _ = moe.take_stats(trainer.model_chunks, trainer.state, trainer.config.num_layers,
                                    trainer.config.num_moe_experts)
-        out.append((loss, aux.sum().item(), z.sum().item()))
+        out.append((loss, aux.sum().item(), z.sum().item(), grad_norm))
     return out
 
 
@@ -99,7 +101,7 @@ def references():
 
 
 def _check(name, curves, reference):
-    for column, what in enumerate(("lm loss", "balancing loss", "z-loss")):
+    for column, what in enumerate(("lm loss", "balancing loss", "z-loss", "grad norm")):
         got, want = [step[column] for step in curves], [step[column] for step in reference]
         assert min(abs(v) for v in want) > 0, f"{name}: the reference {what} is zero"
         diff = max_rel_diff(got, want)

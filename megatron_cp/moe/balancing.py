@@ -90,7 +90,8 @@ def aux_loss(kind, scores, routing_map, weights, *, topk, coeff, token_groups, d
 def z_loss(logits, weights, *, coeff, token_groups):
     """The router z-loss of one microbatch: ``coeff * sum_t w_t lse_t^2 / N`` with the sums
     over the whole microbatch. Returns ``(local, value)`` as :func:`aux_loss`."""
-    lse2 = torch.logsumexp(logits.float(), dim=-1).pow(2)  # [T]
+    lse2 = torch.logsumexp(logits.to(torch.promote_types(logits.dtype, torch.float32)),
+                           dim=-1).pow(2)  # [T]
     w = weights.to(lse2.dtype)
     z_local = (w * lse2).sum()
     stats = _sum_over(torch.stack([z_local.detach(), w.sum()]), token_groups)

@@ -9,6 +9,11 @@ import math
 import torch
 
 
+def _at_least_fp32(tensor):
+    """The dtype scores are computed in: fp32, or fp64 under --moe-router-dtype fp64."""
+    return torch.promote_types(tensor.dtype, torch.float32)
+
+
 def group_limited_topk(scores, topk, num_groups, group_topk):
     """DeepSeek's node-limited top-k: each group of E/num_groups experts is scored by the sum
     of its top (topk / group_topk) scores, the best ``group_topk`` groups are kept and the
@@ -39,13 +44,13 @@ def topk_routing(logits, topk, score_function="softmax", pre_softmax=False, scal
     """
     if score_function == "softmax":
         if pre_softmax:
-            scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
+            scores = torch.softmax(logits, dim=-1, dtype=_at_least_fp32(logits)).type_as(logits)
             chosen, indices = _topk(scores, topk, num_groups, group_topk)
         else:
             top_logits, indices = _topk(logits, topk, num_groups, group_topk)
-            chosen = torch.softmax(top_logits, dim=-1, dtype=torch.float32).type_as(logits)
+            chosen = torch.softmax(top_logits, dim=-1, dtype=_at_least_fp32(logits)).type_as(logits)
     elif score_function == "sigmoid":
-        scores = torch.sigmoid(logits.float()).type_as(logits)
+        scores = torch.sigmoid(logits.to(_at_least_fp32(logits))).type_as(logits)
         if expert_bias is not None:
             _, indices = _topk(scores + expert_bias.to(scores.dtype), topk, num_groups, group_topk)
             chosen = scores.gather(1, indices)
@@ -66,8 +71,8 @@ def scores_for_balancing(logits, score_function):
     """The per-expert scores the balancing loss averages, [T, E]: the softmax over all
     experts, or the sigmoid scores normalised over all experts."""
     if score_function == "softmax":
-        return torch.softmax(logits, dim=-1, dtype=torch.float32)
-    scores = torch.sigmoid(logits.float())
+        return torch.softmax(logits, dim=-1, dtype=_at_least_fp32(logits))
+    scores = torch.sigmoid(logits.to(_at_least_fp32(logits)))
     return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
 
 
