@@ -14,7 +14,8 @@ from megatron_cp.model.attention import SelfAttention
 from megatron_cp.model.compile_layers import compile_layer
 from megatron_cp.model.fused import build_norm
 from megatron_cp.model.mlp import MLP
-from megatron_cp.moe.layer import MoELayer
+# a module reference: megatron_cp.moe.layer imports the MLP from this package (import cycle)
+import megatron_cp.moe.layer as moe_layer
 
 
 def dropout(x, p, training, sequence_parallel, rng_tracker):
@@ -53,7 +54,7 @@ class TransformerLayer(torch.nn.Module):
         self.pre_mlp_layernorm = norm()
         self.is_moe = config.moe_layer_pattern()[layer_number]
         if self.is_moe:
-            self.mlp = MoELayer(config, prefix + ".mlp", state, rng_tracker, device)
+            self.mlp = moe_layer.MoELayer(config, prefix + ".mlp", state, rng_tracker, device)
         else:
             self.mlp = MLP(config, prefix + ".mlp", tp_group, device)
         mark_sequence_parallel(self.input_layernorm, config.sequence_parallel)

@@ -42,8 +42,10 @@ def grouped_linear(x, weight, counts, bias=None, expert_ids=None):
         offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)  # [E]
         out = F.grouped_mm(x.contiguous(), weight.transpose(-2, -1), offs=offsets)  # [N, out]
     else:
-        parts = x.split(list(counts))
-        out = torch.cat([F.linear(part, weight[e]) for e, part in enumerate(parts)])  # [N, out]
+        # unbind: one view per expert (indexing weight[e] in the loop would give every
+        # expert's backward a whole [E, out, in] gradient to sum)
+        out = torch.cat([F.linear(part, w) for w, part in zip(weight.unbind(0),
+                                                              x.split(list(counts)))])  # [N, out]
     if bias is not None:
         out = out + bias[expert_ids]
     return out
