@@ -69,7 +69,6 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from bench_common import add_output_argument, min_thread_time, verdict, write_json  # noqa: E402
 from megatron_cp import device as device_mod  # noqa: E402

@@ -2,24 +2,40 @@
 dispatch to ``--ckpt-format torch_dist`` (:mod:`megatron_cp.dist_checkpoint`), which loads
 into any parallel layout. ``--load`` reads either format, whatever ``--ckpt-format`` says.
 
-The torch format has one shard per model-parallel rank (Megatron's layout)::
+The torch format has one shard per (TP, PP, EP, ETP) rank combination (Megatron's layout)::
 
     <dir>/latest_checkpointed_iteration.txt          "20"
     <dir>/iter_0000020/mp_rank_00/model_optim_rng.pt         (PP = 1)
     <dir>/iter_0000020/mp_rank_01_003/model_optim_rng.pt     (TP rank 1, PP rank 3)
+    <dir>/iter_0000020/mp_rank_01_003_002/model_optim_rng.pt (... and EP rank 2, EP > 1)
+    <dir>/iter_0000020/mp_rank_00_001_etp01/...              (TP 0, EP 1, ETP rank 1)
     <dir>/iter_0000020/rng/rank_00005.pt                     (every rank's RNG states)
+
+Shard names (:func:`shard_name`): ``mp_rank_TT`` (TP rank), then ``_PPP`` (PP rank) when
+PP > 1, then ``_EEE`` (EP rank) when EP > 1, then ``_etpXX`` (ETP rank) when ETP > 1 and
+ETP != TP. The parts present follow from the saved sizes, so a name is unambiguous given
+the arguments (``_PPP`` and ``_EEE`` are both 3 digits, as in Megatron-LM). The ETP rank is
+left out when it is implied: with ETP = TP the expert mesh gives every rank ETP rank = TP
+rank, and with ETP = 1 it is 0. A dense model (no ``--num-experts``) names files by TP and
+PP only, whatever the expert sizes say. Each file holds everything its ranks hold: the
+dense params of its (TP, PP) rank and the experts of its (EP, ETP) rank, with the
+optimizer state of all of them. Which combinations exist depends on the sizes only, not
+on DP or CP (:func:`shard_names`): with TP = 2, EP = 2, ETP = 1 the expert mesh pairs TP
+rank t with EP rank t, so the files are ``mp_rank_00_000`` and ``mp_rank_01_001``.
 
 A save writes into ``iter_N.tmp`` and renames it to ``iter_N`` only when every rank has
 written; the tracker file is replaced last. A crash mid-save leaves the previous checkpoint
-and tracker untouched. Shards are written by the DP rank 0, CP rank 0 replica of each
-model-parallel rank (the others hold identical weights and optimizer states); with the
-distributed optimizer its shards are gathered to that rank first, so the file is the same
-with or without it and loads into either.
+and tracker untouched. Each file is written by the lowest global rank of its combination
+(the other ranks of it -- DP and CP replicas of the dense params, expert-DP replicas of the
+experts -- hold identical weights and optimizer states); with the distributed optimizer
+its shards (over DP x CP for dense params, over expert-DP for experts) are gathered first,
+so the file is the same with or without it and loads into either.
 
 Every file a load reads goes through :func:`load_file` / :func:`read_tracker`: a truncated or
 corrupted file (or a tracker naming a missing iteration) is a ValueError naming the file and
 the way out (an earlier checkpoint, listed), never an unpickling or zip traceback.
 """
+import math
 import os
 import random
 import re
@@ -39,7 +55,9 @@ TRACKER = "latest_checkpointed_iteration.txt"
 # are how the layers and their shards are spread over the files.
 LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
-               "decoder_last_pipeline_num_layers")
+               "decoder_last_pipeline_num_layers", "expert_model_parallel_size",
+               "expert_tensor_parallel_size")
+EXPERT_LAYOUT_ARGS = ("expert_model_parallel_size", "expert_tensor_parallel_size")
 MODEL_ONLY_ARGS = checkpoint_args(GPTConfig)
 MODEL_ARGS = MODEL_ONLY_ARGS + LAYOUT_ARGS
 
@@ -48,8 +66,73 @@ def iteration_dir(root, iteration):
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def shard_name(tp_rank, pp_rank, pp_size):
-    return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+def shard_name(tp_rank, pp_rank, pp_size, ep_rank=0, ep_size=1, etp_rank=0, etp_in_name=False):
+    """The folder of one torch-format shard (the scheme is in the module docstring)."""
+    name = f"mp_rank_{tp_rank:02d}"
+    if pp_size > 1:
+        name += f"_{pp_rank:03d}"
+    if ep_size > 1:
+        name += f"_{ep_rank:03d}"
+    if etp_in_name:
+        name += f"_etp{etp_rank:02d}"
+    return name
+
+
+def file_layout(args):
+    """``(TP, PP, EP, ETP)`` sizes that name the files of a run with ``args`` (a namespace
+    or the saved dict): a dense model has EP 1 and ETP = TP, whatever the flags say."""
+    values = args if isinstance(args, dict) else vars(args)
+    tp, pp = values["tensor_model_parallel_size"], values["pipeline_model_parallel_size"]
+    if not values.get("num_experts"):
+        return tp, pp, 1, tp
+    return (tp, pp, values.get("expert_model_parallel_size") or 1,
+            values.get("expert_tensor_parallel_size") or tp)
+
+
+def shard_names(tp, pp, ep=1, etp=None):
+    """``{(tp rank, pp rank, ep rank, etp rank): shard folder name}`` of every combination
+    that exists under these sizes. Inside a stage, rank ``i`` (in rank order over DP x CP x
+    TP) has TP rank ``i % TP``, ETP rank ``i % ETP`` and EP rank ``(i // ETP) % EP``
+    (initialize.rank_layout), which repeats with period lcm(TP, EP x ETP): every stage size
+    that the sizes allow holds the same combinations."""
+    etp = tp if etp is None else etp
+    combos = sorted({(i % tp, (i // etp) % ep, i % etp) for i in range(math.lcm(tp, ep * etp))})
+    in_name = etp > 1 and etp != tp
+    return {(t, p, e, x): shard_name(t, p, pp, e, ep, x, in_name)
+            for p in range(pp) for t, e, x in combos}
+
+
+def _shard_coords(sizes, tp_rank, pp_rank, ep_rank, etp_rank):
+    """A rank's key in :func:`shard_names` (EP / ETP ranks that the sizes imply are folded)."""
+    tp, _, ep, etp = sizes
+    etp_key = tp_rank if etp == tp else etp_rank if etp > 1 else 0
+    return tp_rank, pp_rank, ep_rank if ep > 1 else 0, etp_key
+
+
+def own_shard_name(state, args):
+    """The shard folder this rank's state goes to (and loads from)."""
+    sizes = file_layout(args)
+    key = _shard_coords(sizes, state.rank("tp"), state.rank("pp"), state.rank("ep"),
+                        state.rank("etp"))
+    names = shard_names(*sizes)
+    assert key in names, (key, sorted(names))
+    return names[key]
+
+
+def is_shard_writer(state, args):
+    """True on the lowest global rank of this rank's shard combination: the one that writes
+    it (every rank of a combination holds the same weights and optimizer state)."""
+    sizes, names = file_layout(args), ("tp", "pp", "ep", "etp")
+    group_rank = {name: {} for name in names}  # {group name: {global rank: rank in group}}
+    for name in names:
+        for ranks in state.layout[name]:
+            group_rank[name].update((rank, i) for i, rank in enumerate(ranks))
+
+    def key(rank):
+        return _shard_coords(sizes, *(group_rank[name][rank] for name in names))
+
+    mine = key(state.global_rank)
+    return next(r for r in range(state.world_size) if key(r) == mine) == state.global_rank
 
 
 def _atomic_torch_save(obj, path):
@@ -105,8 +188,8 @@ def save_checkpoint(trainer, root):
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
     dist.barrier()
-    if st.rank("dp") == 0 and st.rank("cp") == 0:
-        shard = os.path.join(tmp, shard_name(st.rank("tp"), st.rank("pp"), st.size("pp")))
+    if is_shard_writer(st, args):
+        shard = os.path.join(tmp, own_shard_name(st, args))
         os.makedirs(shard, exist_ok=True)
         args = {k: v for k, v in vars(trainer.args).items() if _plain(v)}
         args["params_dtype"] = str(trainer.args.params_dtype)
@@ -230,8 +313,9 @@ def latest_first_shard(root):
     folder = iteration_dir(root, it)
     if os.path.exists(os.path.join(folder, ".metadata")):
         return os.path.join(folder, "common.pt")
-    for pp_size in (1, 2):  # mp_rank_00 without PP, mp_rank_00_000 with
-        path = os.path.join(folder, shard_name(0, 0, pp_size), "model_optim_rng.pt")
+    # mp_rank_00, mp_rank_00_000 or mp_rank_00_000_000 (PP, EP) sort first
+    for name in sorted(n for n in os.listdir(folder) if n.startswith("mp_rank_")):
+        path = os.path.join(folder, name, "model_optim_rng.pt")
         if os.path.exists(path):
             return path
     raise ValueError(f"{folder} holds no mp_rank_00 shard: not a megatron_cp checkpoint, or a "
@@ -247,14 +331,29 @@ def saved_args(root):
     return load_file(path, root, read_tracker(root), keys=("args",))["args"]
 
 
+def _target_flag(name):
+    """The tools/checkpoint_convert.py flag that sets layout argument ``name``."""
+    short = {"tensor_model_parallel_size": "tensor_parallel_size",
+             "pipeline_model_parallel_size": "pipeline_parallel_size"}.get(name, name)
+    return "--target-" + short.replace("_", "-")
+
+
 def check_args_match(saved, args, names=MODEL_ARGS):
-    """Refuse a checkpoint whose model arguments (``names``) differ, naming every mismatch."""
+    """Refuse a checkpoint whose model arguments (``names``) differ, naming every mismatch;
+    when only the parallel layout differs, name the conversion that fixes it."""
     current = dict(vars(args), params_dtype=str(args.params_dtype))
-    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}"
-             for k in names if k in saved and saved.get(k) != current.get(k)]
-    if diffs:
-        raise ValueError("checkpoint was saved with other model arguments: " + "; ".join(diffs) +
-                         ". Use the same arguments, or convert it with tools/checkpoint_convert.py")
+    skip = () if saved.get("num_experts") else EXPERT_LAYOUT_ARGS  # no experts: no expert layout
+    differ = [k for k in names if k in saved and k not in skip and saved.get(k) != current.get(k)]
+    diffs = "; ".join(f"{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}" for k in differ)
+    if any(k not in LAYOUT_ARGS for k in differ):
+        raise ValueError(f"checkpoint was saved with other model arguments: {diffs}. Use the same "
+                         f"arguments, or convert it with tools/checkpoint_convert.py")
+    if differ:
+        flags = " ".join(f"{_target_flag(k)} {current[k]}" for k in differ
+                         if current.get(k) is not None)  # None: leave the flag out
+        raise ValueError(f"checkpoint was saved under another parallel layout ({diffs}): resume "
+                         f"with that layout, or convert it with tools/checkpoint_convert.py "
+                         f"{flags}")
 
 
 def load_checkpoint(trainer, root):
@@ -271,11 +370,12 @@ def load_checkpoint(trainer, root):
     if os.path.exists(os.path.join(iteration_dir(root, it), ".metadata")):
         from megatron_cp.dist_checkpoint import torch_dist
         return torch_dist.load(trainer, root, it)
-    path = os.path.join(iteration_dir(root, it), shard_name(st.rank("tp"), st.rank("pp"),
-                                                            st.size("pp")), "model_optim_rng.pt")
+    path = os.path.join(iteration_dir(root, it), own_shard_name(st, args), "model_optim_rng.pt")
     if not os.path.exists(path):
-        raise ValueError(f"checkpoint shard {path} is missing: was it saved with another TP/PP "
-                         f"layout? Convert it with tools/checkpoint_convert.py")
+        first = latest_first_shard(root)  # another layout names its files otherwise: say which
+        check_args_match(load_file(first, root, it, keys=("args",))["args"], args)
+        raise ValueError(f"checkpoint shard {path} is missing: was it saved with another "
+                         f"TP/PP/EP layout? Convert it with tools/checkpoint_convert.py")
     payload = load_file(path, root, it, trainer.device,
                         keys=("args", "iteration", "consumed_samples"))
     check_args_match(payload["args"], args)

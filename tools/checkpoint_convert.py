@@ -8,17 +8,24 @@
     # TP=2, PP=1 torch checkpoint -> TP=1, PP=2 (weights only: the optimizer starts fresh)
     python tools/checkpoint_convert.py --load-dir ck --save-dir ck_pp2 \
         --target-tensor-parallel-size 1 --target-pipeline-parallel-size 2
+    # an MoE checkpoint saved at EP=2 -> EP=4 with the experts' hidden size over 2 ranks
+    python tools/checkpoint_convert.py --load-dir ck --save-dir ck_ep4 \
+        --target-expert-model-parallel-size 4 --target-expert-tensor-parallel-size 2
     # to a Hugging Face folder with the tokenizer files: LlamaForCausalLM for RMSNorm + SwiGLU +
-    # RoPE + no biases, GPT2LMHeadModel for Megatron's defaults (LayerNorm, GELU, learned
-    # positions, biases); the checkpoint's arguments say which
+    # RoPE + no biases, MixtralForCausalLM for the same with MoE layers, GPT2LMHeadModel for
+    # Megatron's defaults (LayerNorm, GELU, learned positions, biases); the checkpoint's
+    # arguments say which
     python tools/checkpoint_convert.py --load-dir ck --to-hf hf_out
-    # from a Hugging Face Llama or GPT-2 folder (config.json's model_type) to a checkpoint
+    # from a Hugging Face Llama, Mixtral or GPT-2 folder (config.json's model_type) to a checkpoint
     python tools/checkpoint_convert.py --from-hf hf_out --save-dir ck2 --target-tensor-parallel-size 2
 
 The input format is detected. The full (unsharded) model is assembled on CPU under
 canonical names (``decoder.layers.<global layer>...``), with the real vocabulary rows only,
-then written for the target: split for a TP/PP layout with the same split the layers use at
-init (torch), or in the canonical form any layout loads (torch_dist, no layout to choose).
+then written for the target: split for a TP/PP/EP/ETP layout with the same split the layers
+use at init (torch), or in the canonical form any layout loads (torch_dist, no layout to
+choose). MoE experts are assembled whole, ``mlp.experts.linear_fc1.weight`` as
+``[E, ffn (x2), h]`` (every file of every EP and ETP rank read), as a one-process model
+holds them, and split over EP (the expert dim) and ETP for the target.
 torch -> torch resharding writes weights only (``converted: True``): the optimizer and RNG
 start fresh, at the saved iteration, samples and learning rate. A conversion from or to
 torch_dist carries the optimizer state too; RNG states follow when the layout is unchanged.
@@ -45,12 +52,28 @@ VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")  # [pad
 KINDS = ("exp_avg", "exp_avg_sq", "main_param")
 
 
+def is_expert(name):
+    """True for a routed expert's param (``mlp.experts.``; not the shared experts):
+    ``[E, ...]``, split over EP along dim 0 and over ETP by :func:`tp_spec`."""
+    return ".mlp.experts." in name or name.startswith("mlp.experts.")
+
+
+def is_buffer(name):
+    """True for a state-dict entry that is a buffer, not a param (no optimizer state)."""
+    return name.endswith("router.expert_bias")
+
+
 def tp_spec(name, swiglu):
     """(partition_dim, stride) of a TP-sharded parameter name, or None when replicated.
 
     Mirrors the layers: column-parallel weights split dim 0 (SwiGLU's fc1 stacks gate and up,
     stride 2), row-parallel weights dim 1, the vocab-parallel embedding and output dim 0.
+    Expert params (``[E, ...]``) are split over ETP the same way one dim further in.
     """
+    if is_expert(name):
+        if name.endswith(("linear_fc1.weight", "linear_fc1.bias")):
+            return 1, 2 if swiglu else 1
+        return (2, 1) if name.endswith("linear_fc2.weight") else None
     if name.endswith(("word_embeddings.weight", "output_layer.weight")):
         return 0, 1
     if name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
@@ -75,7 +98,8 @@ def param_order(states):
     decay, no_decay = [], []
     for c, state in enumerate(states):
         for name, tensor in state.items():
-            (no_decay if no_weight_decay(name, tensor.dim()) else decay).append((c, name))
+            if not is_buffer(name):
+                (no_decay if no_weight_decay(name, tensor.dim()) else decay).append((c, name))
     return decay + no_decay, [len(g) for g in (decay, no_decay) if g]
 
 
@@ -84,15 +108,21 @@ def _global_name(name, layers):
     return f"decoder.layers.{layers[int(m.group(1))]}.{m.group(2)}" if m else name
 
 
-def _merge(shards, args, tp):
-    """Full tensors (real vocabulary rows) from {name: {tp rank: shard}}."""
+def _merge(shards, args, sizes):
+    """Full tensors (real vocabulary rows) from {name: {tp rank: shard}}, experts from
+    {name: {(ep rank, etp rank): shard}}; ``sizes``: the source's (TP, PP, EP, ETP)."""
     tied = not args["untie_embeddings_and_output_weights"]
     true_vocab = args.get("true_vocab_size")
+    tp, _, ep, etp = sizes
     full = {}
     for name, per_rank in shards.items():
         if tied and name == "output_layer.weight":
             continue  # the last stage's copy of the tied embedding
         spec = tp_spec(name, args["swiglu"])
+        if is_expert(name):  # [E/ep, ...] per EP rank, each split over ETP
+            parts = [[per_rank[(e, t)] for t in range(etp)] for e in range(ep)]
+            full[name] = torch.cat([merge_shards(p, *spec) if spec else p[0] for p in parts])
+            continue
         parts = [per_rank[r] for r in range(tp)]
         full[name] = merge_shards(parts, *spec) if spec else parts[0]
         if name in VOCAB_ROWS and true_vocab:  # the padding depends on the TP size
@@ -102,44 +132,50 @@ def _merge(shards, args, tp):
 
 def _load_torch(load_dir, it):
     root = checkpointing.iteration_dir(load_dir, it)
-    first = torch.load(checkpointing.latest_first_shard(load_dir), map_location="cpu",
-                       weights_only=False)
+    first = checkpointing.load_file(checkpointing.latest_first_shard(load_dir), load_dir, it,
+                                    keys=("args",))
     args = first["args"]
-    tp, pp = args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"]
+    sizes = checkpointing.file_layout(args)
     weights, moments, groups = {}, {kind: {} for kind in KINDS}, None
     meta = {"iteration": first["iteration"], "consumed_samples": first["consumed_samples"]}
-    for pp_rank in range(pp):
-        for tp_rank in range(tp):
-            path = os.path.join(root, checkpointing.shard_name(tp_rank, pp_rank, pp), "model_optim_rng.pt")
-            payload = torch.load(path, map_location="cpu", weights_only=False)
-            states = _chunk_states(payload)
-            for state, layers in zip(states, payload["layer_numbers"]):
-                for name, tensor in state.items():
-                    weights.setdefault(_global_name(name, layers), {})[tp_rank] = tensor
-            opt = payload.get("optimizer")
-            if opt is None or payload.get("converted"):
-                continue
-            order, _ = param_order(states)
-            for i, (c, name) in enumerate(order):
-                canon = _global_name(name, payload["layer_numbers"][c])
-                per_param = opt["optimizer"]["state"].get(i)
-                if per_param is not None:
-                    for kind in ("exp_avg", "exp_avg_sq"):
-                        moments[kind].setdefault(canon, {})[tp_rank] = per_param[kind]
-                    meta["adam_step"] = float(per_param["step"])
-                if opt["main_params"]:
-                    moments["main_param"].setdefault(canon, {})[tp_rank] = opt["main_params"][i]
-            groups = [{k: v for k, v in g.items() if k != "params"}
-                      for g in opt["optimizer"]["param_groups"]]
-            meta.update(opt_param_scheduler=payload["opt_param_scheduler"],
-                        grad_scaler=opt.get("grad_scaler"),
-                        num_skipped_iters=opt.get("num_skipped_iters", 0))
+    for (tp_rank, _, ep_rank, etp_rank), shard in checkpointing.shard_names(*sizes).items():
+        payload = checkpointing.load_file(os.path.join(root, shard, "model_optim_rng.pt"),
+                                          load_dir, it, keys=("layer_numbers",))
+
+        def key_of(name, expert_key=(ep_rank, etp_rank), tp_key=tp_rank):
+            # a dense param is the same in every file of its TP rank, an expert in every file
+            # of its (EP, ETP) rank: one copy per key
+            return expert_key if is_expert(name) else tp_key
+
+        states = _chunk_states(payload)
+        for state, layers in zip(states, payload["layer_numbers"]):
+            for name, tensor in state.items():
+                canon = _global_name(name, layers)
+                weights.setdefault(canon, {})[key_of(canon)] = tensor
+        opt = payload.get("optimizer")
+        if opt is None or payload.get("converted"):
+            continue
+        order, _ = param_order(states)
+        for i, (c, name) in enumerate(order):
+            canon = _global_name(name, payload["layer_numbers"][c])
+            per_param = opt["optimizer"]["state"].get(i)
+            if per_param is not None:
+                for kind in ("exp_avg", "exp_avg_sq"):
+                    moments[kind].setdefault(canon, {})[key_of(canon)] = per_param[kind]
+                meta["adam_step"] = float(per_param["step"])
+            if opt["main_params"]:
+                moments["main_param"].setdefault(canon, {})[key_of(canon)] = opt["main_params"][i]
+        groups = [{k: v for k, v in g.items() if k != "params"}
+                  for g in opt["optimizer"]["param_groups"]]
+        meta.update(opt_param_scheduler=payload["opt_param_scheduler"],
+                    grad_scaler=opt.get("grad_scaler"),
+                    num_skipped_iters=opt.get("num_skipped_iters", 0))
     if groups is not None:
-        meta["optimizer"] = {kind: _merge(per, args, tp) for kind, per in moments.items() if per}
+        meta["optimizer"] = {kind: _merge(per, args, sizes) for kind, per in moments.items() if per}
         meta["param_groups"] = groups
         meta.setdefault("adam_step", 0.0)
     meta.update(layout=layout_of(args), rng_from=root)
-    return _merge(weights, args, tp), args, meta
+    return _merge(weights, args, sizes), args, meta
 
 
 def _load_torch_dist(folder):
@@ -186,18 +222,26 @@ def pad_vocab_rows(full, args, tp):
     return out
 
 
-def _optimizer_payload(states, layer_numbers, optimizer, meta, args, tp, tp_rank):
+def _split(name, tensor, swiglu, sizes, coords):
+    """The shard of the full ``tensor`` that the target rank ``coords`` = (TP, PP, EP, ETP
+    rank) of the layout ``sizes`` = (TP, PP, EP, ETP) holds (a copy)."""
+    spec = tp_spec(name, swiglu)
+    size, rank = sizes[0], coords[0]
+    if is_expert(name):  # this EP rank's experts, then its ETP slice of them
+        tensor, size, rank = tensor.chunk(sizes[2])[coords[2]], sizes[3], coords[3]
+    return split_full(tensor, spec[0], spec[1], size, rank).clone() if spec else tensor.clone()
+
+
+def _optimizer_payload(states, layer_numbers, optimizer, meta, args, sizes, coords):
     """The MixedPrecisionOptimizer state dict of one target rank, from full moments."""
-    order, sizes = param_order(states)
+    order, sizes_of_groups = param_order(states)
     tied = not args["untie_embeddings_and_output_weights"]
 
     def shard(kind, c, name):
         canon = _global_name(name, layer_numbers[c])
         if tied and canon == "output_layer.weight":
             canon = "embedding.word_embeddings.weight"
-        spec = tp_spec(name, args["swiglu"])
-        value = optimizer[kind][canon]
-        return split_full(value, spec[0], spec[1], tp, tp_rank).clone() if spec else value.clone()
+        return _split(name, optimizer[kind][canon], args["swiglu"], sizes, coords)
 
     step = torch.tensor(meta["adam_step"], dtype=torch.float32)
     state = {} if not meta["adam_step"] else {
@@ -205,7 +249,7 @@ def _optimizer_payload(states, layer_numbers, optimizer, meta, args, tp, tp_rank
         for i, (c, n) in enumerate(order)}
     hyper = {g.get("wd_mult", 1.0): g for g in meta["param_groups"]}
     groups, start = [], 0
-    for size, wd_mult in zip(sizes, (1.0, 0.0) if len(sizes) == 2 else (None,)):
+    for size, wd_mult in zip(sizes_of_groups, (1.0, 0.0) if len(sizes_of_groups) == 2 else (None,)):
         group = hyper.get(wd_mult, meta["param_groups"][0])
         groups.append({**group, "params": list(range(start, start + size))})
         start += size
@@ -214,10 +258,30 @@ def _optimizer_payload(states, layer_numbers, optimizer, meta, args, tp, tp_rank
             "main_params": mains, "num_skipped_iters": meta["num_skipped_iters"]}
 
 
+def check_expert_layout(full, args, ep, etp):
+    """ValueError unless the experts of ``full`` split over ``ep`` EP and ``etp`` ETP ranks."""
+    experts = args.get("num_experts") or 0
+    fc2 = next((t for n, t in full.items() if is_expert(n) and n.endswith("linear_fc2.weight")), None)
+    if not experts or fc2 is None:
+        if ep > 1:
+            raise ValueError(f"--target-expert-model-parallel-size {ep} splits MoE experts, but "
+                             f"the checkpoint has none; leave it at 1")
+        return
+    if experts % ep:
+        raise ValueError(f"--target-expert-model-parallel-size {ep} must divide the number of "
+                         f"experts ({experts}); pick one of its divisors")
+    if fc2.shape[-1] % etp:
+        raise ValueError(f"--target-expert-tensor-parallel-size {etp} must divide the experts' "
+                         f"hidden size ({fc2.shape[-1]}); pick one of its divisors")
+
+
 def save_layout(full, args, meta, save_dir, tp, pp, vp_layers=None, first=None, last=None,
-                with_optimizer=False):
+                with_optimizer=False, ep=1, etp=None):
     """Write ``full`` as a torch-format checkpoint for TP=tp, PP=pp (optionally virtual
-    stages); ``with_optimizer`` also writes ``meta``'s optimizer state and schedule."""
+    stages), EP=ep and ETP=etp (default: tp) for MoE experts; ``with_optimizer`` also
+    writes ``meta``'s optimizer state and schedule."""
+    etp = tp if etp is None else etp
+    check_expert_layout(full, args, ep, etp)
     args = dict(args, true_vocab_size=args.get("true_vocab_size") or
                 full["embedding.word_embeddings.weight"].shape[0])
     full = pad_vocab_rows(full, args, tp)
@@ -231,51 +295,49 @@ def save_layout(full, args, meta, save_dir, tp, pp, vp_layers=None, first=None, 
     new_args = dict(args, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                     padded_vocab_size=full["embedding.word_embeddings.weight"].shape[0],
                     num_layers_per_virtual_pipeline_stage=vp_layers,
-                    decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last)
+                    decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last,
+                    expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     root = checkpointing.iteration_dir(save_dir, meta["iteration"])
     same_layout = optimizer is not None and layout_of(new_args) == meta.get("layout")
-    for pp_rank in range(pp):
+    sizes = checkpointing.file_layout(new_args)
+    for coords, shard_name in checkpointing.shard_names(*sizes).items():
+        pp_rank = coords[1]
         chunks = chunk_layer_numbers(num_layers, pp, pp_rank, vp, first, last)
-        for tp_rank in range(tp):
-            states = []
-            for c, layers in enumerate(chunks):
-                pre = pp_rank == 0 and c == 0
-                post = pp_rank == pp - 1 and c == len(chunks) - 1
-                wanted = {}
-                for name, tensor in full.items():
-                    m = LAYER.match(name)
-                    if m:
-                        if int(m.group(1)) in layers:
-                            wanted[f"decoder.layers.{layers.index(int(m.group(1)))}.{m.group(2)}"] = tensor
-                    elif name.startswith("embedding.") and pre:
-                        wanted[name] = tensor
-                    elif name.startswith(("final_layernorm.", "output_layer.")) and post:
-                        wanted[name] = tensor
-                if post and tied and not pre:  # the last stage's tied copy
-                    wanted["output_layer.weight"] = full["embedding.word_embeddings.weight"]
-                state = {}
-                for name, tensor in wanted.items():
-                    spec = tp_spec(name, args["swiglu"])
-                    state[name] = split_full(tensor, spec[0], spec[1], tp, tp_rank).clone() \
-                        if spec else tensor.clone()
-                states.append(state)
-            payload = {"iteration": meta["iteration"], "consumed_samples": meta["consumed_samples"],
-                       "args": new_args, "checkpoint_version": 3.0,
-                       "layer_numbers": [list(layers) for layers in chunks]}
-            if optimizer is None:
-                payload["converted"] = True
-            else:
-                payload.update(optimizer=_optimizer_payload(states, payload["layer_numbers"],
-                                                            optimizer, meta, args, tp, tp_rank),
-                               opt_param_scheduler=meta["opt_param_scheduler"],
-                               no_rng=not same_layout)
-            if len(states) == 1:
-                payload["model"] = states[0]
-            else:
-                payload.update({f"model{i}": s for i, s in enumerate(states)})
-            shard = os.path.join(root, checkpointing.shard_name(tp_rank, pp_rank, pp))
-            os.makedirs(shard, exist_ok=True)
-            checkpointing._atomic_torch_save(payload, os.path.join(shard, "model_optim_rng.pt"))
+        states = []
+        for c, layers in enumerate(chunks):
+            pre = pp_rank == 0 and c == 0
+            post = pp_rank == pp - 1 and c == len(chunks) - 1
+            wanted = {}
+            for name, tensor in full.items():
+                m = LAYER.match(name)
+                if m:
+                    if int(m.group(1)) in layers:
+                        wanted[f"decoder.layers.{layers.index(int(m.group(1)))}.{m.group(2)}"] = tensor
+                elif name.startswith("embedding.") and pre:
+                    wanted[name] = tensor
+                elif name.startswith(("final_layernorm.", "output_layer.")) and post:
+                    wanted[name] = tensor
+            if post and tied and not pre:  # the last stage's tied copy
+                wanted["output_layer.weight"] = full["embedding.word_embeddings.weight"]
+            states.append({name: _split(name, tensor, args["swiglu"], sizes, coords)
+                           for name, tensor in wanted.items()})
+        payload = {"iteration": meta["iteration"], "consumed_samples": meta["consumed_samples"],
+                   "args": new_args, "checkpoint_version": 3.0,
+                   "layer_numbers": [list(layers) for layers in chunks]}
+        if optimizer is None:
+            payload["converted"] = True
+        else:
+            payload.update(optimizer=_optimizer_payload(states, payload["layer_numbers"],
+                                                        optimizer, meta, args, sizes, coords),
+                           opt_param_scheduler=meta["opt_param_scheduler"],
+                           no_rng=not same_layout)
+        if len(states) == 1:
+            payload["model"] = states[0]
+        else:
+            payload.update({f"model{i}": s for i, s in enumerate(states)})
+        shard = os.path.join(root, shard_name)
+        os.makedirs(shard, exist_ok=True)
+        checkpointing._atomic_torch_save(payload, os.path.join(shard, "model_optim_rng.pt"))
     rng = os.path.join(meta.get("rng_from") or "", "rng")
     if same_layout and os.path.isdir(rng):
         shutil.copytree(rng, os.path.join(root, "rng"), dirs_exist_ok=True)
@@ -309,11 +371,11 @@ def save_torch_dist(full, args, meta, save_dir):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load-dir", help="megatron_cp checkpoint to read (torch or torch_dist)")
-    p.add_argument("--from-hf", help="Hugging Face Llama or GPT-2 folder to read instead")
+    p.add_argument("--from-hf", help="Hugging Face Llama, Mixtral or GPT-2 folder to read instead")
     p.add_argument("--save-dir", help="megatron_cp checkpoint to write")
     p.add_argument("--target-ckpt-format", choices=["torch", "torch_dist"], default="torch",
                    help="format of --save-dir (torch_dist: loads under any layout)")
-    p.add_argument("--to-hf", help="write a Hugging Face folder here (Llama or GPT-2, from the "
+    p.add_argument("--to-hf", help="write a Hugging Face folder here (Llama, Mixtral or GPT-2, from the "
                    "checkpoint's arguments), with the tokenizer files")
     p.add_argument("--hf-skip-tokenizer", action="store_true",
                    help="--to-hf without the tokenizer files (weights and config only)")
@@ -321,6 +383,10 @@ def main(argv=None):
                    help="--from-hf a GPT-2 with gelu_new (tanh GELU) into megatron_cp's exact GELU")
     p.add_argument("--target-tensor-parallel-size", type=int, default=1, help="TP of a torch output")
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1, help="PP of a torch output")
+    p.add_argument("--target-expert-model-parallel-size", type=int, default=1,
+                   help="EP of a torch output (MoE experts split over this many ranks)")
+    p.add_argument("--target-expert-tensor-parallel-size", type=int, default=None,
+                   help="ETP of a torch output (default: --target-tensor-parallel-size)")
     p.add_argument("--target-num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="virtual stages of the output (interleaved schedule)")
     p.add_argument("--target-decoder-first-pipeline-num-layers", type=int, default=None,
@@ -346,9 +412,11 @@ def main(argv=None):
         save_layout(full, args, meta, a.save_dir, a.target_tensor_parallel_size,
                     a.target_pipeline_parallel_size, a.target_num_layers_per_virtual_pipeline_stage,
                     a.target_decoder_first_pipeline_num_layers, a.target_decoder_last_pipeline_num_layers,
-                    with_optimizer=source_dist)
+                    with_optimizer=source_dist, ep=a.target_expert_model_parallel_size,
+                    etp=a.target_expert_tensor_parallel_size)
         print(f"wrote {a.save_dir} (TP={a.target_tensor_parallel_size}, "
-              f"PP={a.target_pipeline_parallel_size}) at iteration {meta['iteration']}")
+              f"PP={a.target_pipeline_parallel_size}, EP={a.target_expert_model_parallel_size}) "
+              f"at iteration {meta['iteration']}")
     if a.to_hf:
         from tools.hf_convert import export_hf
         architecture = export_hf(full, args, a.to_hf, tokenizer=not a.hf_skip_tokenizer)

@@ -9,6 +9,11 @@ describes its piece as boxes (offsets, sizes) of that global tensor:
   projections) is not one chunk of the full weight, so its canonical form splits the
   partition dim into ``[s, n/s]``: TP rank r then holds the chunk ``[:, r*n/(s*tp) : ...]``,
   and the canonical tensor reshaped back is exactly the full TP=1 weight.
+* experts (MoE, ``is_expert``): the canonical tensor has the global expert dimension first
+  (``[E, ...]``, EP rank r holding experts ``[r*E/EP, (r+1)*E/EP)``) and is split over the
+  expert-TP group like a TP param over TP: ``mlp.experts.linear_fc1.weight`` is
+  ``[E, ffn, h]`` (``[E, 2, ffn, h]`` for SwiGLU, as the dense fc1), ``linear_fc2.weight``
+  ``[E, h, ffn]``, the biases ``[E, ffn]`` (``[E, 2, ffn]``) and ``[E, h]``;
 * vocabulary rows: the padded vocabulary grows with the TP size, so the canonical word
   embedding / output layer holds the real rows only (``vocab_size``); padded rows are zero
   and stay zero, nothing of them is saved.
@@ -16,6 +21,7 @@ describes its piece as boxes (offsets, sizes) of that global tensor:
   local param; :func:`flat_range_boxes` cuts it into at most ``2 * ndim - 1`` boxes, each a
   contiguous run of the flat range, so every box is a view of the 1-D shard.
 """
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -112,6 +118,15 @@ def param_spec(name, param, tp_size, tp_rank, vocab_size=None):
         row_limit = vocab_size
         global_shape[0] = vocab_size
     return CanonicalSpec(name, shape, tuple(global_shape), tuple(offset), row_limit)
+
+
+def expert_param_spec(name, param, ep_size, ep_rank, etp_size, etp_rank):
+    """The :class:`CanonicalSpec` of a local expert param ``[E_local, ...]``: split over ETP
+    (its ``partition_dim`` / ``partition_stride``) and over EP along the expert dim 0."""
+    spec = param_spec(name, param, etp_size, etp_rank)
+    local = spec.local_shape[0]
+    return dataclasses.replace(spec, global_shape=(local * ep_size,) + spec.global_shape[1:],
+                               offset=(local * ep_rank,) + spec.offset[1:])
 
 
 def full_from_canonical(tensor, tp_split):

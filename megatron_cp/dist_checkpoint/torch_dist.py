@@ -1,5 +1,5 @@
 """``--ckpt-format torch_dist``: save a trainer's state with torch.distributed.checkpoint so
-that ``--load`` restores it under any TP / PP / CP / DP layout, with or without the
+that ``--load`` restores it under any TP / PP / CP / DP / EP / ETP layout, with or without the
 distributed optimizer.
 
 Layout of one iteration's folder::
@@ -13,7 +13,10 @@ Tensors are keyed by canonical name (:mod:`megatron_cp.dist_checkpoint.canonical
 ``model.<name>`` holds the model weights, ``optimizer.exp_avg.<name>`` /
 ``optimizer.exp_avg_sq.<name>`` the Adam moments and ``optimizer.main_param.<name>`` the
 fp32 main params of a bf16/fp16 model, each in the same canonical form as its weight, so
-any layout reads back the same full tensors. Replicas (DP, CP, TP-replicated params) give
+any layout reads back the same full tensors. Expert (MoE) params are stored whole, with the
+global expert dimension first (``[E, ...]``); each rank writes its (EP slice, ETP slice),
+and a persistent buffer (the router's ``expert_bias``) is stored like a replicated param.
+Replicas (DP, CP, TP-replicated params; expert-DP and ETP-replicated expert params) give
 DCP identical chunks, which it writes once; the tied output-layer copy of the last
 pipeline stage is not saved (it loads from ``model.embedding.word_embeddings.weight``).
 
@@ -39,7 +42,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from megatron_cp import checkpointing as ckpt
 from megatron_cp import device as device_mod
 from megatron_cp import faults
-from megatron_cp.dist_checkpoint.canonical import canonical_name, param_spec
+from megatron_cp.dist_checkpoint.canonical import canonical_name, expert_param_spec, param_spec
 from megatron_cp.dist_checkpoint.pieces import Pieces, PiecesLoadPlanner, PiecesSavePlanner
 from megatron_cp.optimizer.optimizer import adam_step, set_adam_step
 
@@ -107,14 +110,26 @@ def _param_specs(trainer):
     for chunk in _chunks(trainer):
         layers = list(chunk.decoder.layer_numbers)
         for name, param in chunk.named_parameters():
-            if getattr(param, "is_expert", False):
-                raise ValueError("expert (MoE) parameters have no canonical checkpoint name yet; "
-                                 "save with --ckpt-format torch")
             tied_copy = name == "output_layer.weight" and getattr(param, "shared_embedding", False)
             canon = "embedding.word_embeddings.weight" if tied_copy else canonical_name(name, layers)
-            out[id(param)] = (param_spec(canon, param, st.size("tp"), st.rank("tp"),
-                                         trainer.config.vocab_size), tied_copy)
+            if getattr(param, "is_expert", False):
+                spec = expert_param_spec(canon, param, st.size("ep"), st.rank("ep"),
+                                         st.size("etp"), st.rank("etp"))
+            else:
+                spec = param_spec(canon, param, st.size("tp"), st.rank("tp"),
+                                  trainer.config.vocab_size)
+            out[id(param)] = (spec, tied_copy)
     return out
+
+
+def _persistent_buffers(chunk):
+    """``(canonical name, buffer)`` of the buffers a chunk's state dict holds (an MoE
+    router's ``expert_bias``): replicated state, saved whole like a norm weight."""
+    layers = list(chunk.decoder.layer_numbers)
+    saved = chunk.state_dict(keep_vars=True)
+    for name, buffer in chunk.named_buffers():
+        if name in saved:
+            yield canonical_name(name, layers), buffer
 
 
 def sharded_state(trainer, with_optimizer, for_load=False):
@@ -134,6 +149,9 @@ def sharded_state(trainer, with_optimizer, for_load=False):
             spec, tied_copy = specs[id(param)]
             if for_load or not tied_copy:
                 put(f"model.{spec.name}", spec, param.detach().view(-1), 0, param.numel())
+        for canon, buffer in _persistent_buffers(chunk):
+            put(f"model.{canon}", param_spec(canon, buffer, 1, 0), buffer.view(-1), 0,
+                buffer.numel())
     if with_optimizer:
         for shard in trainer.optimizer.param_shards():
             spec, tied_copy = specs[id(shard.model_param)]

@@ -187,7 +187,7 @@ class GPTConfig:
         None, group="moe", help="Weight of the router z-loss (mean squared log-sum-exp of the "
         "router logits).")
     moe_router_enable_expert_bias: bool = setting(
-        False, group="moe",
+        False, shapes=True, group="moe",
         help="Aux-loss-free balancing: a per-expert bias added to the scores for the top-k "
              "choice only, moved after each global batch towards equal token counts (with "
              "--moe-router-score-function sigmoid).")
