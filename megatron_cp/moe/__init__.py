@@ -6,8 +6,8 @@ experts.py (grouped experts, split over EP and ETP), comm.py (autograd collectiv
 rows), layer.py (the layer), and below what the training loop calls once per step.
 """
 import torch
-import torch.distributed as dist
 
+from megatron_cp.moe.balancing import sum_over_groups
 from megatron_cp.moe.layer import MoELayer  # noqa: F401
 
 
@@ -27,10 +27,7 @@ def set_aux_loss_scale(model_chunks, scale):
 
 
 def _sum_over(tensor, state, names):
-    for name in names:
-        if state.size(name) > 1:
-            dist.all_reduce(tensor, group=state.group(name))
-    return tensor
+    return sum_over_groups(tensor, [state.group(name) for name in names if state.size(name) > 1])
 
 
 @torch.no_grad()

@@ -44,7 +44,8 @@ class AttachLoss(torch.autograd.Function):
         return grad, torch.full_like(loss, ctx.scale), None
 
 
-def _sum_over(tensor, groups):
+def sum_over_groups(tensor, groups):
+    """All-reduce (sum) ``tensor`` in place over each group in turn (None or size 1: skipped)."""
     for group in groups:
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(tensor, group=group)
@@ -76,7 +77,7 @@ def aux_loss(kind, scores, routing_map, weights, *, topk, coeff, token_groups, d
             w.sum().reshape(1)  # [1, E] [1, E] [1]
     rows = n.shape[0]
     groups = list(token_groups) + ([dp_group] if kind == "global_aux_loss" else [])
-    stats = _sum_over(torch.cat([counts.flatten(), n, s_local.detach().flatten()]), groups)
+    stats = sum_over_groups(torch.cat([counts.flatten(), n, s_local.detach().flatten()]), groups)
     counts, n, s_all = stats[:rows * experts].view(rows, experts), \
         stats[rows * experts:rows * (experts + 1)], stats[rows * (experts + 1):].view(rows, experts)
     valid = (n > 0).to(scores.dtype)  # rows with weighted tokens (seq_aux_loss averages them)
@@ -94,6 +95,6 @@ def z_loss(logits, weights, *, coeff, token_groups):
                            dim=-1).pow(2)  # [T]
     w = weights.to(lse2.dtype)
     z_local = (w * lse2).sum()
-    stats = _sum_over(torch.stack([z_local.detach(), w.sum()]), token_groups)
+    stats = sum_over_groups(torch.stack([z_local.detach(), w.sum()]), token_groups)
     n = stats[1].clamp(min=1.0)
     return coeff * z_local / n, (coeff * stats[0] / n).detach()
