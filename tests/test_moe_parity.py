@@ -8,7 +8,7 @@ dispatcher, the same with packed documents (padding under CP, EOD tokens loss-ma
 Llama/DeepSeek-style MoE (RMSNorm, SwiGLU, no biases, rope, untied; sigmoid scores with the
 aux-loss-free expert bias, group-limited routing, per-sequence balancing loss, a gated shared
 expert, a dense first layer, alltoall). Layouts: EP alone and borrowing DP ranks, TP x EP with
-ETP 1 and 2, EP x CP (p2p and a2a, packed), EP x PP (also interleaved), TP(SP) x CP x PP x
+ETP 1 and 2, EP x CP (every comm type, packed), EP x PP (also interleaved), TP(SP) x CP x PP x
 EP, full recomputation (statistics recorded once), the distributed optimizer with overlapped
 reduce-scatter and gathers, and capacity dropping under EP x DP (each rank routes whole
 microbatches, as one process does). The balancing losses would differ if padding, loss-masked tokens, TP/CP splits or the
@@ -62,6 +62,9 @@ LAYOUTS = {
     "tp2_sp_ep2_etp2_allgather": (4, "defaults", f"{TP2} --sequence-parallel {EP2}"),
     "ep2_cp2_p2p_packed": (4, "packed", f"{EP2} {CP2} --cp-comm-type p2p {A2A}"),
     "ep2_cp2_a2a_packed": (4, "packed", f"{EP2} {CP2} --cp-comm-type a2a"),
+    "ep2_cp2_all_gather_packed": (4, "packed", f"{EP2} {CP2} --cp-comm-type all_gather {A2A}"),
+    "ep2_cp4_hybrid_packed": (4, "packed", f"{EP2} --context-parallel-size 4 --cp-comm-type "
+                                           f"a2a+p2p --hierarchical-context-parallel-sizes 2 2"),
     "ep2_pp2": (4, "llama", f"{EP2} {PP2}"),
     "ep2_pp2_interleaved": (4, "llama4", f"{EP2} {PP2} --num-layers-per-virtual-pipeline-stage 1"),
     "tp2_sp_cp2_pp2_ep2_packed": (8, "packed", f"{TP2} --sequence-parallel {CP2} {PP2} {EP2} "
