@@ -130,3 +130,29 @@ def test_expert_bias_moves_once_per_global_batch_and_is_not_trained():
     assert torch.equal(bias * 4, (bias * 4).round())
     assert saved  # in the state dict: checkpoints keep it
     assert not any("expert_bias" in n for n in names) and router_trained  # a buffer, not a param
+
+
+
+def _generate(rank, world, argv):
+    from megatron_cp.inference.launch import parse_inference_args
+    from megatron_cp.training import build_parallel_state
+    from tools.run_text_generation import (check_generation_args, get_generation_args,
+                                           run_generation)
+    args = parse_inference_args(argv, world, get_generation_args, check_generation_args)
+    return run_generation(args, build_parallel_state(args, torch.device("cpu")))
+
+
+def test_generation_when_experts_span_data_parallel_ranks(tmp_path):
+    """EP=2 borrows the two DP ranks: both must run every forward together (each generates
+    every prompt); the tokens equal one process's (the torch_dist checkpoint loads at EP=1)."""
+    run_workers(train_losses, 2, f"{BASE} --expert-model-parallel-size 2 --log-interval 100 "
+                                 f"--moe-token-dispatcher-type alltoall --ckpt-format torch_dist "
+                                 f"--save {tmp_path}")
+    prompts = ["1", "5 7 9", "3 4"]
+    argv = f"--load {tmp_path} --use-checkpoint-args --greedy --max-new-tokens 6".split()
+    for prompt in prompts:
+        argv += ["--prompt", prompt]
+    one = run_workers(_generate, 1, argv)[0]
+    both = run_workers(_generate, 2, argv + ["--expert-model-parallel-size", "2"])
+    assert [r["prompt"] for r in one] == prompts and all(r["ids"] for r in one)
+    assert both[0] == both[1] == one

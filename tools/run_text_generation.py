@@ -82,7 +82,7 @@ def run_generation(args, state):
     from megatron_cp.inference.model import InferenceModel
     model = InferenceModel(args, state)
     tok, params = model.tokenizer, sampling_params(args)
-    dp_rank, dp_size = state.rank("dp"), state.size("dp")
+    dp_rank, dp_size = prompt_share(state, model.config)
     mine = []
     for number in range(dp_rank, len(args.prompt), dp_size):
         prompt = args.prompt[number]
@@ -98,9 +98,22 @@ def run_generation(args, state):
         new = out.new_tokens(0, tok.eod)
         mine.append((number, {"prompt": prompt, "prompt_ids": ids, "ids": new,
                               "text": tok.detokenize(new) if new else ""}))
-    gathered = [None] * dp_size
-    dist.all_gather_object(gathered, mine, group=state.group("dp"))
+    gathered = [mine]
+    if dp_size > 1:
+        gathered = [None] * dp_size
+        dist.all_gather_object(gathered, mine, group=state.group("dp"))
     return [result for _, result in sorted(item for part in gathered for item in part)]
+
+
+def prompt_share(state, config):
+    """``(rank, number of ranks)`` the prompts are dealt over: the DP ranks, unless MoE layers
+    exchange tokens between DP ranks (EP x ETP borrowing DP ranks): every forward of those
+    ranks must run together, so each of them generates every prompt (the same tokens)."""
+    if config.num_moe_experts:
+        dp_index = {rank: i for ranks in state.layout["dp"] for i, rank in enumerate(ranks)}
+        if any(len({dp_index[rank] for rank in ranks}) > 1 for ranks in state.layout["ep_etp"]):
+            return 0, 1
+    return state.rank("dp"), state.size("dp")
 
 
 def format_results(results):
