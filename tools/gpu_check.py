@@ -20,6 +20,9 @@ tolerance, PASS/FAIL); the exit status is 0 only when every check passes, 1 othe
 - train: a small GPT (packed documents, GQA) trained a few AdamW steps on the device against
   the same run on the CPU in fp32 (losses within 1e-4 relative), and bf16 (bf16 parameters,
   fp32 master weights) against fp32 on the device (within a few percent).
+- moe (tools/gpu_check_moe.py): the grouped expert matmul in every dtype against the fp32
+  per-expert loop, one MoE layer on the device against the CPU (both dispatchers, dropless and
+  capacity), a small MoE GPT trained on the device against the CPU and bf16 against fp32.
 
     python tools/gpu_check.py                        # the GPU suite (cuda:0)
     python tools/gpu_check.py --device cpu --quick   # the same checks, small sizes (a test)
@@ -40,11 +43,12 @@ from megatron_cp.context_parallel.ring import RingLayout  # noqa: E402
 from megatron_cp.context_parallel.simulate import simulated_attention  # noqa: E402
 from megatron_cp.data.microbatch import prepare_microbatch  # noqa: E402
 from megatron_cp.model import GPTConfig, GPTModel  # noqa: E402
+from tools.gpu_check_moe import section_moe  # noqa: E402
 from tools.gpu_check_lib import (AUTOGRAD_REFERENCE_MAX_SEQ, DTYPE_NAMES, HEAD_DIM,  # noqa: E402
                                  Randn, Report, masked_reference, microbatch, self_reference,
                                  supported_dtypes)
 
-SECTIONS = ("reference", "blocks", "local", "cp", "train")
+SECTIONS = ("reference", "blocks", "local", "cp", "train", "moe")
 # max |error| / max |truth| per dtype. bf16: flash accumulates in fp32 (~1e-2 measured on the
 # CPU up to s = 2k, where the CPU kernel's bf16 backward error grows slowly with s); the bug this
 # suite was built for (bf16 document-masked gradients off by 8-17 on O(1) values) is > 10x over.
@@ -280,11 +284,12 @@ def train_batch(seq, step):
     return batch
 
 
-def train_losses(device, params_dtype, steps, seq):
-    """Losses of ``steps`` AdamW steps of a small GPT on packed documents. Low-precision
-    parameters keep fp32 master weights (the trainer's --bf16): grads are copied up, the
-    optimizer steps the masters, the model gets them back rounded."""
-    model = GPTModel(gpt_config(seq, params_dtype), device=device)
+def train_losses(device, params_dtype, steps, seq, config=None):
+    """Losses of ``steps`` AdamW steps of a small GPT (``config``, default :func:`gpt_config`)
+    on packed documents. Low-precision parameters keep fp32 master weights (the trainer's
+    --bf16): grads are copied up, the optimizer steps the masters, the model gets them back
+    rounded."""
+    model = GPTModel(config or gpt_config(seq, params_dtype), device=device)
     params = list(model.parameters())
     masters = params if params_dtype == torch.float32 else \
         [p.detach().float().clone().requires_grad_() for p in params]
@@ -293,7 +298,8 @@ def train_losses(device, params_dtype, steps, seq):
     for step in range(steps):
         batch = {key: value.to(device) for key, value in train_batch(seq, step).items()}
         per_token = model(batch["tokens"], batch["position_ids"], labels=batch["labels"],
-                          document_ids=batch["document_ids"])  # [b, s] fp32
+                          document_ids=batch["document_ids"],
+                          loss_mask=batch["loss_mask"])  # [b, s] fp32
         mask = batch["loss_mask"]
         loss = (per_token.float() * mask).sum() / mask.sum()
         loss.backward()
@@ -372,6 +378,7 @@ def main(argv=None):
         "local": lambda: section_local(report, device, sizes, dtypes),
         "cp": lambda: section_cp(report, device, cp_sizes, cp_seq, dtypes),
         "train": lambda: section_train(report, device, steps, train_seq),
+        "moe": lambda: section_moe(report, device, steps, train_seq, train_losses),
     }
     for name in SECTIONS:
         if name in wanted:

@@ -46,8 +46,8 @@ def grouped_linear(x, weight, counts, bias=None, expert_ids=None):
         # expert's backward a whole [E, out, in] gradient to sum)
         out = torch.cat([F.linear(part, w) for w, part in zip(weight.unbind(0),
                                                               x.split(list(counts)))])  # [N, out]
-    if bias is not None:
-        out = out + bias[expert_ids]
+    if bias is not None:  # in fp32: the bias gradient sums many rows (bf16 would lose ~2%)
+        out = (out.float() + bias.float()[expert_ids]).to(out.dtype)
     return out
 
 
