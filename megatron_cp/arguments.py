@@ -23,12 +23,6 @@ from megatron_cp.model.config import GPTConfig
 from megatron_cp.pipeline_parallel.stages import (validate_interleaved_microbatches,
                                                   virtual_pipeline_size)
 
-# Parallel dimensions whose issue has not landed yet: accepted, then refused with this note.
-NOT_YET_BUILT = {
-    "context_parallel_size": "context parallelism",
-}
-
-
 def _model_args(g):
     # The model's own flags come from GPTConfig's fields (add_config_flags); this one is the
     # data's length, which the model only meets through --max-position-embeddings.
@@ -200,8 +194,7 @@ TOKENIZER_ARGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file
 INFERENCE_DEFAULTS = {"micro_batch_size": 1, "hidden_dropout": 0.0, "attention_dropout": 0.0}
 
 
-def parse_args(argv=None, world_size=1, built=("tensor", "data", "context"),
-               extra_args_provider=None, inference=False):
+def parse_args(argv=None, world_size=1, extra_args_provider=None, inference=False):
     """Parse ``argv``, fill derived values and validate against ``world_size``.
 
     With ``--use-checkpoint-args`` the model and tokenizer flags not on the command line
@@ -225,7 +218,7 @@ def parse_args(argv=None, world_size=1, built=("tensor", "data", "context"),
     args = parser.parse_args(argv)
     if args.use_checkpoint_args:
         _take_checkpoint_args(args, argv, inference)
-    return validate_args(args, world_size, built, inference)
+    return validate_args(args, world_size, inference)
 
 
 def _take_checkpoint_args(args, argv, inference=False):
@@ -251,16 +244,12 @@ def _take_checkpoint_args(args, argv, inference=False):
                          f"{args.load}; pass them on the command line")
 
 
-def validate_args(args, world_size, built=("tensor", "data", "context"), inference=False):
+def validate_args(args, world_size, inference=False):
     """Derive defaults (DP size, batch sizes, dtype) and raise ValueError on bad combinations.
 
     ``inference``: no training schedule or dataset is checked (see :func:`parse_args`)."""
     parser = build_parser()
     args.compat_notes = apply_compat_flags(args, parser.get_default)
-    for name, what in NOT_YET_BUILT.items():
-        if getattr(args, name) > 1 and what.split()[0] not in built:
-            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: {what} is not built "
-                             f"yet in this version of megatron_cp; set it to 1")
     if args.expert_tensor_parallel_size is None:
         args.expert_tensor_parallel_size = args.tensor_model_parallel_size  # Megatron's default
     if args.expert_model_parallel_size > 1 and not args.num_experts:

@@ -81,8 +81,7 @@ def _train(rank, world, argv, steps=10):
     from megatron_cp.arguments import parse_args
     from megatron_cp.training import Trainer, build_parallel_state
 
-    args = parse_args(argv.split() + ["--train-iters", str(steps)], world_size=world,
-                      built=("tensor", "data", "context", "pipeline"))
+    args = parse_args(argv.split() + ["--train-iters", str(steps)], world_size=world)
     trainer = Trainer(args, build_parallel_state(args, torch.device("cpu")))
     trainer.build_iterators()
     out = []

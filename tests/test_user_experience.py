@@ -22,7 +22,6 @@ from training_utils import TINY, train_losses
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # a traceback frame in this repository's code (not in a .venv that lives inside it)
 OUR_FRAME = r'File "' + re.escape(ROOT) + r'/(?!\.venv/)'
-BUILT = ("tensor", "data", "context", "pipeline")
 SCRIPT = os.path.join(ROOT, "examples", "pretrain_gpt_cpu.sh")
 LOG_LINE = re.compile(r"iteration\s+(\d+)/.*learning rate: ([0-9.E+-]+) .*")
 
@@ -43,7 +42,7 @@ def _run(cmd, cwd=ROOT, timeout=120, **env):
 def _pretrain_capturing(rank, world, argv, attrs=None):
     """Worker: parse, set extra ``attrs`` on args (flags another module may not have yet),
     train; returns (losses, stdout text, gc calls, gc enabled after)."""
-    args = parse_args(argv.split(), world_size=world, built=BUILT)
+    args = parse_args(argv.split(), world_size=world)
     for name, value in (attrs or {}).items():
         setattr(args, name, value)
     state = initialize_model_parallel(
@@ -134,7 +133,7 @@ def _expected_parameters():
     from megatron_cp.data import build_tokenizer
     from megatron_cp.model import GPTModel
     from megatron_cp.training import config_from_args
-    args = parse_args(TINY.split() + ["--train-iters", "3"], world_size=1, built=BUILT)
+    args = parse_args(TINY.split() + ["--train-iters", "3"], world_size=1)
     vocab = build_tokenizer("NullTokenizer", None, None, None, args.vocab_size).vocab_size
     model = GPTModel(config_from_args(args, vocab))
     return sum(p.numel() for p in model.parameters())

@@ -11,9 +11,9 @@ TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32
         "--seed 11 --position-embedding-type rope --clip-grad 1.0")
 
 
-def train_losses(rank, world, argv, built=("tensor", "data", "context", "pipeline")):
+def train_losses(rank, world, argv):
     """Worker: parse ``argv`` for this world size, train, return the per-iteration losses."""
-    args = parse_args(argv.split() if isinstance(argv, str) else argv, world_size=world, built=built)
+    args = parse_args(argv.split() if isinstance(argv, str) else argv, world_size=world)
     return pretrain(args, build_parallel_state(args, torch.device("cpu")))
 
 
