@@ -78,6 +78,19 @@ COMPAT_FLAGS = (
     CompatFlag("--timing-log-level", STORE, "Timer detail: 0 (iteration), 1, 2 (finest).",
                group="checkpointing and logging",
                argparse=dict(type=int, choices=[0, 1, 2], default=0)),
+    CompatFlag("--profile", STORE, "Profile iterations --profile-step-start up to (not "
+               "including) --profile-step-end on the ranks in --profile-ranks: with "
+               "--use-pytorch-profiler a torch.profiler trace under --tensorboard-dir (and a "
+               "table of the costliest operators on stdout), else cudaProfilerStart/Stop for an "
+               "outside nsys.", group="training"),
+    CompatFlag("--use-pytorch-profiler", STORE, "With --profile: use torch.profiler.",
+               group="training"),
+    CompatFlag("--profile-step-start", STORE, "First profiled iteration (with --profile).",
+               group="training", argparse=dict(type=int, default=10)),
+    CompatFlag("--profile-step-end", STORE, "Iteration at which profiling stops (with --profile).",
+               group="training", argparse=dict(type=int, default=12)),
+    CompatFlag("--profile-ranks", STORE, "Global ranks that profile (with --profile).",
+               group="training", argparse=dict(type=int, nargs="+", default=[0])),
     CompatFlag("--manual-gc", STORE, "Disable automatic Python garbage collection; collect "
                "every --manual-gc-interval iterations.", group="training"),
     CompatFlag("--manual-gc-interval", STORE, "Iterations between manual garbage collections "

@@ -42,6 +42,7 @@ from megatron_cp.run_report import (count_parameters, format_arguments, format_c
                                     format_parameter_counts, format_summary, is_global_rank_zero,
                                     print_rank_0)
 from megatron_cp.training_log import TrainingLogger, model_flops_per_token
+from megatron_cp.profiling import StepProfiler
 
 
 def config_from_args(args, vocab_size):
@@ -379,8 +380,10 @@ def _train(trainer, logger, start):
     sigterm = _SigtermFlag(args.exit_signal_handler)
     losses, saved_at = [], (trainer.iteration if args.load else None)
     stop_reason = f"--train-iters {args.train_iters}"
+    profiler = StepProfiler(args, state.global_rank, state.device)
     try:
         while trainer.iteration < args.train_iters:
+            profiler.step(trainer.iteration)
             t0 = time.time()
             loss, grad_norm, ok = trainer.train_step()
             device_mod.synchronize(state.device)
@@ -417,6 +420,7 @@ def _train(trainer, logger, start):
             checkpointing.wait_for_async_save(trainer)  # the tracker is written before we return
         trainer.optimizer.finish_param_sync()  # no all-gather left running (--overlap-param-gather)
     finally:
+        profiler.close()
         if manual_gc:
             gc.enable()
     return losses, stop_reason

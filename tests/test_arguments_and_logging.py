@@ -90,3 +90,29 @@ def test_log_line_validation_line_and_tensorboard(tmp_path):
     for tag in ("lm loss", "learning-rate", "grad-norm", "loss-scale", "lm loss validation",
                 "throughput/tokens-per-second", "throughput/tflops-per-gpu", "memory/max-mb"):
         assert tag in tags, tag
+
+
+def test_profile_flags_write_a_trace_of_the_chosen_iterations(tmp_path):
+    """Megatron's --profile --use-pytorch-profiler: iterations 3..4 (step start 2, end 4) of
+    rank 0 only, a torch.profiler trace under --tensorboard-dir and the operator table."""
+    argv = (TINY + f" --train-iters 6 --tensorboard-dir {tmp_path} --profile "
+            "--use-pytorch-profiler --profile-step-start 2 --profile-step-end 4")
+    outs = run_workers(_train_capturing, 2, argv)
+    assert "profile of iterations 3..4 on rank 0" in outs[0]
+    assert "aten::mm" in outs[0] and "# of Calls" in outs[0]
+    traces = [f for f in os.listdir(tmp_path) if f.endswith(".pt.trace.json")]
+    assert len(traces) == 1 and traces[0].startswith("rank0."), traces
+    import json
+    with open(os.path.join(tmp_path, traces[0])) as f:
+        events = json.load(f)["traceEvents"]
+    steps = {e["name"] for e in events if e.get("name", "").startswith("Optimizer.step")}
+    assert steps, "the trace holds no optimizer step"
+
+
+def test_profile_ranks_pick_who_profiles(tmp_path):
+    argv = (TINY + f" --train-iters 3 --tensorboard-dir {tmp_path} --profile "
+            "--use-pytorch-profiler --profile-step-start 1 --profile-step-end 2 --profile-ranks 1")
+    outs = run_workers(_train_capturing, 2, argv)
+    assert "profile of iterations 2..2 on rank 1" in outs[1]
+    traces = [f for f in os.listdir(tmp_path) if f.endswith(".pt.trace.json")]
+    assert [t.split(".")[0] for t in traces] == ["rank1"], traces

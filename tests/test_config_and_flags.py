@@ -189,6 +189,8 @@ def test_stored_flags_parse_and_keep_their_value(entry):
     args = parse_args(BASE.split() + _given(entry))
     words = _given(entry)
     expected = True if len(words) == 1 else entry.argparse.get("type", str)(words[1])
+    if entry.argparse.get("nargs") in ("+", "*"):
+        expected = [expected]
     assert getattr(args, entry.dest) == expected and args.compat_notes == []
 
 
