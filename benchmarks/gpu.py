@@ -150,37 +150,65 @@ def attention_flops(b, h, d, lengths, causal):
 
 
 def block_rates(s, device, dtype, heads=16, dim=128, documents=8):
-    """TFLOP/s of SDPA and of our CP blocks (causal, full, packed documents) at length s."""
-    from megatron_cp.context_parallel import local_attention, masked_attention
+    """TFLOP/s of SDPA and of our CP blocks (causal, full, packed documents) at length s.
+
+    Every input is what the model hands attention: a [b, h, s, d] view of [s, b, h, d]
+    activations. "ours causal" / "ours full" time one ring step's block as the ring runs it
+    (``block_forward`` + ``block_backward`` of a block the ring planned once per microbatch,
+    with the backward's final out / lse); "packed" is the model's no-CP path over ``documents``
+    equal documents (``local_attention``: the block classified from the metadata every call,
+    one variable-length kernel call each way); "SDPA docs" is SDPA over the same documents
+    laid out as a batch (no packing): the kernel's own figure at the document length, the
+    ceiling of any packed path."""
+    from megatron_cp.context_parallel import block_backward, block_forward, local_attention
     gen = torch.Generator().manual_seed(0)
-    q, k, v, g = (torch.randn(1, heads, s, dim, generator=gen).to(device, dtype) for _ in range(4))
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+    def activation():  # [1, heads, s, dim] view of an [s, 1, heads, dim] tensor
+        return torch.randn(s, 1, heads, dim, generator=gen).to(device, dtype).permute(1, 2, 0, 3)
+
+    q, k, v, g = (activation() for _ in range(4))
+    scale = dim ** -0.5
     tokens = torch.arange(s, device=device).expand(1, s)
-    later = tokens + s  # keys strictly before every query: a full block
     docs = (torch.arange(s, device=device) * documents // s).expand(1, s)
 
     def sdpa(causal):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
         def run():
-            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-            torch.autograd.grad(out, (q, k, v), g)
+            out = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
+            torch.autograd.grad(out, leaves, g)
         return run
 
-    def ours(tq, tk, dq=None, dk=None):
+    def ring_block(kind):
         def run():
-            out = masked_attention(q, k, v, tq, tk, dq, dk)
-            torch.autograd.grad(out, (q, k, v), g)
+            out, lse = block_forward(q, k, v, scale, kind)
+            block_backward(g, q, k, v, out, lse, scale, kind)
+        return run
+
+    def sdpa_documents():  # the same documents as a batch [documents, h, s/documents, d]
+        def batch(t):  # [1, h, s, d] -> [documents, h, s/documents, d]
+            return t.detach().reshape(heads, documents, s // documents, dim).transpose(0, 1)
+
+        leaves = [batch(t).detach().requires_grad_() for t in (q, k, v)]
+        grad = batch(g)
+
+        def run():
+            out = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True)
+            torch.autograd.grad(out, leaves, grad)
         return run
 
     def packed():
-        out = local_attention(q, k, v, tokens, docs)
-        torch.autograd.grad(out, (q, k, v), g)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = local_attention(*leaves, tokens, docs)
+        torch.autograd.grad(out, leaves, g)
 
     rate = {}
     for name, fn, lengths, causal in (
             ("sdpa_causal", sdpa(True), [s], True), ("sdpa_full", sdpa(False), [s], False),
-            ("ours_causal", ours(tokens, tokens), [s], True),
-            ("ours_full", ours(later, tokens), [s], False),
-            ("ours_packed", packed, [s // documents] * documents, True)):
+            ("ours_causal", ring_block("causal"), [s], True),
+            ("ours_full", ring_block("full"), [s], False),
+            ("ours_packed", packed, [s // documents] * documents, True),
+            ("sdpa_documents", sdpa_documents(), [s // documents] * documents, True)):
         rate[name] = attention_flops(1, heads, dim, lengths, causal) / timed(fn, device) / 1e12
     return rate
 
@@ -222,10 +250,10 @@ def main():
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         rows = {s: block_rates(s, device, dtype) for s in (BLOCK_SMOKE if a.smoke else BLOCK_LENGTHS)}
         print(f"{'s':>6} {'SDPA causal':>11} {'ours causal':>11} {'SDPA full':>9} {'ours full':>9} "
-              f"{'packed':>7}   (TFLOP/s)")
+              f"{'packed':>7} {'SDPA docs':>9}   (TFLOP/s; packed, SDPA docs: 8 documents)")
         for s, r in rows.items():
             print(f"{s:>6} {r['sdpa_causal']:>11.1f} {r['ours_causal']:>11.1f} {r['sdpa_full']:>9.1f} "
-                  f"{r['ours_full']:>9.1f} {r['ours_packed']:>7.1f}")
+                  f"{r['ours_full']:>9.1f} {r['ours_packed']:>7.1f} {r['sdpa_documents']:>9.1f}")
         long = [r for s, r in rows.items() if s >= (256 if a.smoke else 8192)]
         checks += [("blocks >= 90% of SDPA at s >= 8k", all(
                        r["ours_causal"] >= BLOCK_GOAL * r["sdpa_causal"] and

@@ -38,6 +38,15 @@ def flash_attention_supported(device: torch.device) -> bool:
     return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 0)
 
 
+def cudnn_attention_supported(device: torch.device) -> bool:
+    """True when PyTorch's cuDNN attention runs on ``device`` (CUDA with cuDNN, sm90 or
+    newer: where SDPA itself enables it)."""
+    if device.type != "cuda" or not (torch.backends.cudnn.is_available()
+                                      and torch.backends.cudnn.enabled):
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
+
+
 @functools.lru_cache(maxsize=None)
 def _capability(index: int):
     return torch.cuda.get_device_capability(index)
@@ -105,3 +114,31 @@ def manual_seed(seed: int, device: torch.device) -> None:
     """Seed the device generator (the CPU one is seeded by torch.manual_seed)."""
     if device.type == "cuda":
         torch.cuda.manual_seed(seed)
+
+
+def profiler_activities(device: torch.device):
+    """torch.profiler activities for ``device``: the CPU, plus CUDA kernels on a GPU."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return activities
+
+
+def cuda_profiler_range(start: bool) -> None:
+    """cudaProfilerStart / Stop (what an outside ``nsys --capture-range=cudaProfilerApi``
+    waits for); nothing without CUDA."""
+    if accelerator_available():
+        (torch.cuda.cudart().cudaProfilerStart if start else torch.cuda.cudart().cudaProfilerStop)()
+
+
+def empty_cache(device: torch.device) -> None:
+    """Hand cached blocks back to the driver (nothing on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def device_name(device: torch.device) -> str:
+    """'NVIDIA H200'-style name of a CUDA device, else the device type."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type

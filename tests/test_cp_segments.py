@@ -285,6 +285,20 @@ def test_cuda_glue_shapes_on_meta():
     assert [g.shape for g in grads] == [q.shape, k.shape, k.shape]
 
 
+def test_cudnn_glue_shapes_on_meta():
+    """The cuDNN dense calls: GQA repeats the KV heads and sums dk / dv back; lse [b, nh, sq]
+    (the kernel's [b, nh, sq, 1]); dout takes out's layout (an sbhd-permuted view here)."""
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q = torch.empty(12, 2, 4, 8, **meta).permute(1, 2, 0, 3)  # [b, nh, s, d] view of sbhd
+    k = torch.empty(2, 2, 6, 8, **meta)  # GQA: 2 KV heads, a key slice of 6 (a full block)
+    out, lse = cuda_kernels.cudnn_forward(q, k, k, 0.3, False)
+    assert out.shape == q.shape and lse.shape == (2, 4, 12) and lse.dtype == torch.float32
+    grads = cuda_kernels.cudnn_backward(out.contiguous(), q, k, k, out, lse, 0.3, False)
+    assert [tuple(g.shape) for g in grads] == [tuple(q.shape), tuple(k.shape), tuple(k.shape)]
+    assert cuda_kernels._like(out.contiguous(), out).stride() == out.stride()
+    assert not cuda_kernels.cudnn_eligible(q.float(), k.float(), k.float())  # not on meta/fp32
+
+
 def test_varlen_lse_layouts_round_trip():
     cu = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
     packed = torch.randn(2, 9)  # [nh, total_q]
@@ -292,3 +306,37 @@ def test_varlen_lse_layouts_round_trip():
     assert padded.shape == (3, 2, 5)
     torch.testing.assert_close(padded[1, :, 0], packed[:, 3])
     torch.testing.assert_close(cuda_kernels.lse_unpad(padded, cu, 9), packed)
+
+
+@pytest.mark.parametrize("lengths", [(5, 9, 2), (7, 7, 7, 7), (1, 12)])
+def test_padded_dense_call_equals_the_varlen_call(lengths):
+    """Causal square segments as one padded dense call (what CudaBackend does with cuDNN)
+    against the segment-by-segment loop: out, lse and every gradient, GQA, fp32."""
+    tq = torch.arange(sum(lengths))[None]
+    docs = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+    kind, plan = classify_block(tq, tq, docs, docs)
+    (call,) = plan.calls
+    assert kind == "segments" and call.causal and call.square
+    assert call.padded_cost() == pytest.approx(len(lengths) * max(lengths) ** 2 /
+                                               sum(n * n for n in lengths))
+    gen = torch.Generator().manual_seed(len(lengths))
+    total = sum(lengths)
+    q, dout = torch.randn(total, 4, 8, generator=gen), torch.randn(total, 4, 8, generator=gen)
+    k, v = torch.randn(total, 2, 8, generator=gen), torch.randn(total, 2, 8, generator=gen)
+    loop, cpu = kernels.TorchBackend(), kernels.CpuBackend()
+    want_out, want_lse = loop.varlen_forward(q, k, v, call, 0.35)
+    out, lse = kernels.padded_causal_forward(cpu.dense_forward, q, k, v, call, 0.35)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+    want = loop.varlen_backward(dout, q, k, v, want_out, want_lse, call, 0.35)
+    got = kernels.padded_causal_backward(cpu.dense_backward, dout, q, k, v, out, lse, call, 0.35)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_padding_that_wastes_too_much_keeps_the_varlen_call():
+    tq = torch.arange(40)[None]
+    docs = torch.tensor([0] * 34 + [1, 2, 3, 4, 5, 6])[None]  # one long document, 6 of one token
+    _, plan = classify_block(tq, tq, docs, docs)
+    assert plan.calls[0].padded_cost() > kernels.PADDED_COST_LIMIT

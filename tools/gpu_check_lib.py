@@ -28,7 +28,8 @@ def errors(got, want):
     see no key: lse -inf) are exact; NaN or a shape mismatch is infinitely wrong."""
     if tuple(got.shape) != tuple(want.shape):
         return float("inf"), float("inf")
-    got, want = got.detach().float(), want.detach().float()
+    got = got.detach().float()
+    want = want.detach().float().to(got.device)  # a device run judged against the CPU
     agree = torch.isinf(got) & torch.isinf(want) & (torch.sign(got) == torch.sign(want))
     diff = (got - want).abs().masked_fill(agree, 0.0).nan_to_num(nan=float("inf"))
     max_abs = float(diff.max()) if diff.numel() else 0.0
@@ -95,10 +96,9 @@ class Report:
         """``check(*args)`` -> quantities for :meth:`compare`; an exception is a FAIL row."""
         try:
             quantities = check(*args)
+            self.compare(name, quantities)
         except Exception as exc:  # a kernel that raises on the device is a failed check
-            self.error(name, exc)
-            return
-        self.compare(name, quantities)
+            self.error(name, exc)  # (and so is a comparison that cannot be made)
 
     def failures(self):
         return [name for name, status in self.rows if status == "FAIL"]

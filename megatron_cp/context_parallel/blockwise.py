@@ -40,10 +40,13 @@ def _take(rows, index, identity):
     return rows if identity else rows.index_select(0, index)
 
 
-def _accumulate(acc, rows, grad, identity, num_rows):
-    """acc (fp32 [num_rows, h, d] or None) += grad scattered to ``rows`` (which may repeat)."""
+def _accumulate(acc, rows, grad, identity, num_rows, keep_dtype=False):
+    """acc (fp32 [num_rows, h, d] or None) += grad scattered to ``rows`` (which may repeat);
+    ``keep_dtype``: a first identity grad is kept in the kernel's dtype (no fp32 copy)."""
     if identity:
-        return grad.float() if acc is None else acc.add_(grad)
+        if acc is None:
+            return grad if keep_dtype else grad.float()
+        return acc.add_(grad)
     if acc is None:
         acc = torch.zeros(num_rows, *grad.shape[1:], dtype=torch.float32, device=grad.device)
     return acc.index_add_(0, rows, grad.float())
@@ -66,9 +69,17 @@ def _merge_rows(out, lse, rows, out_part, lse_part):
 
 def segments_forward(q, k, v, plan, scale, backend):
     """Attention of a segment plan: q [b, nh, sq, d], k/v [b, nkv, sk, d] -> (out fp32
-    [b, nh, sq, d], lse [b, nh, sq]); rows that see no key give (0, -inf)."""
+    [b, nh, sq, d], lse [b, nh, sq]); rows that see no key give (0, -inf). A plan of one
+    call over every query row in order returns the kernel's out as it is (q's dtype)."""
     b, nh, sq, d = q.shape
     q_rows, k_rows, v_rows = _rows(q), _rows(k), _rows(v)  # [b*sq, nh, d], [b*sk, nkv, d]
+    if len(plan.calls) == 1 and plan.calls[0].q_identity:  # every row once, in order (the
+        call = plan.calls[0]  # no-CP packed path): the kernel's out (its dtype) and lse
+        _, cols, _, _ = call.on(q.device)
+        out, lse = backend.varlen_forward(q_rows, _take(k_rows, cols, call.k_identity),
+                                          _take(v_rows, cols, call.k_identity), call, scale)
+        return (out.view(b, sq, nh, d).transpose(1, 2),  # [b, nh, sq, d]
+                lse.float().view(nh, b, sq).transpose(0, 1))  # [b, nh, sq]
     out = torch.zeros(b * sq, nh, d, dtype=torch.float32, device=q.device)
     lse = torch.full((nh, b * sq), NEG_INF, dtype=torch.float32, device=q.device)
     fresh = True
@@ -87,9 +98,11 @@ def segments_forward(q, k, v, plan, scale, backend):
     return out, lse.view(nh, b, sq).transpose(0, 1)  # lse: [b, nh, sq]
 
 
-def segments_backward(dout, q, k, v, out, lse, plan, scale, backend):
+def segments_backward(dout, q, k, v, out, lse, plan, scale, backend, keep_dtype=False):
     """Gradients of a segment plan given the final out / lse [b, nh, sq] of the rows:
-    fp32 (dq [b, nh, sq, d], dk, dv [b, nkv, sk, d])."""
+    fp32 (dq [b, nh, sq, d], dk, dv [b, nkv, sk, d]); with ``keep_dtype`` a plan of one call
+    over every row in order returns the kernel's gradients as they are."""
+    keep_dtype = keep_dtype and len(plan.calls) == 1
     b, nh, sq, d = q.shape
     nkv, sk = k.shape[1], k.shape[2]
     q_rows, k_rows, v_rows = _rows(q), _rows(k), _rows(v)
@@ -103,9 +116,9 @@ def segments_backward(dout, q, k, v, out, lse, plan, scale, backend):
             _take(dout_rows, rows, call.q_identity), _take(q_rows, rows, call.q_identity),
             _take(k_rows, cols, call.k_identity), _take(v_rows, cols, call.k_identity),
             _take(out_rows, rows, call.q_identity), packed_lse, call, scale)
-        dq = _accumulate(dq, rows, gq, call.q_identity, b * sq)
-        dk = _accumulate(dk, cols, gk, call.k_identity, b * sk)
-        dv = _accumulate(dv, cols, gv, call.k_identity, b * sk)
+        dq = _accumulate(dq, rows, gq, call.q_identity, b * sq, keep_dtype)
+        dk = _accumulate(dk, cols, gk, call.k_identity, b * sk, keep_dtype)
+        dv = _accumulate(dv, cols, gv, call.k_identity, b * sk, keep_dtype)
     return (dq.view(b, sq, nh, d).transpose(1, 2), dk.view(b, sk, nkv, d).transpose(1, 2),
             dv.view(b, sk, nkv, d).transpose(1, 2))
 
@@ -115,8 +128,8 @@ def block_forward(q, k, v, softmax_scale, kind="full", segments=None, kernel=Non
 
     kind: "causal" (the kernel's top-left causal flag; sq == sk diagonal blocks), "full"
     (no mask), "segments" (``segments``: a SegmentPlan) or "empty". out: [b, nh, sq, d]
-    in q's dtype (dense) or fp32 (segments, empty); lse: [b, nh, sq] fp32, -inf with out 0
-    for rows that see no key. No autograd: the callers are autograd Functions.
+    in q's dtype (dense, one-call segments) or fp32 (other segments, empty); lse:
+    [b, nh, sq] fp32, -inf with out 0 for rows that see no key. No autograd: the callers are autograd Functions.
     """
     backend = attention_kernel(kernel).backend(q)
     if kind in ("causal", "full"):
@@ -131,11 +144,13 @@ def block_forward(q, k, v, softmax_scale, kind="full", segments=None, kernel=Non
 
 
 def block_backward(dout, q, k, v, out, lse, softmax_scale, kind="full", segments=None,
-                   kernel=None):
+                   kernel=None, keep_dtype=False):
     """Gradients (dq, dk, dv) of one block in fp32, given the FINAL out and lse of its rows.
 
     dout / out: [b, nh, sq, d]; lse: [b, nh, sq]; dk, dv: [b, nkv, sk, d], summed over the
     query heads of each KV group. kind / segments / kernel as in :func:`block_forward`.
+    ``keep_dtype`` (a caller that casts to q's dtype anyway, with nothing to accumulate):
+    dense and one-call segment gradients come back in the kernel's dtype, not copied to fp32.
     """
     if kind == "empty":
         return (torch.zeros(q.shape, dtype=torch.float32, device=q.device),
@@ -145,10 +160,11 @@ def block_backward(dout, q, k, v, out, lse, softmax_scale, kind="full", segments
     lse = lse.masked_fill(torch.isinf(lse), 0.0)  # rows with no key: every P is 0 anyway
     dout = dout.to(q.dtype)  # the kernels want dout, q and out of one dtype
     if kind == "segments":
-        return segments_backward(dout, q, k, v, out, lse, segments, softmax_scale, backend)
+        return segments_backward(dout, q, k, v, out, lse, segments, softmax_scale, backend,
+                                 keep_dtype)
     grads = backend.dense_backward(dout, q, k, v, out.to(q.dtype), lse, softmax_scale,
                                    kind == "causal")
-    return tuple(g.float() for g in grads)
+    return grads if keep_dtype else tuple(g.float() for g in grads)
 
 
 def merge_partial(out_acc, lse_acc, out_blk, lse_blk):
@@ -186,7 +202,7 @@ class _MaskedAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = block_backward(dout.contiguous(), q, k, v, out, lse, ctx.softmax_scale,
-                                    ctx.kind, ctx.plan, ctx.kernel)
+                                    ctx.kind, ctx.plan, ctx.kernel, keep_dtype=True)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 

@@ -11,6 +11,13 @@ tests use to check the argument plumbing). Each function names the aten op it ca
   the fp32 fallback for causal / full blocks, WITHOUT an attention bias (a bias is s x s
   memory and gave wrong bf16 gradients); no GQA, so KV heads are repeated.
 
+- cuDNN (``aten._scaled_dot_product_cudnn_attention`` and its backward): what SDPA itself
+  picks on Hopper, and measured about 1.8x faster than flash there (benchmarks/gpu.py, one
+  H200); fp16/bf16, head_dim a multiple of 8 and at most 128, sm90+, dense [b, h, s, d] of
+  any strides. The same number of KV heads as query heads: GQA repeats the KV heads (O(s)
+  copies against O(s^2) attention) and sums dk / dv back over them. Its lse is
+  [b, nh, sq, 1].
+
 Flash with dropout 0 ignores its RNG state, so the backward gets a zero one (what PyTorch's
 ``torch.nn.attention.varlen`` does too).
 """
@@ -28,6 +35,14 @@ def flash_eligible(q, k, v):
     return (q.device.type == "cuda" and q.dtype in _FLASH_DTYPES and k.dtype == q.dtype
             and v.dtype == q.dtype and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
             and device_mod.flash_attention_supported(q.device))
+
+
+def cudnn_eligible(q, k, v):
+    """True when the cuDNN kernels are used for a dense causal / full block of q, k, v."""
+    return (q.device.type == "cuda" and q.dtype in _FLASH_DTYPES and k.dtype == q.dtype
+            and v.dtype == q.dtype and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128
+            and k.shape[-1] == q.shape[-1] and v.shape[-1] == q.shape[-1]
+            and device_mod.cudnn_attention_supported(q.device))
 
 
 def efficient_eligible(q):
@@ -138,4 +153,39 @@ def efficient_backward(dout, q, k, v, out, lse, scale, causal):
         0.0, [True, True, True, False], causal, scale=scale)
     dk = dk.reshape(b, nkv, groups, sk, d).sum(2)  # [b, nkv, sk, d]
     dv = dv.reshape(b, nkv, groups, sk, d).sum(2)
+    return dq, dk, dv
+
+
+def _like(x, template):
+    """``x`` with ``template``'s strides (a copy only when they differ): the cuDNN backward
+    wants the output gradient laid out as the output."""
+    if x.stride() == template.stride():
+        return x
+    return torch.empty_like(template).copy_(x)
+
+
+def cudnn_forward(q, k, v, scale, causal):
+    """aten._scaled_dot_product_cudnn_attention: q [b, nh, sq, d], k/v [b, nkv, sk, d] ->
+    (out [b, nh, sq, d] in q's dtype and layout, lse [b, nh, sq] fp32)."""
+    groups = q.shape[1] // k.shape[1]
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, _repeat_kv(k, groups), _repeat_kv(v, groups), None, True, 0.0, causal, False,
+        scale=scale)[:2]
+    return out, lse.reshape(q.shape[:3])  # lse: [b, nh, sq, 1] -> [b, nh, sq]
+
+
+def cudnn_backward(dout, q, k, v, out, lse, scale, causal):
+    """aten._scaled_dot_product_cudnn_attention_backward with the FINAL out / lse [b, nh, sq]
+    -> (dq [b, nh, sq, d], dk, dv [b, nkv, sk, d]), dk / dv summed over repeated KV heads."""
+    b, nkv, sk, d = k.shape
+    groups, sq = q.shape[1] // nkv, q.shape[2]
+    seed = torch.zeros((), dtype=torch.int64, device=q.device)
+    out = out.to(q.dtype)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        _like(dout.to(q.dtype), out), q, _repeat_kv(k, groups), _repeat_kv(v, groups), out,
+        lse.reshape(b, q.shape[1], sq, 1).contiguous(), seed, seed, None, None, None, sq, sk,
+        0.0, causal, scale=scale)
+    if groups > 1:
+        dk = dk.reshape(b, nkv, groups, sk, d).sum(2)  # [b, nkv, sk, d]
+        dv = dv.reshape(b, nkv, groups, sk, d).sum(2)
     return dq, dk, dv

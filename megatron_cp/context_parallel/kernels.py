@@ -25,7 +25,10 @@ backend         dense causal / full                              variable-length
 ==============  ===============================================  ==============================
 TorchBackend    plain PyTorch                                    loop over segments, dense each
 CpuBackend      ``_scaled_dot_product_flash_attention_for_cpu``  loop over segments, dense each
-CudaBackend     flash; fp32: memory-efficient (no bias) / plain  flash varlen; fp32: the loop
+CudaBackend     cuDNN (sm90+) / flash; fp32: memory-efficient    causal square segments with
+                (no bias) / plain                                little padding: one padded
+                                                                 dense cuDNN call; else flash
+                                                                 varlen; fp32: the loop
 ==============  ===============================================  ==============================
 """
 import torch
@@ -33,6 +36,9 @@ import torch
 from megatron_cp.context_parallel import cuda_kernels
 
 KERNEL_NAMES = ("auto", "torch")
+# Padded dense cuDNN instead of flash varlen while the padding adds at most 25% more scores
+# (cuDNN's dense kernel measured 1.3-1.8x flash's on an H200: benchmarks/gpu.py).
+PADDED_COST_LIMIT = 1.25
 _NEG_INF = float("-inf")
 
 
@@ -137,7 +143,9 @@ class CudaBackend(TorchBackend):
         return cuda_kernels.flash_eligible(q, k, v)
 
     def dense_forward(self, q, k, v, scale, causal):
-        """Flash; else memory-efficient without bias; else plain PyTorch."""
+        """cuDNN (Hopper on); else flash; else memory-efficient without bias; else plain."""
+        if cuda_kernels.cudnn_eligible(q, k, v):
+            return cuda_kernels.cudnn_forward(q, k, v, scale, causal)
         if self.flash_ok(q, k, v):
             return cuda_kernels.flash_forward(q, k, v, scale, causal)
         if cuda_kernels.efficient_eligible(q):
@@ -145,14 +153,27 @@ class CudaBackend(TorchBackend):
         return super().dense_forward(q, k, v, scale, causal)
 
     def dense_backward(self, dout, q, k, v, out, lse, scale, causal):
+        if cuda_kernels.cudnn_eligible(q, k, v):
+            return cuda_kernels.cudnn_backward(dout, q, k, v, out, lse, scale, causal)
         if self.flash_ok(q, k, v):
             return cuda_kernels.flash_backward(dout, q, k, v, out, lse, scale, causal)
         if cuda_kernels.efficient_eligible(q):
             return cuda_kernels.efficient_backward(dout, q, k, v, out, lse, scale, causal)
         return super().dense_backward(dout, q, k, v, out, lse, scale, causal)
 
+    def padded_ok(self, q, k, v, call):
+        """Whether a varlen call runs as one padded dense cuDNN call (see
+        :func:`padded_causal_forward`): causal square segments, at most PADDED_COST_LIMIT x
+        the scores of the segments themselves. cuDNN's own variable-length mode is not used:
+        on an H200 (torch 2.11, cuDNN 9.19) its dq was off by 10x and it ran at 0.1-20
+        TFLOP/s."""
+        return (call.causal and cuda_kernels.cudnn_eligible(q, k, v) and call.square
+                and call.padded_cost() <= PADDED_COST_LIMIT)
+
     def varlen_forward(self, q, k, v, call, scale):
-        """One flash varlen call; else (fp32) the segment loop over the dense fallbacks."""
+        """One padded cuDNN call, or one flash varlen call; else (fp32) the segment loop."""
+        if self.padded_ok(q, k, v, call):
+            return padded_causal_forward(cuda_kernels.cudnn_forward, q, k, v, call, scale)
         if not self.flash_ok(q, k, v):
             return super().varlen_forward(q, k, v, call, scale)
         _, _, cu_q, cu_k = call.on(q.device)
@@ -160,11 +181,62 @@ class CudaBackend(TorchBackend):
                                                  scale, call.causal)
 
     def varlen_backward(self, dout, q, k, v, out, lse, call, scale):
+        if self.padded_ok(q, k, v, call):
+            return padded_causal_backward(cuda_kernels.cudnn_backward, dout, q, k, v, out, lse,
+                                          call, scale)
         if not self.flash_ok(q, k, v):
             return super().varlen_backward(dout, q, k, v, out, lse, call, scale)
         _, _, cu_q, cu_k = call.on(q.device)
         return cuda_kernels.flash_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k,
                                                   call.max_q, call.max_k, scale, call.causal)
+
+
+def _padded(x, call, index):
+    """Packed rows x [T, h, d] -> the segments as a zero-padded batch [n, h, L, d] (a view of
+    [n, L, h, d]; n segments, L = call.max_q). Segments of one length: a view of x, no copy;
+    otherwise one gather from x with a zero row appended (``index``: see
+    SegmentCall.padded_source)."""
+    n, length = call.num_segments, call.max_q
+    if index is None:
+        return x.view(n, length, *x.shape[1:]).transpose(1, 2)
+    rows = torch.cat([x, x.new_zeros(1, *x.shape[1:])])  # [T + 1, h, d]: row T is zero
+    return rows.index_select(0, index[0]).view(n, length, *x.shape[1:]).transpose(1, 2)
+
+
+def _unpadded(x, index):
+    """[n, h, L, d] batch -> its real rows, packed [T, h, d] (a view when no row is padding)."""
+    n, h, length, d = x.shape
+    rows = x.transpose(1, 2).reshape(n * length, h, d)
+    return rows if index is None else rows.index_select(0, index[1])
+
+
+def padded_causal_forward(dense_forward, q, k, v, call, scale):
+    """A causal varlen call whose segments are square (each query segment is its own key
+    segment) as ONE dense causal call over the segments padded to a batch. Exact: a real
+    query at offset j sees keys 0..j of its segment, all real; the padding rows after each
+    segment are computed and dropped. -> (out [Tq, nh, d], lse [nh, Tq])."""
+    index = call.padded_index(q.device)
+    out, lse = dense_forward(_padded(q, call, index), _padded(k, call, index),
+                             _padded(v, call, index), scale, True)  # [n, nh, L, d], [n, nh, L]
+    n, nh, length = lse.shape
+    lse = lse.transpose(0, 1).reshape(nh, n * length)  # [nh, n * L]
+    return _unpadded(out, index), lse if index is None else lse.index_select(1, index[1])
+
+
+def padded_causal_backward(dense_backward, dout, q, k, v, out, lse, call, scale):
+    """Backward of :func:`padded_causal_forward`: padding rows get dout = out = 0 and lse 0,
+    so their dS = P (dP - D) is 0 and they add nothing to dk / dv. -> (dq, dk, dv) packed."""
+    index = call.padded_index(q.device)
+    nh, n, length = lse.shape[0], call.num_segments, call.max_q
+    if index is None:
+        lse_batch = lse
+    else:
+        lse_batch = torch.cat([lse, lse.new_zeros(nh, 1)], dim=1).index_select(1, index[0])
+    grads = dense_backward(_padded(dout, call, index), _padded(q, call, index),
+                           _padded(k, call, index), _padded(v, call, index),
+                           _padded(out, call, index),
+                           lse_batch.view(nh, n, length).transpose(0, 1), scale, True)
+    return tuple(_unpadded(g, index) for g in grads)
 
 
 _TORCH = TorchBackend()

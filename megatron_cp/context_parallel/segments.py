@@ -76,6 +76,37 @@ class SegmentCall:
             self._bounds = [((cq[i], cq[i + 1]), (ck[i], ck[i + 1])) for i in range(len(cq) - 1)]
         return self._bounds
 
+    @property
+    def square(self):
+        """True when every segment has as many keys as queries (cu_q == cu_k)."""
+        return torch.equal(self.cu_q, self.cu_k)
+
+    def padded_cost(self):
+        """Scores of the segments padded to a batch [num_segments, max_q, max_k] over the
+        scores of the segments themselves (1.0: no padding waste)."""
+        lengths = (self.cu_q[1:] - self.cu_q[:-1]).double()
+        keys = (self.cu_k[1:] - self.cu_k[:-1]).double()
+        return self.num_segments * self.max_q * self.max_k / float((lengths * keys).sum())
+
+    def padded_index(self, device):
+        """None when every segment has ``max_q`` rows (the padded batch is a view of the
+        packed rows); else (source [n * max_q], target [Tq]) int64 on ``device``: the packed
+        row each batch row takes (Tq, one past the last, for padding: a zero row) and the
+        batch row each packed row sits at (segment i, offset j -> i * max_q + j). Cached
+        like :meth:`on`."""
+        lengths = (self.cu_q[1:] - self.cu_q[:-1]).long()
+        if bool((lengths == self.max_q).all()):
+            return None
+        key = ("padded", str(device))
+        if key not in self._on_device:
+            total = int(lengths.sum())
+            owner = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)  # [Tq]
+            target = owner * self.max_q + torch.arange(total) - self.cu_q[:-1].long()[owner]
+            source = torch.full((self.num_segments * self.max_q,), total, dtype=torch.int64)
+            source[target] = torch.arange(total)
+            self._on_device[key] = (source.to(device), target.to(device))
+        return self._on_device[key]
+
     def on(self, device):
         """(q_rows, k_rows, cu_q, cu_k) on ``device``, copied once and cached."""
         key = str(device)
@@ -235,7 +266,11 @@ def classify_block(tq, tk, dq=None, dk=None):
     O(sq + sk) ints (one device-to-host copy of the metadata); never an [sq, sk] tensor.
     Memoised on the metadata's content (the same plan object is returned for equal inputs).
     """
-    meta = tuple(None if t is None else t.cpu().long().contiguous() for t in (tq, tk, dq, dk))
+    host = {}  # one device-to-host copy per distinct tensor (the no-CP path: tq is tk)
+    for t in (tq, tk, dq, dk):
+        if t is not None and id(t) not in host:
+            host[id(t)] = t.cpu().long().contiguous()
+    meta = tuple(None if t is None else host[id(t)] for t in (tq, tk, dq, dk))
     key = tuple(None if t is None else (tuple(t.shape), hash(t.numpy().tobytes())) for t in meta)
     hit = _MEMO.get(key)
     if hit is not None and all(a is b or (a is not None and b is not None and torch.equal(a, b))
