@@ -130,6 +130,20 @@ def test_a_kernel_that_raises_is_a_failed_row(monkeypatch, capsys, one_thread):
     assert rows["local/packed/h8:2/sbhd/s=40/fp32/torch"] == "PASS"  # the torch kernel
 
 
+def test_a_comparison_that_cannot_be_made_is_a_failed_row_not_an_aborted_section(capsys):
+    """On the H200 the MoE layer check (device result against the CPU truth) raised inside
+    the comparison, outside the check, and took the whole MoE section down with it. Now such
+    a row fails on its own and the next check still runs."""
+    from tools.gpu_check_lib import Report, errors
+    report = Report()
+    report.run("broken", lambda: {"out": (torch.zeros(2), "not a tensor", 1e-4)})
+    report.run("fine", lambda: {"out": (torch.ones(2), torch.ones(2), 1e-4)})
+    assert report.rows == [("broken", "FAIL"), ("fine", "PASS")]
+    assert "AttributeError" in capsys.readouterr().out
+    # the truth is moved to the device of the result before comparing
+    assert errors(torch.ones(3, dtype=torch.float64), torch.full((3,), 2.0)) == (1.0, 0.5)
+
+
 # ----------------------------------------------------------------------------- simulation == ranks
 SIM_CASES = [("p2p", None, 4, 2, True), ("a2a", None, 6, 2, False), ("a2a", None, 8, 2, True),
              ("a2a+p2p", (2, 2), 8, 2, True), ("a2a+p2p", (2, 2), 4, 1, False)]
