@@ -10,6 +10,7 @@ refused with a reason, is in arguments_compat.py.
 import argparse
 import dataclasses
 import math
+import os
 import sys
 
 import torch
@@ -250,6 +251,7 @@ def validate_args(args, world_size, inference=False):
     ``inference``: no training schedule or dataset is checked (see :func:`parse_args`)."""
     parser = build_parser()
     args.compat_notes = apply_compat_flags(args, parser.get_default)
+    _validate_counts(args)
     if args.expert_tensor_parallel_size is None:
         args.expert_tensor_parallel_size = args.tensor_model_parallel_size  # Megatron's default
     if args.expert_model_parallel_size > 1 and not args.num_experts:
@@ -292,6 +294,23 @@ def validate_args(args, world_size, inference=False):
     return args
 
 
+# Counts that a loop divides by or runs over: (argument, smallest value that means something).
+COUNT_MINIMUMS = (("micro_batch_size", 1), ("global_batch_size", 1), ("log_interval", 1),
+                  ("train_iters", 0), ("train_samples", 1), ("eval_iters", 0),
+                  ("eval_interval", 0), ("save_interval", 0))
+
+
+def _validate_counts(args):
+    """Sizes and intervals in range, and one training length (Megatron's rule too)."""
+    for name, minimum in COUNT_MINIMUMS:
+        value = getattr(args, name, None)
+        if value is not None and value < minimum:
+            raise ValueError(f"--{name.replace('_', '-')} ({value}) must be at least {minimum}")
+    if args.train_iters is not None and args.train_samples is not None:
+        raise ValueError(f"--train-iters ({args.train_iters}) and --train-samples "
+                         f"({args.train_samples}) both give the training length; give one")
+
+
 def _validate_optimizer_and_checkpoint(args):
     """The distributed optimizer's and the checkpoint format's companions."""
     if args.overlap_param_gather and not args.use_distributed_optimizer:
@@ -302,6 +321,21 @@ def _validate_optimizer_and_checkpoint(args):
                          f"{args.ckpt_format}; add --ckpt-format torch_dist")
     if args.async_save and not args.save:
         raise ValueError("--async-save needs a checkpoint directory: give --save")
+    if args.save:
+        _check_writable(args.save)
+
+
+def _check_writable(path):
+    """--save must be a directory this process can write, or creatable under one: checked
+    now, not at the first save after hours of training (nothing is created here)."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"--save {path}: {existing} is a file, not a directory; give a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--save {path}: {existing} is not writable (read-only or another "
+                         f"user's); give a directory you can write")
 
 
 def _validate_model(args, names):
@@ -388,10 +422,28 @@ def _validate_data(args, need_data=True):
         raise ValueError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
     if args.tokenizer_type == "GPT2BPETokenizer" and not (args.vocab_file and args.merge_file):
         raise ValueError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
+    _check_tokenizer_files(args)
     if (args.tokenizer_type == "NullTokenizer" or (args.mock_data and args.tokenizer_type is None)) \
             and args.vocab_size is None:
         raise ValueError("--tokenizer-type NullTokenizer (and --mock-data without a tokenizer) "
                          "needs --vocab-size")
+
+
+def _check_tokenizer_files(args):
+    """The tokenizer's files exist (a Hugging Face --tokenizer-model may also be a hub name),
+    and a sentencepiece --tokenizer-model is the binary .model, not its .vocab listing."""
+    files = []
+    if args.tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
+        files.append(("--tokenizer-model", args.tokenizer_model))
+        if args.tokenizer_model.endswith(".vocab"):
+            model = args.tokenizer_model[:-len(".vocab")] + ".model"
+            raise ValueError(f"--tokenizer-model {args.tokenizer_model} is sentencepiece's "
+                             f"vocabulary listing; give the model file ({model})")
+    if args.tokenizer_type == "GPT2BPETokenizer":
+        files += [("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)]
+    for flag, path in files:
+        if not os.path.isfile(path):
+            raise ValueError(f"{flag} {path}: no such file")
 
 
 def _validate_pipeline(args, check_microbatches=True):

@@ -27,6 +27,7 @@ class CompatFlag:
     group: str = "compat"  # the argparse group it is listed in
     refuse: dict = field(default_factory=dict)  # value -> reason, for partly supported flags
     sets: tuple = ()  # MAP: (argument name, value)
+    needs: tuple = ()  # (argument name, values it must have, why not otherwise): a condition
 
     @property
     def dest(self):
@@ -167,8 +168,11 @@ COMPAT_FLAGS = (
     CompatFlag("--moe-shared-expert-overlap", SAME, "the shared expert runs after the routed "
                "experts, not overlapped with their dispatch"),
     # --- refused ---
-    CompatFlag("--no-position-embedding", REFUSE, "the model needs a position embedding; use "
-               "--position-embedding-type rope (rotary, no learned table)"),
+    CompatFlag("--no-position-embedding", SAME, "no learned position table: rotary "
+               "embeddings (--position-embedding-type rope) have none",
+               needs=("position_embedding_type", ("rope",),
+                      "turns the learned position table off, leaving the model no position "
+                      "signal; add --position-embedding-type rope (rotary, no learned table)")),
     CompatFlag("--use-legacy-models", REFUSE, "the legacy model " + _NOT_BUILT +
                " (the model is Megatron-core style)"),
     CompatFlag("--vocab-extra-ids", REFUSE, "extra sentinel ids are for T5 span corruption, "
@@ -220,6 +224,8 @@ def apply_compat_flags(args, defaults):
         if value == defaults(entry.dest):
             continue
         shown = entry.flag if value is True else f"{entry.flag} {_show(value)}"
+        if entry.needs and getattr(args, entry.needs[0]) not in entry.needs[1]:
+            raise ValueError(f"{shown}: {entry.needs[2]}")
         if entry.kind == REFUSE:
             raise ValueError(f"{shown}: {entry.why}")
         if isinstance(value, str) and value in entry.refuse:

@@ -2,6 +2,7 @@
 arguments, the checkpoint resume check and the flag names in errors; the Megatron-LM flag
 table accepts, rewrites, notes or refuses every flag it lists."""
 import dataclasses
+import os
 import re
 
 import pytest
@@ -170,11 +171,26 @@ def test_refused_flags_say_why(entry):
     assert str(err.value).startswith(entry.flag) and entry.why in str(err.value)
 
 
+def _companion(entry):
+    """The words that meet ``entry.needs`` (a flag accepted only beside another value)."""
+    if not entry.needs:
+        return []
+    name, allowed, _ = entry.needs
+    return ["--" + name.replace("_", "-"), allowed[0]]
+
+
 @pytest.mark.parametrize("entry", [e for e in COMPAT_FLAGS if e.kind == SAME],
                          ids=lambda e: e.flag)
 def test_flags_that_select_what_we_do_anyway_leave_a_note(entry):
-    args = parse_args(BASE.split() + _given(entry))
+    args = parse_args(BASE.split() + _companion(entry) + _given(entry))
     assert args.compat_notes == [f"{' '.join(_given(entry))}: {entry.why}"]
+
+
+@pytest.mark.parametrize("entry", [e for e in COMPAT_FLAGS if e.needs], ids=lambda e: e.flag)
+def test_flags_with_a_condition_say_what_is_missing(entry):
+    with pytest.raises(ValueError) as err:
+        parse_args(BASE.split() + _given(entry))
+    assert str(err.value).startswith(entry.flag) and entry.needs[2] in str(err.value)
 
 
 @pytest.mark.parametrize("entry", [e for e in COMPAT_FLAGS if e.kind == STORE],
@@ -214,8 +230,9 @@ def test_refused_values_of_accepted_flags(flag, value, why):
     ("--dataloader-type cyclic", "--dataloader-type cyclic: the cyclic"),
     ("--rampup-batch-size 8 8 100", "--rampup-batch-size 8 8 100: batch-size ramp-up is not "
                                     "built; drop it"),
-    ("--no-position-embedding", "--no-position-embedding: the model needs a position embedding; "
-                                "use --position-embedding-type rope"),
+    ("--no-position-embedding", "--no-position-embedding: turns the learned position table off, "
+                                "leaving the model no position signal; add "
+                                "--position-embedding-type rope"),
     ("--recompute-activations --recompute-granularity full --recompute-method uniform",
      "--recompute-activations means --recompute-granularity selective"),
 ])
@@ -325,3 +342,54 @@ def test_hugging_face_tokenizer_flag_needs_its_model():
         _parse("--tokenizer-type HuggingFaceTokenizer")
     args = _parse("--tokenizer-type HuggingFaceTokenizer --tokenizer-model /some/folder")
     assert args.tokenizer_model == "/some/folder"
+
+
+def test_megatron_mixtral_position_flags_are_accepted():
+    """Megatron's own Mixtral example: --no-position-embedding beside rope (a rope model has
+    no learned table, so the flag only confirms it)."""
+    args = _parse("--no-position-embedding --position-embedding-type rope")
+    assert args.position_embedding_type == "rope"
+    assert args.compat_notes == ["--no-position-embedding: no learned position table: rotary "
+                                 "embeddings (--position-embedding-type rope) have none"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    ("--micro-batch-size 0", "--micro-batch-size (0) must be at least 1"),
+    ("--global-batch-size 0", "--global-batch-size (0) must be at least 1"),
+    ("--log-interval 0", "--log-interval (0) must be at least 1"),
+    ("--train-iters 0 --train-samples 80", "--train-iters (0) and --train-samples (80) both give "
+                                           "the training length; give one"),
+    ("--tokenizer-type GPTSentencePieceTokenizer --tokenizer-model /no/such/tok.model",
+     "--tokenizer-model /no/such/tok.model: no such file"),
+    ("--tokenizer-type GPTSentencePieceTokenizer --tokenizer-model tok.vocab",
+     "--tokenizer-model tok.vocab is sentencepiece's vocabulary listing; give the model file "
+     "(tok.model)"),
+    ("--tokenizer-type GPT2BPETokenizer --vocab-file /no/vocab.json --merge-file /no/merges.txt",
+     "--vocab-file /no/vocab.json: no such file"),
+])
+def test_mistakes_that_crashed_later_get_one_line_at_argument_time(argv, message):
+    """Each of these used to end in a traceback (ZeroDivisionError, a sentencepiece
+    RuntimeError, a misleading schedule message) after start-up."""
+    with pytest.raises(ValueError) as err:
+        _parse(argv)
+    assert str(err.value) == message
+    assert not torch.distributed.is_initialized()
+
+
+def test_save_directory_must_be_writable_before_training(tmp_path, monkeypatch):
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    _parse(f"--save {tmp_path / 'new' / 'run'}")  # creatable: accepted, nothing created
+    assert not (tmp_path / "new").exists()
+    with pytest.raises(ValueError, match=r"is a file, not a directory"):
+        _parse(f"--save {a_file / 'run'}")
+    # A read-only mount as the filesystem reports it (root may write anywhere else).
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(arguments.os, "access",
+                        lambda p, mode: False if str(p) == str(locked) else real_access(p, mode))
+    with pytest.raises(ValueError) as err:
+        _parse(f"--save {locked / 'run'}")
+    assert str(err.value) == (f"--save {locked / 'run'}: {locked} is not writable (read-only or "
+                              f"another user's); give a directory you can write")
