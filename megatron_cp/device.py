@@ -33,18 +33,19 @@ def device_for_local_rank(local_rank: int, backend: str) -> torch.device:
 
 def flash_attention_supported(device: torch.device) -> bool:
     """True when PyTorch's flash-attention kernels run on ``device`` (CUDA, sm80 or newer)."""
-    if device.type != "cuda":
-        return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 0)
+    return device.type == "cuda" and _device_capability(device) >= (8, 0)
 
 
 def cudnn_attention_supported(device: torch.device) -> bool:
     """True when PyTorch's cuDNN attention runs on ``device`` (CUDA with cuDNN, sm90 or
     newer: where SDPA itself enables it)."""
-    if device.type != "cuda" or not (torch.backends.cudnn.is_available()
-                                      and torch.backends.cudnn.enabled):
-        return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
+    return (device.type == "cuda" and torch.backends.cudnn.is_available()
+            and torch.backends.cudnn.enabled and _device_capability(device) >= (9, 0))
+
+
+def _device_capability(device):
+    """(major, minor) compute capability of CUDA ``device`` (cached per index)."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)

@@ -21,14 +21,11 @@ class StepProfiler:
     iterations done). Inactive unless --profile is given and this rank is profiled."""
 
     def __init__(self, args, global_rank, device):
-        self.active = bool(getattr(args, "profile", False)) and \
-            global_rank in (getattr(args, "profile_ranks", None) or [0])
-        self.start = getattr(args, "profile_step_start", 10)
-        self.end = getattr(args, "profile_step_end", 12)
-        self.torch_profiler = bool(getattr(args, "use_pytorch_profiler", False))
+        self.active = args.profile and global_rank in args.profile_ranks
+        self.start, self.end = args.profile_step_start, args.profile_step_end
+        self.torch_profiler = args.use_pytorch_profiler
         self.device, self.rank, self.running = device, global_rank, None
-        self.trace_dir = getattr(args, "tensorboard_dir", None) or os.path.join(
-            getattr(args, "save", None) or ".", "profile")
+        self.trace_dir = args.tensorboard_dir or os.path.join(args.save or ".", "profile")
 
     def step(self, iteration):
         """Start before iteration ``start`` + 1 runs (i.e. once ``start`` are done), stop

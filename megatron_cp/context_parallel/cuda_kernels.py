@@ -132,6 +132,14 @@ def _repeat_kv(x, groups):
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)  # [b, nh, sk, d]
 
 
+def _sum_repeated_kv(grad, groups):
+    """[b, nkv * groups, sk, d] gradients of repeated KV heads -> [b, nkv, sk, d]."""
+    if groups == 1:
+        return grad
+    b, heads, sk, d = grad.shape
+    return grad.reshape(b, heads // groups, groups, sk, d).sum(2)
+
+
 def efficient_forward(q, k, v, scale, causal):
     """aten._scaled_dot_product_efficient_attention, no bias: q [b, nh, sq, d], k/v
     [b, nkv, sk, d] -> (out [b, nh, sq, d], lse [b, nh, sq] fp32)."""
@@ -144,16 +152,13 @@ def efficient_forward(q, k, v, scale, causal):
 def efficient_backward(dout, q, k, v, out, lse, scale, causal):
     """aten._scaled_dot_product_efficient_attention_backward, no bias -> (dq, dk, dv), dk/dv
     summed back over the repeated KV heads: [b, nkv, sk, d]."""
-    b, nkv, sk, d = k.shape
-    groups, sq = q.shape[1] // nkv, q.shape[2]
+    groups, sq = q.shape[1] // k.shape[1], q.shape[2]
     lse = torch.nn.functional.pad(lse, (0, -(-sq // 32) * 32 - sq))  # [b, nh, ceil(sq/32)*32]
     seed = torch.zeros((), dtype=torch.int64, device=q.device)
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
         dout, q, _repeat_kv(k, groups), _repeat_kv(v, groups), None, out, lse, seed, seed,
         0.0, [True, True, True, False], causal, scale=scale)
-    dk = dk.reshape(b, nkv, groups, sk, d).sum(2)  # [b, nkv, sk, d]
-    dv = dv.reshape(b, nkv, groups, sk, d).sum(2)
-    return dq, dk, dv
+    return dq, _sum_repeated_kv(dk, groups), _sum_repeated_kv(dv, groups)  # [b, nkv, sk, d]
 
 
 def _like(x, template):
@@ -177,15 +182,12 @@ def cudnn_forward(q, k, v, scale, causal):
 def cudnn_backward(dout, q, k, v, out, lse, scale, causal):
     """aten._scaled_dot_product_cudnn_attention_backward with the FINAL out / lse [b, nh, sq]
     -> (dq [b, nh, sq, d], dk, dv [b, nkv, sk, d]), dk / dv summed over repeated KV heads."""
-    b, nkv, sk, d = k.shape
-    groups, sq = q.shape[1] // nkv, q.shape[2]
+    (b, nh, sq, _), sk = q.shape, k.shape[2]
+    groups = nh // k.shape[1]
     seed = torch.zeros((), dtype=torch.int64, device=q.device)
     out = out.to(q.dtype)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         _like(dout.to(q.dtype), out), q, _repeat_kv(k, groups), _repeat_kv(v, groups), out,
-        lse.reshape(b, q.shape[1], sq, 1).contiguous(), seed, seed, None, None, None, sq, sk,
+        lse.reshape(b, nh, sq, 1).contiguous(), seed, seed, None, None, None, sq, sk,
         0.0, causal, scale=scale)
-    if groups > 1:
-        dk = dk.reshape(b, nkv, groups, sk, d).sum(2)  # [b, nkv, sk, d]
-        dv = dv.reshape(b, nkv, groups, sk, d).sum(2)
-    return dq, dk, dv
+    return dq, _sum_repeated_kv(dk, groups), _sum_repeated_kv(dv, groups)  # [b, nkv, sk, d]

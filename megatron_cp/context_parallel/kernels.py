@@ -195,7 +195,7 @@ def _padded(x, call, index):
     """Packed rows x [T, h, d] -> the segments as a zero-padded batch [n, h, L, d] (a view of
     [n, L, h, d]; n segments, L = call.max_q). Segments of one length: a view of x, no copy;
     otherwise one gather from x with a zero row appended (``index``: see
-    SegmentCall.padded_source)."""
+    SegmentCall.padded_index)."""
     n, length = call.num_segments, call.max_q
     if index is None:
         return x.view(n, length, *x.shape[1:]).transpose(1, 2)

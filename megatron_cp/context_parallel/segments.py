@@ -63,6 +63,10 @@ class SegmentCall:
         self.q_identity = _is_identity(self.q_rows, num_q_rows)
         self.k_identity = _is_identity(self.k_rows, num_k_rows)
         self.q_unique = bool((q_start[1:] >= q_start[:-1] + q_len[:-1]).all())
+        self.square = torch.equal(self.cu_q, self.cu_k)  # each segment: as many keys as queries
+        # scores of the segments padded to a batch [n, max_q, max_k] over their own scores
+        self._padded_cost = (q_len.numel() * self.max_q * self.max_k
+                             / float((q_len.double() * k_len.double()).sum()))
         self._bounds, self._on_device = None, {}
 
     @property
@@ -76,17 +80,10 @@ class SegmentCall:
             self._bounds = [((cq[i], cq[i + 1]), (ck[i], ck[i + 1])) for i in range(len(cq) - 1)]
         return self._bounds
 
-    @property
-    def square(self):
-        """True when every segment has as many keys as queries (cu_q == cu_k)."""
-        return torch.equal(self.cu_q, self.cu_k)
-
     def padded_cost(self):
         """Scores of the segments padded to a batch [num_segments, max_q, max_k] over the
         scores of the segments themselves (1.0: no padding waste)."""
-        lengths = (self.cu_q[1:] - self.cu_q[:-1]).double()
-        keys = (self.cu_k[1:] - self.cu_k[:-1]).double()
-        return self.num_segments * self.max_q * self.max_k / float((lengths * keys).sum())
+        return self._padded_cost
 
     def padded_index(self, device):
         """None when every segment has ``max_q`` rows (the padded batch is a view of the
@@ -94,17 +91,17 @@ class SegmentCall:
         row each batch row takes (Tq, one past the last, for padding: a zero row) and the
         batch row each packed row sits at (segment i, offset j -> i * max_q + j). Cached
         like :meth:`on`."""
-        lengths = (self.cu_q[1:] - self.cu_q[:-1]).long()
-        if bool((lengths == self.max_q).all()):
-            return None
         key = ("padded", str(device))
         if key not in self._on_device:
-            total = int(lengths.sum())
-            owner = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)  # [Tq]
-            target = owner * self.max_q + torch.arange(total) - self.cu_q[:-1].long()[owner]
-            source = torch.full((self.num_segments * self.max_q,), total, dtype=torch.int64)
-            source[target] = torch.arange(total)
-            self._on_device[key] = (source.to(device), target.to(device))
+            lengths = (self.cu_q[1:] - self.cu_q[:-1]).long()
+            index = None
+            if not bool((lengths == self.max_q).all()):
+                total = int(lengths.sum())
+                target = _expand(torch.arange(lengths.numel()) * self.max_q, lengths)  # [Tq]
+                source = torch.full((self.num_segments * self.max_q,), total, dtype=torch.int64)
+                source[target] = torch.arange(total)
+                index = (source.to(device), target.to(device))
+            self._on_device[key] = index
         return self._on_device[key]
 
     def on(self, device):
