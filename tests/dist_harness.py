@@ -7,6 +7,7 @@ fails with that worker's traceback; if the workers do not finish within ``timeou
 seconds, they are killed and the test fails naming the ranks still running.
 """
 import datetime
+import io
 import os
 import queue
 import tempfile
@@ -29,12 +30,28 @@ def _worker(rank, world_size, store_path, fn, args, results, timeout):
                                 world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
         out = fn(rank, world_size, *args)
-        results.put((rank, "ok", out))
+        results.put((rank, "ok", _to_bytes(out)))
     except BaseException:  # report everything, including assertion failures
         results.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _to_bytes(value):
+    """Serialize a result so that no tensor travels as a shared-memory file descriptor.
+
+    A queue would otherwise hand each tensor over through the worker's resource sharer, which
+    dies with the worker: a worker that exits before the test reads its result then fails the
+    test with "Connection reset by peer". Bytes are owned by the queue and outlive the worker.
+    """
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _from_bytes(data):
+    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def run_workers(fn, world_size, *args, timeout=240):
@@ -59,7 +76,7 @@ def run_workers(fn, world_size, *args, timeout=240):
                     raise WorkerError(f"workers {missing} did not finish within {deadline}s "
                                       f"(errors so far: {errors})") from None
                 if status == "ok":
-                    outputs[rank] = payload
+                    outputs[rank] = _from_bytes(payload)
                 else:
                     errors[rank] = payload
                     break  # one failure is enough: the others may be blocked on it
