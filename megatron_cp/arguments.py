@@ -5,7 +5,7 @@ check that can be made from the arguments and the world size is made here, so ba
 fails with a clear ValueError before any collective starts. The model's flags are derived
 from the fields of :class:`~megatron_cp.model.config.GPTConfig` and its rules are the
 config's own (errors name the flags); the table of further Megatron-LM flags, accepted or
-refused with a reason, is in arguments_compat.py.
+refused with a reason, is in megatron_flags.py.
 """
 import argparse
 import dataclasses
@@ -15,10 +15,11 @@ import sys
 
 import torch
 
-from megatron_cp.arguments_compat import add_compat_flags, apply_compat_flags
+from megatron_cp.megatron_flags import add_compat_flags, apply_compat_flags
 from megatron_cp.config_flags import (add_config_flags, arg_of, build_config, config_flag_names,
                                       fill_args, name_flags)
 from megatron_cp.data.tokenizers import TOKENIZER_TYPES
+from megatron_cp.data.utils import parse_and_normalize_split
 from megatron_cp.initialize import validate_sizes
 from megatron_cp.model.config import GPTConfig
 from megatron_cp.pipeline_parallel.stages import (validate_interleaved_microbatches,
@@ -95,10 +96,14 @@ def _parallel_args(g):
                         "documents under context parallelism pad each document to a multiple of "
                         "2 x CP), rounded up so shapes rarely change, and is agreed by the stages "
                         "before the first send.")
-    g.add_argument("--overlap-p2p-comm", action="store_true",
-                   help="Post the pipeline P2P sends/receives asynchronously and wait for them only "
-                        "when the data is needed, hiding their latency behind the forward/backward "
+    g.add_argument("--no-overlap-p2p-communication", dest="overlap_p2p_comm",
+                   action="store_false", default=True,
+                   help="Run the pipeline P2P sends/receives synchronously. By default (as in "
+                        "Megatron-LM) they are posted asynchronously and waited for only when "
+                        "the data is needed, hiding their latency behind the forward/backward "
                         "compute (1F1B and interleaved 1F1B; no effect at PP=1).")
+    g.add_argument("--overlap-p2p-comm", dest="overlap_p2p_comm", action="store_true",
+                   help="Overlap the pipeline P2P communication (the default).")
     g.add_argument("--context-parallel-size", type=int, default=1, help="Context parallel size.")
     g.add_argument("--expert-model-parallel-size", type=int, default=1, help="Expert parallel size.")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
@@ -133,16 +138,18 @@ def _data_args(g):
 def _io_args(g):
     g.add_argument("--save", default=None, help="Checkpoint directory to save to.")
     g.add_argument("--load", default=None, help="Checkpoint directory to resume from.")
-    g.add_argument("--save-interval", type=int, default=None, help="Save every this many iterations.")
+    g.add_argument("--save-interval", "--persistent-save-interval", type=int, default=None, help="Save every this many iterations.")
     g.add_argument("--async-save", action="store_true",
                    help="With --ckpt-format torch_dist: copy the state, then write it in the "
                         "background while training goes on; the tracker file is written once "
                         "every rank has finished writing.")
     g.add_argument("--no-load-optim", action="store_true", help="Do not load optimizer state.")
     g.add_argument("--no-load-rng", action="store_true", help="Do not load RNG state.")
-    g.add_argument("--override-opt_param-scheduler", action="store_true",
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
+                   action="store_true",
                    help="On load, take the LR schedule from the arguments, not the checkpoint.")
-    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                   action="store_true",
                    help="On load, take the LR schedule from the checkpoint, not the arguments.")
     g.add_argument("--finetune", action="store_true",
                    help="Load weights only and start from iteration 0.")
@@ -150,6 +157,19 @@ def _io_args(g):
     g.add_argument("--eval-interval", type=int, default=1000, help="Evaluate every this many iterations.")
     g.add_argument("--eval-iters", type=int, default=100, help="Batches per evaluation.")
     g.add_argument("--tensorboard-dir", default=None, help="Write tensorboard logs here.")
+    g.add_argument("--no-log-loss-scale-to-tensorboard", "--disable-log-loss-scale-to-tensorboard",
+                   dest="log_loss_scale_to_tensorboard", action="store_false", default=True,
+                   help="Do not write the loss scale to tensorboard (written by default).")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="Write the iteration time (s), TFLOP/s per GPU and tokens per second "
+                        "to tensorboard.")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true",
+                   help="Write the peak memory in bytes to tensorboard (device memory on GPUs, "
+                        "the process's peak resident set on CPU).")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
+                   help="Write the validation perplexity to tensorboard.")
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true",
+                   help="Write the world size to tensorboard.")
     g.add_argument("--moe-per-layer-logging", action="store_true",
                    help="Log the MoE balancing losses and token counts of every MoE layer, not "
                         "only their mean.")
@@ -160,9 +180,9 @@ GROUPS = ("model", "moe", "training", "parallelism", "data", "checkpointing and 
 _GROUP_TITLES = {"moe": "mixture of experts", "compat": "other Megatron-LM flags (accepted, or refused with the reason)"}
 
 
-def build_parser():
+def build_parser(parser_class=argparse.ArgumentParser):
     """The argparse parser with every flag (and its help)."""
-    p = argparse.ArgumentParser(description="megatron_cp GPT pretraining", allow_abbrev=False)
+    p = parser_class(description="megatron_cp GPT pretraining", allow_abbrev=False)
     groups = {name: p.add_argument_group(_GROUP_TITLES.get(name, name)) for name in GROUPS}
     add_config_flags(GPTConfig, groups)
     for add, name in ((_model_args, "model"), (_training_args, "training"),
@@ -195,10 +215,29 @@ TOKENIZER_ARGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file
 INFERENCE_DEFAULTS = {"micro_batch_size": 1, "hidden_dropout": 0.0, "attention_dropout": 0.0}
 
 
+class ArgumentErrors(ValueError):
+    """Every problem found in the arguments, one line each (``str``: the lines joined)."""
+
+    def __init__(self, lines):
+        self.lines = list(lines)
+        super().__init__("\n".join(self.lines))
+
+
+class _ParseError(Exception):
+    """argparse's own error (a missing required flag), raised instead of exiting."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise _ParseError(message)
+
+
 def parse_args(argv=None, world_size=1, extra_args_provider=None, inference=False):
     """Parse ``argv``, fill derived values and validate against ``world_size``.
 
-    With ``--use-checkpoint-args`` the model and tokenizer flags not on the command line
+    Every problem is found before any is reported: unknown flags, bad values and each failed
+    check raise one :class:`ArgumentErrors` with a line per problem. With
+    ``--use-checkpoint-args`` the model and tokenizer flags not on the command line
     come from the checkpoint under ``--load`` (so a user names no model flag).
     ``extra_args_provider(parser)`` adds a script's own flags (Megatron's hook, e.g. the
     tasks' ``--task``). ``inference``: the run evaluates or generates from a checkpoint, so
@@ -206,7 +245,7 @@ def parse_args(argv=None, world_size=1, extra_args_provider=None, inference=Fals
     ``--micro-batch-size`` defaults to 1 and dropout to 0, and with ``--use-checkpoint-args``
     the checkpoint also gives the dtype (``--bf16`` / ``--fp16``) unless one is given."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    parser = build_parser(_Parser)
     if extra_args_provider is not None:
         extra_args_provider(parser)
     if inference:
@@ -216,10 +255,61 @@ def parse_args(argv=None, world_size=1, extra_args_provider=None, inference=Fals
     if "--use-checkpoint-args" in argv:
         for action in parser._actions:  # the checkpoint supplies what is missing
             action.required = False
-    args = parser.parse_args(argv)
+    args, problems, values_ok = _parse_collecting(parser, argv)
+    if args is None or not values_ok:
+        raise ArgumentErrors(problems)
     if args.use_checkpoint_args:
         _take_checkpoint_args(args, argv, inference)
-    return validate_args(args, world_size, inference)
+    return validate_args(args, world_size, inference, problems)
+
+
+def _parse_collecting(parser, argv):
+    """``(args or None, problem lines, no value was bad)``: a flag with a bad value is noted
+    and dropped, and the rest parsed again, so every bad value and every unknown flag is
+    reported at once."""
+    parser.exit_on_error = False
+    problems, argv, dropped = [], list(argv), set()
+    while True:
+        try:
+            args, unknown = parser.parse_known_args(argv)
+            break
+        except argparse.ArgumentError as err:
+            problems.append(f"{err} (see --help)")
+            dropped.update((err.argument_name or "").split("/"))
+            if not _drop_flag(argv, err.argument_name):
+                return None, problems, False
+        except _ParseError as err:  # a required flag is missing (not one dropped for its value)
+            message = str(err)
+            head = "the following arguments are required: "
+            if message.startswith(head):
+                missing = [f for f in message[len(head):].split(", ")
+                           if not set(f.split("/")) & dropped]
+                message = head + ", ".join(missing) if missing else None
+            if message:
+                problems.append(f"{message} (see --help)")
+            return None, problems, False
+    if unknown:
+        problems.append(f"unrecognized arguments: {' '.join(unknown)} (see --help)")
+    return args, problems, not dropped
+
+
+def _drop_flag(argv, name):
+    """Remove every occurrence of flag ``name`` (``--flag v ...`` or ``--flag=v``;
+    ``--a/--b``: either spelling) from ``argv``; False if absent."""
+    names = [n for n in (name or "").split("/") if n]
+    dropped, i = False, 0
+    while i < len(argv):
+        token = argv[i]
+        if any(token == n or token.startswith(n + "=") for n in names):
+            end = i + 1
+            if "=" not in token:
+                while end < len(argv) and not argv[end].startswith("--"):
+                    end += 1
+            del argv[i:end]
+            dropped = True
+        else:
+            i += 1
+    return dropped
 
 
 def _take_checkpoint_args(args, argv, inference=False):
@@ -245,27 +335,94 @@ def _take_checkpoint_args(args, argv, inference=False):
                          f"{args.load}; pass them on the command line")
 
 
-def validate_args(args, world_size, inference=False):
-    """Derive defaults (DP size, batch sizes, dtype) and raise ValueError on bad combinations.
+class _Checks:
+    """Runs checks and keeps every failure: each ValueError (or ArgumentErrors' lines) is a
+    line, and ``run`` says whether the check passed so the checks that build on its derived
+    values run only then."""
+
+    def __init__(self, problems=()):
+        self.problems = list(problems)
+
+    def run(self, check, *args, **kwargs):
+        try:
+            check(*args, **kwargs)
+        except ArgumentErrors as errors:
+            self.problems += errors.lines
+            return False
+        except ValueError as error:
+            self.problems.append(str(error))
+            return False
+        return True
+
+    def raise_any(self):
+        if self.problems:
+            raise ArgumentErrors(self.problems)
+
+
+def validate_args(args, world_size, inference=False, problems=()):
+    """Derive defaults (DP size, batch sizes, dtype) and check every flag and combination;
+    raise :class:`ArgumentErrors` with every problem found (``problems``: lines found
+    already, e.g. unknown flags).
 
     ``inference``: no training schedule or dataset is checked (see :func:`parse_args`)."""
     parser = build_parser()
-    args.compat_notes = apply_compat_flags(args, parser.get_default)
-    _validate_counts(args)
+    checks = _Checks(problems)
+    args.world_size = world_size
+    checks.run(_apply_megatron_flags, args, parser.get_default)
+    counts_ok = checks.run(_validate_counts, args)
+    checks.run(_validate_precision, args)
+    sizes_ok = checks.run(_validate_sizes, args, world_size)
+    batch_ok = counts_ok and sizes_ok and checks.run(_validate_batch, args)
+    if batch_ok:
+        checks.run(_validate_pipeline, args, check_microbatches=not inference)
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
+        args.sequence_parallel = False  # Megatron turns it off silently for TP=1
+    checks.run(_validate_model, args, flag_names(parser))
+    checks.run(_validate_sequence_split, args)
+    if inference:
+        args.train_iters = args.train_iters or 0
+    elif counts_ok and batch_ok:
+        checks.run(_validate_schedule, args)
+    checks.run(_validate_data, args, need_data=not inference)
+    checks.run(_validate_optimizer_and_checkpoint, args)
+    checks.raise_any()
+    return args
+
+
+def _apply_megatron_flags(args, defaults):
+    """The table of further Megatron-LM flags (megatron_flags.py): notes for the banner,
+    aliases rewritten, every refused flag a problem."""
+    args.compat_notes, problems = apply_compat_flags(args, defaults)
+    if problems:
+        raise ArgumentErrors(problems)
+
+
+def _validate_precision(args):
+    if args.fp16 and args.bf16:
+        raise ValueError("--fp16 and --bf16 are exclusive; pick one")
+    args.params_dtype = torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
+
+
+def _validate_sizes(args, world_size):
+    """The rank grid: every size divides the world, and the expert mesh fits."""
     if args.expert_tensor_parallel_size is None:
         args.expert_tensor_parallel_size = args.tensor_model_parallel_size  # Megatron's default
     if args.expert_model_parallel_size > 1 and not args.num_experts:
         raise ValueError(f"--expert-model-parallel-size {args.expert_model_parallel_size} splits "
                          f"MoE experts, but the model has none: add --num-experts")
-    args.world_size = world_size
-    args.data_parallel_size = validate_sizes(
-        world_size, args.tensor_model_parallel_size, args.context_parallel_size,
-        args.pipeline_model_parallel_size, args.expert_model_parallel_size,
-        args.expert_tensor_parallel_size)
-    tp, dp = args.tensor_model_parallel_size, args.data_parallel_size
-    if args.fp16 and args.bf16:
-        raise ValueError("--fp16 and --bf16 are exclusive; pick one")
-    args.params_dtype = torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
+    try:
+        args.data_parallel_size = validate_sizes(
+            world_size, args.tensor_model_parallel_size, args.context_parallel_size,
+            args.pipeline_model_parallel_size, args.expert_model_parallel_size,
+            args.expert_tensor_parallel_size)
+    except ValueError as err:  # initialize's rule names fields: name the flags instead
+        raise ValueError(name_flags(str(err), flag_names()).replace("world_size", "the world "
+                                                                    "size")) from None
+
+
+def _validate_batch(args):
+    """Global batch = micro batch x DP x microbatches."""
+    dp = args.data_parallel_size
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * dp
     if args.global_batch_size % (args.micro_batch_size * dp) != 0:
@@ -273,25 +430,16 @@ def validate_args(args, world_size, inference=False):
                          f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size ({dp}); "
                          f"use a multiple of {args.micro_batch_size * dp}")
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
-    _validate_pipeline(args, check_microbatches=not inference)
-    if args.sequence_parallel and tp == 1:
-        args.sequence_parallel = False  # Megatron turns it off silently for TP=1
-    _validate_model(args, flag_names(parser))
-    cp = args.context_parallel_size
+
+
+def _validate_sequence_split(args):
+    """The sequence splits evenly over 2 x CP chunks (x TP with sequence parallelism)."""
+    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
     split = 2 * cp if cp > 1 else 1
     if args.seq_length % (split * (tp if args.sequence_parallel else 1)) != 0:
         raise ValueError(f"--seq-length ({args.seq_length}) must be divisible by "
                          f"{'2 x CP (' + str(2 * cp) + ')' if cp > 1 else '1'}"
                          f"{' x TP (' + str(tp) + ') for sequence parallelism' if args.sequence_parallel else ''}")
-    if inference:
-        args.train_iters = args.train_iters or 0
-    else:
-        _validate_schedule(args)
-    _validate_data(args, need_data=not inference)
-    if args.exit_signal_handler and not args.save:
-        raise ValueError("--exit-signal-handler saves a checkpoint on SIGTERM: give --save")
-    _validate_optimizer_and_checkpoint(args)
-    return args
 
 
 # Counts that a loop divides by or runs over: (argument, smallest value that means something).
@@ -302,17 +450,20 @@ COUNT_MINIMUMS = (("micro_batch_size", 1), ("global_batch_size", 1), ("log_inter
 
 def _validate_counts(args):
     """Sizes and intervals in range, and one training length (Megatron's rule too)."""
-    for name, minimum in COUNT_MINIMUMS:
-        value = getattr(args, name, None)
-        if value is not None and value < minimum:
-            raise ValueError(f"--{name.replace('_', '-')} ({value}) must be at least {minimum}")
+    problems = [f"--{name.replace('_', '-')} ({getattr(args, name)}) must be at least {minimum}"
+                for name, minimum in COUNT_MINIMUMS
+                if getattr(args, name, None) is not None and getattr(args, name) < minimum]
     if args.train_iters is not None and args.train_samples is not None:
-        raise ValueError(f"--train-iters ({args.train_iters}) and --train-samples "
-                         f"({args.train_samples}) both give the training length; give one")
+        problems.append(f"--train-iters ({args.train_iters}) and --train-samples "
+                        f"({args.train_samples}) both give the training length; give one")
+    if problems:
+        raise ArgumentErrors(problems)
 
 
 def _validate_optimizer_and_checkpoint(args):
     """The distributed optimizer's and the checkpoint format's companions."""
+    if args.exit_signal_handler and not args.save:
+        raise ValueError("--exit-signal-handler saves a checkpoint on SIGTERM: give --save")
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise ValueError("--overlap-param-gather overlaps the distributed optimizer's parameter "
                          "all-gather: add --use-distributed-optimizer")
@@ -410,7 +561,11 @@ def _validate_schedule(args):
 
 
 def _validate_data(args, need_data=True):
-    """A data source (when ``need_data``) and the tokenizer files it needs."""
+    """A data source (when ``need_data``), the split weights and the tokenizer files."""
+    try:
+        parse_and_normalize_split(args.split)
+    except ValueError as err:
+        raise ValueError(f"--{err}") from None
     if need_data and not args.mock_data:
         if not args.data_path:
             raise ValueError("no data: give --data-path PREFIX (from tools/preprocess_data.py) "

@@ -1,9 +1,14 @@
-"""User errors as one line, and the argument check the launch scripts run before torchrun.
+"""User errors as one line each, and the argument check the launch scripts run before torchrun.
 
 A user error is a ``ValueError`` (a bad flag, a bad combination, a checkpoint that does not
-fit) or an argparse error (unknown flag, bad value). It is printed as ONE line,
+fit) or an argparse error (unknown flag, bad value); the arguments raise every problem they
+find at once (``arguments.ArgumentErrors``). Each problem is printed as ONE line,
 ``error: <what and the fix>``, on global rank 0 only, and the process exits with status 2,
 argparse's status for usage errors; anything else is a crash and keeps its traceback.
+
+Under torchrun (which sets ``TORCHELASTIC_ERROR_FILE`` for each worker) the lines are also
+written to the worker's error file, so torchrun's failure summary names them as the root
+cause instead of a bare exit code.
 
 torchrun prints its own failure block whenever a worker exits non-zero, so the example
 scripts first check the arguments in one process, for the world size they will launch::
@@ -21,6 +26,7 @@ import sys
 import threading
 import time
 
+from megatron_cp.faults import record_for_torchrun
 from megatron_cp.run_report import is_global_rank_zero
 
 USAGE_ERROR = 2
@@ -51,14 +57,22 @@ def parse_arguments(argv, world_size, **options):
         raise ValueError(f"{message} (see --help)") from None
 
 
+def error_lines(error):
+    """The problems of ``error``, one line each (an ``ArgumentErrors`` holds several)."""
+    lines = getattr(error, "lines", None) or [str(error)]
+    return [" ".join(line.split()) for line in lines]
+
+
 def report_user_error(error, after_startup=False):
-    """Print ``error: <message>`` on stderr once (global rank 0) and return exit status 2.
+    """Print ``error: <problem>`` on stderr, a line per problem, once (global rank 0) and
+    return exit status 2.
 
     Other ranks wait OTHER_RANK_GRACE_SECONDS first; with ``after_startup`` (the error came
     from a running job) they then print it too, prefixed with their rank."""
-    message = " ".join(str(error).split("\n"))
+    lines = error_lines(error)
     if is_global_rank_zero():
-        print(f"error: {message}", file=sys.stderr, flush=True)
+        record_for_torchrun(lines)
+        print("\n".join(f"error: {line}" for line in lines), file=sys.stderr, flush=True)
         return USAGE_ERROR
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher may end us while we wait
@@ -66,7 +80,9 @@ def report_user_error(error, after_startup=False):
     if after_startup:
         import torch.distributed as dist
         rank = dist.get_rank() if dist.is_initialized() else "?"
-        print(f"error: (rank {rank}) {message}", file=sys.stderr, flush=True)
+        lines = [f"(rank {rank}) {line}" for line in lines]
+        record_for_torchrun(lines)
+        print("\n".join(f"error: {line}" for line in lines), file=sys.stderr, flush=True)
     return USAGE_ERROR
 
 

@@ -16,6 +16,9 @@ A fault is not a bug, so it gets no traceback: ``training.main`` prints the mess
 (one rank's checkpoint shard is corrupted): after a step that may fail locally, the ranks
 agree, and every rank raises the first failing rank's error, which rank 0 prints.
 """
+import contextlib
+import json
+import os
 import signal
 import sys
 import threading
@@ -126,6 +129,20 @@ def raise_on_every_rank(error, device):
     raise ValueError(f"rank {rank}: {message}")
 
 
+def record_for_torchrun(lines):
+    """Write ``lines`` to torchrun's error file for this worker, when there is one: its
+    failure summary then shows them (as the traceback it would otherwise lack)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    text = "\n".join(f"error: {line}" for line in lines)
+    data = {"message": {"message": text,
+                        "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))}}}
+    with contextlib.suppress(OSError):
+        with open(path, "w") as file:
+            json.dump(data, file)
+
+
 def report(fault, grace_seconds):
     """Print ``error: <message>`` on stderr and return :data:`FAULT_EXIT_STATUS`.
 
@@ -138,5 +155,7 @@ def report(fault, grace_seconds):
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher may end us while we wait
         time.sleep(grace_seconds)
-    print(f"error: {' '.join(str(fault).split())}", file=sys.stderr, flush=True)
+    line = " ".join(str(fault).split())
+    record_for_torchrun([line])
+    print(f"error: {line}", file=sys.stderr, flush=True)
     return FAULT_EXIT_STATUS

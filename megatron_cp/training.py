@@ -125,6 +125,8 @@ class Trainer:
         batches = []
         for _ in range(a.num_microbatches):
             text = next(iterator) if iterator is not None else None
+            if text is not None:
+                self._check_token_ids(text)
             if st.size("tp") > 1:
                 if text is None:
                     text = torch.empty(a.micro_batch_size, a.seq_length + 1, dtype=torch.long)
@@ -136,6 +138,18 @@ class Trainer:
         length = self._step_length(batches)
         return [prepare_microbatch(batch, st.rank("cp"), st.size("cp"), length)
                 for batch in batches]
+
+    def _check_token_ids(self, text):
+        """Token ids beyond the tokenizer's vocabulary mean the data was tokenized with
+        another tokenizer (or --vocab-size is too small): say so instead of an IndexError
+        deep in the embedding (on the CPU copy the reader holds: no device sync)."""
+        vocab = self.tokenizer.vocab_size
+        largest = int(text.max())
+        if largest >= vocab:
+            raise ValueError(f"the training data holds token id {largest}, but the tokenizer "
+                             f"has {vocab} tokens (ids 0..{vocab - 1}): tokenize the data with "
+                             f"the tokenizer given here (NullTokenizer: --vocab-size at least "
+                             f"{largest + 1})")
 
     def _step_length(self, batches):
         """The padded sample length of this step: --pipeline-seq-length when given (PP),
@@ -216,6 +230,11 @@ class Trainer:
                                                      or self.iteration == a.train_iters):
             self.optimizer.finish_param_sync()  # the norm reads every param: wait for the gathers
         return loss, grad_norm, ok
+
+    @property
+    def evaluates(self):
+        """Evaluation is asked for (--eval-iters > 0) and there is validation data."""
+        return self.args.eval_iters > 0 and getattr(self, "has_validation", True)
 
     @torch.no_grad()
     def evaluate(self):
@@ -348,6 +367,11 @@ def _pretrain(args, state, progress):
     _on_every_rank(trainer.build_iterators, state.device)
     if getattr(trainer, "datasets", None):
         print_rank_0(format_dataset_sizes(trainer.datasets))
+    # The readers agree (the split is deterministic); the other TP ranks learn it here.
+    trainer.has_validation = _any_rank(trainer.valid_dataset is not None, state.device)
+    if args.eval_iters > 0 and not trainer.has_validation:
+        print_rank_0(f"> no validation data (--split {args.split} leaves the validation split "
+                     f"empty): evaluation is skipped")
     logger = TrainingLogger(args, state, model_flops_per_token(trainer.config, args.seq_length))
     first = trainer.iteration
     print_rank_0(f"> start-up took {time.time() - started:.1f} s; training from iteration {first} "
@@ -355,7 +379,7 @@ def _pretrain(args, state, progress):
     train_start = time.time()
     losses, stop_reason = _train(trainer, logger, train_start)
     evaluated = logger.last_validation and logger.last_validation[0] == trainer.iteration
-    if losses and stop_reason.startswith("--train-iters") and args.eval_iters > 0 \
+    if losses and stop_reason.startswith("--train-iters") and trainer.evaluates \
             and args.eval_interval and not evaluated:  # Megatron's end-of-training evaluation
         logger.validation(trainer.iteration, trainer.evaluate())
     logger.close()
@@ -391,7 +415,7 @@ def _train(trainer, logger, start):
             logger.record(trainer, loss, grad_norm, ok, time.time() - t0)
             it = trainer.iteration
             collect = manual_gc and gc_interval and it % gc_interval == 0
-            if args.eval_iters > 0 and args.eval_interval and it % args.eval_interval == 0:
+            if trainer.evaluates and args.eval_interval and it % args.eval_interval == 0:
                 logger.validation(it, trainer.evaluate())
                 collect = manual_gc
             if args.save and args.save_interval and it % args.save_interval == 0:

@@ -64,13 +64,16 @@ class TrainingLogger:
         scale = scale.item() if torch.is_tensor(scale) else float(scale)
         grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
         lr = trainer.scheduler.get_lr()
-        if self.writer is not None:
+        if self.writer is not None and it % a.tensorboard_log_interval == 0:
             w = self.writer
             w.add_scalar("lm loss", loss, it)
             w.add_scalar("learning-rate", lr, it)
             w.add_scalar("grad-norm", grad_norm, it)
-            w.add_scalar("loss-scale", scale, it)
             w.add_scalar("consumed-samples", trainer.consumed_samples, it)
+            if a.log_loss_scale_to_tensorboard:  # Megatron's default: on
+                w.add_scalar("loss-scale", scale, it)
+            if a.log_world_size_to_tensorboard:
+                w.add_scalar("world-size", self.state.world_size, it)
         if it % a.log_interval != 0 and it != a.train_iters:
             return
         per_iter = self.time / self.count
@@ -101,11 +104,16 @@ class TrainingLogger:
             self.print(f" [Rank {self.state.global_rank}] (after {it} iterations) memory (MB) |"
                        f" {what}: {mem_mb:.1f}")
         if self.writer is not None:
-            self.writer.add_scalar("throughput/tflops-per-gpu", tflops, it)
-            self.writer.add_scalar("throughput/tokens-per-second", tokens_per_s, it)
-            self.writer.add_scalar("iteration-time-ms", per_iter * 1000, it)
-            self.writer.add_scalar("memory/max-mb", mem_mb, it)
-            self.writer.flush()
+            w = self.writer
+            if a.log_timers_to_tensorboard:  # Megatron's tags: seconds, TFLOP/s per GPU
+                w.add_scalar("iteration-time", per_iter, it)
+                w.add_scalar("throughput", tflops, it)
+                w.add_scalar("tokens-per-second", tokens_per_s, it)
+            if a.log_memory_to_tensorboard:
+                tag = ("mem-max-allocated-bytes" if self.state.device.type == "cuda"
+                       else "mem-peak-resident-bytes")
+                w.add_scalar(tag, mem_mb * 2 ** 20, it)
+            w.flush()
         self._reset()
 
     def _moe_stats(self, trainer, it):
@@ -152,7 +160,8 @@ class TrainingLogger:
         self.print("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
         if self.writer is not None:
             self.writer.add_scalar("lm loss validation", loss, iteration)
-            self.writer.add_scalar("lm loss validation ppl", ppl, iteration)
+            if self.args.log_validation_ppl_to_tensorboard:
+                self.writer.add_scalar("lm loss validation ppl", ppl, iteration)
             self.writer.flush()
 
     def close(self):

@@ -18,7 +18,7 @@ BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32
                                  r"\(2\) x data-parallel size \(4\)"),
     ("--tensor-model-parallel-size 8", 8, r"--num-attention-heads \(4\) must be divisible by "
                                           r"--tensor-model-parallel-size \(8\)"),
-    ("--tensor-model-parallel-size 3", 4, r"world_size \(4\) must be divisible"),
+    ("--tensor-model-parallel-size 3", 4, r"the world size \(4\) must be divisible by --tensor-model-parallel-size \(3\)"),
     ("--group-query-attention --num-query-groups 3", 1, r"--num-attention-heads \(4\) must be "
                                                          r"divisible by --num-query-groups \(3\)"),
     ("--fp16 --bf16", 1, "exclusive"),
@@ -69,9 +69,28 @@ def _train_capturing(rank, world, argv):
     return buf.getvalue()
 
 
-def test_log_line_validation_line_and_tensorboard(tmp_path):
+# Megatron's tensorboard switches and the tags each one writes (its names).
+TENSORBOARD_SWITCHES = {
+    "--log-timers-to-tensorboard": ("iteration-time", "throughput", "tokens-per-second"),
+    "--log-memory-to-tensorboard": ("mem-peak-resident-bytes",),
+    "--log-validation-ppl-to-tensorboard": ("lm loss validation ppl",),
+    "--log-world-size-to-tensorboard": ("world-size",),
+}
+
+
+def _scalar_tags(folder):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return set(acc.Tags()["scalars"])
+
+
+@pytest.mark.parametrize("switched", [False, True], ids=["defaults", "every-switch"])
+def test_log_line_validation_line_and_tensorboard(tmp_path, switched):
     argv = (TINY.replace("--log-interval 100 --eval-iters 0", "--log-interval 2 --eval-iters 2") +
             f" --train-iters 4 --eval-interval 2 --tensorboard-dir {tmp_path}")
+    if switched:
+        argv += " " + " ".join(TENSORBOARD_SWITCHES) + " --no-log-loss-scale-to-tensorboard"
     out = run_workers(_train_capturing, 2, argv)[0]
     line = next(line for line in out.splitlines() if "iteration        4/       4" in line)
     for field in ("consumed samples:           32", "elapsed time per iteration (ms):",
@@ -83,13 +102,11 @@ def test_log_line_validation_line_and_tensorboard(tmp_path):
     assert "validation loss at iteration 2 | lm loss value:" in out and "lm loss PPL:" in out
     events = [f for f in os.listdir(tmp_path) if f.startswith("events.out.tfevents")]
     assert events, "tensorboard wrote no event file"
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    acc = EventAccumulator(str(tmp_path))
-    acc.Reload()
-    tags = set(acc.Tags()["scalars"])
-    for tag in ("lm loss", "learning-rate", "grad-norm", "loss-scale", "lm loss validation",
-                "throughput/tokens-per-second", "throughput/tflops-per-gpu", "memory/max-mb"):
-        assert tag in tags, tag
+    tags = _scalar_tags(tmp_path)
+    assert {"lm loss", "learning-rate", "grad-norm", "lm loss validation"} <= tags, tags
+    switched_tags = {tag for written in TENSORBOARD_SWITCHES.values() for tag in written}
+    assert (switched_tags <= tags) == switched and not (switched_tags & tags and not switched)
+    assert ("loss-scale" in tags) != switched  # on by default, --no-log-loss-scale-... turns it off
 
 
 def test_profile_flags_write_a_trace_of_the_chosen_iterations(tmp_path):

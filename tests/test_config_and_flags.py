@@ -1,6 +1,7 @@
 """A setting lives in one place: GPTConfig's fields give the flags, the config built from the
 arguments, the checkpoint resume check and the flag names in errors; the Megatron-LM flag
 table accepts, rewrites, notes or refuses every flag it lists."""
+import argparse
 import dataclasses
 import os
 import re
@@ -11,12 +12,13 @@ import torch
 from dist_harness import run_workers
 from megatron_cp import arguments, checkpointing, training
 from megatron_cp.arguments import build_parser, parse_args
-from megatron_cp.arguments_compat import COMPAT_FLAGS, MAP, REFUSE, SAME, STORE
+from megatron_cp.megatron_flags import COMPAT_FLAGS, MAP, REFUSE, SAME, STORE, all_entries
 from megatron_cp.config_flags import arg_of, checkpoint_args, flag_of, setting
 from megatron_cp.model.config import GPTConfig
 from megatron_cp.optimizer import OptimizerParamScheduler
 from megatron_cp.training import config_from_args
 
+_PARSER = build_parser()
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
         "--micro-batch-size 2 --train-iters 5 --lr 1e-3 --mock-data --vocab-size 100")
 
@@ -151,8 +153,10 @@ def test_config_rules_fire_at_argument_time_and_name_flags(extra, world, message
 def _given(entry):
     """Command-line words that give ``entry``'s flag with a value other than its default."""
     kwargs = entry.argparse
-    if not kwargs:
+    if not kwargs or kwargs.get("action") in ("store_true", "store_false"):
         return [entry.flag]
+    if kwargs.get("action") is argparse.BooleanOptionalAction:
+        return [entry.flag if not kwargs.get("default") else "--no-" + entry.flag[2:]]
     if "choices" in kwargs:  # a value other than the default, or the default when the
         # others are all refused (--optimizer adam, --ckpt-format torch)
         others = [c for c in kwargs["choices"] if c != kwargs.get("default") and c not in entry.refuse]
@@ -160,15 +164,18 @@ def _given(entry):
         return [entry.flag, str(value)]
     nargs = kwargs.get("nargs")
     count = nargs if isinstance(nargs, int) else 1
-    return [entry.flag] + [str(kwargs.get("type", str)(3))] * count
+    value = str(kwargs.get("type", str)(3))
+    if value == str(kwargs.get("default")):
+        value = str(kwargs.get("type", str)(4))
+    return [entry.flag] + [value] * count
 
 
-@pytest.mark.parametrize("entry", [e for e in COMPAT_FLAGS if e.kind == REFUSE],
+@pytest.mark.parametrize("entry", [e for e in all_entries() if e.kind == REFUSE],
                          ids=lambda e: e.flag)
 def test_refused_flags_say_why(entry):
     with pytest.raises(ValueError) as err:
         parse_args(BASE.split() + _given(entry))
-    assert str(err.value).startswith(entry.flag) and entry.why in str(err.value)
+    assert str(err.value) == f"{' '.join(_given(entry))}: {entry.why}"
 
 
 def _companion(entry):
@@ -176,20 +183,31 @@ def _companion(entry):
     if not entry.needs:
         return []
     name, allowed, _ = entry.needs
-    return ["--" + name.replace("_", "-"), allowed[0]]
+    flag = "--" + name.replace("_", "-")
+    if isinstance(allowed[0], bool):
+        return [flag] if allowed[0] else []
+    return [flag, allowed[0]]
 
 
-@pytest.mark.parametrize("entry", [e for e in COMPAT_FLAGS if e.kind == SAME],
+def _breaking(entry):
+    """The words that break ``entry.needs`` (nothing when the defaults already do)."""
+    name, allowed, _ = entry.needs
+    return ["--" + name.replace("_", "-")] if allowed == (False,) else []
+
+
+@pytest.mark.parametrize("entry", [e for e in all_entries() if e.kind == SAME],
                          ids=lambda e: e.flag)
 def test_flags_that_select_what_we_do_anyway_leave_a_note(entry):
     args = parse_args(BASE.split() + _companion(entry) + _given(entry))
-    assert args.compat_notes == [f"{' '.join(_given(entry))}: {entry.why}"]
+    given = getattr(_PARSER.parse_known_args(BASE.split() + _given(entry))[0], entry.dest)
+    at_default = given == _PARSER.get_default(entry.dest)
+    assert args.compat_notes == ([] if at_default else [f"{' '.join(_given(entry))}: {entry.why}"])
 
 
 @pytest.mark.parametrize("entry", [e for e in COMPAT_FLAGS if e.needs], ids=lambda e: e.flag)
 def test_flags_with_a_condition_say_what_is_missing(entry):
     with pytest.raises(ValueError) as err:
-        parse_args(BASE.split() + _given(entry))
+        parse_args(BASE.split() + _breaking(entry) + _given(entry))
     assert str(err.value).startswith(entry.flag) and entry.needs[2] in str(err.value)
 
 

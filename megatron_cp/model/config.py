@@ -194,9 +194,10 @@ class GPTConfig:
     moe_router_bias_update_rate: float = setting(
         1e-3, group="moe", help="Step of the expert-bias update (sign of the count error).")
     moe_token_dispatcher_type: str = setting(
-        "allgather", choices=("allgather", "alltoall"), group="moe",
+        "allgather", choices=("allgather", "alltoall", "flex"), group="moe",
         help="How tokens reach their experts over the expert-parallel group: allgather "
-             "(every token to every EP rank) or alltoall (each token to its experts' ranks).")
+             "(every token to every EP rank) or alltoall (each token to its experts' ranks). "
+             "Megatron-LM's flex needs the DeepEP / HybridEP GPU libraries and is refused.")
     moe_expert_capacity_factor: float | None = setting(
         None, group="moe", help="Drop tokens above capacity = ceil(tokens x topk / experts x "
         "factor) per expert and rank (default: dropless).")
@@ -212,6 +213,9 @@ class GPTConfig:
 
     def __post_init__(self):
         check_choices(self)
+        if self.moe_token_dispatcher_type == "flex":
+            raise ValueError("moe_token_dispatcher_type ('flex') runs on the DeepEP / HybridEP "
+                             "GPU libraries, which megatron_cp does not use; use alltoall")
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.num_query_groups is None:

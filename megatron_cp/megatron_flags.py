@@ -1,0 +1,1050 @@
+"""Every Megatron-LM flag that megatron_cp does not declare elsewhere, in one table.
+
+The census (``megatron_lm_flags.json``, written by tools/megatron_flag_census.py from
+Megatron-LM's own parser at the commit it records) lists all of Megatron-LM's pretraining
+flags. Each one is, in megatron_cp:
+
+- implemented with Megatron's meaning: declared by a typed config field
+  (model/config.py, see config_flags.py) or by arguments.py, and read by the code; or
+- an entry of this table, of one kind:
+
+  - ``STORE``: accepted and kept on ``args`` for the code that reads it.
+  - ``SAME``: accepted; it selects what megatron_cp does anyway (a performance, kernel or
+    I/O knob with no effect on what is computed, logged or saved). A line saying so goes to
+    ``args.compat_notes`` (the start-up banner prints it once).
+  - ``MAP``: a Megatron-LM alias, rewritten to the flag it stands for.
+  - ``REFUSE``: giving it is an error naming the flag, why, and what to use instead.
+
+An entry may also refuse some values only (``refuse={value: why}``), e.g. ``--ckpt-format
+zarr``, or need another flag's value (``needs``). A flag counts as given when its value
+differs from its default, which is Megatron-LM's: passing a refused flag at Megatron's
+default is not refused.
+
+The explicit entries (``COMPAT_FLAGS``) carry their own argparse spec. The grouped ones
+(``AS_IS`` and ``NOT_BUILT``: a reason and the flags it covers) take theirs from the census,
+so they parse exactly as Megatron-LM's parser does. tests/test_megatron_flag_census.py holds
+the table, the census and the parser together.
+"""
+import argparse
+import functools
+import json
+import os
+from dataclasses import dataclass, field
+
+STORE, SAME, MAP, REFUSE = "store", "same", "map", "refuse"
+
+
+@dataclass(frozen=True)
+class CompatFlag:
+    """One Megatron-LM flag: its kind, the note or reason, and how argparse reads it."""
+    flag: str
+    kind: str
+    why: str
+    argparse: dict = field(default_factory=dict)  # type/default/choices/nargs; empty: store_true
+    group: str = "compat"  # the argparse group it is listed in
+    refuse: dict = field(default_factory=dict)  # value -> reason, for partly supported flags
+    sets: tuple = ()  # MAP: (argument name, value)
+    needs: tuple = ()  # (argument name, values it must have, why not otherwise): a condition
+    aliases: tuple = ()  # Megatron-LM's other spellings of the flag
+
+    @property
+    def dest(self):
+        return self.flag[2:].replace("-", "_")
+
+
+_NO_FUSION = "no fused kernel of this kind is used; the plain PyTorch ops run"
+_NOT_BUILT = "is not built in this version of megatron_cp; drop the flag"
+
+COMPAT_FLAGS = (
+    # --- aliases ---
+    CompatFlag("--recompute-activations", MAP, "Same as --recompute-granularity selective.",
+               group="training", sets=("recompute_granularity", "selective")),
+    CompatFlag("--use-rotary-position-embeddings", MAP, "Same as --position-embedding-type rope.",
+               group="model", sets=("position_embedding_type", "rope")),
+    # --- accepted, kept on args ---
+    CompatFlag("--use-checkpoint-args", STORE, "Take the model and tokenizer flags not given on "
+               "the command line from the checkpoint under --load.",
+               group="checkpointing and logging"),
+    CompatFlag("--exit-on-missing-checkpoint", STORE, "Exit if --load finds no checkpoint.",
+               group="checkpointing and logging"),
+    CompatFlag("--no-save-optim", STORE, "Do not save optimizer state.",
+               group="checkpointing and logging"),
+    CompatFlag("--no-save-rng", STORE, "Do not save RNG state.", group="checkpointing and logging"),
+    CompatFlag("--ckpt-format", STORE, "Checkpoint format of --save: torch (one file per "
+               "model-parallel rank, loads into the same TP/PP layout) or torch_dist "
+               "(torch.distributed.checkpoint: every rank writes its shards in parallel and "
+               "--load restores it under any TP/PP/CP/DP layout). --load reads either.",
+               group="checkpointing and logging",
+               argparse=dict(choices=["torch", "torch_dist", "zarr"], default="torch"),
+               refuse={"zarr": "not built; use --ckpt-format torch_dist (same sharded, "
+                               "layout-free checkpoints)"}),
+    CompatFlag("--log-throughput", SAME, "the log line always shows throughput (TFLOP/s per "
+               "GPU, tokens per second)"),
+    CompatFlag("--log-params-norm", STORE, "Log the norm of the parameters.",
+               group="checkpointing and logging"),
+    CompatFlag("--tensorboard-log-interval", STORE, "Write tensorboard scalars every this many "
+               "iterations.", group="checkpointing and logging", argparse=dict(type=int, default=1)),
+    CompatFlag("--timing-log-level", SAME, "level 0: the log line times the whole iteration",
+               group="checkpointing and logging",
+               argparse=dict(type=int, choices=[0, 1, 2], default=0),
+               refuse={1: "per-phase timers (level 1 and 2) are not built; the log line times "
+                          "the whole iteration (level 0) and --profile traces the phases",
+                       2: "per-phase timers (level 1 and 2) are not built; the log line times "
+                          "the whole iteration (level 0) and --profile traces the phases"}),
+    CompatFlag("--profile", STORE, "Profile iterations --profile-step-start up to (not "
+               "including) --profile-step-end on the ranks in --profile-ranks: with "
+               "--use-pytorch-profiler a torch.profiler trace under --tensorboard-dir (and a "
+               "table of the costliest operators on stdout), else cudaProfilerStart/Stop for an "
+               "outside nsys.", group="training"),
+    CompatFlag("--use-pytorch-profiler", STORE, "With --profile: use torch.profiler.",
+               group="training"),
+    CompatFlag("--profile-step-start", STORE, "First profiled iteration (with --profile).",
+               group="training", argparse=dict(type=int, default=10)),
+    CompatFlag("--profile-step-end", STORE, "Iteration at which profiling stops (with --profile).",
+               group="training", argparse=dict(type=int, default=12)),
+    CompatFlag("--profile-ranks", STORE, "Global ranks that profile (with --profile).",
+               group="training", argparse=dict(type=int, nargs="+", default=[0])),
+    CompatFlag("--manual-gc", STORE, "Disable automatic Python garbage collection; collect "
+               "every --manual-gc-interval iterations.", group="training"),
+    CompatFlag("--manual-gc-interval", STORE, "Iterations between manual garbage collections "
+               "(0: only at checkpoints and evaluation).", group="training",
+               argparse=dict(type=int, default=0)),
+    CompatFlag("--lr-warmup-init", STORE, "Learning rate at the start of the warmup.",
+               group="training", argparse=dict(type=float, default=0.0)),
+    CompatFlag("--lr-warmup-samples", STORE, "Linear warmup in samples (with --train-samples).",
+               group="training", argparse=dict(type=int, default=0)),
+    CompatFlag("--lr-decay-samples", STORE, "Decay length in samples (with --train-samples; "
+               "default --train-samples).", group="training", argparse=dict(type=int, default=None)),
+    CompatFlag("--start-weight-decay", STORE, "Weight decay at the start (with a non-constant "
+               "--weight-decay-incr-style).", group="training", argparse=dict(type=float, default=None)),
+    CompatFlag("--end-weight-decay", STORE, "Weight decay at the end of training.",
+               group="training", argparse=dict(type=float, default=None)),
+    CompatFlag("--weight-decay-incr-style", STORE, "How the weight decay moves from "
+               "--start-weight-decay to --end-weight-decay over training.", group="training",
+               argparse=dict(choices=["constant", "linear", "cosine"], default="constant")),
+    CompatFlag("--ddp-bucket-size", STORE, "Gradient elements per data-parallel all-reduce bucket "
+               "(default 40 MB of fp32 gradients).", group="training",
+               argparse=dict(type=int, default=None)),
+    CompatFlag("--optimizer", STORE, "Optimizer.", group="training",
+               argparse=dict(choices=["adam", "sgd"], default="adam"),
+               refuse={"sgd": "only Adam (AdamW, decoupled weight decay) is built; "
+                              "use --optimizer adam"}),
+    CompatFlag("--dataloader-type", SAME, "samples are read in order by the single sampler",
+               group="data",
+               argparse=dict(choices=["single", "cyclic", "external"], default="single"),
+               refuse={"cyclic": "the cyclic (random, epoch-reshuffled) sampler is not built; "
+                                 "use --dataloader-type single",
+                       "external": "external data loaders are not built; "
+                                   "use --dataloader-type single"}),
+    # --- accepted, they select what megatron_cp does anyway ---
+    CompatFlag("--accumulate-allreduce-grads-in-fp32", SAME, "gradients always accumulate and "
+               "are all-reduced in fp32 buffers"),
+    CompatFlag("--attention-softmax-in-fp32", SAME, "the attention softmax always runs in fp32"),
+    CompatFlag("--apply-query-key-layer-scaling", SAME, "it does not change the math here: the "
+               "scaling only guards an fp16 softmax, and the softmax runs in fp32"),
+    CompatFlag("--no-masked-softmax-fusion", SAME, _NO_FUSION),
+    CompatFlag("--no-bias-gelu-fusion", SAME, _NO_FUSION),
+    CompatFlag("--no-bias-dropout-fusion", SAME, _NO_FUSION),
+    CompatFlag("--no-bias-swiglu-fusion", SAME, _NO_FUSION),
+    CompatFlag("--no-rope-fusion", SAME, _NO_FUSION),
+    CompatFlag("--no-gradient-accumulation-fusion", SAME, "weight gradients accumulate with "
+               "plain PyTorch ops into the fp32 gradient buffers"),
+    CompatFlag("--no-async-tensor-model-parallel-allreduce", SAME, "tensor-parallel collectives "
+               "run synchronously inside their autograd functions"),
+    CompatFlag("--no-persist-layer-norm", SAME, "norms come from torch, apex or Transformer "
+               "Engine, chosen per device; none is the persistent kernel"),
+    CompatFlag("--use-flash-attn", SAME, "attention kernels are chosen per device "
+               "(PyTorch flash/SDPA on CUDA)"),
+    CompatFlag("--attention-backend", SAME, "attention kernels are chosen per device "
+               "(PyTorch flash/SDPA on CUDA)",
+               argparse=dict(choices=["auto", "flash", "fused", "unfused", "local"], default="auto")),
+    CompatFlag("--transformer-impl", SAME, "layers are megatron_cp's own PyTorch modules; norms "
+               "use Transformer Engine when it is installed", argparse=dict(
+                   choices=["local", "transformer_engine"], default="local")),
+    CompatFlag("--use-mcore-models", SAME, "the model is Megatron-core style already"),
+    CompatFlag("--use-cpu-initialization", SAME, "weights are initialised from per-parameter "
+               "seeds, identical under every parallel layout, on any device"),
+    CompatFlag("--empty-unused-memory-level", SAME, "the caching allocator is not emptied "
+               "between steps", argparse=dict(type=int, choices=[0, 1, 2], default=0)),
+    CompatFlag("--cross-entropy-loss-fusion", SAME, "the vocab-parallel cross entropy is one "
+               "autograd function computed in fp32"),
+    CompatFlag("--calculate-per-token-loss", SAME, "the loss is already the token-weighted mean "
+               "over the whole global batch (all microbatches and DP x CP ranks)"),
+    CompatFlag("--moe-grouped-gemm", SAME, "the local experts always run in one grouped matmul "
+               "(torch.nn.functional.grouped_mm) where torch supports the case, else a loop"),
+    CompatFlag("--moe-use-legacy-grouped-gemm", SAME, "the local experts always run in one "
+               "grouped matmul (torch.nn.functional.grouped_mm) where torch supports the case"),
+    CompatFlag("--moe-permute-fusion", SAME, "tokens are permuted with plain index ops; no "
+               "fused permute kernel is used"),
+    CompatFlag("--moe-router-fusion", SAME, "the router's top-k and softmax/sigmoid are plain "
+               "PyTorch ops"),
+    CompatFlag("--moe-shared-expert-overlap", SAME, "the shared expert runs after the routed "
+               "experts, not overlapped with their dispatch"),
+    # --- refused ---
+    CompatFlag("--no-position-embedding", SAME, "no learned position table: rotary "
+               "embeddings (--position-embedding-type rope) have none",
+               needs=("position_embedding_type", ("rope",),
+                      "turns the learned position table off, leaving the model no position "
+                      "signal; add --position-embedding-type rope (rotary, no learned table)")),
+    CompatFlag("--use-legacy-models", REFUSE, "the legacy model " + _NOT_BUILT +
+               " (the model is Megatron-core style)"),
+    CompatFlag("--vocab-extra-ids", REFUSE, "extra sentinel ids are for T5 span corruption, "
+               "which GPT pretraining does not use; pass 0 or drop it",
+               argparse=dict(type=int, default=0)),
+    CompatFlag("--train-data-path", REFUSE, "separate train/valid/test data paths are not "
+               "built; give --data-path with --split", argparse=dict(nargs="*", default=None)),
+    CompatFlag("--valid-data-path", REFUSE, "separate train/valid/test data paths are not "
+               "built; give --data-path with --split", argparse=dict(nargs="*", default=None)),
+    CompatFlag("--test-data-path", REFUSE, "separate train/valid/test data paths are not "
+               "built; give --data-path with --split", argparse=dict(nargs="*", default=None)),
+    CompatFlag("--rampup-batch-size", REFUSE, "batch-size ramp-up is not built; drop it",
+               argparse=dict(nargs=3, default=None)),
+    CompatFlag("--wandb-project", REFUSE, "Weights & Biases is not a dependency; use "
+               "--tensorboard-dir", argparse=dict(default=None)),
+    CompatFlag("--wandb-exp-name", REFUSE, "Weights & Biases is not a dependency; use "
+               "--tensorboard-dir", argparse=dict(default=None)),
+    CompatFlag("--fp8-format", REFUSE, "FP8 training needs Transformer Engine's fp8 layers, "
+               "which are not used; use --bf16", argparse=dict(choices=["e4m3", "hybrid"],
+                                                              default=None)),
+    CompatFlag("--qk-layernorm", REFUSE, "QK layernorm " + _NOT_BUILT),
+    CompatFlag("--tp-comm-overlap", REFUSE, "it needs Transformer Engine userbuffers, which "
+               "are not used; drop it"),
+    CompatFlag("--fp32-residual-connection", REFUSE, "the residual stream stays in the model "
+               "dtype; an fp32 residual " + _NOT_BUILT),
+    CompatFlag("--dist-ckpt-strictness", SAME, "a --load of a torch_dist checkpoint needs "
+               "every key the model has and ignores extra ones; a key it lacks is an error "
+               "naming it, so a load that succeeds is the same in every mode",
+               group="checkpointing and logging",
+               argparse=dict(choices=["assume_ok_unexpected", "log_unexpected", "log_all",
+                                      "raise_unexpected", "raise_all", "return_unexpected",
+                                      "return_all", "ignore_all"],
+                             default="assume_ok_unexpected")),
+    CompatFlag("--no-create-attention-mask-in-dataloader", SAME, "no attention-mask tensor "
+               "is ever built: attention is causal, and documents are kept apart from their "
+               "boundaries only with --reset-attention-mask", group="data",
+               needs=("reset_attention_mask", (False,),
+                      "Megatron-LM then drops --reset-attention-mask and attends across "
+                      "documents, while megatron_cp keeps them apart; drop one of the two")),
+    CompatFlag("--deterministic-mode", REFUSE, "deterministic CUDA kernels are not enforced; "
+               "drop it (CPU runs are deterministic)"),
+)
+
+
+# ----- the rest of Megatron-LM's flags, grouped by reason -----------------------------------
+# Each flag's argparse spec comes from the census. A flag here that changes what is computed,
+# logged or saved is refused until it is built; AS_IS holds only flags that change none of it.
+
+AS_IS = (  # (why, flags): accepted, they select what megatron_cp does anyway
+    ("pipeline P2P goes over the default process-group backend that --distributed-backend "
+     "picks",
+     ("--pipeline-model-parallel-comm-backend",)),
+    ("the vocab-parallel cross entropy is megatron_cp's own fp32 autograd function; no "
+     "Transformer Engine loss kernel is used",
+     ("--cross-entropy-fusion-impl",)),
+    ("expert-parallel all-to-alls run inline with their layer, not overlapped with another "
+     "microbatch's compute",
+     ("--overlap-moe-expert-parallel-comm", "--ep-overlap-early-attn-memory-release",
+      "--high-priority-a2a-comm-stream",)),
+    ("weight gradients are computed in the same backward pass as input gradients; nothing is "
+     "deferred or moved to a side stream",
+     ("--delay-wgrad-compute", "--overlap-dispatch-backward-with-experts-wgrad",
+      "--defer-embedding-wgrad-compute", "--wgrad-deferral-limit",)),
+    ("pipeline P2P uses torch.distributed batched isend/irecv; no custom ring_exchange "
+     "kernel",
+     ("--use-ring-exchange-p2p",)),
+    ("warmup and flush P2P follow megatron_cp's own schedule; overlap changes timing only, "
+     "never a result",
+     ("--overlap-p2p-communication-warmup-flush",)),
+    ("interleaved 1F1B always runs groups of PP microbatches per virtual stage; the same "
+     "microbatches give the same gradients",
+     ("--microbatch-group-size-per-virtual-pipeline-stage",)),
+    ("activations stay in device memory; nothing is offloaded to the CPU",
+     ("--cpu-offloading-num-layers", "--cpu-offloading-retain-pinned-cpu-buffers",
+      "--fine-grained-activation-offloading", "--offload-modules",
+      "--min-offloaded-tensor-size", "--delta-offload-bytes-across-pp-ranks",
+      "--activation-offload-fraction", "--fine-grained-offloading-max-inflight-offloads",)),
+    ("attention kernels are chosen per device (PyTorch flash/SDPA on CUDA); no "
+     "FlashAttention generation is pinned",
+     ("--flash-attention-version",)),
+    ("the model is built directly on its device from per-parameter seeds; there is no "
+     "meta-device stage",
+     ("--init-model-with-meta-device",)),
+    ("no fused kernel of this kind is used; the plain PyTorch ops run",
+     ("--use-fused-weighted-squared-relu", "--fused-residual-rmsnorm",
+      "--use-transformer-engine-op-fuser", "--use-te-activation-func",)),
+    ("recomputed layers keep their checkpointed inputs whole on every tensor-parallel rank "
+     "(memory only)",
+     ("--distribute-saved-activations",)),
+    ("selective recompute always covers core attention and full recompute whole layers; "
+     "which modules are recomputed is memory only",
+     ("--recompute-modules", "--moe-layer-recompute",)),
+    ("the shared expert and dense MLP run as plain linear layers; no Transformer Engine "
+     "GroupedLinear fusion path",
+     ("--use-grouped-gemm-for-shared-expert", "--use-grouped-gemm-for-dense-mlp",)),
+    ("local experts run through torch grouped_mm on megatron_cp's own expert weight layout; "
+     "no TE GroupedTensor storage",
+     ("--moe-use-grouped-tensor", "--moe-single-grouped-weight", "--moe-single-grouped-bias",)),
+    ("it only changes when the embedding's sequence-parallel scatter output is freed; the "
+     "embedding is computed the same",
+     ("--no-clone-scatter-output-in-embedding",)),
+    ("a --load already tells the formats apart: an iteration folder with a DCP .metadata "
+     "file loads as torch_dist, anything else as torch",
+     ("--auto-detect-ckpt-format",)),
+    ("torch_dist saves already go through torch.distributed.checkpoint: every rank writes "
+     "its own shards in parallel and replicas are written once",
+     ("--no-ckpt-fully-parallel-save", "--ckpt-fully-parallel-save",
+      "--ckpt-fully-parallel-save-process-group",)),
+    ("torch_dist loads already go through torch.distributed.checkpoint: every rank reads "
+     "only the chunks it needs, in parallel, straight from storage",
+     ("--ckpt-fully-parallel-load", "--ckpt-fully-parallel-load-exchange-algo",
+      "--ckpt-fully-parallel-load-per-rank-objects",
+      "--ckpt-fully-parallel-load-process-group",)),
+    ("torch.distributed.checkpoint plans every save and load itself; there is no structure "
+     "or distribution cache to reuse, so a cache path is never read",
+     ("--ckpt-assume-constant-structure", "--ckpt-pg-tensors-cache-path",)),
+    ("the shard layout is fixed by canonical parameter names and the load checks every "
+     "indexed file; there is no optional sharding-integrity pass to skip",
+     ("--no-ckpt-load-validate-sharding-integrity",)),
+    ("torch_dist optimizer state is always saved as canonical full tensors, reshardable "
+     "across TP/PP/CP/DP/EP, with the same memory use",
+     ("--dist-ckpt-optim-fully-reshardable",
+      "--distrib-optim-fully-reshardable-mem-efficient",)),
+    ("tokenizer files are never copied into the checkpoint folder",
+     ("--no-save-tokenizer-assets",)),
+    ("torch_dist checkpoints hold parameters and persistent buffers only; no Transformer "
+     "Engine _extra_state is ever written",
+     ("--ckpt-drop-redundant-extra-state",)),
+    ("an async save always runs on one background thread of the training process; worker "
+     "kind, count and OS priority only affect speed",
+     ("--async-strategy", "--use-persistent-ckpt-worker", "--async-ckpt-cpu-priority",
+      "--async-ckpt-io-priority", "--dist-ckpt-workers",)),
+    ("an async save already copies every tensor to CPU memory before the writer thread "
+     "starts, so no CUDA IPC handles are used",
+     ("--async-ckpt-use-cpu-shm",)),
+    ("text given to a HuggingFace tokenizer is always encoded with add_special_tokens=False",
+     ("--tokenizer-hf-no-include-special-tokens",)),
+    ("tokenizer flags given on the command line always take precedence over the ones saved "
+     "in the checkpoint",
+     ("--no-use-tokenizer-model-from-checkpoint-args",)),
+    ("the local rank is read from the LOCAL_RANK environment variable that torchrun sets",
+     ("--local-rank",)),
+    ("communicators are created with NCCL's default settings and stream priorities; only "
+     "speed would differ",
+     ("--nccl-communicator-config-path", "--high-priority-stream-groups",)),
+    ("gloo groups are created only where megatron_cp needs one (async checkpoint "
+     "coordination); no result depends on them",
+     ("--disable-gloo-process-groups",)),
+    ("process groups keep the --distributed-timeout-minutes timeout for the whole run; a "
+     "timeout only decides when a hang is reported",
+     ("--distributed-timeout-seconds-after-init",)),
+    ("no TorchScript/JIT fuser is used; plain PyTorch ops run unless --torch-compile is "
+     "given",
+     ("--disable-jit-fuser",)),
+    ("every pipeline stage launches its own gradient reductions and param all-gathers when "
+     "ready; launch timing changes no value",
+     ("--no-align-grad-reduce", "--no-align-param-gather",
+      "--overlap-param-gather-with-optimizer-step", "--create-all-gather-group",)),
+    ("buckets are sized by --ddp-bucket-size (default 40 MB of fp32 gradients); bucket count "
+     "and padding only affect communication speed",
+     ("--ddp-num-buckets", "--ddp-pad-buckets-for-high-nccl-busbw",)),
+    ("gradients are always accumulated and reduced in fp32 for every parameter, so there is "
+     "no low-precision reduction to upgrade",
+     ("--ddp-reduce-scatter-with-fp32-accumulation",
+      "--ddp-param-name-patterns-for-fp32-local-accumulation",)),
+    ("the gradient reduction is a plain fp32 SUM of gradients already normalized by the "
+     "global token count, scaled before the collective",
+     ("--ddp-average-in-collective", "--no-gradient-reduce-div-fusion",)),
+    ("the training loop never forces extra CPU-GPU synchronisations; this only limits how "
+     "far the CPU runs ahead",
+     ("--train-sync-interval",)),
+    ("garbage collection timing around evaluation only affects memory and speed, never a "
+     "result",
+     ("--no-manual-gc-eval",)),
+    ("dataset index caches under --data-cache-path (or the default cache dir) are reused "
+     "whenever present",
+     ("--dataloader-fast-cache-load",)),
+    ("the index .npy files are opened with np.load(mmap_mode='r'), so pages are read lazily "
+     "on first access",
+     ("--dataloader-defer-npy-index-mmap",)),
+    ("the .bin files are always read through numpy memmap; the tokens read are identical "
+     "either way",
+     ("--no-mmap-bin-files",)),
+    ("datasets are built by one thread per rank; threads would only change build speed",
+     ("--num-dataset-builder-threads",)),
+    ("the tensorboard writer's event queue size only decides when events are flushed, not "
+     "what is written",
+     ("--tensorboard-queue-size",)),
+    ("megatron_cp's timers never insert a barrier before measuring",
+     ("--no-barrier-with-level-1-timing",)),
+    ("megatron_cp never reads paths through the Multi-Storage Client, and in Megatron this "
+     "flag is a deprecated no-op",
+     ("--disable-msc",)),
+    ("megatron_cp sends nothing to NVIDIA's one-logger service, which is what turning it off "
+     "selects",
+     ("--no-one-logger",)),
+    ("they tune Transformer Engine's TP communication overlap, which is never on here "
+     "(--tp-comm-overlap is refused), so they change nothing",
+     ("--no-tp-comm-bulk-wgrad", "--no-tp-comm-bulk-dgrad", "--no-tp-comm-overlap-ag",
+      "--no-tp-comm-overlap-rs", "--tp-comm-overlap-rs-dgrad", "--no-tp-comm-split-ag",
+      "--no-tp-comm-split-rs", "--tp-comm-bootstrap-backend",)),
+)
+
+NOT_BUILT = (  # (why, flags): refused, with what to use instead
+    ("generalized-TP weight rematerialization sharding is not built; shard with "
+     "--tensor-model-parallel-size / --expert-tensor-parallel-size",
+     ("--tensor-parallel-num-weight-shards", "--expert-tensor-parallel-num-weight-shards",
+      "--gtp-remat-opt-in-modules",)),
+    ("balancing packed variable-length samples over DP x CP ranks is not built (unrelated to "
+     "--cp-comm-type a2a+p2p); drop it",
+     ("--max-seqlen-per-dp-cp-rank", "--hybrid-context-parallel",)),
+    ("skipping weight initialization is not built; weights are always initialised (and "
+     "overwritten by --load); drop it",
+     ("--no-initialization",)),
+    ("multi-latent attention (MLA) and multi-token prediction are not built yet; drop them",
+     ("--mtp-standalone", "--mtp-num-layers", "--mtp-loss-scaling-factor",
+      "--mtp-use-repeated-layer", "--mtp-detach-heads", "--mtp-hsm",
+      "--mtp-hybrid-override-pattern", "--multi-latent-attention",)),
+    ("counting the embedding or loss as a layer in the pipeline split is not built; place "
+     "layers with --decoder-first/last-pipeline-num-layers",
+     ("--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",)),
+    ("this attention variant (off-by-one/learnable softmax, QK L2 norm, QK clip, output "
+     "gate) is not built; drop it",
+     ("--softmax-type", "--qk-l2-norm", "--qk-clip", "--qk-clip-alpha", "--qk-clip-threshold",
+      "--attention-output-gate",)),
+    ("post-LN residual ordering is not built; layers are pre-LN; drop it",
+     ("--apply-residual-connection-post-layernorm",)),
+    ("zero-centred (1+gamma) LayerNorm weights are not built; drop it",
+     ("--apply-layernorm-1p",)),
+    ("a bias on QKV alone is not built; --disable-bias-linear switches all linear biases "
+     "together",
+     ("--add-qkv-bias",)),
+    ("GLU offset and activation clamping are not built; SwiGLU/GELU run unmodified; drop "
+     "them",
+     ("--glu-linear-offset", "--activation-func-clamp-value",)),
+    ("interleaved (RoFormer-style) rotary pairs are not built; rope rotates first/second "
+     "halves; drop it",
+     ("--rotary-interleaved",)),
+    ("multimodal rope sections are not built; drop it",
+     ("--mrope-section",)),
+    ("experimental attention variants (Gated DeltaNet, DeepSeek sparse attention and its "
+     "indexer) are not built yet; drop them",
+     ("--experimental-attention-variant", "--dsa-indexer-n-heads", "--dsa-indexer-head-dim",
+      "--dsa-indexer-topk", "--dsa-indexer-topk-freq", "--dsa-indexer-skip-topk-offset",
+      "--dsa-indexer-loss-coeff", "--dsa-indexer-use-sparse-loss", "--dsa-kernel-backend",
+      "--dsa-indexer-rope-interleaved", "--no-dsa-indexer-rotate-activation",
+      "--no-dsa-indexer-scoring-relu", "--dsa-indexer-k-norm-epsilon",
+      "--dsa-indexer-k-norm-fp32",)),
+    ("Gated DeltaNet / Gated DeltaProduct / Mamba hybrid layers are not built yet; "
+     "megatron_cp is a pure transformer; drop them",
+     ("--linear-conv-kernel-dim", "--linear-key-head-dim", "--linear-value-head-dim",
+      "--linear-num-key-heads", "--linear-num-value-heads", "--is-hybrid-model",
+      "--mamba-state-dim", "--mamba-head-dim", "--mamba-num-groups", "--mamba-num-heads",
+      "--gdp-num-householder", "--disable-mamba-mem-eff-path", "--gdp-cutedsl-kernel",
+      "--gdp-num-chunk-states-to-recompute",)),
+    ("a separate embedding init std (and its weight-decay exemption) is not built; all "
+     "weights use --init-method-std; drop it",
+     ("--embedding-init-method-std",)),
+    ("Maximal Update Parameterization (MuP) scaling of init, lr, embeddings, logits and "
+     "attention is not built; drop it",
+     ("--use-mup", "--mup-width-mult", "--mup-base-hidden-size", "--mup-embedding-mult",
+      "--mup-output-mult", "--mup-base-head-dim", "--mup-attn-scale-power",)),
+    ("turning off reduced-precision bf16 matmul accumulation is not built; PyTorch's default "
+     "is kept; drop it",
+     ("--disable-bf16-reduced-precision-matmul",)),
+    ("FP8 needs Transformer Engine's fp8 layers, which megatron_cp does not use; train in "
+     "--bf16",
+     ("--fp8-recipe", "--fp8-quantizer-factory", "--fp8-margin", "--fp8-interval",
+      "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--no-fp8-wgrad",
+      "--fp8-output-proj", "--first-last-layers-bf16", "--num-layers-at-start-in-bf16",
+      "--num-layers-at-end-in-bf16",)),
+    ("FP4 needs Transformer Engine's NVFP4 recipe, which megatron_cp does not use; train in "
+     "--bf16",
+     ("--fp4-format", "--fp4-recipe", "--fp4-quantizer-factory",)),
+    ("kitchen attention needs NVIDIA's Kitchen quantization extension, which megatron_cp "
+     "does not use; drop it",
+     ("--use-kitchen-attention", "--kitchen-attention-backend",)),
+    ("block-interleaved GLU weight layout is not built; gate and linear halves are "
+     "concatenated; drop it",
+     ("--moe-shared-expert-glu-interleave-size", "--moe-mlp-glu-interleave-size",)),
+    ("MoE routing replay is not built; routes are recomputed every forward; drop it",
+     ("--moe-enable-routing-replay",)),
+    ("routing-map padding serves FP8/FP4 grouped GEMMs (Transformer Engine), which are not "
+     "used; drop it",
+     ("--moe-router-padding-for-quantization", "--moe-router-padding-for-fp8",)),
+    ("quantile-balancing routing is not built; use --moe-router-load-balancing-type "
+     "aux_loss/seq_aux_loss or expert bias",
+     ("--moe-router-quantile-balancing-ema",)),
+    ("forced (random-logit or random-bias) routing for benchmarks is not built; drop it",
+     ("--moe-router-force-load-balancing", "--moe-router-force-biased",)),
+    ("the flex token dispatcher needs DeepEP / HybridEP / NCCL EP, which megatron_cp does "
+     "not use; use --moe-token-dispatcher-type alltoall",
+     ("--moe-enable-deepep", "--moe-flex-dispatcher-backend",
+      "--moe-permute-fusion-into-hybridep", "--moe-hybridep-pad-uneven-dispatch-inputs",
+      "--moe-flex-dispatcher-num-sms", "--moe-deepep-num-sms", "--moe-hybridep-num-sms",
+      "--moe-hybridep-num-blocks-permute", "--moe-hybridep-num-blocks-unpermute",
+      "--moe-hybridep-num-sms-preprocessing", "--moe-ncclep-zero-copy",
+      "--moe-expert-rank-capacity-factor",)),
+    ("MXFP8 dispatch/combine payloads need Transformer Engine and the NCCL EP dispatcher, "
+     "which are not used; drop it",
+     ("--moe-dispatch-fwd-dtype", "--moe-combine-bwd-dtype",)),
+    ("applying router probs to expert inputs is not built; probs scale the expert outputs; "
+     "drop it",
+     ("--moe-apply-probs-on-input",)),
+    ("MoE latent projections are not built; drop it",
+     ("--moe-latent-size",)),
+    ("paged stashing of expert activations (custom CUDA kernels, overflow reruns) is not "
+     "built; drop it",
+     ("--moe-paged-stash", "--moe-paged-stash-page-size",
+      "--moe-paged-stash-buffer-size-factor-cuda", "--moe-paged-stash-buffer-size-factor-cpu",)),
+    ("sequence-chunked MLP is not built (for MoE layers it would change aux-loss and "
+     "capacity statistics); drop it",
+     ("--mlp-chunks-for-training",)),
+    ("CUDA graph capture is not built; every step runs eagerly; drop it",
+     ("--enable-cuda-graph", "--cuda-graph-warmup-steps", "--external-cuda-graph",
+      "--cuda-graph-impl", "--inference-cuda-graph-scope", "--delay-offload-until-cuda-graph",
+      "--moe-pad-experts-for-cuda-graph-inference",)),
+    ("manifold-constrained hyper-connections (mHC residual streams) are not built; drop them",
+     ("--enable-mhc-connections", "--mhc-num-residual-streams", "--mhc-sinkhorn-iterations",
+      "--mhc-init-gating-factor", "--mhc-recompute-layer-num",)),
+    ("dumping entry-point configs to a directory is not built; the arguments are printed at "
+     "start-up and saved in checkpoints; drop it",
+     ("--config-logger-dir",)),
+    ("this is for Megatron's inference server; megatron_cp generates with "
+     "tools/run_text_generation.py; drop it",
+     ("--flash-decode", "--nccl-all-reduce-for-prefill", "--inference-fuse-tp-communication",
+      "--inference-disable-triton-nvls-kernels", "--inference-grouped-gemm-backend",
+      "--inference-moe-disable-fused-quant-kernels", "--inference-moe-token-dispatcher-type",
+      "--mlp-chunks-for-prefill",)),
+    ("symmetric all-reduce needs NCCL symmetric memory / multimem, which megatron_cp does "
+     "not use; drop it",
+     ("--symmetric-ar-type",)),
+    ("batch-invariant kernels change the numerics and are not built; drop them",
+     ("--batch-invariant-mode", "--batch-invariant-backend",)),
+    ("dumping params, activations, routing metadata or gradients to extra files is not "
+     "built; drop it",
+     ("--save-params-interval", "--save-activations-interval",
+      "--save-tokens-per-expert-interval", "--save-wgrads-interval", "--save-dgrads-interval",)),
+    ("checkpoint retention is not built: every saved iteration is kept; drop it and prune "
+     "old iter_* folders yourself",
+     ("--save-retain-interval",)),
+    ("without the optimizer, fp32 main params are rebuilt from the loaded model weights; "
+     "reading them from the checkpoint is not built",
+     ("--load-main-params-from-ckpt",)),
+    ("non-persistent / local checkpoints and their replication are not built; use "
+     "--save-interval with --save",
+     ("--non-persistent-save-interval", "--non-persistent-ckpt-type",
+      "--non-persistent-global-ckpt-dir", "--non-persistent-local-ckpt-dir",
+      "--non-persistent-local-ckpt-algo", "--replication", "--replication-jump",
+      "--replication-factor",)),
+    ("a separate pretrained-checkpoint path is not built; use --load DIR --finetune",
+     ("--pretrained-checkpoint",)),
+    ("loading a chosen iteration is not built: --load reads the tracker's latest iteration; "
+     "edit latest_checkpointed_iteration.txt instead",
+     ("--ckpt-step",)),
+    ("overriding the loaded iteration (and replaying data from it) is not built; drop it",
+     ("--override-ckpt-iteration",)),
+    ("copying parallel sizes from the checkpoint is not built; give the TP/PP/CP/EP sizes on "
+     "the command line",
+     ("--use-mp-args-from-checkpoint-args",)),
+    ("in-run checkpoint conversion is not built; convert offline with "
+     "tools/checkpoint_convert.py",
+     ("--ckpt-convert-format", "--ckpt-convert-save",)),
+    ("the legacy Megatron distributed-optimizer checkpoint layout is not read; drop it",
+     ("--ckpt-convert-update-legacy-dist-opt-format",)),
+    ("only PyTorch's own checkpoint cache files are used; writing a DCP distribution cache "
+     "is not built, drop it",
+     ("--ckpt-pg-tensors-cache-create",)),
+    ("the Megatron FSDP / torch FSDP2 (ZeRO-3) is not built; use --use-distributed-optimizer "
+     "(ZeRO-1) and drop it",
+     ("--no-strict-fsdp-dtensor-load", "--use-megatron-fsdp", "--use-torch-fsdp2",
+      "--megatron-fsdp-version", "--fsdp-manual-registration",
+      "--data-parallel-sharding-strategy", "--outer-dp-sharding-strategy",
+      "--fsdp-double-buffer", "--suggested-communication-unit-size",
+      "--keep-fp8-transpose-cache", "--enable-full-sharding-in-hsdp",
+      "--torch-fsdp2-no-reshard-after-forward",)),
+    ("the pre-Megatron-Core-0.14 checkpoint save format is not built; drop it",
+     ("--dist-ckpt-save-pre-mcore-014",)),
+    ("checkpoint file hashing and load-time integrity verification is not built; drop it",
+     ("--verify-integrity",)),
+    ("deprecated Megatron spellings; use --ckpt-format torch_dist",
+     ("--use-dist-ckpt", "--dist-ckpt-format",)),
+    ("deferred model-parallel initialisation for an external DDP manager is not built; drop "
+     "it",
+     ("--lazy-mpu-init",)),
+    ("rank order is fixed (tp-cp-ep-dp-pp); an alternative tp-cp-ep-pp-dp mapping is not "
+     "built, drop it",
+     ("--use-tp-pp-dp-mapping",)),
+    ("it needs NVIDIA SHARP (InfiniBand in-network reductions), which is not used; drop it",
+     ("--use-sharp", "--sharp-enabled-group",)),
+    ("the NCCL flight recorder is not configured by megatron_cp; set the "
+     "TORCH_NCCL_*/TORCH_FR_* environment variables yourself",
+     ("--flight-recorder-dump-path", "--flight-recorder-trace-buffer-size",
+      "--no-flight-recorder-dump-on-timeout", "--flight-recorder-include-stack-trace",
+      "--no-flight-recorder-include-only-active", "--no-flight-recorder-extra-dump-on-exec",)),
+    ("custom pipeline layout strings are not built; use --decoder-first-pipeline-num-layers "
+     "/ --decoder-last-pipeline-num-layers",
+     ("--pipeline-model-parallel-layout",)),
+    ("deprecated Megatron spelling; use --tensor-model-parallel-size",
+     ("--model-parallel-size",)),
+    ("use --num-layers-per-virtual-pipeline-stage (num_layers / (PP x virtual stages)) "
+     "instead",
+     ("--num-virtual-stages-per-pipeline-rank",)),
+    ("generalized-TP (GTP) weight rematerialization is not built; drop it",
+     ("--gtp-remat-reduce-scatter-with-fp32-accumulation",)),
+    ("the Muon layer-wise distributed-optimizer param layout is not built (only Adam); drop "
+     "it",
+     ("--no-use-layer-wise-param-layout",)),
+    ("it needs NCCL user-buffer / symmetric-memory registration, which is not used; drop it",
+     ("--use-nccl-ub", "--disable-symmetric-registration", "--gtp-remat-nccl-ub",
+      "--gtp-expert-remat-nccl-ub",)),
+    ("the distributed optimizer always shards over the full DP group; several optimizer "
+     "instances are not built, drop it",
+     ("--num-distributed-optimizer-instances",)),
+    ("a fake process group skips all communication and so changes every result; it is not "
+     "built, drop it",
+     ("--fake-process-group",)),
+    ("batch-size schedules and automatic batch-size changes are not built; use a fixed "
+     "--global-batch-size",
+     ("--step-batch-size-schedule", "--decrease-batch-size-if-needed",)),
+    ("cross-replica weight-hash checks and GPU sniff tests are not built; drop them",
+     ("--check-weight-hash-across-dp-replicas-interval", "--gpu-sniff-test-interval",)),
+    ("only SIGTERM triggers the --exit-signal-handler save-and-exit; other signals and "
+     "dataloader/training-specific handlers are not built",
+     ("--exit-signal", "--exit-signal-handler-for-dataloader",
+      "--exit-signal-handler-for-training",)),
+    ("skipping chosen iterations is not built; drop it",
+     ("--iterations-to-skip",)),
+    ("deprecated Megatron spelling; use --micro-batch-size",
+     ("--batch-size",)),
+    ("the rerun / result-validation engine is not built; drop it (use "
+     "--check-for-nan-in-loss-and-grad for NaN checks)",
+     ("--check-for-large-grads", "--result-rejected-tracker-filename",
+      "--error-injection-rate", "--error-injection-type", "--rerun-mode",
+      "--check-for-spiky-loss",)),
+    ("it configures Transformer Engine userbuffers (TP comm overlap), which are not used; "
+     "drop it",
+     ("--tp-comm-overlap-cfg",)),
+    ("deprecated Megatron spelling; use --recompute-granularity full --recompute-method "
+     "uniform",
+     ("--checkpoint-activations",)),
+    ("only standard RoPE is built (YaRN is not); drop --rope-type, use "
+     "--position-embedding-type rope",
+     ("--rope-type",)),
+    ("optimizer CPU offload (hybrid CPU/GPU Adam) is not built; drop these flags",
+     ("--optimizer-cpu-offload", "--optimizer-offload-fraction",
+      "--use-torch-optimizer-for-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d",
+      "--no-pin-cpu-grads", "--no-pin-cpu-params",)),
+    ("it needs CUDA graphs, which are not used; drop it",
+     ("--optimizer-cuda-graph",)),
+    ("writing a param-to-param-group map file is not built; drop it",
+     ("--dump-param-to-param-group-map",)),
+    ("training phases are not built; drop it",
+     ("--phase-transition-iterations",)),
+    ("reading data arguments from a file is not built; pass the blend directly with "
+     "--data-path",
+     ("--data-args-path", "--per-split-data-args-path",)),
+    ("precomputed per-dataset sequence counts are not read; drop it (counts come from the "
+     ".idx files)",
+     ("--per-dataset-sequences-path",)),
+    ("use --seq-length / --num-layers, which Megatron treats these as for GPT",
+     ("--encoder-seq-length", "--encoder-num-layers",)),
+    ("encoder-decoder (T5/BERT) models and their masking/sampling options are not built; "
+     "drop them",
+     ("--decoder-seq-length", "--sample-rate", "--mask-prob", "--short-seq-prob",
+      "--decoder-num-layers", "--relative-attention-num-buckets",
+      "--relative-attention-max-distance", "--bert-no-binary-head",)),
+    ("cu_seqlens document masking is not built; use --reset-attention-mask to keep attention "
+     "inside documents",
+     ("--dataloader-inter-document-masking",)),
+    ("object-storage (S3/MSC) data paths are not built; use local files",
+     ("--object-storage-cache-path",)),
+    ("changing the blended-dataset sample surplus changes the sample order; drop it",
+     ("--mid-level-dataset-surplus",)),
+    ("pad tokens are not handled this way (changes the loss mask); drop it",
+     ("--allow-ambiguous-pad-tokens",)),
+    ("fill-in-the-middle (FIM) datasets are not built; drop these flags",
+     ("--fim-data", "--fim-rate", "--fim-spm-rate", "--fim-split-sample",
+      "--fim-fragment-rate", "--fim-no-prefix", "--fim-prefix-token", "--fim-middle-token",
+      "--fim-suffix-token", "--fim-pad-token", "--fim-eod-token",)),
+    ("sliding-window attention is not built; drop it",
+     ("--window-size", "--window-attn-skip-freq",)),
+    ("rotary scaling (YaRN, llama3), interpolation and per-layer RoPE skipping are not "
+     "built; use plain rope (--rotary-base, --rotary-percent)",
+     ("--yarn-original-max-position-embeddings", "--yarn-beta-fast", "--yarn-beta-slow",
+      "--yarn-correction-range-round-to-int", "--no-yarn-correction-range-round-to-int",
+      "--rotary-seq-len-interpolation-factor", "--use-rope-scaling", "--rope-scaling-factor",
+      "--no-rope-freq",)),
+    ("only exact GELU and SwiGLU are built (no tanh GELU, squared ReLU or quick GEGLU); use "
+     "the default or --swiglu",
+     ("--openai-gelu", "--squared-relu", "--quick-geglu",)),
+    ("the ONNX-export workarounds are not built; drop it",
+     ("--onnx-safe",)),
+    ("heterogeneous per-layer architectures are not built; drop it",
+     ("--heterogeneous-layers-config-path", "--heterogeneous-layers-config-encoded-json",)),
+    ("Gated DeltaNet / Mamba hybrid layers are not built yet; drop them",
+     ("--linear-attention-freq", "--mamba-training-ssm-states-dtype",)),
+    ("multi-latent attention and multi-token prediction are not built yet; drop them",
+     ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
+      "--v-head-dim", "--rotary-scaling-factor", "--mscale", "--mscale-all-dim",
+      "--cache-mla-latents", "--mla-down-proj-fusion",)),
+    ("upcycling a dense checkpoint into MoE is not built; drop it",
+     ("--moe-use-upcycling", "--moe-upcycling-granularity",)),
+    ("writing progress.txt into the checkpoint directory is not built; drop it",
+     ("--log-progress",)),
+    ("the timing log format is fixed; other min/max/all-rank timing reports are not built, "
+     "drop it",
+     ("--timing-log-option",)),
+    ("these extra log values (memory interval, device memory, zeros in grad, max attention "
+     "logit, energy) are not built; drop them",
+     ("--log-memory-interval", "--log-device-memory-used", "--log-num-zeros-in-grad",
+      "--log-max-attention-logit", "--log-energy",)),
+    ("wandb (Weights & Biases) is not a dependency; use --tensorboard-dir",
+     ("--wandb-save-dir", "--wandb-entity",)),
+    ("a configurable Python logging level is not built; drop it",
+     ("--logging-level",)),
+    ("router decision tracing to JSONL / .pt files is not built; drop these flags",
+     ("--moe-routing-trace-path", "--moe-routing-trace-max-training-iters",
+      "--moe-routing-trace-capture-logits", "--moe-routing-trace-capture-hidden-states",
+      "--moe-routing-trace-dump-weights",)),
+    ("the QK layernorm is not built (--qk-layernorm is refused), so its weight-decay rule is "
+     "too; drop it",
+     ("--apply-wd-to-qk-layernorm", "--no-weight-decay-cond-type",)),
+    ("only Adam (AdamW) is built, not SGD, Muon or Lion; drop these optimizer settings",
+     ("--sgd-momentum", "--muon-momentum", "--muon-no-split-qkv", "--muon-nesterov",
+      "--muon-scale-mode", "--muon-fp32-matmul-prec", "--muon-coefficient-type",
+      "--muon-num-ns-steps", "--muon-tp-mode", "--muon-use-syrk", "--muon-extra-scale-factor",
+      "--muon-scalar-optimizer", "--lion-beta1", "--lion-beta2",)),
+    ("the WSD learning-rate schedule is not built; use --lr-decay-style "
+     "linear/cosine/inverse-square-root",
+     ("--lr-wsd-decay-style", "--lr-wsd-decay-iters", "--lr-wsd-decay-samples",)),
+    ("deprecated Megatron spelling; use --lr-warmup-iters",
+     ("--warmup",)),
+    ("a separate learning rate for the embedding and output layer is not built; drop it",
+     ("--decoupled-lr", "--decoupled-min-lr",)),
+    ("freezing layers is not built; drop it",
+     ("--freeze-all-layers",)),
+    ("the padded vocab is always computed from the tokenizer and "
+     "--make-vocab-size-divisible-by; drop these",
+     ("--padded-vocab-size", "--no-pad-vocab-size",)),
+    ("the TikToken tokenizer and Megatron's tokenizer metadata / special-token lists are not "
+     "built; use GPT2BPE, SentencePiece or HuggingFace",
+     ("--tokenizer-metadata", "--tokenizer-special-tokens", "--tiktoken-pattern",
+      "--tiktoken-num-special-tokens", "--use-gigatoken",)),
+    ("sentencepiece options beyond the plain model are not built; drop them",
+     ("--tokenizer-sentencepiece-legacy",
+      "--no-tokenizer-sentencepiece-ignore-extra-whitespaces",)),
+    ("a HuggingFace tokenizer always loads as the fast tokenizer and never runs remote code; "
+     "drop it",
+     ("--tokenizer-hf-no-use-fast", "--trust-remote-code",)),
+    ("the NullTokenizer eod id is fixed (one past the given ids) and it has no pad id; drop "
+     "these",
+     ("--null-tokenizer-eod-id", "--null-tokenizer-pad-id",)),
+    ("chat templates are for SFT/inference, which is not built; drop it",
+     ("--chat-template",)),
+    ("gradients are always reduced in fp32; bf16 gradient reduction is not built, drop it",
+     ("--grad-reduce-in-bf16",)),
+    ("the LM-head cross entropy always runs in fp32; drop it",
+     ("--fp16-lm-cross-entropy",)),
+    ("choosing the logit dtype needs Transformer Engine's general_gemm, which is not used; "
+     "drop it",
+     ("--output-logit-dtype",)),
+    ("fp8/fp4/MXFP8 params and per-module precision need Transformer Engine's fp8 layers, "
+     "which are not used; use --bf16",
+     ("--reuse-grad-buf-for-mxfp8-param-ag", "--fp4-param-gather", "--fp8-param-gather",
+      "--te-precision-config-file",)),
+    ("evaluation always runs every --eval-interval with the training batch sizes; these eval "
+     "options are not built",
+     ("--start-eval-at-iter", "--eval-global-batch-size", "--eval-micro-batch-size",
+      "--full-validation", "--multiple-validation-sets", "--validation-set-names",)),
+    ("evaluation-only runs and Megatron's test mode are not built; drop them",
+     ("--skip-train", "--test-mode",)),
+    ("the profiler trace is always recorded without shapes, call stacks or Chakra traces; "
+     "these options are not built",
+     ("--pytorch-profiler-collect-shapes", "--pytorch-profiler-collect-callstack",
+      "--pytorch-profiler-collect-chakra",)),
+    ("allocator memory-history snapshots are not built; drop them",
+     ("--record-memory-history", "--memory-snapshot-path",)),
+    ("no NVTX ranges are emitted and emit_nvtx shape recording is not built; drop them",
+     ("--record-shapes", "--nvtx-ranges",)),
+    ("the Transformer Engine RNG tracker (for CUDA graphs) is not used; megatron_cp has its "
+     "own tracker, drop it",
+     ("--te-rng-tracker",)),
+    ("an inference RNG tracker is not built; drop it",
+     ("--inference-rng-tracker",)),
+    ("weights are always initialised identically on every DP rank with a normal init; drop "
+     "these",
+     ("--data-parallel-random-init", "--init-method-xavier-uniform",)),
+    ("megatron_cp has no in-process restart: a fault stops the job with one error line and "
+     "you resume from --load; drop the in-process restart flags",
+     ("--inprocess-restart", "--inprocess-max-iterations",
+      "--inprocess-monitor-thread-interval", "--inprocess-monitor-process-interval",
+      "--inprocess-progress-watchdog-interval", "--inprocess-heartbeat-interval",
+      "--inprocess-soft-timeout", "--inprocess-hard-timeout", "--inprocess-heartbeat-timeout",
+      "--inprocess-barrier-timeout", "--inprocess-completion-timeout",
+      "--inprocess-last-call-wait", "--inprocess-termination-grace-time",
+      "--inprocess-granularity", "--inprocess-active-world-size",
+      "--inprocess-empty-cuda-cache",)),
+    ("megatron_cp neither saves teacher logits nor trains with a distillation loss (the loss "
+     "is plain LM cross-entropy); drop the logits distillation flags",
+     ("--logits-save-top-k", "--logits-save-top-p", "--logits-save-top-p-min-k",
+      "--logits-save-dir", "--logits-save-dtype", "--logits-load-dir",
+      "--logits-load-decode-threads", "--logits-load-prefetch-factor",
+      "--logits-load-msc-prefetch-depth", "--logits-load-kd-loss-alpha",
+      "--logits-load-ignore-errors",)),
+    ("the ADLR cluster autoresume is not built; use --exit-signal-handler or "
+     "--exit-duration-in-mins with --save, then resume with --load",
+     ("--adlr-autoresume", "--adlr-autoresume-interval",)),
+    ("megatron_cp pretrains GPT only: there are no BERT/ICT/REALM biencoder models, "
+     "retriever evaluation or indexer; drop these flags",
+     ("--ict-head-size", "--biencoder-projection-dim",
+      "--biencoder-shared-query-context-model", "--ict-load", "--bert-load",
+      "--titles-data-path", "--query-in-block-prob", "--use-one-sent-docs",
+      "--evidence-data-path", "--retriever-report-topk-accuracies",
+      "--retriever-score-scaling", "--block-data-path", "--embedding-path",
+      "--indexer-batch-size", "--indexer-log-interval",)),
+    ("megatron_cp has no experimental-feature switch and no pluggable layer specs: its GPT "
+     "layers are fixed and configured by the model flags; drop it",
+     ("--enable-experimental", "--spec",)),
+    ("there are no Mamba/GDN/hybrid layers in megatron_cp, only attention + MLP/MoE GPT "
+     "blocks; drop the hybrid layer pattern",
+     ("--hybrid-layer-pattern", "--hybrid-override-pattern",)),
+    ("megatron_cp reads no YAML config; pass every setting as a command-line flag",
+     ("--yaml-cfg",)),
+    ("the precision-aware optimizer of Transformer Engine (a GPU library) is not built; main "
+     "params, grads and Adam moments stay fp32, drop these",
+     ("--use-precision-aware-optimizer", "--main-grads-dtype", "--main-params-dtype",
+      "--exp-avg-dtype", "--exp-avg-sq-dtype",)),
+    ("fully sharded data parallelism (Megatron-FSDP) is not part of megatron_cp; shard "
+     "optimizer state with --use-distributed-optimizer instead",
+     ("--megatron-fsdp-main-params-dtype", "--megatron-fsdp-main-grads-dtype",
+      "--megatron-fsdp-grad-comm-dtype", "--megatron-fsdp-enable-fine-grained-param-gather",
+      "--megatron-fsdp-max-pool-double-buffer", "--fsdp-db-use-persist-buf-on-alloc-fail",)),
+    ("megatron_cp has no fault injector, so no hang or crash can be injected; drop the fault "
+     "injector flags",
+     ("--fault-injector-ranks", "--fault-injector-num-ranks", "--fault-injector-fault-types",
+      "--fault-injector-fault-probabilities", "--fault-injector-fault-delay",
+      "--fault-injector-delay-start-iteration", "--fault-injector-mtti-seconds",
+      "--fault-injector-offset-seconds", "--fault-injector-seed",)),
+    ("the NVIDIA-internal fault-tolerance package is not used; hangs end at "
+     "--distributed-timeout-minutes with one error line, so drop these",
+     ("--enable-ft-package", "--calc-ft-timeouts", "--ft-num-warmup-iters",)),
+    ("the Megatron inference engine and text-generation server are not part of megatron_cp; "
+     "generate with tools/run_text_generation.py and drop these",
+     ("--inference-batch-times-seqlen-threshold", "--max-tokens-to-oom",
+      "--use-legacy-static-engine", "--inference-max-requests", "--inference-max-seq-length",
+      "--inference-dynamic-batching", "--inference-dynamic-batching-buffer-size-gb",
+      "--inference-dynamic-batching-paused-buffer-size-gb",
+      "--inference-dynamic-batching-block-size", "--inference-dynamic-batching-max-requests",
+      "--inference-dynamic-batching-max-tokens",
+      "--inference-dynamic-batching-track-paused-request-events",
+      "--inference-dynamic-batching-track-generated-token-events",
+      "--inference-dynamic-batching-unified-memory-level", "--enable-chunked-prefill",
+      "--inference-dynamic-batching-prefix-caching",
+      "--inference-dynamic-batching-prefix-caching-eviction-policy",
+      "--inference-dynamic-batching-prefix-caching-coordinator-policy",
+      "--inference-dynamic-batching-prefix-caching-routing-alpha",
+      "--inference-dynamic-batching-async-sched-mode", "--inference-logging-step-interval",
+      "--inference-text-gen-server-logging", "--inference-wandb-logging",
+      "--inference-coordinator-port", "--inference-use-synchronous-zmq-collectives",
+      "--inference-disable-ep-consensus", "--inference-shards",)),
+    ("speculative decoding is not built; tools/run_text_generation.py decodes one token per "
+     "step, so drop it",
+     ("--num-speculative-tokens",)),
+    ("returned log-probs are not a feature of tools/run_text_generation.py, which prints "
+     "completions only; drop it",
+     ("--inference-dynamic-batching-logprobs-mode",)),
+    ("tools/run_text_generation.py seeds sampling with --seed plus the prompt's number on "
+     "every layout; per-DP-rank seeds are not built, drop it",
+     ("--use-same-sampling-seed-across-dp-ranks",)),
+    ("the FlashInfer GPU library is not a dependency; tools/run_text_generation.py samples "
+     "with plain torch ops, drop it",
+     ("--inference-dynamic-batching-sampling-backend",)),
+    ("the CUDA graphs (a GPU feature of PyTorch/Transformer Engine) are not captured by "
+     "megatron_cp, in training or in tools/run_text_generation.py; drop these",
+     ("--cuda-graph-scope", "--cuda-graph-modules",
+      "--inference-dynamic-batching-num-cuda-graphs", "--decode-only-cuda-graphs",
+      "--inference-cuda-graph-all-prefills", "--inference-cuda-graph-max-tokens",
+      "--inference-dynamic-batching-cuda-graph-mixed-prefill-count",
+      "--inference-dynamic-batching-cuda-graph-sizing-distribution",)),
+    ("megatron_cp has no Mamba layers, so there are no Mamba inference states; drop these",
+     ("--inference-dynamic-batching-mamba-memory-ratio",
+      "--inference-dynamic-batching-prefix-caching-mamba-gb",
+      "--mamba-inference-conv-states-dtype", "--mamba-inference-ssm-states-dtype",)),
+    ("there are no BERT models or BERT embedders in megatron_cp; drop it",
+     ("--output-bert-embeddings", "--bert-embedder-type",)),
+    ("the Multi-Storage Client is not a dependency; give --data-path, --save and --load as "
+     "local or mounted filesystem paths",
+     ("--enable-msc",)),
+    ("megatron_cp reports no metrics to NVIDIA's one-logger service (as if --no-one-logger "
+     "were given); drop it, the run log and --tensorboard-dir hold the metrics",
+     ("--one-logger-project", "--one-logger-run-name", "--one-logger-async",
+      "--app-tag-run-name", "--app-tag-run-version",)),
+    ("the OpenTelemetry traces and metrics are not exported by megatron_cp; use --profile or "
+     "--tensorboard-dir, and drop these",
+     ("--otel-enabled", "--otel-service-name", "--otel-span-groups",)),
+    ("the Megatron RL/GRPO trainer is not part of megatron_cp, which pretrains GPT models "
+     "with the LM loss; drop the RL flags",
+     ("--perform-rl-step", "--rl-prompts-per-eval", "--grpo-prompts-per-step",
+      "--grpo-group-size", "--rl-generation-lag", "--rl-max-inflight-requests",
+      "--rl-submission-granularity", "--rl-consumption-granularity",
+      "--rl-durable-rollout-bank", "--rl-rollout-bank-dir", "--rl-rollout-bank-max-bytes",
+      "--grpo-iterations", "--grpo-clamp-eps-lower", "--grpo-clamp-eps-upper",
+      "--grpo-kl-beta", "--grpo-entropy-term-weight", "--grpo-filter-groups-with-same-reward",
+      "--langrl-env-config", "--rl-default-temperature", "--rl-default-top-p",
+      "--rl-default-top-k", "--rl-offload-optimizer-during-inference",
+      "--rl-kv-cache-management-mode", "--rl-persist-cuda-graphs", "--rl-partial-rollouts",
+      "--rl-inference-logprobs-is-correction", "--rl-importance-sampling-truncation-coef",
+      "--rl-use-sequence-packing", "--rl-sequence-packing-max-sequences-per-bin",
+      "--rl-sequence-packing-algo", "--rl-training-cuda-graphs",
+      "--rl-inference-tensor-model-parallel-size",
+      "--rl-inference-pipeline-model-parallel-size",
+      "--rl-inference-expert-model-parallel-size",
+      "--rl-inference-expert-tensor-model-parallel-size",
+      "--rl-inference-model-unified-memory-level",
+      "--rl-offload-inference-model-weights-when-idle", "--refit-method",
+      "--rl-verify-model-weights-swap", "--rl-skip-bos-token", "--rl-profile",
+      "--rl-profile-dir", "--rl-inference-parsers",)),
+    ("supervised fine-tuning with prompt formats is not built; megatron_cp pretrains on "
+     "indexed token data (--finetune only restarts from a checkpoint), drop it",
+     ("--sft", "--sft-tokenizer-prompt-format",)),
+    ("the straggler detector is not built, so no per-GPU throughput report is logged; the "
+     "log line's iteration time and --profile remain; drop these",
+     ("--log-straggler", "--straggler-ctrlr-port", "--straggler-minmax-count",
+      "--disable-straggler-on-startup",)),
+    ("megatron_cp has no vision models (ViT, Swin, DINO, inpainting) or image data; drop the "
+     "vision flags",
+     ("--num-classes", "--img-h", "--img-w", "--num-channels", "--patch-dim",
+      "--classes-fraction", "--data-per-class-fraction", "--head-lr-mult",
+      "--vision-pretraining", "--vision-pretraining-type", "--vision-backbone-type",
+      "--swin-backbone-type", "--mask-type", "--mask-factor", "--iter-per-epoch",
+      "--dino-local-img-size", "--dino-local-crops-number", "--dino-head-hidden-size",
+      "--dino-bottleneck-size", "--dino-freeze-last-layer", "--dino-norm-last-layer",
+      "--dino-warmup-teacher-temp", "--dino-teacher-temp",
+      "--dino-warmup-teacher-temp-epochs",)),
+    ("it changes the sample order of Megatron's cyclic data loader, which megatron_cp does "
+     "not have (it has one sampler order); drop it",
+     ("--no-data-sharding",)),
+    ("there is no workload-inspector server for on-demand profiling; profile with --profile "
+     "(--use-pytorch-profiler, --profile-step-start/--profile-step-end)",
+     ("--run-workload-inspector-server",)),
+)
+
+
+# ----- the census and the grouped entries ------------------------------------------------
+
+CENSUS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_lm_flags.json")
+
+
+@functools.lru_cache(maxsize=None)
+def megatron_census():
+    """The census: ``{"commit": ..., "flag_count": ..., "actions": [...]}``."""
+    with open(CENSUS_FILE) as file:
+        return json.load(file)
+
+
+@functools.lru_cache(maxsize=None)
+def _census_by_flag():
+    return {flag: action for action in megatron_census()["actions"] for flag in action["flags"]}
+
+
+def _literal(value):
+    """A census value that Python can compare (None for a non-JSON repr like an enum's)."""
+    return None if isinstance(value, str) and value.startswith("<") else value
+
+
+def census_spec(action):
+    """argparse keyword arguments that read census ``action`` as Megatron-LM's parser does."""
+    kind, default = action["kind"], _literal(action["default"])
+    if kind == "store_true":
+        return {"action": "store_true"}
+    if kind == "store_false":
+        return {"action": "store_false"}
+    if kind == "boolean_optional":
+        return {"action": argparse.BooleanOptionalAction, "default": bool(default)}
+    spec = {"default": default, "type": {"int": int, "float": float}.get(action["type"], str)}
+    if action["nargs"] is not None:
+        spec["nargs"] = action["nargs"]
+    choices = action["choices"]
+    if choices and all(_literal(c) is not None for c in choices):
+        spec["choices"] = choices
+        if all(isinstance(c, int) for c in choices):  # e.g. signal numbers
+            spec["type"] = int
+    return spec
+
+
+def _grouped(kind, table):
+    entries = []
+    for why, flags in table:
+        for flag in flags:
+            action = _census_by_flag()[flag]
+            aliases = () if action["kind"] == "boolean_optional" else tuple(
+                f for f in action["flags"] if f != flag)
+            entries.append(CompatFlag(flag, kind, why, argparse=census_spec(action),
+                                      aliases=aliases))
+    return tuple(entries)
+
+
+@functools.lru_cache(maxsize=None)
+def _grouped_flags():
+    return frozenset(flag for _, flags in AS_IS + NOT_BUILT for flag in flags)
+
+
+@functools.lru_cache(maxsize=None)
+def all_entries():
+    """Every table entry: the explicit ones, then the grouped ones (spec from the census)."""
+    return COMPAT_FLAGS + _grouped(SAME, AS_IS) + _grouped(REFUSE, NOT_BUILT)
+
+
+def add_compat_flags(groups):
+    """Add every table flag to ``groups[entry.group]`` (argparse argument groups by name)."""
+    for entry in all_entries():
+        text = {SAME: f"Accepted: {entry.why}.", REFUSE: f"Refused: {entry.why}."}.get(
+            entry.kind, entry.why)
+        kwargs = dict(entry.argparse) if entry.argparse else {"action": "store_true"}
+        groups[entry.group].add_argument(entry.flag, *entry.aliases, dest=entry.dest,
+                                         help=text.replace("%", "%%"), **kwargs)
+
+
+def apply_compat_flags(args, defaults):
+    """Refuse, rewrite or note the table flags given in ``args``; returns ``(notes,
+    problems)``, a line each (every refused flag is a problem of its own).
+
+    ``defaults(name)`` is the parser's default of argument ``name`` (``parser.get_default``);
+    a flag counts as given when its value differs from its default. The grouped entries'
+    values are then removed from ``args``: no code reads them, and the start-up banner and
+    the checkpoints list the arguments megatron_cp uses.
+    """
+    notes, problems = [], []
+    for entry in all_entries():
+        value = getattr(args, entry.dest, None)
+        if entry.flag in _grouped_flags():  # nothing reads it: off the arguments (and banner)
+            delattr(args, entry.dest)
+        if value == defaults(entry.dest):
+            continue
+        shown = _given(entry, value)
+        if entry.needs and getattr(args, entry.needs[0]) not in entry.needs[1]:
+            problems.append(f"{shown}: {entry.needs[2]}")
+        elif entry.kind == REFUSE:
+            problems.append(f"{shown}: {entry.why}")
+        elif isinstance(value, (str, int, float)) and value in entry.refuse:
+            problems.append(f"{shown}: {entry.refuse[value]}")
+        elif entry.kind == SAME:
+            notes.append(f"{shown}: {entry.why}")
+        elif entry.kind == MAP:
+            name, target = entry.sets
+            current = getattr(args, name)
+            if current not in (defaults(name), target):
+                problems.append(f"{entry.flag} means --{name.replace('_', '-')} {target}, but "
+                                f"--{name.replace('_', '-')} {current} was given; drop one")
+            else:
+                setattr(args, name, target)
+    return notes, problems
+
+
+def _given(entry, value):
+    """The flag as the user typed it: ``--flag``, ``--no-flag`` or ``--flag VALUE``."""
+    if isinstance(value, bool):
+        negated = value is False and entry.argparse.get("action") is argparse.BooleanOptionalAction
+        return "--no-" + entry.flag[2:] if negated else entry.flag
+    shown = " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+    return f"{entry.flag} {shown}"
