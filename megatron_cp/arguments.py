@@ -1,11 +1,24 @@
-"""Megatron-LM compatible command line: parse, derive and validate, before any process group.
+"""Megatron-LM compatible command line: declared, parsed and checked before any process group.
 
-Flag names and meanings follow Megatron-LM so existing launch scripts carry over. Every
-check that can be made from the arguments and the world size is made here, so bad input
-fails with a clear ValueError before any collective starts. The model's flags are derived
-from the fields of :class:`~megatron_cp.model.config.GPTConfig` and its rules are the
-config's own (errors name the flags); the table of further Megatron-LM flags, accepted or
-refused with a reason, is in megatron_flags.py.
+Read top-down, a flag's story is:
+
+1. **Declared.** A model setting is a field of the typed config
+   (:class:`~megatron_cp.model.config.GPTConfig`, declared with ``config_flags.setting``),
+   which gives its flag, default, choices and help; the run's own flags (batch sizes,
+   schedule, parallel sizes, data, checkpoints, logging) are the ``_*_args`` functions below;
+   every other Megatron-LM flag is an entry of the table in megatron_flags.py (accepted as
+   what megatron_cp does anyway, an alias, or refused with the reason). Together they cover
+   Megatron-LM's whole parser (the census megatron_lm_flags.json;
+   tests/test_megatron_flag_census.py).
+2. **Parsed.** :func:`parse_args` notes every unknown flag and every bad value instead of
+   stopping at the first.
+3. **Checked.** :func:`validate_args` runs each check (the table, counts, precision, the rank
+   grid, batch and pipeline split, the model config's own rules with flag names, the schedule,
+   the split, the data files, the tokenizer, the optimizer and checkpoint companions),
+   deriving what later checks need, and keeps every failure.
+4. **Reported.** All problems raise together as :class:`ArgumentErrors`, a line each;
+   check_args.py prints them (``error: ...``) and exits 2, before any collective starts.
+5. **Used.** ``training.config_from_args`` builds the typed config from the parsed flags.
 """
 import argparse
 import dataclasses
@@ -383,7 +396,9 @@ def validate_args(args, world_size, inference=False, problems=()):
         args.train_iters = args.train_iters or 0
     elif counts_ok and batch_ok:
         checks.run(_validate_schedule, args)
+    checks.run(_validate_split, args)
     checks.run(_validate_data, args, need_data=not inference)
+    checks.run(_validate_tokenizer, args)
     checks.run(_validate_optimizer_and_checkpoint, args)
     checks.raise_any()
     return args
@@ -561,17 +576,25 @@ def _validate_schedule(args):
 
 
 def _validate_data(args, need_data=True):
-    """A data source (when ``need_data``), the split weights and the tokenizer files."""
-    try:
-        parse_and_normalize_split(args.split)
-    except ValueError as err:
-        raise ValueError(f"--{err}") from None
+    """A data source (when ``need_data``) whose files exist and open."""
     if need_data and not args.mock_data:
         if not args.data_path:
             raise ValueError("no data: give --data-path PREFIX (from tools/preprocess_data.py) "
                              "or --mock-data")
         if args.tokenizer_type is None:
             raise ValueError("--data-path needs --tokenizer-type (and its model or vocab files)")
+        _check_data_files(args.data_path)
+
+
+def _validate_split(args):
+    try:
+        parse_and_normalize_split(args.split)
+    except ValueError as err:
+        raise ValueError(f"--{err}") from None
+
+
+def _validate_tokenizer(args):
+    """The tokenizer has what it needs, and its files exist."""
     needs_model = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer")
     if args.tokenizer_type in needs_model and not args.tokenizer_model:
         raise ValueError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
@@ -582,6 +605,22 @@ def _validate_data(args, need_data=True):
             and args.vocab_size is None:
         raise ValueError("--tokenizer-type NullTokenizer (and --mock-data without a tokenizer) "
                          "needs --vocab-size")
+
+
+def _check_data_files(data_path):
+    """Every ``--data-path`` prefix has its .bin and .idx files, and they open (a wrong magic,
+    a truncated index, a .bin shorter than the index: the file named)."""
+    from megatron_cp.data.indexed_dataset import IndexedDataset, data_file_path, index_file_path
+    from megatron_cp.data.utils import parse_data_path
+    prefixes, _ = parse_data_path(data_path)
+    for prefix in prefixes:
+        missing = [p for p in (data_file_path(prefix), index_file_path(prefix))
+                   if not os.path.isfile(p)]
+        if missing:
+            raise ValueError(f"--data-path {prefix}: {' and '.join(missing)} not found; build "
+                             f"them with tools/preprocess_data.py (or "
+                             f"examples/prepare_pydoc_data.sh)")
+        IndexedDataset(prefix)
 
 
 def _check_tokenizer_files(args):

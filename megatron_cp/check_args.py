@@ -15,8 +15,8 @@ scripts first check the arguments in one process, for the world size they will l
 
     python -m megatron_cp.check_args --world-size 8 --num-layers 4 ...   # the training flags
 
-which prints nothing and exits 0 when the arguments are valid, or prints the one error line
-and exits 2. It also checks that every ``--data-path`` prefix has its .bin/.idx files.
+which prints nothing and exits 0 when the arguments are valid, or prints the error lines
+and exits 2 (the arguments' checks include every ``--data-path`` prefix's .bin/.idx files).
 """
 import contextlib
 import io
@@ -86,22 +86,6 @@ def report_user_error(error, after_startup=False):
     return USAGE_ERROR
 
 
-def check_data_files(args):
-    """ValueError unless every ``--data-path`` prefix has its .bin and .idx files, and they
-    open (a wrong magic, a truncated index, a .bin shorter than the index: the file named)."""
-    if args.mock_data or not args.data_path:
-        return
-    from megatron_cp.data.indexed_dataset import IndexedDataset, data_file_path, index_file_path
-    from megatron_cp.data.utils import parse_data_path
-    prefixes, _ = parse_data_path(args.data_path)
-    for prefix in prefixes:
-        missing = [p for p in (data_file_path(prefix), index_file_path(prefix)) if not os.path.isfile(p)]
-        if missing:
-            raise ValueError(f"--data-path {prefix}: {' and '.join(missing)} not found; build them "
-                             f"with tools/preprocess_data.py (or examples/prepare_pydoc_data.sh)")
-        IndexedDataset(prefix)
-
-
 def main(argv=None):
     """``--world-size N`` then the training flags: 0 when they are valid, else one line and 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -110,7 +94,7 @@ def main(argv=None):
               file=sys.stderr)
         return USAGE_ERROR
     try:
-        check_data_files(parse_arguments(argv[2:], int(argv[1])))
+        parse_arguments(argv[2:], int(argv[1]))
     except ValueError as error:
         return report_user_error(error)
     return 0

@@ -25,11 +25,9 @@ from megatron_cp import device as device_mod
 from megatron_cp import faults
 from megatron_cp import moe
 from megatron_cp.config_flags import build_config
-from megatron_cp.data import build_data_iterator, build_tokenizer, build_train_valid_test_datasets
 from megatron_cp.context_parallel import resolve_comm_type
-from megatron_cp.data import get_ltor_batch
-from megatron_cp.data.microbatch import (prepare_microbatch, required_length, split_multiple,
-                                         step_length)
+from megatron_cp.data import build_tokenizer
+from megatron_cp.data.feed import DataFeed
 from megatron_cp.initialize import initialize_distributed, initialize_model_parallel
 from megatron_cp.model import GPTConfig, GPTModel
 from megatron_cp.optimizer import (DistributedDataParallel, DistributedOptimizer,
@@ -97,77 +95,16 @@ class Trainer:
             use_checkpoint_values=args.use_checkpoint_opt_param_scheduler,
             override_from_arguments=args.override_opt_param_scheduler)
         self.iteration, self.consumed_samples = 0, 0
+        self.data = DataFeed(args, state, self.tokenizer, self.config.sequence_parallel)
         # The P2P buffers between pipeline stages are [length/cp(/tp with SP), b, h]; the
-        # length follows each step's data (see _step_length), the shape is passed per step.
+        # length follows each step's data (DataFeed._step_length), the shape is passed per step.
         self.forward_backward = get_forward_backward_func(
             state, dtype=args.params_dtype, overlap_p2p_comm=getattr(args, "overlap_p2p_comm", False))
 
-    # ----- data -----------------------------------------------------------------------
+    # ----- data (megatron_cp.data.feed) -------------------------------------------------
     def build_iterators(self):
-        a = self.args
-        eval_rounds = a.train_iters // a.eval_interval + 1 if a.eval_iters > 0 else 0
-        num_samples = (a.train_iters * a.global_batch_size,
-                       eval_rounds * a.eval_iters * a.global_batch_size, a.eval_iters * a.global_batch_size)
-        reads = self.state.rank("tp") == 0  # TP peers receive their batch by broadcast
-        train, valid, test = build_train_valid_test_datasets(
-            a.data_path, a.split, num_samples, a.seq_length, a.seed, self.tokenizer,
-            mock=a.mock_data, data_cache_path=a.data_cache_path) if reads else (None, None, None)
-        self.datasets = {"train": train, "validation": valid, "test": test}  # for the banner
-        dp_rank, dp_size = self.state.rank("dp"), self.state.size("dp")
-        self.train_iter = build_data_iterator(train, a.global_batch_size, a.micro_batch_size,
-                                              dp_rank, dp_size, self.consumed_samples, a.num_workers)
-        self.valid_dataset = valid
-
-    def next_microbatches(self, iterator):
-        """This rank's microbatches of one global batch, padded to the step's length and
-        (for CP) partitioned: ``megatron_cp.data.microbatch`` holds the rule."""
-        a, st = self.args, self.state
-        batches = []
-        for _ in range(a.num_microbatches):
-            text = next(iterator) if iterator is not None else None
-            if text is not None:
-                self._check_token_ids(text)
-            if st.size("tp") > 1:
-                if text is None:
-                    text = torch.empty(a.micro_batch_size, a.seq_length + 1, dtype=torch.long)
-                text = text.to(self.device)
-                dist.broadcast(text, src=st.group_ranks("tp")[0], group=st.group("tp"))
-            batches.append(get_ltor_batch(text.to(self.device), self.tokenizer.eod,
-                                          a.reset_position_ids, a.reset_attention_mask,
-                                          a.eod_mask_loss))
-        length = self._step_length(batches)
-        return [prepare_microbatch(batch, st.rank("cp"), st.size("cp"), length)
-                for batch in batches]
-
-    def _check_token_ids(self, text):
-        """Token ids beyond the tokenizer's vocabulary mean the data was tokenized with
-        another tokenizer (or --vocab-size is too small): say so instead of an IndexError
-        deep in the embedding (on the CPU copy the reader holds: no device sync)."""
-        vocab = self.tokenizer.vocab_size
-        largest = int(text.max())
-        if largest >= vocab:
-            raise ValueError(f"the training data holds token id {largest}, but the tokenizer "
-                             f"has {vocab} tokens (ids 0..{vocab - 1}): tokenize the data with "
-                             f"the tokenizer given here (NullTokenizer: --vocab-size at least "
-                             f"{largest + 1})")
-
-    def _step_length(self, batches):
-        """The padded sample length of this step: --pipeline-seq-length when given (PP),
-        else the longest sample once its documents are padded for CP, rounded up (to
-        steps of about seq_length / 8 under PP, so buffer shapes rarely change) and, under
-        PP, agreed over the pipeline group before any stage sends."""
-        a, st = self.args, self.state
-        cp, pp = st.size("cp"), st.size("pp")
-        if pp > 1 and getattr(a, "pipeline_seq_length", None):
-            return a.pipeline_seq_length
-        granularity = split_multiple(cp) * (st.size("tp") if self.config.sequence_parallel else 1)
-        needed = max(required_length(batch, cp) for batch in batches)
-        length = step_length(needed, a.seq_length, granularity, bucketed=pp > 1)
-        if pp > 1:
-            agreed = torch.tensor([length], dtype=torch.long, device=self.device)
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=st.group("pp"))
-            length = int(agreed.item())
-        return length
+        """Build the datasets; training resumes after the samples already consumed."""
+        self.data.build(self.consumed_samples)
 
     # ----- one step -------------------------------------------------------------------
     def _run_batches(self, microbatches, forward_only):
@@ -202,7 +139,7 @@ class Trainer:
         update (both values are the same on every rank, so all stop together)."""
         current = self.iteration + 1
         self.progress.activity = f"iteration {current}"
-        microbatches = self.next_microbatches(self.train_iter)
+        microbatches = self.data.microbatches(self.data.train_iter)
         for chunk in self.model_chunks:
             chunk.train()
             chunk.zero_grad_buffer()
@@ -238,17 +175,13 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self):
-        a = self.args
         self.progress.activity = f"the evaluation after iteration {self.iteration}"
-        reads = self.state.rank("tp") == 0
-        it = build_data_iterator(self.valid_dataset if reads else None, a.global_batch_size,
-                                 a.micro_batch_size, self.state.rank("dp"), self.state.size("dp"),
-                                 0, a.num_workers)
+        it = self.data.validation_iterator()
         for chunk in self.model_chunks:
             chunk.eval()
         total, tokens = 0.0, 0
-        for _ in range(a.eval_iters):
-            loss, n = self._run_batches(self.next_microbatches(it), forward_only=True)
+        for _ in range(self.args.eval_iters):
+            loss, n = self._run_batches(self.data.microbatches(it), forward_only=True)
             total, tokens = total + loss * n, tokens + n
         return total / max(tokens, 1)
 
@@ -365,10 +298,10 @@ def _pretrain(args, state, progress):
     print_rank_0("> building train, validation and test datasets ...")
     progress.activity = "the dataset build"
     _on_every_rank(trainer.build_iterators, state.device)
-    if getattr(trainer, "datasets", None):
-        print_rank_0(format_dataset_sizes(trainer.datasets))
+    if trainer.data.datasets:
+        print_rank_0(format_dataset_sizes(trainer.data.datasets))
     # The readers agree (the split is deterministic); the other TP ranks learn it here.
-    trainer.has_validation = _any_rank(trainer.valid_dataset is not None, state.device)
+    trainer.has_validation = _any_rank(trainer.data.valid_dataset is not None, state.device)
     if args.eval_iters > 0 and not trainer.has_validation:
         print_rank_0(f"> no validation data (--split {args.split} leaves the validation split "
                      f"empty): evaluation is skipped")

@@ -6,3 +6,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for path in (ROOT, os.path.join(ROOT, "tests")):
     if path not in sys.path:
         sys.path.insert(0, path)
+
+# torch.compile's kernel cache lives under /tmp by default and outlives a run; kernels built
+# for another CPU capability (ATEN_CPU_CAPABILITY=avx2 on an AVX-512 machine) were found to
+# be reused from it and to give NaN. Each test session compiles into its own folder
+# (inherited by the worker processes) unless the caller chose one.
+_OWN_INDUCTOR_CACHE = None
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    import tempfile
+    _OWN_INDUCTOR_CACHE = tempfile.mkdtemp(prefix="megatron_cp_inductor_")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _OWN_INDUCTOR_CACHE
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _OWN_INDUCTOR_CACHE:
+        import shutil
+        shutil.rmtree(_OWN_INDUCTOR_CACHE, ignore_errors=True)

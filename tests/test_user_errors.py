@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 
 from training_utils import TINY
 
@@ -156,3 +155,13 @@ def test_torchrun_summary_names_our_errors_as_the_root_cause():
             "(4, default --train-iters)") in root, out
     assert "error: --split 'a,b' must be up to three" in root, out
     assert "To enable traceback" not in root, out
+
+
+def test_missing_data_is_reported_with_the_other_mistakes_before_start(tmp_path):
+    argv = (TRAIN.replace("--mock-data", "") + f" --data-path {tmp_path}/corpus "
+            "--tokenizer-type NullTokenizer --log-interval 0")
+    status, text = _main(argv)
+    assert status == 2 and text.splitlines() == [
+        "error: --log-interval (0) must be at least 1",
+        f"error: --data-path {tmp_path}/corpus: {tmp_path}/corpus.bin and {tmp_path}/corpus.idx "
+        "not found; build them with tools/preprocess_data.py (or examples/prepare_pydoc_data.sh)"]

@@ -2,8 +2,9 @@
 
     python tools/megatron_flag_sets.py /path/to/Megatron-LM [--json out.json]
 
-Reads the MODEL_ARGS of Megatron-LM's GPT, MoE and Mixtral functional tests
-(tests/functional_tests/test_cases/{gpt,moe,mixtral}/*/model_config.yaml) and parses each
+Reads the MODEL_ARGS of Megatron-LM's GPT, MoE and Mixtral pretraining functional tests
+(tests/functional_tests/test_cases/{gpt,moe,mixtral}/*/model_config.yaml; the inference and
+RL ones run other entry points) and parses each
 set with megatron_cp's arguments, as a user switching over would run it: the data mocked
 (``--mock-data``, NullTokenizer), the paths dropped, the world size the one the set's parallel
 sizes need. Prints how many sets are accepted, how many problems of each kind the others
@@ -43,6 +44,8 @@ def flag_sets(megatron_root):
         for path in sorted(glob.glob(pattern.replace("{gpt,moe,mixtral}", family))):
             with open(path) as file:
                 config = yaml.safe_load(file) or {}
+            if config.get("MODE", "pretraining") != "pretraining":
+                continue  # inference and RL tests run other entry points
             args = config.get("MODEL_ARGS") or {}
             sets[f"{family}/{os.path.basename(os.path.dirname(path))}"] = _argv(args)
     return sets

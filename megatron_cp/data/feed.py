@@ -1,0 +1,101 @@
+"""What a training run reads: the datasets of ``--data-path`` / ``--split`` (or mock data) and
+each step's microbatches for this rank.
+
+Only TP rank 0 of each group reads (its TP peers receive the batch by broadcast); each
+microbatch is padded to the step's length and, for CP, partitioned
+(``megatron_cp.data.microbatch`` holds that rule).
+"""
+import torch
+import torch.distributed as dist
+
+from megatron_cp.data.batch import build_data_iterator, get_ltor_batch
+from megatron_cp.data.builder import build_train_valid_test_datasets
+from megatron_cp.data.microbatch import prepare_microbatch, required_length, split_multiple, step_length
+
+
+class DataFeed:
+    """The datasets and the per-step microbatches of one run (``args``: its arguments,
+    ``state``: its ParallelState, ``tokenizer``: the run's tokenizer, ``sequence_parallel``:
+    whether the sequence is also split over TP)."""
+
+    def __init__(self, args, state, tokenizer, sequence_parallel):
+        self.args, self.state, self.tokenizer = args, state, tokenizer
+        self.sequence_parallel = sequence_parallel
+        self.device = state.device
+        self.reads = state.rank("tp") == 0  # TP peers receive their batch by broadcast
+        self.datasets, self.train_iter, self.valid_dataset = {}, None, None
+
+    def build(self, consumed_samples):
+        """Build the datasets and the training iterator, which resumes after
+        ``consumed_samples``."""
+        a = self.args
+        eval_rounds = a.train_iters // a.eval_interval + 1 if a.eval_iters > 0 else 0
+        num_samples = (a.train_iters * a.global_batch_size,
+                       eval_rounds * a.eval_iters * a.global_batch_size,
+                       a.eval_iters * a.global_batch_size)
+        train, valid, test = build_train_valid_test_datasets(
+            a.data_path, a.split, num_samples, a.seq_length, a.seed, self.tokenizer,
+            mock=a.mock_data, data_cache_path=a.data_cache_path) if self.reads else (None,) * 3
+        self.datasets = {"train": train, "validation": valid, "test": test}  # for the banner
+        self.train_iter = build_data_iterator(train, a.global_batch_size, a.micro_batch_size,
+                                              self.state.rank("dp"), self.state.size("dp"),
+                                              consumed_samples, a.num_workers)
+        self.valid_dataset = valid
+
+    def validation_iterator(self):
+        """A fresh pass over the validation split, from its start."""
+        a = self.args
+        return build_data_iterator(self.valid_dataset if self.reads else None,
+                                   a.global_batch_size, a.micro_batch_size,
+                                   self.state.rank("dp"), self.state.size("dp"), 0, a.num_workers)
+
+    def microbatches(self, iterator):
+        """This rank's microbatches of one global batch, padded to the step's length and
+        (for CP) partitioned."""
+        a, st = self.args, self.state
+        batches = []
+        for _ in range(a.num_microbatches):
+            text = next(iterator) if iterator is not None else None
+            if text is not None:
+                self._check_token_ids(text)
+            if st.size("tp") > 1:
+                if text is None:
+                    text = torch.empty(a.micro_batch_size, a.seq_length + 1, dtype=torch.long)
+                text = text.to(self.device)
+                dist.broadcast(text, src=st.group_ranks("tp")[0], group=st.group("tp"))
+            batches.append(get_ltor_batch(text.to(self.device), self.tokenizer.eod,
+                                          a.reset_position_ids, a.reset_attention_mask,
+                                          a.eod_mask_loss))
+        length = self._step_length(batches)
+        return [prepare_microbatch(batch, st.rank("cp"), st.size("cp"), length)
+                for batch in batches]
+
+    def _check_token_ids(self, text):
+        """Token ids beyond the tokenizer's vocabulary mean the data was tokenized with
+        another tokenizer (or --vocab-size is too small): say so instead of an IndexError
+        deep in the embedding (on the CPU copy the reader holds: no device sync)."""
+        vocab = self.tokenizer.vocab_size
+        largest = int(text.max())
+        if largest >= vocab:
+            raise ValueError(f"the training data holds token id {largest}, but the tokenizer "
+                             f"has {vocab} tokens (ids 0..{vocab - 1}): tokenize the data with "
+                             f"the tokenizer given here (NullTokenizer: --vocab-size at least "
+                             f"{largest + 1})")
+
+    def _step_length(self, batches):
+        """The padded sample length of this step: --pipeline-seq-length when given (PP),
+        else the longest sample once its documents are padded for CP, rounded up (to
+        steps of about seq_length / 8 under PP, so buffer shapes rarely change) and, under
+        PP, agreed over the pipeline group before any stage sends."""
+        a, st = self.args, self.state
+        cp, pp = st.size("cp"), st.size("pp")
+        if pp > 1 and getattr(a, "pipeline_seq_length", None):
+            return a.pipeline_seq_length
+        granularity = split_multiple(cp) * (st.size("tp") if self.sequence_parallel else 1)
+        needed = max(required_length(batch, cp) for batch in batches)
+        length = step_length(needed, a.seq_length, granularity, bucketed=pp > 1)
+        if pp > 1:
+            agreed = torch.tensor([length], dtype=torch.long, device=self.device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=st.group("pp"))
+            length = int(agreed.item())
+        return length
