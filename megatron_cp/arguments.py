@@ -92,6 +92,12 @@ def _training_args(g):
                         "overflowing gradient is a skipped step instead).")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
                    action="store_false", help="Train on through a NaN or inf loss or gradient norm.")
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="Deterministic execution, so two runs of one job give the same bits "
+                        "(slower): torch's deterministic algorithms (an op without one raises), "
+                        "cuBLAS's fixed workspace (CUBLAS_WORKSPACE_CONFIG), one NCCL algorithm "
+                        "(NCCL_ALGO, Ring unless set) and, unless --attention-kernel is given, "
+                        "the plain-PyTorch attention kernels, whose backward adds no atomics.")
 
 
 def _parallel_args(g):
@@ -135,6 +141,9 @@ def _data_args(g):
     g.add_argument("--split", default="969,30,1", help="Train,valid,test split weights.")
     g.add_argument("--mock-data", action="store_true", help="Synthetic tokens instead of --data-path.")
     g.add_argument("--data-cache-path", default=None, help="Where index files are cached.")
+    g.add_argument("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false",
+                   help="Do not memory-map the .bin token files: read each sample with a "
+                        "positioned file read (for file systems where mmap is slow or absent).")
     g.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES, help="Tokenizer class.")
     g.add_argument("--tokenizer-model", default=None,
                    help="sentencepiece model file, or (HuggingFaceTokenizer) a local tokenizer "
@@ -183,6 +192,13 @@ def _io_args(g):
                    help="Write the validation perplexity to tensorboard.")
     g.add_argument("--log-world-size-to-tensorboard", action="store_true",
                    help="Write the world size to tensorboard.")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true",
+                   help="Count the zero entries of the gradient (after the data-parallel "
+                        "reduction and unscaling, before clipping; each parameter once) and log "
+                        "them: 'num zeros:' in the log line, 'num-zeros' in tensorboard.")
+    g.add_argument("--logging-level", type=int, default=None,
+                   help="Level of Python's logging for the run (10 debug, 20 info, 30 warning, "
+                        "40 error); by default Python's own (warnings and errors).")
     g.add_argument("--moe-per-layer-logging", action="store_true",
                    help="Log the MoE balancing losses and token counts of every MoE layer, not "
                         "only their mean.")
@@ -390,6 +406,8 @@ def validate_args(args, world_size, inference=False, problems=()):
         checks.run(_validate_pipeline, args, check_microbatches=not inference)
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         args.sequence_parallel = False  # Megatron turns it off silently for TP=1
+    if args.deterministic_mode and args.attention_kernel == "auto":
+        args.attention_kernel = "torch"  # the fused kernels' backward accumulates atomically
     checks.run(_validate_model, args, flag_names(parser))
     checks.run(_validate_sequence_split, args)
     if inference:
@@ -583,7 +601,7 @@ def _validate_data(args, need_data=True):
                              "or --mock-data")
         if args.tokenizer_type is None:
             raise ValueError("--data-path needs --tokenizer-type (and its model or vocab files)")
-        _check_data_files(args.data_path)
+        _check_data_files(args.data_path, args.mmap_bin_files)
 
 
 def _validate_split(args):
@@ -607,7 +625,7 @@ def _validate_tokenizer(args):
                          "needs --vocab-size")
 
 
-def _check_data_files(data_path):
+def _check_data_files(data_path, mmap_bin=True):
     """Every ``--data-path`` prefix has its .bin and .idx files, and they open (a wrong magic,
     a truncated index, a .bin shorter than the index: the file named)."""
     from megatron_cp.data.indexed_dataset import IndexedDataset, data_file_path, index_file_path
@@ -620,7 +638,7 @@ def _check_data_files(data_path):
             raise ValueError(f"--data-path {prefix}: {' and '.join(missing)} not found; build "
                              f"them with tools/preprocess_data.py (or "
                              f"examples/prepare_pydoc_data.sh)")
-        IndexedDataset(prefix)
+        IndexedDataset(prefix, mmap_bin=mmap_bin)
 
 
 def _check_tokenizer_files(args):

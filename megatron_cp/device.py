@@ -5,6 +5,7 @@ the CPU/gloo path and the GPU/NCCL path run the same code.
 """
 import contextlib
 import functools
+import os
 
 import torch
 
@@ -51,6 +52,16 @@ def _device_capability(device):
 @functools.lru_cache(maxsize=None)
 def _capability(index: int):
     return torch.cuda.get_device_capability(index)
+
+
+def enable_deterministic_mode() -> None:
+    """Deterministic kernels from here on (--deterministic-mode): torch's deterministic
+    algorithms (an op without one raises), cuBLAS's fixed workspace and one NCCL algorithm.
+    Call it before the first NCCL communicator and cuBLAS handle are made; variables the
+    user set are kept."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    os.environ.setdefault("NCCL_ALGO", "Ring")
+    torch.use_deterministic_algorithms(True)
 
 
 def synchronize(device: torch.device) -> None:

@@ -231,8 +231,6 @@ COMPAT_FLAGS = (
                needs=("reset_attention_mask", (False,),
                       "Megatron-LM then drops --reset-attention-mask and attends across "
                       "documents, while megatron_cp keeps them apart; drop one of the two")),
-    CompatFlag("--deterministic-mode", REFUSE, "deterministic CUDA kernels are not enforced; "
-               "drop it (CPU runs are deterministic)"),
 )
 
 
@@ -372,9 +370,6 @@ AS_IS = (  # (why, flags): accepted, they select what megatron_cp does anyway
     ("the index .npy files are opened with np.load(mmap_mode='r'), so pages are read lazily "
      "on first access",
      ("--dataloader-defer-npy-index-mmap",)),
-    ("the .bin files are always read through numpy memmap; the tokens read are identical "
-     "either way",
-     ("--no-mmap-bin-files",)),
     ("datasets are built by one thread per rank; threads would only change build speed",
      ("--num-dataset-builder-threads",)),
     ("the tensorboard writer's event queue size only decides when events are flushed, not "
@@ -700,14 +695,12 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
     ("the timing log format is fixed; other min/max/all-rank timing reports are not built, "
      "drop it",
      ("--timing-log-option",)),
-    ("these extra log values (memory interval, device memory, zeros in grad, max attention "
-     "logit, energy) are not built; drop them",
-     ("--log-memory-interval", "--log-device-memory-used", "--log-num-zeros-in-grad",
+    ("these extra log values (memory interval, device memory, max attention logit, energy) "
+     "are not built; drop them",
+     ("--log-memory-interval", "--log-device-memory-used",
       "--log-max-attention-logit", "--log-energy",)),
     ("wandb (Weights & Biases) is not a dependency; use --tensorboard-dir",
      ("--wandb-save-dir", "--wandb-entity",)),
-    ("a configurable Python logging level is not built; drop it",
-     ("--logging-level",)),
     ("router decision tracing to JSONL / .pt files is not built; drop these flags",
      ("--moe-routing-trace-path", "--moe-routing-trace-max-training-iters",
       "--moe-routing-trace-capture-logits", "--moe-routing-trace-capture-hidden-states",

@@ -11,6 +11,7 @@ norm (``--check-for-nan-in-loss-and-grad``), or a file that one rank could not r
 start-up (every rank then raises it, so rank 0 prints it).
 """
 import gc
+import logging
 import math
 import os
 import signal
@@ -85,6 +86,8 @@ class Trainer:
         groups = get_param_groups(models, args.weight_decay)
         self.optimizer = DistributedOptimizer(groups, self.model_chunks, state, **adam) \
             if distributed else MixedPrecisionOptimizer(groups, state, **adam)
+        self.optimizer.count_zeros_in_grad = args.log_num_zeros_in_grad
+        self.num_zeros = None  # of the latest step, with --log-num-zeros-in-grad
         self.pending_save = None  # the --async-save in flight (megatron_cp.dist_checkpoint)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters,
@@ -155,7 +158,7 @@ class Trainer:
         finalize_model_grads(self.model_chunks, self.state)
         moe.update_expert_bias(self.model_chunks, self.state)
         try:
-            ok, grad_norm, _ = self.optimizer.step()
+            ok, grad_norm, self.num_zeros = self.optimizer.step()
         except GradNormNotFinite as bad:
             raise faults.non_finite("gradient norm", bad.grad_norm, current, rank, bad.ranks) from None
         if ok:
@@ -260,6 +263,15 @@ def pretrain(args, state=None):
         raise faults.lost_contact(error, dist.get_rank(), progress.activity, args, latest) from error
 
 
+def _set_logging_level(level):
+    """Megatron's --logging-level: Python's root logger at ``level``, with a handler to
+    print the records it lets through (Python's fallback prints warnings and errors only)."""
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+    root.setLevel(level)
+
+
 def _on_every_rank(step, device):
     """Run ``step()``; a ValueError it raises on some ranks only is raised on every rank
     (:func:`megatron_cp.faults.raise_on_every_rank`), so rank 0 prints it. Returns its value."""
@@ -274,6 +286,10 @@ def _on_every_rank(step, device):
 
 def _pretrain(args, state, progress):
     started = time.time()
+    if args.logging_level is not None:
+        _set_logging_level(args.logging_level)
+    if args.deterministic_mode:
+        device_mod.enable_deterministic_mode()  # before any NCCL communicator exists
     print_rank_0(format_arguments(args))
     if format_compat_notes(args):
         print_rank_0(format_compat_notes(args))

@@ -74,6 +74,8 @@ class TrainingLogger:
                 w.add_scalar("loss-scale", scale, it)
             if a.log_world_size_to_tensorboard:
                 w.add_scalar("world-size", self.state.world_size, it)
+            if getattr(trainer, "num_zeros", None) is not None:
+                w.add_scalar("num-zeros", trainer.num_zeros, it)
         if it % a.log_interval != 0 and it != a.train_iters:
             return
         per_iter = self.time / self.count
@@ -88,6 +90,8 @@ class TrainingLogger:
             if self.writer is not None:
                 self.writer.add_scalar("params-norm", norm, it)
         moe_line = self._moe_stats(trainer, it)  # a collective too, on every rank
+        zeros = getattr(trainer, "num_zeros", None)
+        zeros = f" num zeros: {zeros} |" if zeros is not None else ""
         self.print(
             f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {it:8d}/{a.train_iters:8d} |"
             f" consumed samples: {trainer.consumed_samples:12d} |"
@@ -96,7 +100,7 @@ class TrainingLogger:
             f" tokens per second: {tokens_per_s:.1f} |"
             f" learning rate: {lr:.6E} | global batch size: {a.global_batch_size:5d} |"
             f" lm loss: {self.loss / self.count:.6E} | loss scale: {scale:.1f} |"
-            f" grad norm: {grad_norm:.4f} |{params_norm}{moe_line}"
+            f" grad norm: {grad_norm:.4f} |{zeros}{params_norm}{moe_line}"
             f" number of skipped iterations: {trainer.optimizer.num_skipped_iters:3d} |")
         if not self.memory_reported:  # Megatron's one memory report, after the first interval
             self.memory_reported = True

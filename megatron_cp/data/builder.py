@@ -39,14 +39,17 @@ def _split_datasets(make, num_documents, split, num_samples, where):
 
 
 def build_train_valid_test_datasets(data_path, split, train_valid_test_num_samples, seq_length,
-                                    seed, tokenizer, mock=False, data_cache_path=None):
+                                    seed, tokenizer, mock=False, data_cache_path=None,
+                                    mmap_bin=True):
     """(train, valid, test) datasets, each None when its split is empty.
 
     ``data_path``: list of prefixes, optionally with weights (``["0.3", "A", "0.7", "B"]``);
     ``split``: ``"949,50,1"`` document-range weights; ``train_valid_test_num_samples``:
     samples per split (a blend has exactly that many, a single dataset at least);
     ``mock``: synthetic tokens from ``tokenizer`` instead of files; ``data_cache_path``:
-    where the index arrays go (default ``<data dir>/cache/GPTDataset_indices``).
+    where the index arrays go (default ``<data dir>/cache/GPTDataset_indices``);
+    ``mmap_bin``: map the .bin files (False: read each sample from the file, Megatron's
+    ``--no-mmap-bin-files``).
     """
     num_samples = [int(n or 0) for n in train_valid_test_num_samples]
     if len(num_samples) != 3:
@@ -66,7 +69,7 @@ def build_train_valid_test_datasets(data_path, split, train_valid_test_num_sampl
     blended = len(prefixes) > 1
     per_prefix = []  # per prefix: [train, valid, test]
     for prefix, weight in zip(prefixes, weights):
-        indexed = IndexedDataset(prefix)
+        indexed = IndexedDataset(prefix, mmap_bin=mmap_bin)
         cache_dir = data_cache_path or default_cache_dir(prefix)
         wanted = [blend_num_samples([weight], n)[0] if blended else n for n in num_samples]
 

@@ -35,7 +35,8 @@ class DataFeed:
                        a.eval_iters * a.global_batch_size)
         train, valid, test = build_train_valid_test_datasets(
             a.data_path, a.split, num_samples, a.seq_length, a.seed, self.tokenizer,
-            mock=a.mock_data, data_cache_path=a.data_cache_path) if self.reads else (None,) * 3
+            mock=a.mock_data, data_cache_path=a.data_cache_path,
+            mmap_bin=a.mmap_bin_files) if self.reads else (None,) * 3
         self.datasets = {"train": train, "validation": valid, "test": test}  # for the banner
         self.train_iter = build_data_iterator(train, a.global_batch_size, a.micro_batch_size,
                                               self.state.rank("dp"), self.state.size("dp"),

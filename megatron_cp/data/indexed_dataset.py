@@ -182,10 +182,12 @@ class IndexedDataset:
     """Read-only view of ``<prefix>.bin/.idx``, memory-mapped with numpy.
 
     ``len(ds)`` is the sequence count, ``ds[i]`` one sequence as a numpy array,
-    ``ds.get(i, offset, length)`` a slice of it without reading the rest.
+    ``ds.get(i, offset, length)`` a slice of it without reading the rest. With
+    ``mmap_bin=False`` (Megatron's ``--no-mmap-bin-files``) the .bin file is not mapped:
+    each ``get`` reads its tokens with one positioned file read (the index is still mapped).
     """
 
-    def __init__(self, path_prefix):
+    def __init__(self, path_prefix, mmap_bin=True):
         self.path_prefix = path_prefix
         idx_path, bin_path = index_file_path(path_prefix), data_file_path(path_prefix)
         for path in (idx_path, bin_path):
@@ -224,14 +226,16 @@ class IndexedDataset:
                 (doc_count > 1 and bool((np.diff(docs) < 0).any())):
             raise ValueError(f"{idx_path}: its document index does not run from 0 within its "
                              f"{count} sequences; the file is corrupted: {REBUILD}")
-        self._bin_buffer = _map(bin_path)
+        self._bin_path = bin_path
+        self._bin_buffer = _map(bin_path) if mmap_bin else None
+        self._bin_size = os.path.getsize(bin_path)
         self._check_sequences_fit(idx_path, bin_path)
 
     def _check_sequences_fit(self, idx_path, bin_path, block=1 << 22):
         """ValueError unless every sequence lies inside the .bin file: a truncated .bin, or
         an index with corrupted lengths or pointers, fails here instead of mid-training.
         Vectorised in blocks (12 bytes read per sequence, like the dataset's own index)."""
-        size, itemsize = len(self._bin_buffer), self.dtype.itemsize
+        size, itemsize = self._bin_size, self.dtype.itemsize
         for first in range(0, len(self.sequence_lengths), block):
             lengths = self.sequence_lengths[first:first + block].astype(np.int64)
             pointers = self.sequence_pointers[first:first + block]
@@ -266,11 +270,13 @@ class IndexedDataset:
             raise IndexError(f"slice [{offset}, {offset + length}) outside sequence {idx} "
                              f"of {size} tokens")
         start = int(self.sequence_pointers[idx]) + offset * self.dtype.itemsize
-        if size < 0 or start < 0 or start + length * self.dtype.itemsize > len(self._bin_buffer):
+        if size < 0 or start < 0 or start + length * self.dtype.itemsize > self._bin_size:
             raise ValueError(f"{index_file_path(self.path_prefix)}: sequence {idx} ({size} "
                              f"tokens at byte {int(self.sequence_pointers[idx])}) lies outside "
-                             f"{data_file_path(self.path_prefix)} ({len(self._bin_buffer)} bytes); "
+                             f"{data_file_path(self.path_prefix)} ({self._bin_size} bytes); "
                              f"the pair is corrupted: {REBUILD}")
+        if self._bin_buffer is None:  # --no-mmap-bin-files: one positioned read
+            return np.fromfile(self._bin_path, self.dtype, length, offset=start)
         return np.frombuffer(self._bin_buffer, self.dtype, length, start)
 
     @property

@@ -12,8 +12,9 @@ norm is reduced only over the groups along which the *parameters themselves* dif
   ``tensor_model_parallel``) and PP: reduce over ``ep``, ``etp`` then ``pp``; the
   replicated-over-ETP ones are counted on ETP rank 0 only.
 
-The same rule gives the parameter norm of ``--log-params-norm`` (``get_param_norm``) and,
-through ``counted_here``, the whole-model parameter count of the start-up banner.
+The same rule gives the parameter norm of ``--log-params-norm`` (``get_param_norm``), the
+zeros of ``--log-num-zeros-in-grad`` (``count_zeros``) and, through ``counted_here``, the
+whole-model parameter count of the start-up banner.
 
 With ``sharded=True`` (the distributed optimizer) each rank holds a disjoint shard of the
 gradients of its model-parallel rank: the dense part is first summed over ``dp_cp`` and the
@@ -69,11 +70,21 @@ def get_param_norm(params, state, norm_type=2):
     return _global_norm(params, state, norm_type, lambda param: param.detach())
 
 
-def _global_norm(params, state, norm_type, tensor_of, sharded=False):
-    """The ``norm_type`` norm of ``tensor_of(param)`` over the whole model (None: skipped)."""
-    norm_type = float(norm_type)
-    if not (norm_type == math.inf or norm_type >= 1.0):
-        raise ValueError(f"norm_type ({norm_type}) must be >= 1 or inf; use 2 for the L2 norm")
+def count_zeros(params, state, sharded=False):
+    """The number of zero entries in all gradients of the whole model (Megatron's ``num
+    zeros``), each parameter counted once whatever the layout; the same int on every rank."""
+    dense, expert = _owned(params, state, grad_of)
+
+    def local(tensors):  # [1], fp64: exact for any count a model can hold
+        zeros = sum(int((t == 0).sum()) for t in tensors)
+        return torch.tensor([float(zeros)], dtype=torch.float64, device=state.device)
+
+    both = _reduce_over_model(local(dense), local(expert), state, dist.ReduceOp.SUM, sharded)
+    return int(both.sum().item())
+
+
+def _owned(params, state, tensor_of):
+    """(dense, expert) lists of ``tensor_of(param)`` for the params this rank counts."""
     seen, dense, expert = set(), [], []
     for param in params:
         tensor = tensor_of(param)
@@ -81,6 +92,29 @@ def _global_norm(params, state, norm_type, tensor_of, sharded=False):
             continue
         seen.add(id(param))
         (expert if getattr(param, "is_expert", False) else dense).append(tensor)
+    return dense, expert
+
+
+def _reduce_over_model(dense_part, expert_part, state, op, sharded):
+    """Both [1] parts reduced over the groups the parameters differ along (module
+    docstring); returns them as one [2] tensor (dense, expert), the same on every rank."""
+    if sharded:
+        _all_reduce(dense_part, state, "dp_cp", op)
+        _all_reduce(expert_part, state, "edp", op)
+    _all_reduce(expert_part, state, "ep", op)
+    _all_reduce(expert_part, state, "etp", op)
+    _all_reduce(dense_part, state, "tp", op)
+    both = torch.cat([dense_part, expert_part])  # [2]: dense, expert
+    _all_reduce(both, state, "pp", op)
+    return both
+
+
+def _global_norm(params, state, norm_type, tensor_of, sharded=False):
+    """The ``norm_type`` norm of ``tensor_of(param)`` over the whole model (None: skipped)."""
+    norm_type = float(norm_type)
+    if not (norm_type == math.inf or norm_type >= 1.0):
+        raise ValueError(f"norm_type ({norm_type}) must be >= 1 or inf; use 2 for the L2 norm")
+    dense, expert = _owned(params, state, tensor_of)
 
     def local(tensors):
         # Accumulate in fp32 whatever the dtype: bf16 squares overflow and lose bits.
@@ -91,16 +125,8 @@ def _global_norm(params, state, norm_type, tensor_of, sharded=False):
         return norms.max() if norm_type == math.inf else norms.pow(norm_type).sum()
 
     op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
-    dense_part = local(dense).reshape(1)
-    expert_part = local(expert).reshape(1)
-    if sharded:
-        _all_reduce(dense_part, state, "dp_cp", op)
-        _all_reduce(expert_part, state, "edp", op)
-    _all_reduce(expert_part, state, "ep", op)
-    _all_reduce(expert_part, state, "etp", op)
-    _all_reduce(dense_part, state, "tp", op)
-    both = torch.cat([dense_part, expert_part])  # [2]: dense, expert
-    _all_reduce(both, state, "pp", op)
+    both = _reduce_over_model(local(dense).reshape(1), local(expert).reshape(1), state, op,
+                              sharded)
     if norm_type == math.inf:
         return both.max().item()
     return both.sum().pow(1.0 / norm_type).item()

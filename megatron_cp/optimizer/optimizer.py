@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_cp.faults import ranks_where
-from megatron_cp.optimizer.clip_grads import clip_grad_norm, get_grad_norm
+from megatron_cp.optimizer.clip_grads import clip_grad_norm, count_zeros, get_grad_norm
 from megatron_cp.optimizer.grad_scaler import DynamicGradScaler
 
 # Attributes that get_grad_norm reads; main params must carry them like their model params.
@@ -173,6 +173,8 @@ class MixedPrecisionOptimizer:
 
     # the grads are this rank's distributed-optimizer shards (norms sum them over DP x CP)
     shards_grads = False
+    # step() also counts the gradient's zero entries (--log-num-zeros-in-grad)
+    count_zeros_in_grad = False
 
     def __init__(self, model_params, state, lr, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8,
                  clip_grad=1.0, params_dtype=torch.float32, grad_scaler=None, use_fused=None,
@@ -265,7 +267,9 @@ class MixedPrecisionOptimizer:
 
     @torch.no_grad()
     def step(self):
-        """One optimizer step; returns ``(update_successful, grad_norm, num_zeros=None)``.
+        """One optimizer step; returns ``(update_successful, grad_norm, num_zeros)``
+        (``num_zeros``: the zero entries of the unscaled, unclipped gradient when
+        ``count_zeros_in_grad`` is set, else None).
 
         On inf/nan gradients (only checked with a grad scaler) nothing changes but the scale
         and ``num_skipped_iters``, and ``(False, None, None)`` is returned.
@@ -279,6 +283,8 @@ class MixedPrecisionOptimizer:
                     self.num_skipped_iters += 1
                     return False, None, None
             mains = self._main_params()
+            num_zeros = count_zeros(mains, self.state, sharded=self.shards_grads) \
+                if self.count_zeros_in_grad else None
             if self.clip_grad > 0:
                 grad_norm = clip_grad_norm(mains, self.clip_grad, self.state,
                                            sharded=self.shards_grads)
@@ -288,7 +294,7 @@ class MixedPrecisionOptimizer:
                 raise GradNormNotFinite(grad_norm, self._ranks_with_non_finite_grads())
             self.optimizer.step()
             self._copy_main_to_model()
-            return True, grad_norm, None
+            return True, grad_norm, num_zeros
         finally:
             self._release_aliased_grads()
 
