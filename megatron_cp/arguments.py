@@ -161,6 +161,10 @@ def _io_args(g):
     g.add_argument("--save", default=None, help="Checkpoint directory to save to.")
     g.add_argument("--load", default=None, help="Checkpoint directory to resume from.")
     g.add_argument("--save-interval", "--persistent-save-interval", type=int, default=None, help="Save every this many iterations.")
+    g.add_argument("--save-retain-interval", type=int, default=None,
+                   help="Keep only the checkpoints whose iteration is a multiple of this (and "
+                        "the latest): each save deletes the previous one otherwise. A multiple "
+                        "of --save-interval.")
     g.add_argument("--async-save", action="store_true",
                    help="With --ckpt-format torch_dist: copy the state, then write it in the "
                         "background while training goes on; the tracker file is written once "
@@ -418,6 +422,8 @@ def validate_args(args, world_size, inference=False, problems=()):
     checks.run(_validate_data, args, need_data=not inference)
     checks.run(_validate_tokenizer, args)
     checks.run(_validate_optimizer_and_checkpoint, args)
+    if args.save:
+        checks.run(_check_writable, args.save)
     checks.raise_any()
     return args
 
@@ -505,8 +511,11 @@ def _validate_optimizer_and_checkpoint(args):
                          f"{args.ckpt_format}; add --ckpt-format torch_dist")
     if args.async_save and not args.save:
         raise ValueError("--async-save needs a checkpoint directory: give --save")
-    if args.save:
-        _check_writable(args.save)
+    retain, every = args.save_retain_interval, args.save_interval
+    if retain is not None and not (every and retain >= 1 and retain % every == 0):
+        need = f"--save-interval ({every})" if every else "--save --save-interval N"
+        raise ValueError(f"--save-retain-interval ({retain}) keeps the checkpoints at its "
+                         f"multiples, so it must be a positive multiple of {need}")
 
 
 def _check_writable(path):

@@ -204,13 +204,23 @@ def save_checkpoint(trainer, root):
     _atomic_torch_save(_rng_state(trainer), os.path.join(tmp, "rng", f"rank_{st.global_rank:05d}.pt"))
     dist.barrier()
     if st.global_rank == 0:
-        commit_checkpoint(root, it)
+        commit_checkpoint(root, it, getattr(trainer.args, "save_retain_interval", None))
     dist.barrier()
 
 
-def commit_checkpoint(root, it):
+def commit_checkpoint(root, it, retain_interval=None):
     """Rename ``iter_N.tmp`` to ``iter_N`` (keeping an older ``iter_N`` until the swap), then
-    point the tracker at it: the last step of every save, run by one rank after all wrote."""
+    point the tracker at it: the last step of every save, run by one rank after all wrote.
+
+    ``retain_interval`` (Megatron's ``--save-retain-interval``): once the tracker points at
+    the new checkpoint, the one it pointed at before is deleted unless its iteration is a
+    multiple of the interval (or a symbolic link), so the latest checkpoint and every
+    retained one remain."""
+    previous = None
+    if retain_interval and os.path.isfile(os.path.join(root, TRACKER)):
+        with open(os.path.join(root, TRACKER)) as file:
+            text = file.read().strip()
+        previous = int(text) if text.isdigit() else None
     final = iteration_dir(root, it)
     tmp = final + ".tmp"
     if os.path.exists(final):  # re-saving an iteration: keep the old copy until the swap
@@ -223,6 +233,12 @@ def commit_checkpoint(root, it):
         os.replace(tmp, final)
     _atomic_write_text(os.path.join(root, TRACKER), str(it))
     print(f" saved checkpoint at iteration {it} to {root}", flush=True)
+    if previous is not None and previous != it and previous % retain_interval != 0:
+        old = iteration_dir(root, previous)
+        if os.path.isdir(old) and not os.path.islink(old):
+            shutil.rmtree(old)
+            print(f" deleted checkpoint at iteration {previous} (--save-retain-interval "
+                  f"{retain_interval} keeps multiples of it and the latest)", flush=True)
 
 
 def wait_for_async_save(trainer):

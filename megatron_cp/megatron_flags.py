@@ -525,9 +525,6 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
      "built; drop it",
      ("--save-params-interval", "--save-activations-interval",
       "--save-tokens-per-expert-interval", "--save-wgrads-interval", "--save-dgrads-interval",)),
-    ("checkpoint retention is not built: every saved iteration is kept; drop it and prune "
-     "old iter_* folders yourself",
-     ("--save-retain-interval",)),
     ("without the optimizer, fp32 main params are rebuilt from the loaded model weights; "
      "reading them from the checkpoint is not built",
      ("--load-main-params-from-ckpt",)),

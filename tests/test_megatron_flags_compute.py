@@ -149,3 +149,17 @@ def test_no_mmap_bin_files_trains_the_same_losses(tmp_path):
     read = run_workers(_losses_and_mapping, 1, argv + " --no-mmap-bin-files")[0]
     assert mapped[1] == ["corpus.bin", "corpus.idx"] and read[1] == ["corpus.idx"]
     assert read[0] == mapped[0]
+
+
+# ----- --save-retain-interval ---------------------------------------------------------------
+
+def test_save_retain_interval_keeps_multiples_and_the_latest(tmp_path):
+    from megatron_cp.checkpointing import saved_iterations
+    base = TINY + " --train-iters 7 --save-interval 1"
+    for name, extra, kept in (
+            ("plain", "", [1, 2, 3, 4, 5, 6, 7]),
+            ("torch", " --save-retain-interval 3", [3, 6, 7]),
+            ("dist", " --save-retain-interval 3 --ckpt-format torch_dist --async-save", [3, 6, 7])):
+        save = tmp_path / name
+        run_workers(train_losses, 2, f"{base} --save {save}{extra}")
+        assert saved_iterations(str(save)) == kept, (name, saved_iterations(str(save)))

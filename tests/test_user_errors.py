@@ -71,6 +71,9 @@ def _mistakes(tmp):
         ("--num-experts 4 --moe-token-dispatcher-type flex",
          "--moe-token-dispatcher-type ('flex') runs on the DeepEP / HybridEP GPU libraries"),
         ("--use-nccl-ub", "--use-nccl-ub: it needs NCCL user-buffer"),
+        ("--save-retain-interval 3", "--save-retain-interval (3) keeps the checkpoints at its "
+                                     "multiples, so it must be a positive multiple of --save "
+                                     "--save-interval N"),
     ]
 
 

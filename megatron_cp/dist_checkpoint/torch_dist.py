@@ -254,7 +254,7 @@ def save(trainer, root, async_save=False):
             ckpt._atomic_torch_save(common, os.path.join(tmp, COMMON))
         dist.barrier(group=group)  # every rank has written: only now may the tracker move
         if st.global_rank == 0:
-            ckpt.commit_checkpoint(root, it)
+            ckpt.commit_checkpoint(root, it, getattr(args, "save_retain_interval", None))
         dist.barrier(group=group)
 
     if async_save:
