@@ -379,11 +379,8 @@ class _Checks:
     def run(self, check, *args, **kwargs):
         try:
             check(*args, **kwargs)
-        except ArgumentErrors as errors:
-            self.problems += errors.lines
-            return False
-        except ValueError as error:
-            self.problems.append(str(error))
+        except ValueError as error:  # ArgumentErrors carries its lines
+            self.problems += getattr(error, "lines", [str(error)])
             return False
         return True
 
@@ -610,7 +607,7 @@ def _validate_data(args, need_data=True):
                              "or --mock-data")
         if args.tokenizer_type is None:
             raise ValueError("--data-path needs --tokenizer-type (and its model or vocab files)")
-        _check_data_files(args.data_path, args.mmap_bin_files)
+        check_data_files(args.data_path)
 
 
 def _validate_split(args):
@@ -634,9 +631,11 @@ def _validate_tokenizer(args):
                          "needs --vocab-size")
 
 
-def _check_data_files(data_path, mmap_bin=True):
-    """Every ``--data-path`` prefix has its .bin and .idx files, and they open (a wrong magic,
-    a truncated index, a .bin shorter than the index: the file named)."""
+def check_data_files(data_path, mmap_bin=True, open_files=False):
+    """Every ``--data-path`` prefix has its .bin and .idx files; with ``open_files`` they also
+    open and fit (a wrong magic, a truncated index, a .bin shorter than the index: the file
+    named), a scan of the whole index that the launch scripts' one-process check makes and
+    the dataset build makes again, not every rank at start-up."""
     from megatron_cp.data.indexed_dataset import IndexedDataset, data_file_path, index_file_path
     from megatron_cp.data.utils import parse_data_path
     prefixes, _ = parse_data_path(data_path)
@@ -647,7 +646,8 @@ def _check_data_files(data_path, mmap_bin=True):
             raise ValueError(f"--data-path {prefix}: {' and '.join(missing)} not found; build "
                              f"them with tools/preprocess_data.py (or "
                              f"examples/prepare_pydoc_data.sh)")
-        IndexedDataset(prefix, mmap_bin=mmap_bin)
+        if open_files:
+            IndexedDataset(prefix, mmap_bin=mmap_bin)
 
 
 def _check_tokenizer_files(args):

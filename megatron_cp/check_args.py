@@ -16,17 +16,17 @@ scripts first check the arguments in one process, for the world size they will l
     python -m megatron_cp.check_args --world-size 8 --num-layers 4 ...   # the training flags
 
 which prints nothing and exits 0 when the arguments are valid, or prints the error lines
-and exits 2 (the arguments' checks include every ``--data-path`` prefix's .bin/.idx files).
+and exits 2. It also opens every ``--data-path`` prefix's .bin/.idx pair and checks that
+they fit (each rank of the job only checks that they exist).
 """
 import contextlib
 import io
-import os
 import signal
 import sys
 import threading
 import time
 
-from megatron_cp.faults import record_for_torchrun
+from megatron_cp.faults import print_error_lines
 from megatron_cp.run_report import is_global_rank_zero
 
 USAGE_ERROR = 2
@@ -39,22 +39,13 @@ OTHER_RANK_GRACE_SECONDS = 3.0
 
 
 def parse_arguments(argv, world_size, **options):
-    """``arguments.parse_args`` with argparse's errors turned into ValueError (one line, no
-    usage text) and its output (``--help``) printed by global rank 0 only. ``options`` go to
+    """``arguments.parse_args`` (its errors are ValueErrors already, every problem at once),
+    with its output (``--help``) printed by global rank 0 only. ``options`` go to
     ``parse_args`` (``extra_args_provider``, ``inference``)."""
     from megatron_cp.arguments import parse_args
-    captured = io.StringIO()
     out = sys.stdout if is_global_rank_zero() else io.StringIO()
-    try:
-        with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(out):
-            return parse_args(argv, world_size=world_size, **options)
-    except SystemExit as stop:
-        if stop.code in (0, None):  # --help
-            raise
-        lines = [line for line in captured.getvalue().splitlines() if line.strip()]
-        message = lines[-1] if lines else f"invalid arguments (exit status {stop.code})"
-        message = message.split(": error: ", 1)[-1]
-        raise ValueError(f"{message} (see --help)") from None
+    with contextlib.redirect_stdout(out):
+        return parse_args(argv, world_size=world_size, **options)
 
 
 def error_lines(error):
@@ -71,8 +62,7 @@ def report_user_error(error, after_startup=False):
     from a running job) they then print it too, prefixed with their rank."""
     lines = error_lines(error)
     if is_global_rank_zero():
-        record_for_torchrun(lines)
-        print("\n".join(f"error: {line}" for line in lines), file=sys.stderr, flush=True)
+        print_error_lines(lines)
         return USAGE_ERROR
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher may end us while we wait
@@ -80,9 +70,7 @@ def report_user_error(error, after_startup=False):
     if after_startup:
         import torch.distributed as dist
         rank = dist.get_rank() if dist.is_initialized() else "?"
-        lines = [f"(rank {rank}) {line}" for line in lines]
-        record_for_torchrun(lines)
-        print("\n".join(f"error: {line}" for line in lines), file=sys.stderr, flush=True)
+        print_error_lines([f"(rank {rank}) {line}" for line in lines])
     return USAGE_ERROR
 
 
@@ -93,8 +81,11 @@ def main(argv=None):
         print("error: usage: python -m megatron_cp.check_args --world-size N <training flags>",
               file=sys.stderr)
         return USAGE_ERROR
+    from megatron_cp.arguments import check_data_files
     try:
-        parse_arguments(argv[2:], int(argv[1]))
+        args = parse_arguments(argv[2:], int(argv[1]))
+        if args.data_path and not args.mock_data:  # here, once: the files open and fit
+            check_data_files(args.data_path, args.mmap_bin_files, open_files=True)
     except ValueError as error:
         return report_user_error(error)
     return 0

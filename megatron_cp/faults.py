@@ -129,6 +129,12 @@ def raise_on_every_rank(error, device):
     raise ValueError(f"rank {rank}: {message}")
 
 
+def print_error_lines(lines):
+    """``error: <line>`` on stderr for each line, also written to torchrun's error file."""
+    record_for_torchrun(lines)
+    print("\n".join(f"error: {line}" for line in lines), file=sys.stderr, flush=True)
+
+
 def record_for_torchrun(lines):
     """Write ``lines`` to torchrun's error file for this worker, when there is one: its
     failure summary then shows them (as the traceback it would otherwise lack)."""
@@ -155,7 +161,5 @@ def report(fault, grace_seconds):
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher may end us while we wait
         time.sleep(grace_seconds)
-    line = " ".join(str(fault).split())
-    record_for_torchrun([line])
-    print(f"error: {line}", file=sys.stderr, flush=True)
+    print_error_lines([" ".join(str(fault).split())])
     return FAULT_EXIT_STATUS

@@ -39,6 +39,7 @@ def flag_sets(megatron_root):
     """``{test name: argv}`` of every GPT / MoE / Mixtral functional test."""
     pattern = os.path.join(megatron_root, "tests", "functional_tests", "test_cases",
                            "{gpt,moe,mixtral}", "*", "model_config.yaml")
+    single = {o for a in build_parser()._actions for o in a.option_strings if a.nargs is None}
     sets = {}
     for family in ("gpt", "moe", "mixtral"):
         for path in sorted(glob.glob(pattern.replace("{gpt,moe,mixtral}", family))):
@@ -47,12 +48,12 @@ def flag_sets(megatron_root):
             if config.get("MODE", "pretraining") != "pretraining":
                 continue  # inference and RL tests run other entry points
             args = config.get("MODEL_ARGS") or {}
-            sets[f"{family}/{os.path.basename(os.path.dirname(path))}"] = _argv(args)
+            sets[f"{family}/{os.path.basename(os.path.dirname(path))}"] = _argv(args, single)
     return sets
 
 
-def _argv(model_args):
-    single = {o for a in build_parser()._actions for o in a.option_strings if a.nargs is None}
+def _argv(model_args, single):
+    """``model_args`` as command-line words; ``single``: the flags that take one value."""
     argv = []
     for flag, value in model_args.items():
         if flag in DROPPED:

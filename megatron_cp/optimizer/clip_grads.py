@@ -75,9 +75,11 @@ def count_zeros(params, state, sharded=False):
     zeros``), each parameter counted once whatever the layout; the same int on every rank."""
     dense, expert = _owned(params, state, grad_of)
 
-    def local(tensors):  # [1], fp64: exact for any count a model can hold
-        zeros = sum(int((t == 0).sum()) for t in tensors)
-        return torch.tensor([float(zeros)], dtype=torch.float64, device=state.device)
+    def local(tensors):  # [1], fp64: exact for any count a model can hold; no host sync
+        zeros = torch.zeros(1, dtype=torch.float64, device=state.device)
+        for t in tensors:
+            zeros += (t == 0).sum()
+        return zeros
 
     both = _reduce_over_model(local(dense), local(expert), state, dist.ReduceOp.SUM, sharded)
     return int(both.sum().item())
