@@ -506,8 +506,6 @@ def _validate_optimizer_and_checkpoint(args):
     if args.async_save and args.ckpt_format != "torch_dist":
         raise ValueError(f"--async-save writes --ckpt-format torch_dist checkpoints, not "
                          f"{args.ckpt_format}; add --ckpt-format torch_dist")
-    if args.async_save and not args.save:
-        raise ValueError("--async-save needs a checkpoint directory: give --save")
     retain, every = args.save_retain_interval, args.save_interval
     if retain is not None and not (every and retain >= 1 and retain % every == 0):
         need = f"--save-interval ({every})" if every else "--save --save-interval N"

@@ -175,7 +175,7 @@ def save_checkpoint(trainer, root):
     """Save model, optimizer, scheduler, RNG, consumed samples and arguments atomically,
     in ``--ckpt-format`` (with ``--async-save``, torch_dist, in the background)."""
     args = trainer.args
-    if getattr(args, "ckpt_format", "torch") == "torch_dist":
+    if getattr(args, "ckpt_format", "torch_dist") == "torch_dist":
         from megatron_cp.dist_checkpoint import torch_dist
         return torch_dist.save(trainer, root, async_save=getattr(args, "async_save", False))
     st, it = trainer.state, trainer.iteration

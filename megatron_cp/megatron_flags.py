@@ -70,14 +70,14 @@ COMPAT_FLAGS = (
     CompatFlag("--no-save-optim", STORE, "Do not save optimizer state.",
                group="checkpointing and logging"),
     CompatFlag("--no-save-rng", STORE, "Do not save RNG state.", group="checkpointing and logging"),
-    CompatFlag("--ckpt-format", STORE, "Checkpoint format of --save: torch (the default here; "
-               "Megatron-LM's is torch_dist: one file per model-parallel rank, loads into the "
-               "same TP/PP layout) or torch_dist (torch.distributed.checkpoint: every rank "
-               "writes its shards in parallel and --load restores it under any TP/PP/CP/DP "
-               "layout). --load reads either.",
+    CompatFlag("--ckpt-format", STORE, "Checkpoint format of --save: torch_dist (the default, as "
+               "in Megatron-LM: torch.distributed.checkpoint; every rank writes its shards in "
+               "parallel and --load restores it under any TP/PP/CP/DP/EP layout) or torch (one "
+               "file per model-parallel rank; loads into the same TP/PP layout, or any other "
+               "through tools/checkpoint_convert.py). --load reads either.",
                group="checkpointing and logging",
                argparse=dict(choices=["torch", "torch_dist", "torch_dcp", "fsdp_dtensor", "zarr"],
-                             default="torch"),
+                             default="torch_dist"),
                refuse={"zarr": "not built; use --ckpt-format torch_dist (same sharded, "
                                "layout-free checkpoints)",
                        "torch_dcp": "Megatron-LM's plain-DCP variant is not built; use "

@@ -81,7 +81,7 @@ def test_torch_and_torch_dist_round_trip(tmp_path):
     from megatron_cp.dist_checkpoint.full import read_full
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     run = f"{LLAMA} --bf16 --tensor-model-parallel-size 2"
-    run_workers(train_losses, 2, f"{run} --train-iters 3 --save {a}")
+    run_workers(train_losses, 2, f"{run} --train-iters 3 --save {a} --ckpt-format torch")
     convert.main(["--load-dir", str(a), "--save-dir", str(b), "--target-ckpt-format", "torch_dist"])
     convert.main(["--load-dir", str(b), "--save-dir", str(c), "--target-tensor-parallel-size", "2"])
     tensors, common = read_full(str(b / "iter_0000003"))

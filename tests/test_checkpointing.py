@@ -72,6 +72,7 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
         env.pop(key, None)
     cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *TINY.split(),
            "--train-iters", "100000", "--log-interval", "1", "--exit-signal-handler",
+           "--ckpt-format", "torch",
            "--save", str(tmp_path)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

@@ -240,10 +240,9 @@ def test_refused_values_of_accepted_flags(flag, value, why):
     ("--ckpt-format zarr", "--ckpt-format zarr: not built; use --ckpt-format torch_dist"),
     ("--overlap-param-gather", "--overlap-param-gather overlaps the distributed optimizer's "
                                "parameter all-gather: add --use-distributed-optimizer"),
-    ("--async-save --save ck", "--async-save writes --ckpt-format torch_dist checkpoints, not "
-                               "torch; add --ckpt-format torch_dist"),
-    ("--async-save --ckpt-format torch_dist", "--async-save needs a checkpoint directory: give "
-                                              "--save"),
+    ("--async-save --save ck --ckpt-format torch", "--async-save writes --ckpt-format "
+                                                   "torch_dist checkpoints, not torch; add "
+                                                   "--ckpt-format torch_dist"),
     ("--optimizer sgd", "--optimizer sgd: only Adam"),
     ("--dataloader-type cyclic", "--dataloader-type cyclic: the cyclic"),
     ("--rampup-batch-size 8 8 100", "--rampup-batch-size 8 8 100: batch-size ramp-up is not "

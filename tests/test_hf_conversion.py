@@ -76,7 +76,7 @@ def test_gpt2_export_logits_and_bit_exact_round_trip(tmp_path, capsys):
     from transformers import GPT2LMHeadModel
     ck, hf_dir, back_ck = tmp_path / "ck", tmp_path / "hf", tmp_path / "back"
     tp2 = f"{GPT2} --tensor-model-parallel-size 2"
-    run_workers(train_losses, 2, f"{tp2} --train-iters 2 --save {ck}")
+    run_workers(train_losses, 2, f"{tp2} --train-iters 2 --save {ck} --ckpt-format torch")
     convert.main(["--load-dir", str(ck), "--to-hf", str(hf_dir)])
     out = capsys.readouterr().out
     assert "NullTokenizer has no tokenizer files" in out and "GPT2LMHeadModel" in out

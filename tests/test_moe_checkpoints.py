@@ -35,7 +35,8 @@ MOE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 
        "--log-interval 100 --eval-iters 0 --seed 11 --num-experts 4 --moe-router-topk 2 "
        "--moe-aux-loss-coeff 0.01 --moe-ffn-hidden-size 64 --moe-token-dispatcher-type alltoall "
        "--swiglu --moe-shared-expert-intermediate-size 32 --moe-shared-expert-gate "
-       "--moe-router-score-function sigmoid --moe-router-enable-expert-bias --train-iters 6")
+       "--moe-router-score-function sigmoid --moe-router-enable-expert-bias --train-iters 6 "
+       "--ckpt-format torch")  # the torch format's files; dist_run's later flag overrides it
 EP2 = "--expert-model-parallel-size 2"
 ZERO = "--use-distributed-optimizer"
 TP2_EP2_ETP1 = ("--tensor-model-parallel-size 2 --expert-model-parallel-size 2 "

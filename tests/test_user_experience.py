@@ -211,7 +211,8 @@ def test_converted_checkpoint_resumes_the_learning_rate_schedule(tmp_path):
     from tools import checkpoint_convert
     argv = TINY.replace("--log-interval 100", "--log-interval 1") + " --train-iters 6"
     straight = _learning_rates(run_workers(_pretrain_capturing, 1, argv)[0][1])
-    run_workers(train_losses, 1, f"{argv} --exit-interval 3 --save {tmp_path / 'a'}")
+    run_workers(train_losses, 1, f"{argv} --exit-interval 3 --save {tmp_path / 'a'} "
+                                 f"--ckpt-format torch")
     checkpoint_convert.main(["--load-dir", str(tmp_path / "a"), "--save-dir", str(tmp_path / "b")])
     _, text, _, _ = run_workers(_pretrain_capturing, 1, f"{argv} --load {tmp_path / 'b'}")[0]
     assert "the learning-rate schedule resumes at iteration 3" in text

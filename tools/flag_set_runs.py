@@ -1,0 +1,144 @@
+"""Train one of Megatron-LM's flag sets for a few iterations on this machine's CPUs.
+
+``shrink`` turns a set written for a GPU cluster into one a laptop trains in seconds: the widths
+(hidden, FFN, expert FFN, head dim), the sequence length and the batch sizes become small, while
+everything that decides *what* is computed stays as the set wrote it: layer counts and patterns,
+head and group counts up to 8, expert counts, top-k, parallel sizes, precision, schedules,
+recompute, checkpoint format. ``run`` launches pretrain_gpt.py under torchrun (gloo) with mock
+data and a fresh --save/--load/--tensorboard-dir (and gloo for a set that names NCCL, on a
+machine without CUDA), and says whether the iterations ran.
+
+Used by tools/megatron_flag_sets.py (--run) and tests/test_megatron_flag_set_runs.py.
+"""
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_cp.device import accelerator_available  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ITERATIONS = 3
+
+# flag -> the small value it takes; only rewritten when the set gives the flag
+_WIDTHS = {"--hidden-size": 64, "--ffn-hidden-size": 128, "--kv-channels": 8,
+           "--moe-ffn-hidden-size": 32, "--moe-shared-expert-intermediate-size": 32,
+           "--seq-length": 128, "--max-position-embeddings": 128}
+_MAX_HEADS = 8
+_MAX_MICROBATCHES = 8
+
+
+def _value(argv, flag, default=None, kind=int):
+    return kind(argv[argv.index(flag) + 1]) if flag in argv else default
+
+
+def _set(argv, flag, value):
+    """``argv`` with ``flag``'s value replaced (or the flag appended)."""
+    argv = list(argv)
+    if flag in argv:
+        argv[argv.index(flag) + 1] = str(value)
+    else:
+        argv += [flag, str(value)]
+    return argv
+
+
+def _drop(argv, flag, nargs=1):
+    argv = list(argv)
+    if flag in argv:
+        i = argv.index(flag)
+        del argv[i:i + 1 + nargs]
+    return argv
+
+
+def parallel_sizes(argv):
+    """(tp, cp, pp, world size) the set needs: 8 ranks (a node, as Megatron-LM's functional
+    tests run) unless its model-parallel or expert-parallel sizes need more."""
+    tp = _value(argv, "--tensor-model-parallel-size", 1)
+    cp = _value(argv, "--context-parallel-size", 1)
+    pp = _value(argv, "--pipeline-model-parallel-size", 1)
+    ep = _value(argv, "--expert-model-parallel-size", 1)
+    etp = _value(argv, "--expert-tensor-parallel-size", tp)
+    return tp, cp, pp, max(8, math.lcm(tp * cp * pp, ep * etp * pp))
+
+
+def shrink(argv):
+    """``argv`` with small widths, sequence and batches, and ITERATIONS iterations."""
+    tp, cp, pp, world = parallel_sizes(argv)
+    dp = world // (tp * cp * pp)
+    for flag, small in _WIDTHS.items():
+        if flag in argv:
+            argv = _set(argv, flag, small)
+    heads = _value(argv, "--num-attention-heads")
+    if heads and heads > _MAX_HEADS:
+        argv = _set(argv, "--num-attention-heads", _MAX_HEADS)
+    if "--seq-length" in argv and "--max-position-embeddings" not in argv:
+        argv = _set(argv, "--max-position-embeddings", _WIDTHS["--seq-length"])
+    # one sample per microbatch, as many microbatches per step as the set had (at most 8,
+    # kept a multiple of PP when it was one)
+    micro = _value(argv, "--micro-batch-size", 1)
+    global_batch = _value(argv, "--global-batch-size", micro * dp)
+    microbatches = max(1, global_batch // (micro * dp))
+    if microbatches > _MAX_MICROBATCHES:
+        microbatches = max(pp, _MAX_MICROBATCHES // pp * pp) if microbatches % pp == 0 \
+            else _MAX_MICROBATCHES
+    argv = _set(_set(argv, "--micro-batch-size", 1), "--global-batch-size", microbatches * dp)
+    if "--train-samples" in argv:  # a sample-based schedule stays sample-based
+        batch = microbatches * dp
+        argv = _set(argv, "--train-samples", ITERATIONS * batch)
+        for flag, steps in (("--lr-warmup-samples", 1), ("--lr-decay-samples", 1000)):
+            if _value(argv, flag, 0):
+                argv = _set(argv, flag, steps * batch)
+        argv = _drop(argv, "--train-iters")
+    else:
+        argv = _set(argv, "--train-iters", ITERATIONS)
+    if _value(argv, "--eval-iters", 0):
+        argv = _set(argv, "--eval-iters", 1)
+    return _set(argv, "--log-interval", 1)
+
+
+def on_this_machine(argv):
+    """``argv`` with the one device-bound value a CPU cannot take: NCCL (GPU-to-GPU
+    transport) becomes gloo, which carries the same collectives between CPU processes."""
+    if _value(argv, "--distributed-backend", kind=str) == "nccl" and not accelerator_available():
+        argv = _set(argv, "--distributed-backend", "gloo")
+    return argv
+
+
+def command(argv, workdir):
+    """The torchrun command line that trains shrunk ``argv``, writing under ``workdir``."""
+    world = parallel_sizes(argv)[3]
+    paths = ["--save", os.path.join(workdir, "checkpoints"),
+             "--load", os.path.join(workdir, "checkpoints"),
+             "--tensorboard-dir", os.path.join(workdir, "tensorboard")]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", str(world), os.path.join(REPO, "pretrain_gpt.py"),
+            *on_this_machine(shrink(argv)), *paths]
+
+
+def run(argv, workdir, timeout=900):
+    """Train the set; ``{"ok", "seconds", "iterations", "losses", "status", "tail"}``
+    (``losses``: the lm loss logged at each iteration; ``tail``: the last lines of the output,
+    where a failure says why)."""
+    os.makedirs(workdir, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    start = time.time()
+    try:
+        done = subprocess.run(command(argv, workdir), cwd=workdir, env=env, timeout=timeout,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        out, status = done.stdout, done.returncode
+    except subprocess.TimeoutExpired as expired:
+        out, status = (expired.stdout or b"").decode(errors="replace") + "\n(timed out)", -1
+    steps = dict(re.findall(r"\] iteration +(\d+)/.*?\| lm loss: ([-+.0-9eEnaif]+) \|", out))
+    losses = [float(steps[k]) for k in sorted(steps, key=int)]
+    ok = status == 0 and len(losses) >= _expected(argv) and all(map(math.isfinite, losses))
+    return {"ok": ok, "seconds": round(time.time() - start, 1), "iterations": len(losses),
+            "losses": losses, "status": status, "tail": out.strip().splitlines()[-12:]}
+
+
+def _expected(argv):
+    """Iterations the shrunk set logs (fewer when it asks to exit earlier)."""
+    exit_interval = _value(argv, "--exit-interval")
+    return min(ITERATIONS, exit_interval) if exit_interval else ITERATIONS
