@@ -4,6 +4,7 @@ Install torch first on CPU machines (``pip install torch==2.13.0``) so that the
 ``torch>=2.3`` requirement below is already met and no CUDA wheels are pulled;
 ``scripts/env.sh`` does it. apex and Transformer Engine are optional accelerators installed
 by hand (see the README), not extras: the package index's ``apex`` is another project.
+Weights & Biases logging (``--wandb-project``) needs the ``wandb`` extra.
 """
 from setuptools import find_packages, setup
 
@@ -21,7 +22,9 @@ setup(
         "tensorboard",
     ],
     extras_require={
-        "dev": ["pytest", "pytest-timeout", "tokenizers", "safetensors", "transformers"],
+        "dev": ["pytest", "pytest-timeout", "tokenizers", "safetensors", "transformers",
+                "wandb"],
         "bench": ["transformers"],
+        "wandb": ["wandb"],  # --wandb-project
     },
 )

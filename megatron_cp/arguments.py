@@ -28,6 +28,7 @@ import sys
 
 import torch
 
+from megatron_cp import rerun, wandb_logging
 from megatron_cp.megatron_flags import add_compat_flags, apply_compat_flags
 from megatron_cp.config_flags import (add_config_flags, arg_of, build_config, config_flag_names,
                                       fill_args, name_flags)
@@ -92,12 +93,48 @@ def _training_args(g):
                         "overflowing gradient is a skipped step instead).")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
                    action="store_false", help="Train on through a NaN or inf loss or gradient norm.")
+    g.add_argument("--check-for-large-grads", action="store_true",
+                   help="Validate each gradient bucket's norm before its data-parallel "
+                        "reduction against 10x the largest of the first 100 norms; with "
+                        "--rerun-mode validate_results a larger one reruns the step (not "
+                        "fatal: training goes on).")
+    g.add_argument("--result-rejected-tracker-filename", default=None,
+                   help="Append a line for every rejected result and every rerun verdict to "
+                        "this file (Megatron's format); at start-up the iterations it shows "
+                        "rejected twice on one rank, reruns disabled or reproducing them, are "
+                        "skipped (added to --iterations-to-skip).")
+    g.add_argument("--iterations-to-skip", nargs="+", type=int, default=[],
+                   help="Skip these iterations (1-based): their batch is read and counted "
+                        "consumed, with no forward, backward or update.")
     g.add_argument("--deterministic-mode", action="store_true",
                    help="Deterministic execution, so two runs of one job give the same bits "
                         "(slower): torch's deterministic algorithms (an op without one raises), "
                         "cuBLAS's fixed workspace (CUBLAS_WORKSPACE_CONFIG), one NCCL algorithm "
                         "(NCCL_ALGO, Ring unless set) and, unless --attention-kernel is given, "
                         "the plain-PyTorch attention kernels, whose backward adds no atomics.")
+
+
+def _rerun_args(g):
+    # Megatron-LM's rerun state machine (megatron_cp/rerun.py).
+    g.add_argument("--rerun-mode", choices=list(rerun.MODES), default="validate_results",
+                   help="validate_results (the default): a rejected loss or gradient reruns "
+                        "the step in place to tell a transient fault (exit status 17 when "
+                        "fatal) from a reproducible result (a checkpoint under --save and exit "
+                        "status 16, to rerun it on another GPU); report_stats: run every step "
+                        "twice and print how much the validated results vary; disabled: no "
+                        "rerun.")
+    g.add_argument("--error-injection-rate", type=int, default=0,
+                   help="Fake a rejected result about once in this many validations (0: "
+                        "never), to test the result validation.")
+    g.add_argument("--error-injection-type", choices=list(rerun.INJECTION_TYPES),
+                   default="transient_error",
+                   help="What an injected result turns out to be: a transient error (its "
+                        "rerun differs), a persistent error (the same when rerun here, "
+                        "different on another GPU) or a correct result (the same everywhere).")
+    g.add_argument("--check-for-spiky-loss", action="store_true",
+                   help="Validate each microbatch's loss against 10x the largest of the first "
+                        "100 losses; with --rerun-mode validate_results a spike reruns the step "
+                        "(not fatal: training goes on).")
 
 
 def _parallel_args(g):
@@ -203,13 +240,24 @@ def _io_args(g):
     g.add_argument("--logging-level", type=int, default=None,
                    help="Level of Python's logging for the run (10 debug, 20 info, 30 warning, "
                         "40 error); by default Python's own (warnings and errors).")
+    g.add_argument("--wandb-project", default=None,
+                   help="Log the run's scalars (the tensorboard ones) to this Weights & Biases "
+                        "project, from the last rank. Needs the wandb package. Offline (a run "
+                        "folder to upload later with 'wandb sync') unless WANDB_MODE is set or "
+                        "a WANDB_API_KEY or wandb login is found.")
+    g.add_argument("--wandb-exp-name", default=None,
+                   help="Name of the Weights & Biases run (default: wandb's own).")
+    g.add_argument("--wandb-save-dir", default=None,
+                   help="Where the Weights & Biases run is written (default: <--save>/wandb).")
+    g.add_argument("--wandb-entity", default=None,
+                   help="The Weights & Biases entity (user or team) of --wandb-project.")
     g.add_argument("--moe-per-layer-logging", action="store_true",
                    help="Log the MoE balancing losses and token counts of every MoE layer, not "
                         "only their mean.")
 
 
-GROUPS = ("model", "moe", "training", "parallelism", "data", "checkpointing and logging",
-          "compat")
+GROUPS = ("model", "moe", "training", "rerun engine", "parallelism", "data",
+          "checkpointing and logging", "compat")
 _GROUP_TITLES = {"moe": "mixture of experts", "compat": "other Megatron-LM flags (accepted, or refused with the reason)"}
 
 
@@ -219,8 +267,8 @@ def build_parser(parser_class=argparse.ArgumentParser):
     groups = {name: p.add_argument_group(_GROUP_TITLES.get(name, name)) for name in GROUPS}
     add_config_flags(GPTConfig, groups)
     for add, name in ((_model_args, "model"), (_training_args, "training"),
-                      (_parallel_args, "parallelism"), (_data_args, "data"),
-                      (_io_args, "checkpointing and logging")):
+                      (_rerun_args, "rerun engine"), (_parallel_args, "parallelism"),
+                      (_data_args, "data"), (_io_args, "checkpointing and logging")):
         add(groups[name])
     add_compat_flags(groups)
     return p
@@ -419,6 +467,7 @@ def validate_args(args, world_size, inference=False, problems=()):
     checks.run(_validate_data, args, need_data=not inference)
     checks.run(_validate_tokenizer, args)
     checks.run(_validate_optimizer_and_checkpoint, args)
+    checks.run(_validate_rerun_and_wandb, args)
     if args.save:
         checks.run(_check_writable, args.save)
     checks.raise_any()
@@ -511,6 +560,13 @@ def _validate_optimizer_and_checkpoint(args):
         need = f"--save-interval ({every})" if every else "--save --save-interval N"
         raise ValueError(f"--save-retain-interval ({retain}) keeps the checkpoints at its "
                          f"multiples, so it must be a positive multiple of {need}")
+
+
+def _validate_rerun_and_wandb(args):
+    """The rerun engine's flags (rerun.py) and Weights & Biases' (wandb_logging.py)."""
+    problems = rerun.flag_problems(args) + wandb_logging.flag_problems(args)
+    if problems:
+        raise ArgumentErrors(problems)
 
 
 def _check_writable(path):

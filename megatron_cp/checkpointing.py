@@ -157,9 +157,28 @@ RNG_KEYS = ("python", "numpy", "torch", "device", "tracker")
 
 
 def _rng_state(trainer):
-    return {"python": random.getstate(), "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state(), "device": device_mod.rng_state(trainer.device),
-            "tracker": trainer.model_chunks[0].module.rng_tracker.get_states()}
+    """This rank's RNG states and, while a rerun is pending (the rerun state machine's exit
+    16), the machine's verdict so far: a rerun elsewhere needs both (the same dropout)."""
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(),
+           "torch": torch.get_rng_state(), "device": device_mod.rng_state(trainer.device),
+           "tracker": trainer.model_chunks[0].module.rng_tracker.get_states()}
+    pending = trainer.rerun.state_dict() if hasattr(trainer, "rerun") else None
+    if pending is not None:
+        rng["rerun"] = pending
+    return rng
+
+
+def restore_rng(trainer, rng):
+    """Set this rank's RNG states from :func:`_rng_state`'s dict (both formats), and resume
+    the pending rerun it holds, if any."""
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    device_mod.set_rng_state(rng["device"], trainer.device)
+    first = trainer.model_chunks[0]
+    getattr(first, "module", first).rng_tracker.set_states(rng["tracker"])
+    if "rerun" in rng and hasattr(trainer, "rerun"):
+        trainer.rerun.load_state_dict(rng["rerun"])
 
 
 def _model_states(trainer):
@@ -415,12 +434,7 @@ def load_checkpoint(trainer, root):
         if not os.path.exists(rng_path):
             raise ValueError(f"{rng_path} is missing (saved on another number of ranks?); "
                              f"resume with --no-load-rng")
-        rng = load_file(rng_path, root, it, keys=RNG_KEYS)
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        torch.set_rng_state(rng["torch"])
-        device_mod.set_rng_state(rng["device"], trainer.device)
-        chunks[0].rng_tracker.set_states(rng["tracker"])
+        restore_rng(trainer, load_file(rng_path, root, it, keys=RNG_KEYS))
     if st.global_rank == 0:
         print(f" loaded checkpoint from {root} at iteration {it}", flush=True)
     return payload["iteration"], payload["consumed_samples"]

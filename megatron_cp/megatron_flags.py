@@ -205,10 +205,6 @@ COMPAT_FLAGS = (
                "built; give --data-path with --split", argparse=dict(nargs="*", default=None)),
     CompatFlag("--rampup-batch-size", REFUSE, "batch-size ramp-up is not built; drop it",
                argparse=dict(nargs=3, default=None)),
-    CompatFlag("--wandb-project", REFUSE, "Weights & Biases is not a dependency; use "
-               "--tensorboard-dir", argparse=dict(default=None)),
-    CompatFlag("--wandb-exp-name", REFUSE, "Weights & Biases is not a dependency; use "
-               "--tensorboard-dir", argparse=dict(default=None)),
     CompatFlag("--fp8-format", REFUSE, "FP8 training needs Transformer Engine's fp8 layers, "
                "which are not used; use --bf16", argparse=dict(choices=["e4m3", "hybrid"],
                                                               default=None)),
@@ -610,15 +606,8 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
      "dataloader/training-specific handlers are not built",
      ("--exit-signal", "--exit-signal-handler-for-dataloader",
       "--exit-signal-handler-for-training",)),
-    ("skipping chosen iterations is not built; drop it",
-     ("--iterations-to-skip",)),
     ("deprecated Megatron spelling; use --micro-batch-size",
      ("--batch-size",)),
-    ("the rerun / result-validation engine is not built; drop it (use "
-     "--check-for-nan-in-loss-and-grad for NaN checks)",
-     ("--check-for-large-grads", "--result-rejected-tracker-filename",
-      "--error-injection-rate", "--error-injection-type", "--rerun-mode",
-      "--check-for-spiky-loss",)),
     ("it configures Transformer Engine userbuffers (TP comm overlap), which are not used; "
      "drop it",
      ("--tp-comm-overlap-cfg",)),
@@ -696,8 +685,6 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
      "are not built; drop them",
      ("--log-memory-interval", "--log-device-memory-used",
       "--log-max-attention-logit", "--log-energy",)),
-    ("wandb (Weights & Biases) is not a dependency; use --tensorboard-dir",
-     ("--wandb-save-dir", "--wandb-entity",)),
     ("router decision tracing to JSONL / .pt files is not built; drop these flags",
      ("--moe-routing-trace-path", "--moe-routing-trace-max-training-iters",
       "--moe-routing-trace-capture-logits", "--moe-routing-trace-capture-hidden-states",

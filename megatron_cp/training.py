@@ -8,7 +8,10 @@ SUM-reduced over DP x CP (exact global-batch gradient), then clipped and applied
 Faults (:mod:`megatron_cp.faults`) end the job with one line: a lost peer (a collective
 failed because a rank died or stopped answering), a NaN or inf in the loss or the gradient
 norm (``--check-for-nan-in-loss-and-grad``), or a file that one rank could not read at
-start-up (every rank then raises it, so rank 0 prints it).
+start-up (every rank then raises it, so rank 0 prints it). Before those checks, the rerun
+state machine (:mod:`megatron_cp.rerun`, ``--rerun-mode``) validates each rank's own losses
+and gradients and may run the step again, or end the job with Megatron's exit status 16 or
+17.
 """
 import gc
 import logging
@@ -17,6 +20,7 @@ import os
 import signal
 import sys
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -25,6 +29,7 @@ from megatron_cp import checkpointing
 from megatron_cp import device as device_mod
 from megatron_cp import faults
 from megatron_cp import moe
+from megatron_cp import rerun
 from megatron_cp.config_flags import build_config
 from megatron_cp.context_parallel import resolve_comm_type
 from megatron_cp.data import build_tokenizer
@@ -87,6 +92,18 @@ class Trainer:
         self.optimizer = DistributedOptimizer(groups, self.model_chunks, state, **adam) \
             if distributed else MixedPrecisionOptimizer(groups, state, **adam)
         self.optimizer.count_zeros_in_grad = args.log_num_zeros_in_grad
+        # --rerun-mode: a rejected loss or gradient reruns the step (megatron_cp.rerun). Under
+        # dynamic fp16 loss scaling an overflow is the scaler's signal, not a fault: Megatron
+        # turns the checks off there, and so does this (the loop's NaN checks stay).
+        self.rerun = rerun.from_args(args, state.global_rank, self.device,
+                                     save_extra=self._rerun_extra,
+                                     restore_extra=self._restore_rerun_extra)
+        self.validate_nan = self.check_for_nan and not (args.fp16 and not args.loss_scale)
+        for chunk in self.model_chunks:
+            chunk.grad_check = partial(rerun.check_grad_bucket, self.rerun,
+                                       check_nan=self.validate_nan,
+                                       check_large=args.check_for_large_grads)
+        self.skipped_samples = 0  # of the iterations skipped (--iterations-to-skip)
         self.num_zeros = None  # of the latest step, with --log-num-zeros-in-grad
         self.pending_save = None  # the --async-save in flight (megatron_cp.dist_checkpoint)
         self.scheduler = OptimizerParamScheduler(
@@ -120,6 +137,9 @@ class Trainer:
 
         def loss_func(output, batch):
             loss_sum = (output.float() * batch["loss_mask"]).sum()
+            if not forward_only:  # this rank's own loss, before any reduction (Megatron's)
+                rerun.check_loss(self.rerun, loss_sum, self.validate_nan,
+                                 self.args.check_for_spiky_loss)
             return loss_sum * (scale / num_tokens), loss_sum
 
         shape = None
@@ -139,23 +159,30 @@ class Trainer:
     def train_step(self):
         """One iteration; with ``--check-for-nan-in-loss-and-grad`` a NaN/inf loss or gradient
         norm raises :class:`~megatron_cp.faults.NonFiniteError` on every rank, before the
-        update (both values are the same on every rank, so all stop together)."""
+        update (both values are the same on every rank, so all stop together). The forward
+        and backward run again from the same batch and RNG states while the rerun state
+        machine asks (:mod:`megatron_cp.rerun`); it may end the job instead, raising
+        :class:`~megatron_cp.rerun.RerunExit` on every rank before the update."""
         current = self.iteration + 1
         self.progress.activity = f"iteration {current}"
         microbatches = self.data.microbatches(self.data.train_iter)
-        for chunk in self.model_chunks:
-            chunk.train()
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
         # MoE balancing losses: the mean over the global batch's microbatches (moe/balancing.py)
         moe.set_aux_loss_scale(self.model_chunks, float(self.optimizer.get_loss_scale())
                                / (self.args.global_batch_size // self.args.micro_batch_size))
-        loss, _ = self._run_batches(microbatches, forward_only=False)
+        while self.rerun.should_run_forward_backward(self.iteration):
+            for chunk in self.model_chunks:
+                chunk.train()
+                chunk.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            loss, _ = self._run_batches(microbatches, forward_only=False)
+            finalize_model_grads(self.model_chunks, self.state)
+        stop = self.rerun.step_exit()
+        if stop is not None:
+            raise stop
         rank = self.state.global_rank
         if self.check_for_nan and not math.isfinite(loss):
             bad = faults.ranks_where(not bool(self._loss_finite_here), self.device)
             raise faults.non_finite("loss", loss, current, rank, bad)
-        finalize_model_grads(self.model_chunks, self.state)
         moe.update_expert_bias(self.model_chunks, self.state)
         try:
             ok, grad_norm, self.num_zeros = self.optimizer.step()
@@ -170,6 +197,24 @@ class Trainer:
                                                      or self.iteration == a.train_iters):
             self.optimizer.finish_param_sync()  # the norm reads every param: wait for the gathers
         return loss, grad_norm, ok
+
+    def skip_step(self):
+        """Megatron's ``--iterations-to-skip``: read the next iteration's batch and count it
+        consumed (and skipped), without a forward, backward or update."""
+        self.data.microbatches(self.data.train_iter)
+        self.iteration += 1
+        self.consumed_samples += self.args.global_batch_size
+        self.skipped_samples += self.args.global_batch_size
+
+    def _rerun_extra(self):
+        """What a rerun of the step starts from again, beside the global RNGs: the tracker's
+        RNG states (dropout inside TP regions) and the MoE routers' counters."""
+        return {"tracker": self.model.module.rng_tracker.get_states(),
+                "moe": moe.router_counters(self.model_chunks)}
+
+    def _restore_rerun_extra(self, saved):
+        self.model.module.rng_tracker.set_states(saved["tracker"])
+        moe.restore_router_counters(self.model_chunks, saved["moe"])
 
     @property
     def evaluates(self):
@@ -326,12 +371,14 @@ def _pretrain(args, state, progress):
     print_rank_0(f"> start-up took {time.time() - started:.1f} s; training from iteration {first} "
                  f"to {args.train_iters} ...")
     train_start = time.time()
-    losses, stop_reason = _train(trainer, logger, train_start)
-    evaluated = logger.last_validation and logger.last_validation[0] == trainer.iteration
-    if losses and stop_reason.startswith("--train-iters") and trainer.evaluates \
-            and args.eval_interval and not evaluated:  # Megatron's end-of-training evaluation
-        logger.validation(trainer.iteration, trainer.evaluate())
-    logger.close()
+    try:
+        losses, stop_reason = _train(trainer, logger, train_start)
+        evaluated = logger.last_validation and logger.last_validation[0] == trainer.iteration
+        if losses and stop_reason.startswith("--train-iters") and trainer.evaluates \
+                and args.eval_interval and not evaluated:  # Megatron's end-of-training evaluation
+            logger.validation(trainer.iteration, trainer.evaluate())
+    finally:
+        logger.close()  # also when the rerun machine ends the job (RerunExit)
     if is_global_rank_zero():
         latest = checkpointing.read_tracker(args.save) if args.save else None
         print(format_summary(args, first, trainer.iteration, stop_reason, time.time() - started,
@@ -354,11 +401,18 @@ def _train(trainer, logger, start):
     losses, saved_at = [], (trainer.iteration if args.load else None)
     stop_reason = f"--train-iters {args.train_iters}"
     profiler = StepProfiler(args, state.global_rank, state.device)
+    skips = rerun.iterations_to_skip(args, state.global_rank)
     try:
         while trainer.iteration < args.train_iters:
+            if trainer.iteration + 1 in skips:
+                trainer.skip_step()
+                continue
             profiler.step(trainer.iteration)
             t0 = time.time()
-            loss, grad_norm, ok = trainer.train_step()
+            try:
+                loss, grad_norm, ok = trainer.train_step()
+            except rerun.RerunExit as stop:
+                raise _checkpoint_for_rerun(trainer, stop) from None
             device_mod.synchronize(state.device)
             losses.append(loss)
             logger.record(trainer, loss, grad_norm, ok, time.time() - t0)
@@ -399,13 +453,30 @@ def _train(trainer, logger, start):
     return losses, stop_reason
 
 
+def _checkpoint_for_rerun(trainer, stop):
+    """Save the checkpoint that a :class:`~megatron_cp.rerun.RerunExit` asks for (the state
+    before the failed iteration, with the machine's verdict so far) under ``--save``; returns
+    the exit to raise (without ``--save`` there is nothing to resume elsewhere: a failure)."""
+    args = trainer.args
+    if not stop.checkpoint:
+        return stop
+    if not args.save:
+        return stop.without_checkpoint(" and no --save to keep it for a rerun on another GPU")
+    trainer.progress.activity = f"the checkpoint save before iteration {stop.iteration}"
+    checkpointing.save_checkpoint(trainer, args.save)
+    checkpointing.wait_for_async_save(trainer)
+    return stop
+
+
 def main(argv=None):
     """Entry point used by pretrain_gpt.py: parse (validating before any group), then train.
 
     A user error (ValueError) prints one ``error:`` line on global rank 0 and returns 2
     (``check_args``); a fault of the running job (a lost peer, a NaN: ``faults``) prints one
-    line and returns 1 (a lost peer ends the process with status 1 at once, see below); any
-    other exception keeps its traceback."""
+    line and returns 1 (a lost peer ends the process with status 1 at once, see below); the
+    rerun state machine's exit returns Megatron's 16 (resume elsewhere) or 17 (failed
+    result validation) after its log lines and one ``error:`` line; any other exception
+    keeps its traceback."""
     from megatron_cp.check_args import (OTHER_RANK_GRACE_SECONDS, parse_arguments,
                                         report_user_error)
     from megatron_cp.initialize import distributed_env
@@ -425,10 +496,16 @@ def main(argv=None):
         os._exit(faults.FAULT_EXIT_STATUS)
     except faults.TrainingFault as fault:
         return faults.report(fault, OTHER_RANK_GRACE_SECONDS)
+    except rerun.RerunExit as stop:  # on every rank: they agreed on it
+        if is_global_rank_zero():
+            faults.print_error_lines([str(stop)])
+        status = stop.code
+    else:
+        status = 0
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-    return 0
+    return status
 
 
 if __name__ == "__main__":

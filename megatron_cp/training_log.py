@@ -1,8 +1,12 @@
-"""Megatron-style log lines, tensorboard scalars and the model-FLOPs count behind throughput.
+"""Megatron-style log lines, tensorboard and Weights & Biases scalars and the model-FLOPs
+count behind throughput.
 
 The line carries throughput (tokens/s and model TFLOP/s per GPU) at every log interval, so
 Megatron's ``--log-throughput`` adds nothing here; ``--log-params-norm`` adds the norm of
-all parameters (each counted once over TP/PP) to the line and to tensorboard.
+all parameters (each counted once over TP/PP) to the line and to the scalars. The scalars go
+to every sink the run has: tensorboard (``--tensorboard-dir``, written by global rank 0) and
+Weights & Biases (``--wandb-project``, written by the last rank, as Megatron does;
+:mod:`megatron_cp.wandb_logging`).
 """
 import math
 import resource
@@ -12,6 +16,7 @@ import torch
 
 from megatron_cp import device as device_mod
 from megatron_cp import moe
+from megatron_cp import wandb_logging
 from megatron_cp.optimizer.clip_grads import get_param_norm
 
 
@@ -35,18 +40,29 @@ def model_flops_per_token(config, seq_length):
 
 class TrainingLogger:
     """Prints one line every --log-interval iterations (on global rank 0) and writes the same
-    scalars to tensorboard under --tensorboard-dir."""
+    scalars to tensorboard under --tensorboard-dir and to the --wandb-project run."""
 
     def __init__(self, args, state, flops_per_token):
         self.args, self.state, self.flops_per_token = args, state, flops_per_token
         self.is_writer = state.global_rank == 0
-        self.writer = None
+        self.sinks = []  # scalar writers: add_scalar(name, value, iteration), flush, close
         self.last_validation = None  # (iteration, loss) of the latest evaluation
         self.memory_reported = False
         if self.is_writer and args.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(log_dir=args.tensorboard_dir)
+            self.sinks.append(SummaryWriter(log_dir=args.tensorboard_dir))
+        if getattr(args, "wandb_project", None) and state.global_rank == state.world_size - 1:
+            self.sinks.append(wandb_logging.WandbWriter(args, state.global_rank,
+                                                        state.world_size))
         self._reset()
+
+    def _scalar(self, name, value, iteration):
+        for sink in self.sinks:
+            sink.add_scalar(name, value, iteration)
+
+    def _flush(self):
+        for sink in self.sinks:
+            sink.flush()
 
     def _reset(self):
         self.time, self.loss, self.count = 0.0, 0.0, 0
@@ -64,18 +80,21 @@ class TrainingLogger:
         scale = scale.item() if torch.is_tensor(scale) else float(scale)
         grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
         lr = trainer.scheduler.get_lr()
-        if self.writer is not None and it % a.tensorboard_log_interval == 0:
-            w = self.writer
-            w.add_scalar("lm loss", loss, it)
-            w.add_scalar("learning-rate", lr, it)
-            w.add_scalar("grad-norm", grad_norm, it)
-            w.add_scalar("consumed-samples", trainer.consumed_samples, it)
+        if self.sinks and it % a.tensorboard_log_interval == 0:
+            w = self._scalar
+            w("lm loss", loss, it)
+            w("learning-rate", lr, it)
+            w("grad-norm", grad_norm, it)
+            w("consumed-samples", trainer.consumed_samples, it)
+            w("batch-size", a.global_batch_size, it)
+            if getattr(trainer, "skipped_samples", 0):
+                w("skipped-train-samples", trainer.skipped_samples, it)
             if a.log_loss_scale_to_tensorboard:  # Megatron's default: on
-                w.add_scalar("loss-scale", scale, it)
+                w("loss-scale", scale, it)
             if a.log_world_size_to_tensorboard:
-                w.add_scalar("world-size", self.state.world_size, it)
+                w("world-size", self.state.world_size, it)
             if getattr(trainer, "num_zeros", None) is not None:
-                w.add_scalar("num-zeros", trainer.num_zeros, it)
+                w("num-zeros", trainer.num_zeros, it)
         if it % a.log_interval != 0 and it != a.train_iters:
             return
         per_iter = self.time / self.count
@@ -87,14 +106,15 @@ class TrainingLogger:
             norm = get_param_norm([p for c in trainer.model_chunks for p in c.parameters()],
                                   self.state)
             params_norm = f" params norm: {norm:.3f} |"
-            if self.writer is not None:
-                self.writer.add_scalar("params-norm", norm, it)
+            self._scalar("params-norm", norm, it)
         moe_line = self._moe_stats(trainer, it)  # a collective too, on every rank
         zeros = getattr(trainer, "num_zeros", None)
         zeros = f" num zeros: {zeros} |" if zeros is not None else ""
+        skipped = getattr(trainer, "skipped_samples", 0)  # Megatron's, after consumed samples
+        skipped = f" skipped samples: {skipped:12d} |" if skipped else ""
         self.print(
             f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {it:8d}/{a.train_iters:8d} |"
-            f" consumed samples: {trainer.consumed_samples:12d} |"
+            f" consumed samples: {trainer.consumed_samples:12d} |{skipped}"
             f" elapsed time per iteration (ms): {per_iter * 1000:.1f} |"
             f" throughput per GPU (TFLOP/s/GPU): {tflops:.4f} |"
             f" tokens per second: {tokens_per_s:.1f} |"
@@ -107,17 +127,15 @@ class TrainingLogger:
             what = "max allocated" if self.state.device.type == "cuda" else "peak resident"
             self.print(f" [Rank {self.state.global_rank}] (after {it} iterations) memory (MB) |"
                        f" {what}: {mem_mb:.1f}")
-        if self.writer is not None:
-            w = self.writer
-            if a.log_timers_to_tensorboard:  # Megatron's tags: seconds, TFLOP/s per GPU
-                w.add_scalar("iteration-time", per_iter, it)
-                w.add_scalar("throughput", tflops, it)
-                w.add_scalar("tokens-per-second", tokens_per_s, it)
-            if a.log_memory_to_tensorboard:
-                tag = ("mem-max-allocated-bytes" if self.state.device.type == "cuda"
-                       else "mem-peak-resident-bytes")
-                w.add_scalar(tag, mem_mb * 2 ** 20, it)
-            w.flush()
+        if a.log_timers_to_tensorboard:  # Megatron's tags: seconds, TFLOP/s per GPU
+            self._scalar("iteration-time", per_iter, it)
+            self._scalar("throughput", tflops, it)
+            self._scalar("tokens-per-second", tokens_per_s, it)
+        if a.log_memory_to_tensorboard:
+            tag = ("mem-max-allocated-bytes" if self.state.device.type == "cuda"
+                   else "mem-peak-resident-bytes")
+            self._scalar(tag, mem_mb * 2 ** 20, it)
+        self._flush()
         self._reset()
 
     def _moe_stats(self, trainer, it):
@@ -142,18 +160,18 @@ class TrainingLogger:
                             for n, a, b, lo, hi in zip(layers, aux.tolist(), z.tolist(),
                                                        tokens.min(1).values.tolist(),
                                                        tokens.max(1).values.tolist()))
-        if self.writer is not None:
-            w = self.writer
-            w.add_scalar("load_balancing_loss", aux.mean().item(), it)
-            w.add_scalar("z_loss", z.mean().item(), it)
-            w.add_scalar("moe/tokens-per-expert-min", fewest, it)
-            w.add_scalar("moe/tokens-per-expert-max", most, it)
+        if self.sinks:
+            w = self._scalar
+            w("load_balancing_loss", aux.mean().item(), it)
+            w("z_loss", z.mean().item(), it)
+            w("moe/tokens-per-expert-min", fewest, it)
+            w("moe/tokens-per-expert-max", most, it)
             if getattr(self.args, "moe_per_layer_logging", False):
                 for n, a, b, row in zip(layers, aux.tolist(), z.tolist(), tokens):
-                    w.add_scalar(f"moe/load_balancing_loss_layer_{n}", a, it)
-                    w.add_scalar(f"moe/z_loss_layer_{n}", b, it)
-                    w.add_scalar(f"moe/tokens_per_expert_min_layer_{n}", row.min().item(), it)
-                    w.add_scalar(f"moe/tokens_per_expert_max_layer_{n}", row.max().item(), it)
+                    w(f"moe/load_balancing_loss_layer_{n}", a, it)
+                    w(f"moe/z_loss_layer_{n}", b, it)
+                    w(f"moe/tokens_per_expert_min_layer_{n}", row.min().item(), it)
+                    w(f"moe/tokens_per_expert_max_layer_{n}", row.max().item(), it)
         return line
 
     def validation(self, iteration, loss):
@@ -162,15 +180,15 @@ class TrainingLogger:
         line = (f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} |"
                 f" lm loss PPL: {ppl:.6E} |")
         self.print("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
-        if self.writer is not None:
-            self.writer.add_scalar("lm loss validation", loss, iteration)
-            if self.args.log_validation_ppl_to_tensorboard:
-                self.writer.add_scalar("lm loss validation ppl", ppl, iteration)
-            self.writer.flush()
+        self._scalar("lm loss validation", loss, iteration)
+        if self.args.log_validation_ppl_to_tensorboard:
+            self._scalar("lm loss validation ppl", ppl, iteration)
+        self._flush()
 
     def close(self):
-        if self.writer is not None:
-            self.writer.close()
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
 
 
 def _memory_mb(device):

@@ -203,8 +203,14 @@ FIX = ("stopped before the update, so the last checkpoint holds finite weights: 
        "--no-check-for-nan-in-loss-and-grad to train on regardless")
 
 
+# With reruns disabled the loop's own checks stop on a NaN at once; under Megatron's default
+# --rerun-mode validate_results the step is rerun first (tests/test_rerun.py).
+NO_RERUN = f"{BASE} --rerun-mode disabled"
+
+
 def test_nan_loss_stops_every_rank_naming_the_iteration_and_rank():
-    (status0, err0), (status1, err1) = run_workers(_main_with_bad_value, 2, BASE, "loss", 1, 3)
+    (status0, err0), (status1, err1) = run_workers(_main_with_bad_value, 2, NO_RERUN, "loss",
+                                                   1, 3)
     assert status0 == status1 == 1
     assert _error_lines(err0) == [f"error: rank 0: the loss is nan at iteration 3 (not finite "
                                   f"on rank 1); {FIX}"], err0
@@ -215,8 +221,8 @@ def test_nan_loss_stops_every_rank_naming_the_iteration_and_rank():
 
 @pytest.mark.parametrize("optimizer", ["", "--use-distributed-optimizer"])
 def test_inf_gradient_stops_every_rank_naming_the_iteration(optimizer):
-    (status0, err0), (status1, _) = run_workers(_main_with_bad_value, 2, f"{BASE} {optimizer}",
-                                                "grad", 1, 2)
+    (status0, err0), (status1, _) = run_workers(_main_with_bad_value, 2,
+                                                f"{NO_RERUN} {optimizer}", "grad", 1, 2)
     assert status0 == status1 == 1
     # the data-parallel reduction carried rank 1's inf into rank 0's gradients too
     lines = _error_lines(err0)

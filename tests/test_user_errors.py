@@ -74,6 +74,13 @@ def _mistakes(tmp):
         ("--save-retain-interval 3", "--save-retain-interval (3) keeps the checkpoints at its "
                                      "multiples, so it must be a positive multiple of --save "
                                      "--save-interval N"),
+        ("--error-injection-rate -1", "--error-injection-rate (-1) must be at least 0 (0: no "
+                                      "injection)"),
+        (f"--result-rejected-tracker-filename {tmp}/none/rejected.txt",
+         f"--result-rejected-tracker-filename {tmp}/none/rejected.txt: cannot create it in "
+         f"{tmp}/none (missing or not writable); give a file in a directory you can write"),
+        ("--wandb-exp-name run1", "--wandb-exp-name is for the Weights & Biases run of "
+                                  "--wandb-project; add --wandb-project NAME (or drop it)"),
     ]
 
 

@@ -29,18 +29,15 @@ enough (:func:`check_files`), so a truncated or corrupted file is a ValueError n
 is one whose tensors cannot be decoded), never a raw DCP or unpickling traceback.
 """
 import os
-import random
 import shutil
 import threading
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from megatron_cp import checkpointing as ckpt
-from megatron_cp import device as device_mod
 from megatron_cp import faults
 from megatron_cp.dist_checkpoint.canonical import canonical_name, expert_param_spec, param_spec
 from megatron_cp.dist_checkpoint.pieces import Pieces, PiecesLoadPlanner, PiecesSavePlanner
@@ -322,9 +319,5 @@ def _restore_rng(trainer, folder, common):
                   "states): data order and optimizer resume exactly, the RNG streams (dropout) "
                   "start afresh", flush=True)
         return
-    rng = ckpt.load_file(path, *_root_and_iteration(folder), keys=ckpt.RNG_KEYS)
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    torch.set_rng_state(rng["torch"])
-    device_mod.set_rng_state(rng["device"], trainer.device)
-    _chunks(trainer)[0].rng_tracker.set_states(rng["tracker"])
+    ckpt.restore_rng(trainer, ckpt.load_file(path, *_root_and_iteration(folder),
+                                             keys=ckpt.RNG_KEYS))

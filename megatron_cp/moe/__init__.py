@@ -26,6 +26,21 @@ def set_aux_loss_scale(model_chunks, scale):
         layer.router.aux_loss_scale = scale
 
 
+def router_counters(model_chunks):
+    """A copy of what every router accumulates over a step's microbatches (statistics for
+    the log, token counts for the expert bias): a rerun of the step starts from it again."""
+    return [({k: v.clone() for k, v in layer.router.stats.items()},
+             None if layer.router.bias_counts is None else layer.router.bias_counts.clone())
+            for _, layer in moe_layers(model_chunks)]
+
+
+def restore_router_counters(model_chunks, saved):
+    """Put back what :func:`router_counters` copied."""
+    for (_, layer), (stats, bias_counts) in zip(moe_layers(model_chunks), saved):
+        layer.router.stats = {k: v.clone() for k, v in stats.items()}
+        layer.router.bias_counts = None if bias_counts is None else bias_counts.clone()
+
+
 def _sum_over(tensor, state, names):
     return sum_over_groups(tensor, [state.group(name) for name in names if state.size(name) > 1])
 

@@ -42,6 +42,9 @@ class DistributedDataParallel(nn.Module):
     last inside :meth:`no_sync`. ``grad_reduce_dtype`` is the buffer dtype (default fp32).
     ``use_distributed_optimizer`` shards the buckets for
     :class:`~megatron_cp.optimizer.distrib_optimizer.DistributedOptimizer` (module docstring).
+    ``grad_check(index, grad_data)``, when set, sees each bucket's local gradient (``index``:
+    its place in the launch order) just before its reduction starts: the result checks of
+    :mod:`megatron_cp.rerun` (NaN, inf, unexpectedly large), made on every rank's own part.
     """
 
     def __init__(self, module, state, bucket_size_mb=40.0, overlap_grad_reduce=False,
@@ -62,6 +65,7 @@ class DistributedDataParallel(nn.Module):
         self.use_distributed_optimizer = use_distributed_optimizer
         self.overlap_param_gather = overlap_param_gather
         self._sync_enabled = True
+        self.grad_check = None
         params = [p for p in module.parameters() if p.requires_grad]
         # Backward produces grads roughly in reverse definition order: lay buffers out that way.
         order = list(reversed(params))
@@ -106,6 +110,8 @@ class DistributedDataParallel(nn.Module):
             self._launch(nxt)
 
     def _launch(self, bucket):
+        if self.grad_check is not None:
+            self.grad_check(self._next_launch, bucket.grad_data)
         bucket.start_grad_reduce(self.average_in_collective)
         self._next_launch += 1
 
