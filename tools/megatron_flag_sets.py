@@ -122,7 +122,8 @@ def _argv(model_args, single):
             continue
         if value is True:
             argv.append(flag)
-        elif value is False or value is None:
+            continue
+        if value is False or value is None:
             continue
         value = str(value).replace("${REPEAT}", "1")  # the harness's repeat number
         if value.startswith("[") and value.endswith("]"):  # the harness strips the brackets
