@@ -142,7 +142,7 @@ class Trainer:
         update (both values are the same on every rank, so all stop together)."""
         current = self.iteration + 1
         self.progress.activity = f"iteration {current}"
-        microbatches = self.data.microbatches(self.data.train_iter)
+        microbatches = self.data.microbatches(self.data.train_iter, self.consumed_samples)
         for chunk in self.model_chunks:
             chunk.train()
             chunk.zero_grad_buffer()
@@ -209,7 +209,8 @@ def forward_step(model, batch):
     """Per-token losses [b, s] of one microbatch (hidden states on non-last stages)."""
     return model(batch["tokens"], batch["position_ids"], labels=batch["labels"],
                  token_index=batch.get("token_index"), document_ids=batch.get("document_ids"),
-                 loss_mask=batch.get("loss_mask"))
+                 loss_mask=batch.get("loss_mask"), sample_ids=batch.get("sample_ids"),
+                 unpadded_index=batch.get("unpadded_index"))
 
 
 def _grad_scaler(args):
