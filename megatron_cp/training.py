@@ -165,7 +165,7 @@ class Trainer:
         :class:`~megatron_cp.rerun.RerunExit` on every rank before the update."""
         current = self.iteration + 1
         self.progress.activity = f"iteration {current}"
-        microbatches = self.data.microbatches(self.data.train_iter)
+        microbatches = self.data.microbatches(self.data.train_iter, self.consumed_samples)
         # MoE balancing losses: the mean over the global batch's microbatches (moe/balancing.py)
         moe.set_aux_loss_scale(self.model_chunks, float(self.optimizer.get_loss_scale())
                                / (self.args.global_batch_size // self.args.micro_batch_size))
@@ -254,7 +254,8 @@ def forward_step(model, batch):
     """Per-token losses [b, s] of one microbatch (hidden states on non-last stages)."""
     return model(batch["tokens"], batch["position_ids"], labels=batch["labels"],
                  token_index=batch.get("token_index"), document_ids=batch.get("document_ids"),
-                 loss_mask=batch.get("loss_mask"))
+                 loss_mask=batch.get("loss_mask"), sample_ids=batch.get("sample_ids"),
+                 unpadded_index=batch.get("unpadded_index"))
 
 
 def _grad_scaler(args):

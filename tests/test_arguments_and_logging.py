@@ -27,7 +27,7 @@ BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32
     ("--tensor-model-parallel-size 2 --sequence-parallel --seq-length 31", 2,
      r"--seq-length \(31\) must be divisible"),
     ("--exit-signal-handler", 1, "give --save"),
-    ("--context-parallel-size 2", 2, r"--attention-dropout \(0.1\) is not supported"),
+    ("--attention-dropout 1.5", 1, r"--attention-dropout \(1.5\) is a probability"),
     ("--context-parallel-size 2 --attention-dropout 0 --seq-length 30", 2,
      r"--seq-length \(30\) must be divisible by 2 x CP \(4\)"),
     ("--context-parallel-size 4 --attention-dropout 0 --cp-comm-type a2a+p2p "

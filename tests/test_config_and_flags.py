@@ -130,8 +130,8 @@ def test_megatron_flags_map_onto_config_fields():
      "--num-attention-heads (4) must be divisible by --num-query-groups (3)"),
     ("--recompute-granularity full", 1,
      "--recompute-granularity 'full' needs --recompute-method uniform or block (got None)"),
-    ("--context-parallel-size 2", 2, "--attention-dropout (0.1) is not supported inside "
-     "context-parallel attention (--context-parallel-size 2); set --attention-dropout 0"),
+    ("--attention-dropout -0.1", 1, "--attention-dropout (-0.1) is a probability: give a "
+     "value from 0 to 1"),
     ("--context-parallel-size 4 --attention-dropout 0 --cp-comm-type a2a+p2p", 4,
      "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes U R"),
     ("--context-parallel-size 2 --attention-dropout 0 --hierarchical-context-parallel-sizes 2 3",

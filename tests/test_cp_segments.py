@@ -182,20 +182,6 @@ def test_bf16_blocks_and_plan_memo():
     assert other[1] is not first[1]
 
 
-def test_local_dropout_with_documents_keeps_masked_sdpa():
-    """Dropout > 0 with packed documents: SDPA with the document mask, same RNG stream."""
-    gen = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(1, 2, 12, 8, generator=gen) for _ in range(3))
-    tokens, docs = torch.arange(12)[None], _t([[0] * 5 + [1] * 7])
-    torch.manual_seed(9)
-    out = local_attention(q, k, v, None, docs, dropout_p=0.5)
-    torch.manual_seed(9)
-    want = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=attention_mask(tokens, tokens, docs, docs), dropout_p=0.5)
-    torch.testing.assert_close(out, want)
-    assert not torch.allclose(out, local_attention(q, k, v, None, docs))
-
-
 def test_empty_rows_and_empty_block():
     tq, tk = _t([[0, 1, 2, 3, 4, 5]]), _t([[5, 6, 7, 8, 9, 10]])
     docs_q, docs_k = _t([[0, 0, 0, 0, 0, 1]]), _t([[1, 1, 1, 1, 1, 1]])

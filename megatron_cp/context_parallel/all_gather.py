@@ -11,6 +11,7 @@ rank gets the gradient of its own KV summed over every rank's queries.
 import torch
 
 from megatron_cp.context_parallel import comm
+from megatron_cp.context_parallel.dropout import RingDropout
 from megatron_cp.context_parallel.kernels import attention_kernel
 from megatron_cp.context_parallel.reference import softmax_scale_for
 from megatron_cp.context_parallel.ring import (Accumulator, RingLayout, add_kv_grads,
@@ -22,19 +23,22 @@ class _AllGatherAttention(torch.autograd.Function):
     reduce-scatter dK/dV. Inputs q [b, nh, s/P, d], k/v [b, nkv, s/P, d]."""
 
     @staticmethod
-    def forward(ctx, q, k, v, token_index, document_ids, group, softmax_scale, kernel):
+    def forward(ctx, q, k, v, token_index, document_ids, group, softmax_scale, kernel, dropout):
         size, rank = comm.group_size(group), comm.group_rank(group)
         token_all = comm.all_gather_stack(token_index, group)  # [P, b, s/P]
         doc_all = None if document_ids is None else comm.all_gather_stack(document_ids, group)
         layout = RingLayout.from_metadata(token_all, doc_all)
+        if dropout is not None:
+            dropout = RingDropout(dropout, token_all, doc_all, group)
         kv_all = comm.all_gather_stack(torch.stack([k, v]), group)  # [P, 2, b, nkv, s/P, d]
         acc = Accumulator(q)
         for src in range(size):
             forward_blocks(q, kv_all[src, 0], kv_all[src, 1], layout, rank, src, softmax_scale,
-                           acc, kernel)
+                           acc, kernel, dropout)
         out_acc, lse_acc = acc.result()
         out = out_acc.to(q.dtype)
         ctx.group, ctx.softmax_scale, ctx.layout, ctx.kernel = group, softmax_scale, layout, kernel
+        ctx.dropout = dropout
         ctx.save_for_backward(q, k, v, out, lse_acc)
         return out
 
@@ -48,23 +52,25 @@ class _AllGatherAttention(torch.autograd.Function):
         dq, dkv_all = None, []
         for src in range(size):
             dq, kv_grads = backward_blocks(dout, q, kv_all[src, 0], kv_all[src, 1], out, lse,
-                                           layout, rank, src, ctx.softmax_scale, dq, ctx.kernel)
+                                           layout, rank, src, ctx.softmax_scale, dq, ctx.kernel,
+                                           ctx.dropout)
             dkv_all.append(torch.stack(add_kv_grads(None, kv_grads, k.shape, q.device)))
         if dq is None:
             dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv_all = torch.stack(dkv_all)  # [P, 2, b, nkv, s/P, d]: every rank's KV gradient
         dkv = comm.reduce_scatter_stack(dkv_all, ctx.group)  # [2, b, nkv, s/P, d]
         return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None,
-                None)
+                None, None)
 
 
 def all_gather_attention(q, k, v, token_index, document_ids, group, softmax_scale=None,
-                         kernel=None):
+                         kernel=None, dropout=None):
     """All-gather context-parallel attention over ``group``; differentiable wrt q, k, v.
 
     q: [b, nh, s/P, d]; k, v: [b, nkv, s/P, d]; token_index / document_ids: [b, s/P].
     Returns [b, nh, s/P, d] in q's dtype. ``kernel``: AttentionKernel or name (None: "auto").
+    ``dropout``: an AttentionDropout (plain dropout blocks, see dropout.py) or None.
     """
     scale = softmax_scale_for(q, softmax_scale)
     return _AllGatherAttention.apply(q, k, v, token_index, document_ids, group, scale,
-                                     attention_kernel(kernel))
+                                     attention_kernel(kernel), dropout)

@@ -78,31 +78,36 @@ class ContextParallelAttention:
             plan_heads(num_heads, num_kv_heads, wanted[0], allow_dummy_heads)
             self.inner_group, self.outer_group = groups
 
-    def _ring_over_outer(self, q, k, v, token_index, document_ids, scale):
+    def _ring_over_outer(self, q, k, v, token_index, document_ids, scale, dropout):
         return ring_attention(q, k, v, token_index, document_ids, self.outer_group, scale,
-                              self.kernel)
+                              self.kernel, dropout)
 
-    def __call__(self, q, k, v, token_index, document_ids):
+    def __call__(self, q, k, v, token_index, document_ids, dropout=None):
         """q [b, nh, s_local, d], k/v [b, nkv, s_local, d], token_index [b, s_local] (each
         token's index in the full padded sample), document_ids [b, s_local] or None ->
-        [b, nh, s_local, d] in q's dtype; gradients flow to q, k and v."""
+        [b, nh, s_local, d] in q's dtype; gradients flow to q, k and v. ``dropout``: an
+        AttentionDropout (context_parallel.dropout: the same mask under every layout) or
+        None."""
         scale, kernel = self.softmax_scale, self.kernel
         if self.cp_size == 1:
-            return local_attention(q, k, v, token_index, document_ids, scale, kernel=kernel)
-        _check_inputs(q, k, v, token_index, document_ids)
+            return local_attention(q, k, v, token_index, document_ids, scale, kernel=kernel,
+                                   dropout=dropout)
+        _check_inputs(q, k, v, token_index, document_ids, dropout)
         if self.method == "p2p":
-            return ring_attention(q, k, v, token_index, document_ids, self.cp_group, scale, kernel)
+            return ring_attention(q, k, v, token_index, document_ids, self.cp_group, scale, kernel,
+                                  dropout)
         if self.method == "all_gather":
             return all_gather_attention(q, k, v, token_index, document_ids, self.cp_group, scale,
-                                        kernel)
+                                        kernel, dropout)
         if self.method == "a2a":
             return ulysses_attention(q, k, v, token_index, document_ids, self.cp_group, scale,
-                                     self.allow_dummy_heads, kernel=kernel)
+                                     self.allow_dummy_heads, kernel=kernel, dropout=dropout)
         return ulysses_attention(q, k, v, token_index, document_ids, self.inner_group, scale,
-                                 self.allow_dummy_heads, inner_attention=self._ring_over_outer)
+                                 self.allow_dummy_heads, inner_attention=self._ring_over_outer,
+                                 dropout=dropout)
 
 
-def _check_inputs(q, k, v, token_index, document_ids):
+def _check_inputs(q, k, v, token_index, document_ids, dropout):
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be [b, heads, s_local, d]; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -112,9 +117,15 @@ def _check_inputs(q, k, v, token_index, document_ids):
                          f"d={d}] to match q {tuple(q.shape)}")
     if nh % k.shape[1] != 0:
         raise ValueError(f"query heads ({nh}) must be a multiple of KV heads ({k.shape[1]})")
-    for name, meta in (("token_index", token_index), ("document_ids", document_ids)):
+    positions = None if dropout is None else dropout.positions
+    for name, meta in (("token_index", token_index), ("document_ids", document_ids),
+                       ("dropout positions", positions)):
         if meta is not None and tuple(meta.shape) != (b, s):
             raise ValueError(f"{name} must be [b={b}, s_local={s}]; got {tuple(meta.shape)}")
+    if dropout is not None and (tuple(dropout.samples.shape) != (b,)
+                                or tuple(dropout.heads.shape) != (nh,)):
+        raise ValueError(f"dropout samples {tuple(dropout.samples.shape)} and heads "
+                         f"{tuple(dropout.heads.shape)} must be [b={b}] and [nh={nh}]")
     if token_index is None:
         raise ValueError("token_index is required with context parallelism; take it from "
                          "prepare_microbatch(...)['token_index']")
@@ -122,10 +133,10 @@ def _check_inputs(q, k, v, token_index, document_ids):
 
 def context_parallel_attention(q, k, v, token_index, document_ids, cp_group, comm_type,
                                softmax_scale=None, hierarchical_groups=None,
-                               allow_dummy_heads=True, kernel="auto"):
+                               allow_dummy_heads=True, kernel="auto", dropout=None):
     """One call of :class:`ContextParallelAttention` (built for these heads and groups);
     a model builds the object once per layer instead."""
     attention = ContextParallelAttention(cp_group, comm_type, q.shape[1], k.shape[1],
                                          hierarchical_groups, allow_dummy_heads, softmax_scale,
                                          kernel)
-    return attention(q, k, v, token_index, document_ids)
+    return attention(q, k, v, token_index, document_ids, dropout)

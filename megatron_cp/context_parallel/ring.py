@@ -27,13 +27,16 @@ out, lse, plus (on ctx, in the general case) the layout with its O(s) integer me
 segment plans; never [s, s] nor the full KV.
 
 Kernels: an explicit ``kernel`` (AttentionKernel or its name, None = "auto") is passed down
-to every block.
+to every block. With attention dropout every block of the same plan runs the plain dropout
+block of dropout.py instead (its mask follows the global positions of both sides, which the
+gathered metadata gives; the merge stays the log-sum-exp one, see dropout.py's derivation).
 """
 import torch
 
 from megatron_cp.context_parallel import comm
 from megatron_cp.context_parallel.blockwise import (Block, block_backward, block_forward,
                                                     merge_partial)
+from megatron_cp.context_parallel.dropout import RingDropout
 from megatron_cp.context_parallel.kernels import attention_kernel
 from megatron_cp.context_parallel.partition import zigzag_indices
 from megatron_cp.context_parallel.reference import softmax_scale_for
@@ -118,11 +121,16 @@ class Accumulator:
         return self.out, self.lse
 
 
-def forward_blocks(q, k, v, layout, rank, src, softmax_scale, acc, kernel):
-    """Attend the local q to rank ``src``'s KV (k, v [b, nkv, s/P, d]); merge into ``acc``."""
+def forward_blocks(q, k, v, layout, rank, src, softmax_scale, acc, kernel, dropout=None):
+    """Attend the local q to rank ``src``'s KV (k, v [b, nkv, s/P, d]); merge into ``acc``.
+    ``dropout`` (a RingDropout, or None): each block runs the plain dropout block instead of
+    the kernel (the same blocks: the plan's slices hold every visible pair)."""
     for q_sl, kv_sl, kind, segments in layout.plan(rank, src):
-        out_blk, lse_blk = block_forward(q[:, :, q_sl], k[:, :, kv_sl], v[:, :, kv_sl],
-                                         softmax_scale, kind, segments, kernel)
+        qb, kb, vb = q[:, :, q_sl], k[:, :, kv_sl], v[:, :, kv_sl]
+        if dropout is None:
+            out_blk, lse_blk = block_forward(qb, kb, vb, softmax_scale, kind, segments, kernel)
+        else:
+            out_blk, lse_blk = dropout.forward(qb, kb, vb, softmax_scale, rank, q_sl, src, kv_sl)
         acc.add(q_sl, out_blk, lse_blk)
 
 
@@ -136,17 +144,22 @@ def _add_into(acc, sl, grad, shape):
     return acc
 
 
-def backward_blocks(dout, q, k, v, out, lse, layout, rank, src, softmax_scale, dq, kernel):
+def backward_blocks(dout, q, k, v, out, lse, layout, rank, src, softmax_scale, dq, kernel,
+                    dropout=None):
     """Gradients of the blocks against rank ``src``'s KV, from the final out and lse.
 
     Adds into dq (fp32 [b, nh, s/P, d] or None) and returns (dq, [(kv slice, dk, dv), ...]):
     the KV gradients are returned per block so the caller adds them where they belong.
+    ``dropout``: as in :func:`forward_blocks`.
     """
     kv_grads = []
     for q_sl, kv_sl, kind, segments in layout.plan(rank, src):
-        dq_blk, dk_blk, dv_blk = block_backward(
-            dout[:, :, q_sl], q[:, :, q_sl], k[:, :, kv_sl], v[:, :, kv_sl],
-            out[:, :, q_sl], lse[:, :, q_sl], softmax_scale, kind, segments, kernel)
+        block = (dout[:, :, q_sl], q[:, :, q_sl], k[:, :, kv_sl], v[:, :, kv_sl],
+                 out[:, :, q_sl], lse[:, :, q_sl], softmax_scale)
+        if dropout is None:
+            dq_blk, dk_blk, dv_blk = block_backward(*block, kind, segments, kernel)
+        else:
+            dq_blk, dk_blk, dv_blk = dropout.backward(*block, rank, q_sl, src, kv_sl)
         dq = _add_into(dq, q_sl, dq_blk, q.shape)
         kv_grads.append((kv_sl, dk_blk, dv_blk))
     return dq, kv_grads
@@ -168,11 +181,13 @@ class _RingAttention(torch.autograd.Function):
     riding the ring home. Inputs q [b, nh, s/P, d], k/v [b, nkv, s/P, d]."""
 
     @staticmethod
-    def forward(ctx, q, k, v, token_index, document_ids, group, softmax_scale, kernel):
+    def forward(ctx, q, k, v, token_index, document_ids, group, softmax_scale, kernel, dropout):
         size, rank = comm.group_size(group), comm.group_rank(group)
         token_all = comm.all_gather_stack(token_index, group)  # [P, b, s/P]
         doc_all = None if document_ids is None else comm.all_gather_stack(document_ids, group)
         layout = RingLayout.from_metadata(token_all, doc_all)
+        if dropout is not None:
+            dropout = RingDropout(dropout, token_all, doc_all, group)
 
         acc = Accumulator(q)
         kv = [k, v]  # [b, nkv, s/P, d] each: the only tensors that travel
@@ -181,12 +196,13 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < size:
                 ring.post(kv)  # next step's KV travels while this step computes
             forward_blocks(q, kv[0], kv[1], layout, rank, (rank - step) % size, softmax_scale, acc,
-                           kernel)
+                           kernel, dropout)
             if step + 1 < size:
                 kv = ring.wait()
         out_acc, lse_acc = acc.result()
         out = out_acc.to(q.dtype)
         ctx.group, ctx.softmax_scale, ctx.layout, ctx.kernel = group, softmax_scale, layout, kernel
+        ctx.dropout = dropout
         ctx.save_for_backward(q, k, v, out, lse_acc)
         return out
 
@@ -204,7 +220,7 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < size:
                 kv_ring.post(kv)
             dq, kv_grads = backward_blocks(dout, q, kv[0], kv[1], out, lse, layout, rank,
-                                           (rank - step) % size, scale, dq, kernel)
+                                           (rank - step) % size, scale, dq, kernel, ctx.dropout)
             # Block src's dK/dV so far arrived from rank-1 during the compute; add ours.
             incoming = dkv_ring.wait() if step > 0 else None
             dkv = add_kv_grads(incoming, kv_grads, k.shape, q.device)  # [dk, dv] fp32
@@ -217,17 +233,19 @@ class _RingAttention(torch.autograd.Function):
         if dq is None:
             dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None,
-                None)
+                None, None)
 
 
-def ring_attention(q, k, v, token_index, document_ids, group, softmax_scale=None, kernel=None):
+def ring_attention(q, k, v, token_index, document_ids, group, softmax_scale=None, kernel=None,
+                   dropout=None):
     """Ring (p2p) context-parallel attention over ``group``; differentiable wrt q, k, v.
 
     q: [b, nh, s/P, d]; k, v: [b, nkv, s/P, d] (GQA: only the KV heads travel);
     token_index / document_ids: [b, s/P] int64 (document_ids may be None). Returns
     [b, nh, s/P, d] in q's dtype. All ranks must pass the same local length. ``kernel``:
-    an AttentionKernel or its name (None: "auto").
+    an AttentionKernel or its name (None: "auto"). ``dropout``: an AttentionDropout (every
+    block then runs the plain dropout block, see dropout.py) or None.
     """
     scale = softmax_scale_for(q, softmax_scale)
     return _RingAttention.apply(q, k, v, token_index, document_ids, group, scale,
-                                attention_kernel(kernel))
+                                attention_kernel(kernel), dropout)

@@ -14,6 +14,9 @@ the GQA grouping intact on every rank. ``plan_heads`` repeats each KV head (when
 not divide num_kv_heads, e.g. U > nkv) and, only when num_heads % U != 0, adds dummy zero
 query heads (and possibly dummy KV heads) that are dropped after; gradients of repeated
 KV heads are summed by autograd (index_select's backward).
+
+Attention dropout: the inner attention gets the global head of each slot it holds and the
+tokens' positions gathered in token order, so its mask is the one-process mask.
 """
 import math
 from collections import namedtuple
@@ -22,6 +25,7 @@ import torch
 
 from megatron_cp.context_parallel import comm
 from megatron_cp.context_parallel.blockwise import masked_attention
+from megatron_cp.context_parallel.dropout import dropout_attention
 from megatron_cp.context_parallel.kernels import attention_kernel
 from megatron_cp.context_parallel.reference import softmax_scale_for
 
@@ -91,30 +95,48 @@ def _permute(x, perm, dim):
     return x.gather(dim, perm.view(shape).expand(*x.shape[:dim], -1, *x.shape[dim + 1:]))
 
 
-def _local_inner(q, k, v, token_index, document_ids, softmax_scale, kernel=None):
+def _local_inner(q, k, v, token_index, document_ids, softmax_scale, kernel=None, dropout=None):
+    if dropout is not None:
+        return dropout_attention(q, k, v, token_index, document_ids, dropout, softmax_scale)
     return masked_attention(q, k, v, token_index, token_index, document_ids, document_ids,
                             softmax_scale, kernel)
 
 
+def _inner_dropout(dropout, plan, group, perm):
+    """The AttentionDropout of this rank's inner attention: the global heads of the head
+    slots it receives (dummy slots: -1, their output is dropped) and the gathered positions
+    in token order."""
+    size, rank = comm.group_size(group), comm.group_rank(group)
+    slots = len(plan.q_index) // size
+    mine = torch.tensor(plan.q_index[rank * slots:(rank + 1) * slots], device=dropout.heads.device)
+    heads = torch.where(mine >= 0, dropout.heads[mine.clamp(min=0)], -1)  # [H/U]
+    positions = comm.gather_sequence(dropout.positions, group)  # [b, s] or None
+    if positions is not None and perm is not None:
+        positions = positions.gather(1, perm)
+    return dropout._replace(heads=heads, positions=positions)
+
+
 def ulysses_attention(q, k, v, token_index, document_ids, group, softmax_scale=None,
-                      allow_dummy_heads=True, inner_attention=None, kernel=None):
+                      allow_dummy_heads=True, inner_attention=None, kernel=None, dropout=None):
     """All-to-all (Ulysses) context-parallel attention over ``group``; differentiable.
 
     q: [b, nh, s/U, d]; k, v: [b, nkv, s/U, d]; token_index / document_ids: [b, s/U].
     Forward: head plan, all-to-all to [b, H/U, s, d], attention over the full sequence
-    (``inner_attention(q, k, v, token_index, document_ids, scale)``, default a masked
-    local attention; the hybrid passes ring attention over the outer group), all-to-all
-    back, drop dummy heads. Backward: autograd through the all-to-all Functions (reverse
-    all-to-alls) and the inner attention's own backward. Returns [b, nh, s/U, d].
+    (``inner_attention(q, k, v, token_index, document_ids, scale, dropout)``, default a
+    masked local attention; the hybrid passes ring attention over the outer group),
+    all-to-all back, drop dummy heads. Backward: autograd through the all-to-all Functions
+    (reverse all-to-alls) and the inner attention's own backward. Returns [b, nh, s/U, d].
     ``kernel`` (AttentionKernel or name, None: "auto") runs the default inner attention.
+    ``dropout``: an AttentionDropout for q's heads, or None; the inner attention gets it
+    for the heads and the tokens it holds (the mask follows global heads and positions).
     """
     size = comm.group_size(group)
     scale = softmax_scale_for(q, softmax_scale)
     plan = plan_heads(q.shape[1], k.shape[1], size, allow_dummy_heads)  # before any communication
     kernel = attention_kernel(kernel)
     if inner_attention is None:
-        def inner_attention(*args):
-            return _local_inner(*args, kernel=kernel)
+        def inner_attention(q, k, v, tokens, docs, scale, dropout):
+            return _local_inner(q, k, v, tokens, docs, scale, kernel=kernel, dropout=dropout)
 
     q = _select_heads(q, plan.q_index)  # [b, H, s/U, d]
     kv = torch.stack([_select_heads(k, plan.kv_index), _select_heads(v, plan.kv_index)])
@@ -129,7 +151,9 @@ def ulysses_attention(q, k, v, token_index, document_ids, group, softmax_scale=N
         kv = _permute(kv, perm, 3)  # [2, b, K/U, s, d]
         tokens = tokens.gather(1, perm)
         docs = None if docs is None else docs.gather(1, perm)
-    out = inner_attention(q, kv[0], kv[1], tokens, docs, scale)  # [b, H/U, s, d]
+    if dropout is not None:
+        dropout = _inner_dropout(dropout, plan, group, perm)
+    out = inner_attention(q, kv[0], kv[1], tokens, docs, scale, dropout)  # [b, H/U, s, d]
     if perm is not None:
         out = _permute(out, torch.argsort(perm, dim=1), 2)  # back to the all-to-all order
     out = comm.heads_to_seq(out, group)  # [b, H, s/U, d]

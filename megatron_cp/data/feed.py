@@ -50,9 +50,13 @@ class DataFeed:
                                    a.global_batch_size, a.micro_batch_size,
                                    self.state.rank("dp"), self.state.size("dp"), 0, a.num_workers)
 
-    def microbatches(self, iterator):
+    def microbatches(self, iterator, first_sample=0):
         """This rank's microbatches of one global batch, padded to the step's length and
-        (for CP) partitioned."""
+        (for CP) partitioned. Each carries ``sample_ids`` [b]: its samples' numbers in the
+        run's stream (``first_sample``, the samples consumed before this global batch, plus
+        the index in the global batch, which DP rank d holds from d x G/DP on, as
+        DataParallelBatchSampler deals them): attention dropout's mask follows them, so DP
+        ranks drop what one process running the whole batch would."""
         a, st = self.args, self.state
         batches = []
         for _ in range(a.num_microbatches):
@@ -68,8 +72,15 @@ class DataFeed:
                                           a.reset_position_ids, a.reset_attention_mask,
                                           a.eod_mask_loss))
         length = self._step_length(batches)
-        return [prepare_microbatch(batch, st.rank("cp"), st.size("cp"), length)
-                for batch in batches]
+        first = first_sample + st.rank("dp") * (a.global_batch_size // st.size("dp"))
+        prepared = []
+        for m, batch in enumerate(batches):
+            batch = prepare_microbatch(batch, st.rank("cp"), st.size("cp"), length)
+            start = first + m * a.micro_batch_size
+            batch["sample_ids"] = torch.arange(start, start + a.micro_batch_size,
+                                               device=self.device)
+            prepared.append(batch)
+        return prepared
 
     def _check_token_ids(self, text):
         """Token ids beyond the tokenizer's vocabulary mean the data was tokenized with

@@ -18,7 +18,9 @@ those of the unpadded microbatch. No zero-length document is ever added.
 
 :func:`prepare_microbatch` then keeps this CP rank's zigzag share of every document and
 adds ``token_index`` (each kept token's index in the padded sample: what attention uses
-for causality; None at CP=1, where the order of the tokens is their causal order).
+for causality) and ``unpadded_index`` (its index in the sample before padding: what the
+attention-dropout mask follows, so every CP size drops the same elements); both None at
+CP=1, where the order of the tokens is their causal order and no document is padded.
 """
 import torch
 
@@ -112,7 +114,8 @@ def prepare_microbatch(batch, cp_rank, cp_size, target_length=None):
     any other [b, s] tensor is padded (with 0) and split alongside. ``target_length``: the
     padded sample length (a multiple of 2 x CP; default: the longest padded sample).
     Returns the same keys as [b, length / cp], ``document_ids`` renumbered by run (or
-    None) and ``token_index`` [b, length / cp] int64 (None at CP=1).
+    None), ``token_index`` and ``unpadded_index`` [b, length / cp] int64 (None at CP=1; pad
+    tokens get unpadded index 0, which no real token ever sees).
     """
     if cp_size < 1 or not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank ({cp_rank}) must lie in [0, cp_size ({cp_size}))")
@@ -133,19 +136,25 @@ def prepare_microbatch(batch, cp_rank, cp_size, target_length=None):
     if needed > total:
         raise ValueError(too_long_message(needed, total, cp_size))
     if cp_size == 1 and total == shape[1]:
-        return {**batch, "document_ids": batch.get("document_ids"), "token_index": None}
+        return {**batch, "document_ids": batch.get("document_ids"), "token_index": None,
+                "unpadded_index": None}
 
+    # padded and split like the other per-token tensors
+    extra = {"unpadded_index": torch.arange(shape[1], device=batch["tokens"].device)} \
+        if cp_size > 1 else {}
     samples, token_index = [], []
     for n, (lengths, padded) in enumerate(per_sample):
         padded = padded[:-1] + [padded[-1] + total - sum(padded)]  # extend the last document
-        sample = pad_sample({k: batch[k][n] for k in keys}, lengths, padded)
+        sample = pad_sample({**{k: batch[k][n] for k in keys}, **extra}, lengths, padded)
         starts = torch.tensor([0] + padded[:-1], dtype=torch.int64).cumsum(0).tolist()
         index = torch.cat([zigzag_indices(cp_rank, cp_size, length) + start
                            for start, length in zip(starts, padded)])  # [total / cp]
         index = index.to(sample["tokens"].device)
         samples.append({k: v.index_select(0, index) for k, v in sample.items()})
         token_index.append(index)
-    out = {key: torch.stack([s[key] for s in samples]) for key in keys}  # [b, total / cp]
+    out = {key: torch.stack([s[key] for s in samples])  # [b, total / cp]
+           for key in [*keys, *extra]}
     out["document_ids"] = torch.stack([s["document_ids"] for s in samples]) if has_documents else None
     out["token_index"] = torch.stack(token_index) if cp_size > 1 else None
+    out.setdefault("unpadded_index", None)
     return out

@@ -4,15 +4,33 @@ Heads are split over TP first (each rank holds num_query_groups/TP groups of hea
 core attention then runs locally or, with context parallelism, through
 ``megatron_cp.context_parallel`` over the CP group. Packed documents are handled by
 ``token_index`` (each token's index in the unsplit sample: causality) and ``document_ids``
-(attention stays inside a document).
+(attention stays inside a document). Attention dropout (training) draws its mask from where
+each element sits in the run (``DropoutIds``, the layer, the global head), so it is the same
+under every layout (context_parallel/dropout.py).
 """
+from collections import namedtuple
+
 import torch
 import torch.distributed as dist
 
 from megatron_cp import tensor_parallel as tpar
-from megatron_cp.context_parallel import (ContextParallelAttention, attention_kernel,
-                                          local_attention)
+from megatron_cp.context_parallel import (AttentionDropout, ContextParallelAttention,
+                                          attention_kernel, dropout_key, local_attention)
 from megatron_cp.model.rotary import rotary_cos_sin, rotate
+
+DropoutIds = namedtuple("DropoutIds", "samples positions")
+DropoutIds.__doc__ = """Where a microbatch's tokens sit in the run, for attention dropout:
+``samples`` [b] int64 (each sample's number in the run's stream of training samples; None:
+a fresh random number per call) and ``positions`` [b, s_local] int64 (each token's index in
+its unpadded sample; None: the token index is that)."""
+
+
+def _fresh_samples(b, device):
+    """Sample numbers for a caller that gave none: b consecutive numbers from a random start
+    (the default generator, the same on every rank that seeds it alike; recomputation
+    restores it, so a recomputed call draws the same)."""
+    start = int(torch.randint(2 ** 62, ()))
+    return torch.arange(start, start + b, device=device)
 
 
 class SelfAttention(torch.nn.Module):
@@ -23,7 +41,7 @@ class SelfAttention(torch.nn.Module):
     """
 
     def __init__(self, config, prefix, tp_group, cp_group, rng_tracker, device=None,
-                 hierarchical_cp_groups=None):
+                 hierarchical_cp_groups=None, layer_number=0):
         super().__init__()
         tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
         self.config, self.tp_group, self.cp_group, self.rng_tracker = config, tp_group, cp_group, rng_tracker
@@ -33,6 +51,9 @@ class SelfAttention(torch.nn.Module):
         self.head_dim, self.heads_per_group = d, nh // ng
         self.local_groups = ng // tp_size
         self.local_heads = nh // tp_size
+        tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+        self.first_head = tp_rank * self.local_heads  # the global index of local head 0
+        self.dropout_key = dropout_key(config.seed, layer_number)
         std = config.init_method_std
         common = dict(tp_group=tp_group, bias=config.add_bias_linear,
                       sequence_parallel=config.sequence_parallel,
@@ -53,18 +74,27 @@ class SelfAttention(torch.nn.Module):
                 cp_group, config.cp_comm_type, self.local_heads, self.local_groups,
                 hierarchical_cp_groups, config.allow_dummy_heads, kernel=self.attention_kernel)
 
-    def core_attention(self, q, k, v, token_index, document_ids):
-        """q [b, nh/tp, s, d], k/v [b, ng/tp, s, d] -> [b, nh/tp, s, d]."""
-        dropout = self.config.attention_dropout if self.training else 0.0
-        if self.cp_attention is not None:
-            return self.cp_attention(q, k, v, token_index, document_ids)
-        if dropout > 0.0:
-            with self.rng_tracker.fork():  # heads differ across TP ranks: so do their masks
-                return local_attention(q, k, v, token_index, document_ids, dropout_p=dropout,
-                                       kernel=self.attention_kernel)
-        return local_attention(q, k, v, token_index, document_ids, kernel=self.attention_kernel)
+    def _dropout(self, q, ids):
+        """This call's AttentionDropout: None in eval mode or with attention_dropout 0."""
+        p = self.config.attention_dropout
+        if not self.training or p == 0.0:
+            return None
+        if ids is None:
+            ids = DropoutIds(None, None)
+        samples = _fresh_samples(q.shape[0], q.device) if ids.samples is None else ids.samples
+        heads = torch.arange(self.local_heads, device=q.device) + self.first_head  # [nh/tp]
+        return AttentionDropout(p, self.dropout_key, samples, heads, ids.positions)
 
-    def forward(self, x, position_ids, token_index=None, document_ids=None):
+    def core_attention(self, q, k, v, token_index, document_ids, dropout_ids=None):
+        """q [b, nh/tp, s, d], k/v [b, ng/tp, s, d] -> [b, nh/tp, s, d]; ``dropout_ids``: a
+        DropoutIds or None."""
+        dropout = self._dropout(q, dropout_ids)
+        if self.cp_attention is not None:
+            return self.cp_attention(q, k, v, token_index, document_ids, dropout)
+        return local_attention(q, k, v, token_index, document_ids, kernel=self.attention_kernel,
+                               dropout=dropout)
+
+    def forward(self, x, position_ids, token_index=None, document_ids=None, dropout_ids=None):
         """x [s/tp with SP else s, b, h] -> same shape."""
         qkv = self.linear_qkv(x)  # [s, b, ng/tp * (hpg + 2) * d]
         s, b = qkv.shape[0], qkv.shape[1]
@@ -78,8 +108,8 @@ class SelfAttention(torch.nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if self.config.recompute_granularity == "selective":
             out = tpar.checkpoint(self.core_attention, self.rng_tracker, q, k, v, token_index,
-                                  document_ids)
+                                  document_ids, dropout_ids)
         else:
-            out = self.core_attention(q, k, v, token_index, document_ids)
+            out = self.core_attention(q, k, v, token_index, document_ids, dropout_ids)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)  # [s, b, nh/tp*d]
         return self.linear_proj(out)

@@ -14,7 +14,7 @@ residuals) into a few generated kernels.
 What stays eager: ``SelfAttention.core_attention``, behind ``torch.compiler.disable``. It is
 one fused attention kernel either way, and everything context parallelism does there (ring
 and Ulysses autograd Functions with p2p / all-to-all inside, block plans decided from token
-metadata on the host, RNG forks for attention dropout) then runs exactly as in eager mode, for
+metadata on the host, the attention-dropout hash mask) then runs exactly as in eager mode, for
 every ``--cp-comm-type``. The layer becomes two graphs, before and after attention.
 """
 import torch

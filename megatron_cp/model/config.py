@@ -95,7 +95,11 @@ class GPTConfig:
     add_bias_linear: bool = setting(True, flag="--disable-bias-linear", shapes=True,
                                     help="No biases in linear layers.")
     hidden_dropout: float = setting(0.1, help="Dropout on hidden states.")
-    attention_dropout: float = setting(0.1, help="Dropout on attention probs.")
+    attention_dropout: float = setting(
+        0.1, help="Dropout on attention probs. Its mask follows each element's place in the run "
+                  "(seed, layer, sample, global head, query and key position), so every "
+                  "parallel layout drops the same elements; in training it runs the plain "
+                  "PyTorch attention path (fused kernels take no external mask).")
     untie_embeddings_and_output_weights: bool = setting(
         False, shapes=True, help="Separate input embedding and output layer weights.")
     make_vocab_size_divisible_by: int = setting(
@@ -220,6 +224,9 @@ class GPTConfig:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
+        if not 0.0 <= self.attention_dropout <= 1.0:
+            raise ValueError(f"attention_dropout ({self.attention_dropout}) is a probability: "
+                             f"give a value from 0 to 1")
         if self.kv_channels is None:
             if self.hidden_size % self.num_attention_heads != 0:
                 raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by "
@@ -300,10 +307,6 @@ class GPTConfig:
                                  f"tensor_model_parallel_size ({tp_size})")
         if cp_size is None:
             return
-        if cp_size > 1 and self.attention_dropout > 0:
-            raise ValueError(f"attention_dropout ({self.attention_dropout}) is not supported inside "
-                             f"context-parallel attention (context_parallel_size {cp_size}); "
-                             f"set attention_dropout 0")
         if self.hierarchical_context_parallel_sizes is not None:
             check_hierarchical_sizes(self.hierarchical_context_parallel_sizes, cp_size)
         elif self.cp_comm_type == "a2a+p2p" and cp_size > 1:

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_cp import tensor_parallel as tpar
+from megatron_cp.model.attention import DropoutIds
 from megatron_cp.model.fused import build_norm
 from megatron_cp.model.transformer import TransformerBlock, dropout, mark_sequence_parallel
 
@@ -59,7 +60,9 @@ class GPTModel(torch.nn.Module):
     """A GPT model chunk over the TP and CP groups of ``state`` (None: one process).
 
     forward(tokens [b, s], position_ids [b, s], labels [b, s] or None, token_index, document_ids,
-    loss_mask [b, s] or None (the tokens MoE balancing losses count; None: all)):
+    loss_mask [b, s] or None (the tokens MoE balancing losses count; None: all), sample_ids
+    [b] and unpadded_index [b, s] (where the tokens sit in the run, which attention dropout's
+    mask follows: see attention.DropoutIds; the batch gives both)):
     - post_process with labels -> per-token loss [b, s] (fp32)
     - post_process without labels -> vocab-parallel logits [s, b, v/tp]
     - otherwise -> hidden states [s(/tp), b, h] for the next pipeline stage.
@@ -129,12 +132,13 @@ class GPTModel(torch.nn.Module):
         return tpar.mask_padded_vocab(logits, self.config.vocab_size, self.tp_group)
 
     def forward(self, tokens, position_ids, labels=None, token_index=None, document_ids=None,
-                loss_mask=None):
+                loss_mask=None, sample_ids=None, unpadded_index=None):
         if self.pre_process:
             h = self.embedding(tokens, position_ids)  # [s(/tp), b, h]
         else:
             h = self.input_tensor
-        h = self.decoder(h, position_ids, token_index, document_ids, loss_mask)
+        dropout_ids = DropoutIds(sample_ids, unpadded_index)
+        h = self.decoder(h, position_ids, token_index, document_ids, loss_mask, dropout_ids)
         if not self.post_process:
             return h
         h = self.final_layernorm(h)

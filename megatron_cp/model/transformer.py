@@ -50,7 +50,7 @@ class TransformerLayer(torch.nn.Module):
         if state is not None and state.group("hcp_inner") is not None:
             hierarchical = (state.group("hcp_inner"), state.group("hcp_outer"))
         self.self_attention = SelfAttention(config, prefix + ".self_attention", tp_group, cp_group,
-                                            rng_tracker, device, hierarchical)
+                                            rng_tracker, device, hierarchical, layer_number)
         self.pre_mlp_layernorm = norm()
         self.is_moe = config.moe_layer_pattern()[layer_number]
         if self.is_moe:
@@ -60,9 +60,11 @@ class TransformerLayer(torch.nn.Module):
         mark_sequence_parallel(self.input_layernorm, config.sequence_parallel)
         mark_sequence_parallel(self.pre_mlp_layernorm, config.sequence_parallel)
 
-    def forward(self, x, position_ids, token_index=None, document_ids=None, loss_mask=None):
+    def forward(self, x, position_ids, token_index=None, document_ids=None, loss_mask=None,
+                dropout_ids=None):
         c = self.config
-        attn = self.self_attention(self.input_layernorm(x), position_ids, token_index, document_ids)
+        attn = self.self_attention(self.input_layernorm(x), position_ids, token_index, document_ids,
+                                   dropout_ids)
         x = x + dropout(attn, c.hidden_dropout, self.training, c.sequence_parallel, self.rng_tracker)
         h = self.pre_mlp_layernorm(x)
         mlp = self.mlp(h, loss_mask) if self.is_moe else self.mlp(h)
@@ -85,16 +87,17 @@ class TransformerBlock(torch.nn.Module):
                 compile_layer(layer, config.torch_compile_mode)
 
     def _run(self, start, end):
-        def run(x, position_ids, token_index, document_ids, loss_mask):
+        def run(x, position_ids, token_index, document_ids, loss_mask, dropout_ids):
             for layer in self.layers[start:end]:
-                x = layer(x, position_ids, token_index, document_ids, loss_mask)
+                x = layer(x, position_ids, token_index, document_ids, loss_mask, dropout_ids)
             return x
         return run
 
-    def forward(self, x, position_ids, token_index=None, document_ids=None, loss_mask=None):
+    def forward(self, x, position_ids, token_index=None, document_ids=None, loss_mask=None,
+                dropout_ids=None):
         c = self.config
         n = len(self.layers)
-        args = (position_ids, token_index, document_ids, loss_mask)
+        args = (position_ids, token_index, document_ids, loss_mask, dropout_ids)
         if c.recompute_granularity != "full" or not self.training:
             return self._run(0, n)(x, *args)
         k = c.recompute_num_layers or 1

@@ -1,8 +1,9 @@
 """RNG for tensor parallelism and activation recomputation.
 
 Dropout outside TP regions (on replicated activations) must draw the same mask on every
-TP rank; dropout inside TP regions (on a rank's own heads) must differ across TP ranks.
-The default generator is seeded identically on TP ranks; :class:`RNGStatesTracker` keeps
+TP rank; dropout on a rank's own part (hidden dropout on its s/tp tokens under sequence
+parallelism) must differ across TP ranks. (Attention dropout draws no random numbers: its
+mask is a hash of each element's coordinates, context_parallel/dropout.py.) The default generator is seeded identically on TP ranks; :class:`RNGStatesTracker` keeps
 extra named states (the ``model-parallel-rng`` one seeded per TP rank) that ``fork()``
 swaps in. :func:`checkpoint` replays the tracker's states during recomputation so
 recomputed dropout masks equal the original ones.
