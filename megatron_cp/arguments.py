@@ -34,10 +34,9 @@ from megatron_cp.config_flags import (add_config_flags, arg_of, build_config, co
                                       fill_args, name_flags)
 from megatron_cp.data.tokenizers import TOKENIZER_TYPES
 from megatron_cp.data.utils import parse_and_normalize_split
-from megatron_cp.initialize import validate_sizes
+from megatron_cp.initialize import rank_order, validate_sizes
 from megatron_cp.model.config import GPTConfig
-from megatron_cp.pipeline_parallel.stages import (validate_interleaved_microbatches,
-                                                  virtual_pipeline_size)
+from megatron_cp.pipeline_parallel.stages import layout_from_args, validate_interleaved_microbatches
 
 def _model_args(g):
     # The model's own flags come from GPTConfig's fields (add_config_flags); this one is the
@@ -142,10 +141,42 @@ def _parallel_args(g):
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="Pipeline parallel size.")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="Layers per virtual stage (interleaved 1F1B).")
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                   help="Virtual stages (model chunks) per pipeline rank, interleaved 1F1B; "
+                        "unlike --num-layers-per-virtual-pipeline-stage it combines with "
+                        "--decoder-first/last-pipeline-num-layers (each rank's layers are cut "
+                        "into this many equal chunks).")
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
-                   help="Layers on the first pipeline stage.")
+                   help="Layers on the first pipeline stage (default: an even split); the "
+                        "middle stages share the rest evenly.")
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
-                   help="Layers on the last pipeline stage.")
+                   help="Layers on the last pipeline stage (default: an even split).")
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   help="Count the embedding as one layer when splitting the layers evenly "
+                        "over the pipeline stages: the first stage builds one transformer "
+                        "layer less (none: an embedding-only stage).")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                   help="Count the output layer and loss as one layer when splitting the "
+                        "layers evenly: the last stage builds one transformer layer less "
+                        "(none: a loss-only stage).")
+    g.add_argument("--pipeline-model-parallel-layout", type=str, default=None,
+                   help="Write out what every (virtual) stage holds: E embedding, t "
+                        "transformer layer, L loss (m, an MTP layer, is not built), '|' between "
+                        "stages, X*N and (...)*N repeat, commas are cosmetic; e.g. "
+                        "\"Et|(tt|)*2,tL\". PP x N stages give N virtual stages per rank, stage i "
+                        "being virtual stage i // PP of rank i %% PP.")
+    g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage",
+                   dest="microbatch_group_size_per_vp_stage", type=int, default=None,
+                   help="Interleaved 1F1B: microbatches each virtual stage runs in a row, "
+                        "forward and backward (default --pipeline-model-parallel-size, the "
+                        "depth-first schedule); it lies between PP and the number of "
+                        "microbatches, and a larger value admits microbatch counts that are "
+                        "not a multiple of PP.")
+    g.add_argument("--use-tp-pp-dp-mapping", action="store_true",
+                   help="Lay the ranks out in Megatron-LM's order tp-cp-ep-pp-dp (data "
+                        "parallel outermost: a replica's ranks are consecutive) instead of "
+                        "its default tp-cp-ep-dp-pp (pipeline outermost: a stage's ranks are "
+                        "consecutive). TP is innermost in both.")
     g.add_argument("--pipeline-seq-length", type=int, default=None,
                    help="Fix the sequence length of the pipeline P2P buffers: every microbatch "
                         "is padded to it. By default the length follows each step's data (packed "
@@ -496,10 +527,11 @@ def _validate_sizes(args, world_size):
         raise ValueError(f"--expert-model-parallel-size {args.expert_model_parallel_size} splits "
                          f"MoE experts, but the model has none: add --num-experts")
     try:
+        args.rank_order = rank_order(args.use_tp_pp_dp_mapping)
         args.data_parallel_size = validate_sizes(
             world_size, args.tensor_model_parallel_size, args.context_parallel_size,
             args.pipeline_model_parallel_size, args.expert_model_parallel_size,
-            args.expert_tensor_parallel_size)
+            args.expert_tensor_parallel_size, args.rank_order)
     except ValueError as err:  # initialize's rule names fields: name the flags instead
         raise ValueError(name_flags(str(err), flag_names()).replace("world_size", "the world "
                                                                     "size")) from None
@@ -722,15 +754,16 @@ def _check_tokenizer_files(args):
 
 
 def _validate_pipeline(args, check_microbatches=True):
-    """Stage split, virtual stages, interleaving's microbatch rule (when
-    ``check_microbatches``: evaluation pads its own microbatch count) and the buffer length."""
+    """Stage split (the layout the split flags describe), virtual stages, interleaving's
+    microbatch rule (when ``check_microbatches``: evaluation pads its own microbatch count)
+    and the buffer length."""
     pp = args.pipeline_model_parallel_size
-    args.virtual_pipeline_model_parallel_size = virtual_pipeline_size(
-        args.num_layers, pp, args.num_layers_per_virtual_pipeline_stage,
-        args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
+    layout = layout_from_args(args)
+    args.virtual_pipeline_model_parallel_size = layout.vp_size if layout.vp_size > 1 else None
     if check_microbatches:
         validate_interleaved_microbatches(args.num_microbatches, pp,
-                                          args.virtual_pipeline_model_parallel_size)
+                                          args.virtual_pipeline_model_parallel_size,
+                                          args.microbatch_group_size_per_vp_stage)
     if args.pipeline_seq_length is None:
         return  # the pipeline buffers follow each step's data
     if args.pipeline_seq_length < args.seq_length:

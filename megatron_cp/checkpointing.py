@@ -39,6 +39,7 @@ import math
 import os
 import random
 import re
+import shlex
 import shutil
 
 import numpy as np
@@ -47,6 +48,7 @@ import torch.distributed as dist
 
 from megatron_cp import device as device_mod
 from megatron_cp.config_flags import checkpoint_args
+from megatron_cp.initialize import TP_PP_DP_RANK_ORDER
 from megatron_cp.model.config import GPTConfig
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -55,7 +57,9 @@ TRACKER = "latest_checkpointed_iteration.txt"
 # are how the layers and their shards are spread over the files.
 LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
-               "decoder_last_pipeline_num_layers", "expert_model_parallel_size",
+               "decoder_last_pipeline_num_layers", "num_virtual_stages_per_pipeline_rank",
+               "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
+               "account_for_loss_in_pipeline_split", "expert_model_parallel_size",
                "expert_tensor_parallel_size")
 EXPERT_LAYOUT_ARGS = ("expert_model_parallel_size", "expert_tensor_parallel_size")
 MODEL_ONLY_ARGS = checkpoint_args(GPTConfig)
@@ -384,11 +388,22 @@ def check_args_match(saved, args, names=MODEL_ARGS):
         raise ValueError(f"checkpoint was saved with other model arguments: {diffs}. Use the same "
                          f"arguments, or convert it with tools/checkpoint_convert.py")
     if differ:
-        flags = " ".join(f"{_target_flag(k)} {current[k]}" for k in differ
-                         if current.get(k) is not None)  # None: leave the flag out
+        flags = " ".join(_target_flag(k) + ("" if current[k] is True else f" {shlex.quote(str(current[k]))}")
+                         for k in differ  # None, False: leave the flag out
+                         if current.get(k) is not None and current.get(k) is not False)
         raise ValueError(f"checkpoint was saved under another parallel layout ({diffs}): resume "
                          f"with that layout, or convert it with tools/checkpoint_convert.py "
                          f"{flags}")
+
+
+def _ranks_moved(saved, args, state):
+    """The saved rank order when it puts this run's (pp, dp) positions on other global ranks
+    (the RNG files are per global rank), else None. Checkpoints that predate the setting
+    were saved with data parallel outermost."""
+    saved_order = saved.get("rank_order", TP_PP_DP_RANK_ORDER)
+    if saved_order == args.rank_order or state.size("pp") == 1 or state.size("dp") == 1:
+        return None
+    return saved_order
 
 
 def load_checkpoint(trainer, root):
@@ -429,7 +444,12 @@ def load_checkpoint(trainer, root):
     if payload.get("no_rng") and not args.no_load_rng and st.global_rank == 0:
         print(" the checkpoint was converted to another layout without RNG states: the RNG "
               "streams (dropout) start afresh", flush=True)
-    if not args.no_load_rng and not payload.get("no_rng"):
+    moved = _ranks_moved(payload["args"], args, st)
+    if moved and not args.no_load_rng and st.global_rank == 0:
+        print(f" the checkpoint was saved with rank order {moved}, this run uses "
+              f"{args.rank_order}: each rank's RNG file belongs to another rank, so the RNG "
+              f"streams (dropout) start afresh", flush=True)
+    if not args.no_load_rng and not payload.get("no_rng") and not moved:
         rng_path = os.path.join(iteration_dir(root, it), "rng", f"rank_{st.global_rank:05d}.pt")
         if not os.path.exists(rng_path):
             raise ValueError(f"{rng_path} is missing (saved on another number of ranks?); "

@@ -2,13 +2,20 @@
 
 ``rank_layout`` is a pure function from sizes to the rank lists of every group;
 ``initialize_model_parallel`` validates the sizes, builds one torch.distributed group per
-rank list and returns a :class:`ParallelState`. Ranks are laid out TP innermost, then CP,
-then PP, then DP::
+rank list and returns a :class:`ParallelState`. Ranks are laid out in one of Megatron-LM's
+two orders (its ``RankGenerator`` strings, innermost axis first):
 
-    rank = ((dp * PP + pp) * CP + cp) * TP + tp
+    tp-cp-ep-dp-pp (the default)     rank = ((pp * DP + dp) * CP + cp) * TP + tp
+    tp-cp-ep-pp-dp (--use-tp-pp-dp-mapping)  rank = ((dp * PP + pp) * CP + cp) * TP + tp
 
-The expert mesh re-views, inside each PP stage, the DP x CP x TP ranks (in rank order) as
-EDP x EP x ETP with ETP innermost (groups ep, etp, edp and ep_etp, the EP x ETP block).
+TP is innermost in both (a TP group is TP consecutive ranks: one NVLink domain), then CP;
+the default keeps a pipeline stage's ranks together, the other a data-parallel replica's.
+
+The expert mesh views the same ranks in the same order with EP in CP's place: EDP x EP x
+ETP per stage, ETP innermost (groups ep, etp, edp and ep_etp, the EP x ETP block). Under the
+default order a stage is a block of consecutive ranks re-viewed as EDP x EP x ETP; under
+tp-pp-dp the expert and dense pipeline groups coincide only when EP x ETP = TP x CP, which
+is Megatron-LM's rule for that order.
 """
 import datetime
 import os
@@ -24,6 +31,15 @@ from megatron_cp import device as device_mod
 GROUP_NAMES = ("tp", "cp", "pp", "dp", "dp_cp", "tp_cp", "mp", "embedding", "ep", "etp", "edp",
                "ep_etp")
 HIERARCHICAL_GROUP_NAMES = ("hcp_inner", "hcp_outer")  # with hierarchical CP sizes only
+# Megatron-LM's RankGenerator orders, innermost axis first: PP outermost (its default), or
+# DP outermost (--use-tp-pp-dp-mapping).
+DEFAULT_RANK_ORDER, TP_PP_DP_RANK_ORDER = "tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"
+RANK_ORDERS = (DEFAULT_RANK_ORDER, TP_PP_DP_RANK_ORDER)
+
+
+def rank_order(use_tp_pp_dp_mapping):
+    """The rank order that ``--use-tp-pp-dp-mapping`` selects (Megatron-LM's rule)."""
+    return TP_PP_DP_RANK_ORDER if use_tp_pp_dp_mapping else DEFAULT_RANK_ORDER
 
 
 def _check_positive(**sizes):
@@ -34,10 +50,13 @@ def _check_positive(**sizes):
 
 def validate_sizes(world_size, tensor_model_parallel_size=1, context_parallel_size=1,
                    pipeline_model_parallel_size=1, expert_model_parallel_size=1,
-                   expert_tensor_parallel_size=1):
-    """Raise ValueError (naming the values and the fix) unless the sizes tile ``world_size``."""
+                   expert_tensor_parallel_size=1, order=DEFAULT_RANK_ORDER):
+    """Raise ValueError (naming the values and the fix) unless the sizes tile ``world_size``
+    in rank order ``order``; returns the data-parallel size."""
     tp, cp, pp = tensor_model_parallel_size, context_parallel_size, pipeline_model_parallel_size
     ep, etp = expert_model_parallel_size, expert_tensor_parallel_size
+    if order not in RANK_ORDERS:
+        raise ValueError(f"rank order {order!r} is not one of Megatron-LM's {list(RANK_ORDERS)}")
     _check_positive(world_size=world_size, tensor_model_parallel_size=tp, context_parallel_size=cp,
                     pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
                     expert_tensor_parallel_size=etp)
@@ -53,13 +72,32 @@ def validate_sizes(world_size, tensor_model_parallel_size=1, context_parallel_si
             f"expert_model_parallel_size ({ep}) x expert_tensor_parallel_size ({etp}) = {ep * etp} "
             f"must divide the data x context x tensor parallel ranks of a pipeline stage ({stage}); "
             f"pick EP x ETP among the divisors of {stage}")
+    if order == TP_PP_DP_RANK_ORDER and pp > 1 and ep * etp != tp * cp:
+        # DP outermost: the expert mesh's pipeline groups are the dense ones only if the
+        # expert data-parallel size equals the data-parallel size.
+        raise ValueError(
+            f"rank order {order} (use_tp_pp_dp_mapping) with pipeline_model_parallel_size ({pp}) "
+            f"> 1 needs expert_model_parallel_size ({ep}) x expert_tensor_parallel_size ({etp}) "
+            f"= tensor_model_parallel_size ({tp}) x context_parallel_size ({cp}), so that the "
+            f"attention and MoE layers have one data-parallel size; set EP x ETP to {tp * cp} "
+            f"or drop use_tp_pp_dp_mapping")
     return world_size // model
+
+
+def _mesh(world_size, order, outer, inner, pp):
+    """The ranks as an array ``[outer, PP, *inner]`` (``inner`` innermost last, e.g. CP, TP),
+    whichever of ``outer`` (DP or EDP) and PP is outermost in ``order``."""
+    if order == DEFAULT_RANK_ORDER:  # PP outermost
+        return np.arange(world_size).reshape(pp, outer, *inner).swapaxes(0, 1)
+    return np.arange(world_size).reshape(outer, pp, *inner)
 
 
 def rank_layout(world_size, tensor_model_parallel_size=1, context_parallel_size=1,
                 pipeline_model_parallel_size=1, expert_model_parallel_size=1,
-                expert_tensor_parallel_size=1, hierarchical_context_parallel_sizes=None):
-    """Return ``{group name: [rank list, ...]}`` for every group; no torch.distributed needed.
+                expert_tensor_parallel_size=1, hierarchical_context_parallel_sizes=None,
+                order=DEFAULT_RANK_ORDER):
+    """Return ``{group name: [rank list, ...]}`` for every group in rank order ``order``; no
+    torch.distributed needed.
 
     Every rank appears in exactly one list of each name, except ``embedding`` which holds the
     first and last pipeline stage of each (dp, cp, tp) position. With
@@ -69,8 +107,8 @@ def rank_layout(world_size, tensor_model_parallel_size=1, context_parallel_size=
     """
     tp, cp, pp = tensor_model_parallel_size, context_parallel_size, pipeline_model_parallel_size
     ep, etp = expert_model_parallel_size, expert_tensor_parallel_size
-    dp = validate_sizes(world_size, tp, cp, pp, ep, etp)
-    grid = np.arange(world_size).reshape(dp, pp, cp, tp)  # [DP, PP, CP, TP]
+    dp = validate_sizes(world_size, tp, cp, pp, ep, etp, order)
+    grid = _mesh(world_size, order, dp, (cp, tp), pp)  # [DP, PP, CP, TP]
 
     def lists(array_2d):
         return [list(map(int, row)) for row in array_2d]
@@ -87,14 +125,14 @@ def rank_layout(world_size, tensor_model_parallel_size=1, context_parallel_size=
     }
     firsts_lasts = grid[:, [0, -1]] if pp > 1 else grid[:, [0]]  # [DP, 1|2, CP, TP]
     layout["embedding"] = lists(firsts_lasts.transpose(0, 2, 3, 1).reshape(-1, firsts_lasts.shape[1]))
-    # Expert mesh: per PP stage the DP x CP x TP ranks in rank order -> [EDP, EP, ETP].
-    stage_ranks = grid.transpose(1, 0, 2, 3).reshape(pp, -1)  # [PP, DP*CP*TP]
-    edp = stage_ranks.shape[1] // (ep * etp)
-    expert = stage_ranks.reshape(pp, edp, ep, etp)
+    # Expert mesh: the same order with EP in CP's place.
+    edp = world_size // (pp * ep * etp)
+    expert = _mesh(world_size, order, edp, (ep, etp), pp)  # [EDP, PP, EP, ETP]
     layout["etp"] = lists(expert.reshape(-1, etp))
     layout["ep"] = lists(expert.transpose(0, 1, 3, 2).reshape(-1, ep))
-    layout["edp"] = lists(expert.transpose(0, 2, 3, 1).reshape(-1, edp))
+    layout["edp"] = lists(expert.transpose(1, 2, 3, 0).reshape(-1, edp))
     layout["ep_etp"] = lists(expert.reshape(-1, ep * etp))  # the allgather dispatcher's group
+    assert sorted(lists(expert.transpose(0, 2, 3, 1).reshape(-1, pp))) == sorted(layout["pp"])
     if hierarchical_context_parallel_sizes is not None:
         inner, outer = check_hierarchical_sizes(hierarchical_context_parallel_sizes, cp)
         cp_groups = np.array(layout["cp"]).reshape(-1, outer, inner)  # [groups, R, U]
@@ -117,6 +155,7 @@ class ParallelState:
     groups: dict = field(default_factory=dict, repr=False)
     virtual_pipeline_model_parallel_size: int | None = None
     hierarchical_context_parallel_sizes: tuple | None = None
+    order: str = DEFAULT_RANK_ORDER  # the rank order of ``layout`` (RANK_ORDERS)
 
     def group_ranks(self, name):
         """The ranks of this process's group ``name``, in group-rank order."""
@@ -152,10 +191,13 @@ def initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_siz
                               expert_tensor_parallel_size=1,
                               virtual_pipeline_model_parallel_size=None,
                               hierarchical_context_parallel_sizes=None,
-                              world_size=None, rank=None, device=None, timeout_minutes=10):
+                              world_size=None, rank=None, device=None, timeout_minutes=10,
+                              order=DEFAULT_RANK_ORDER):
     """Validate the sizes, build one process group per rank list and return a ParallelState.
 
-    ``torch.distributed`` must already be initialized (see :func:`initialize_distributed`).
+    ``order``: the rank order, one of :data:`RANK_ORDERS` (Megatron-LM's default, PP
+    outermost, unless given). ``torch.distributed`` must already be initialized (see
+    :func:`initialize_distributed`).
     """
     world_size = dist.get_world_size() if world_size is None else world_size
     rank = dist.get_rank() if rank is None else rank
@@ -168,7 +210,8 @@ def initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_siz
             raise ValueError(f"hierarchical_context_parallel_sizes "
                              f"{list(hierarchical_context_parallel_sizes)}: give two sizes, the "
                              f"inner (all-to-all) and the outer (ring) one")
-    layout = rank_layout(world_size, tp, cp, pp, ep, etp, hierarchical_context_parallel_sizes)
+    layout = rank_layout(world_size, tp, cp, pp, ep, etp, hierarchical_context_parallel_sizes,
+                         order)
     if virtual_pipeline_model_parallel_size is not None and pp < 2:
         raise ValueError(f"virtual_pipeline_model_parallel_size ({virtual_pipeline_model_parallel_size}) "
                          f"needs pipeline_model_parallel_size > 1 (got {pp})")
@@ -184,7 +227,8 @@ def initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_siz
     state = ParallelState(world_size=world_size, global_rank=rank, device=device, sizes=sizes,
                           layout=layout,
                           virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
-                          hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes)
+                          hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
+                          order=order)
     timeout = datetime.timedelta(minutes=timeout_minutes)
     # Every rank must create every group, in the same order, even those it is not in.
     for name in GROUP_NAMES + tuple(n for n in HIERARCHICAL_GROUP_NAMES if n in layout):

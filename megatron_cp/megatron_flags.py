@@ -255,9 +255,6 @@ AS_IS = (  # (why, flags): accepted, they select what megatron_cp does anyway
     ("warmup and flush P2P follow megatron_cp's own schedule; overlap changes timing only, "
      "never a result",
      ("--overlap-p2p-communication-warmup-flush",)),
-    ("interleaved 1F1B always runs groups of PP microbatches per virtual stage; the same "
-     "microbatches give the same gradients",
-     ("--microbatch-group-size-per-virtual-pipeline-stage",)),
     ("activations stay in device memory; nothing is offloaded to the CPU",
      ("--cpu-offloading-num-layers", "--cpu-offloading-retain-pinned-cpu-buffers",
       "--fine-grained-activation-offloading", "--offload-modules",
@@ -401,9 +398,6 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
      ("--mtp-standalone", "--mtp-num-layers", "--mtp-loss-scaling-factor",
       "--mtp-use-repeated-layer", "--mtp-detach-heads", "--mtp-hsm",
       "--mtp-hybrid-override-pattern", "--multi-latent-attention",)),
-    ("counting the embedding or loss as a layer in the pipeline split is not built; place "
-     "layers with --decoder-first/last-pipeline-num-layers",
-     ("--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",)),
     ("this attention variant (off-by-one/learnable softmax, QK L2 norm, QK clip, output "
      "gate) is not built; drop it",
      ("--softmax-type", "--qk-l2-norm", "--qk-clip", "--qk-clip-alpha", "--qk-clip-threshold",
@@ -565,9 +559,6 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
     ("deferred model-parallel initialisation for an external DDP manager is not built; drop "
      "it",
      ("--lazy-mpu-init",)),
-    ("rank order is fixed (tp-cp-ep-dp-pp); an alternative tp-cp-ep-pp-dp mapping is not "
-     "built, drop it",
-     ("--use-tp-pp-dp-mapping",)),
     ("it needs NVIDIA SHARP (InfiniBand in-network reductions), which is not used; drop it",
      ("--use-sharp", "--sharp-enabled-group",)),
     ("the NCCL flight recorder is not configured by megatron_cp; set the "
@@ -575,14 +566,8 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
      ("--flight-recorder-dump-path", "--flight-recorder-trace-buffer-size",
       "--no-flight-recorder-dump-on-timeout", "--flight-recorder-include-stack-trace",
       "--no-flight-recorder-include-only-active", "--no-flight-recorder-extra-dump-on-exec",)),
-    ("custom pipeline layout strings are not built; use --decoder-first-pipeline-num-layers "
-     "/ --decoder-last-pipeline-num-layers",
-     ("--pipeline-model-parallel-layout",)),
     ("deprecated Megatron spelling; use --tensor-model-parallel-size",
      ("--model-parallel-size",)),
-    ("use --num-layers-per-virtual-pipeline-stage (num_layers / (PP x virtual stages)) "
-     "instead",
-     ("--num-virtual-stages-per-pipeline-rank",)),
     ("generalized-TP (GTP) weight rematerialization is not built; drop it",
      ("--gtp-remat-reduce-scatter-with-fp32-accumulation",)),
     ("the Muon layer-wise distributed-optimizer param layout is not built (only Adam); drop "

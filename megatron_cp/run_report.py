@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megatron_cp.initialize import distributed_env
 from megatron_cp.optimizer.clip_grads import counted_here
+from megatron_cp.pipeline_parallel.stages import layout_from_args
 
 # Above this many model-parallel ranks the banner summarizes the per-rank counts.
 MAX_RANK_LINES = 8
@@ -69,7 +70,12 @@ def format_parallel_sizes(args, state):
     details.append(f"number of microbatches: {args.num_microbatches} (global batch "
                    f"{args.global_batch_size} = micro batch {args.micro_batch_size} x DP {dp} x "
                    f"{args.num_microbatches})")
-    return line + "\n> " + ", ".join(details)
+    details.append(f"rank order: {state.order}")
+    text = line + "\n> " + ", ".join(details)
+    if pp > 1:  # what each stage holds, as a layout string and per rank
+        layout = layout_from_args(args)
+        text += "\n".join([f"\n> pipeline layout: {layout}"] + [f">   {row}" for row in layout.describe()])
+    return text
 
 
 def count_parameters(model_chunks, state):

@@ -40,7 +40,7 @@ from megatron_cp.optimizer import (DistributedDataParallel, DistributedOptimizer
                                    GradNormNotFinite, MixedPrecisionOptimizer,
                                    OptimizerParamScheduler, finalize_model_grads, get_param_groups)
 from megatron_cp.pipeline_parallel import (build_model_chunks, get_forward_backward_func,
-                                           pipeline_tensor_shape)
+                                           layout_from_args, pipeline_tensor_shape)
 from megatron_cp.profiling import StepProfiler
 from megatron_cp.run_report import (count_parameters, format_arguments, format_compat_notes,
                                     format_dataset_sizes, format_parallel_sizes,
@@ -74,9 +74,12 @@ class Trainer:
                              f"ParallelState was built with "
                              f"{state.virtual_pipeline_model_parallel_size}; pass "
                              f"virtual_pipeline_model_parallel_size to initialize_model_parallel")
+        if state.order != args.rank_order:
+            raise ValueError(f"the arguments ask for rank order {args.rank_order} but the "
+                             f"ParallelState was built with {state.order}; pass order to "
+                             f"initialize_model_parallel")
         if state.size("pp") > 1:  # this rank's stage: one chunk, or one per virtual stage
-            models = build_model_chunks(self.config, state, args.decoder_first_pipeline_num_layers,
-                                        args.decoder_last_pipeline_num_layers)
+            models = build_model_chunks(self.config, state, layout_from_args(args))
         else:
             models = [GPTModel(self.config, state=state, device=self.device)]
         distributed = getattr(args, "use_distributed_optimizer", False)
@@ -119,7 +122,8 @@ class Trainer:
         # The P2P buffers between pipeline stages are [length/cp(/tp with SP), b, h]; the
         # length follows each step's data (DataFeed._step_length), the shape is passed per step.
         self.forward_backward = get_forward_backward_func(
-            state, dtype=args.params_dtype, overlap_p2p_comm=getattr(args, "overlap_p2p_comm", False))
+            state, dtype=args.params_dtype, overlap_p2p_comm=getattr(args, "overlap_p2p_comm", False),
+            microbatch_group_size=args.microbatch_group_size_per_vp_stage)
 
     # ----- data (megatron_cp.data.feed) -------------------------------------------------
     def build_iterators(self):
@@ -247,7 +251,7 @@ def build_parallel_state(args, device=None):
         args.expert_tensor_parallel_size,
         virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
         hierarchical_context_parallel_sizes=hierarchical, device=device,
-        timeout_minutes=args.distributed_timeout_minutes)
+        timeout_minutes=args.distributed_timeout_minutes, order=args.rank_order)
 
 
 def forward_step(model, batch):

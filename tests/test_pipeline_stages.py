@@ -5,9 +5,7 @@ import pytest
 import torch
 
 from megatron_cp.arguments import parse_args
-from megatron_cp.pipeline_parallel import (P2PCommunicator, chunk_layer_numbers,
-                                           pipeline_tensor_shape, stage_layer_counts,
-                                           virtual_pipeline_size)
+from megatron_cp.pipeline_parallel import P2PCommunicator, pipeline_layout, pipeline_tensor_shape
 from megatron_cp.pipeline_parallel.replay import record_program, simulate
 from megatron_cp.pipeline_parallel.steps import backward_step, deallocate_output_tensor
 from training_utils import TINY
@@ -15,19 +13,26 @@ from training_utils import TINY
 BASE = TINY.replace("--num-layers 2", "--num-layers 4") + " --train-iters 10"
 
 
+def _counts(layout):
+    return [len(layout.layer_numbers(r)) for r in range(layout.pp_size)]
+
+
 def test_even_uneven_and_virtual_splits():
-    assert stage_layer_counts(8, 4) == [2, 2, 2, 2]
-    assert stage_layer_counts(8, 4, first=1, last=1) == [1, 3, 3, 1]
-    assert stage_layer_counts(7, 3, first=1) == [1, 3, 3]
-    assert stage_layer_counts(5, 2, last=2) == [3, 2]
-    assert chunk_layer_numbers(8, 4, 1, first=1, last=1) == [[1, 2, 3]]
-    assert chunk_layer_numbers(8, 4, 3, first=1, last=1) == [[7]]
+    assert _counts(pipeline_layout(8, 4)) == [2, 2, 2, 2]
+    assert _counts(pipeline_layout(8, 4, first=1, last=1)) == [1, 3, 3, 1]
+    assert _counts(pipeline_layout(7, 3, first=1)) == [1, 3, 3]
+    assert _counts(pipeline_layout(5, 2, last=2)) == [3, 2]
+    assert pipeline_layout(8, 4, first=1, last=1).chunk_layer_numbers(1) == [[1, 2, 3]]
+    assert pipeline_layout(8, 4, first=1, last=1).chunk_layer_numbers(3) == [[7]]
     # 8 layers, PP=2, 2 layers per virtual stage: VP=2, rank r chunk c owns piece c*PP + r
-    assert virtual_pipeline_size(8, 2, 2) == 2
-    assert chunk_layer_numbers(8, 2, 0, vp_size=2) == [[0, 1], [4, 5]]
-    assert chunk_layer_numbers(8, 2, 1, vp_size=2) == [[2, 3], [6, 7]]
-    assert virtual_pipeline_size(8, 2, 4) is None  # one chunk per rank: plain 1F1B
-    every = sorted(n for r in range(4) for c in chunk_layer_numbers(12, 4, r, vp_size=3) for n in c)
+    virtual = pipeline_layout(8, 2, num_layers_per_virtual_stage=2)
+    assert virtual.vp_size == 2
+    assert virtual.chunk_layer_numbers(0) == [[0, 1], [4, 5]]
+    assert virtual.chunk_layer_numbers(1) == [[2, 3], [6, 7]]
+    assert pipeline_layout(8, 2, num_layers_per_virtual_stage=4).vp_size == 1  # plain 1F1B
+    every = sorted(n for r in range(4)
+                   for c in pipeline_layout(12, 4, num_virtual_stages=3).chunk_layer_numbers(r)
+                   for n in c)
     assert every == list(range(12))
 
 
@@ -39,7 +44,7 @@ def test_even_uneven_and_virtual_splits():
      "--global-batch-size 6", 2, r"number of microbatches \(3\) to be a multiple of "
                                  r"--pipeline-model-parallel-size \(2\)"),
     ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 3", 2,
-     r"must divide the layers per pipeline stage"),
+     r"must divide the layers per pipeline stage \(2\)"),
     ("--pipeline-model-parallel-size 4 --decoder-first-pipeline-num-layers 2", 4,
      r"leaves 2 layers for the 3 other stage"),
     ("--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 1 "

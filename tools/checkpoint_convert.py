@@ -8,6 +8,9 @@
     # TP=2, PP=1 torch checkpoint -> TP=1, PP=2 (weights only: the optimizer starts fresh)
     python tools/checkpoint_convert.py --load-dir ck --save-dir ck_pp2 \
         --target-tensor-parallel-size 1 --target-pipeline-parallel-size 2
+    # ... or, for a 4-layer model, PP=4 with two virtual stages per rank written out
+    python tools/checkpoint_convert.py --load-dir ck --save-dir ck_pp4 \
+        --target-pipeline-parallel-size 4 --target-pipeline-model-parallel-layout 'E|t|t|t|t|||L'
     # an MoE checkpoint saved at EP=2 -> EP=4 with the experts' hidden size over 2 ranks
     python tools/checkpoint_convert.py --load-dir ck --save-dir ck_ep4 \
         --target-expert-model-parallel-size 4 --target-expert-tensor-parallel-size 2
@@ -275,11 +278,18 @@ def check_expert_layout(full, args, ep, etp):
                          f"hidden size ({fc2.shape[-1]}); pick one of its divisors")
 
 
-def save_layout(full, args, meta, save_dir, tp, pp, vp_layers=None, first=None, last=None,
-                with_optimizer=False, ep=1, etp=None):
-    """Write ``full`` as a torch-format checkpoint for TP=tp, PP=pp (optionally virtual
-    stages), EP=ep and ETP=etp (default: tp) for MoE experts; ``with_optimizer`` also
-    writes ``meta``'s optimizer state and schedule."""
+SPLIT_ARGS = ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
+              "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+              "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
+              "account_for_loss_in_pipeline_split")
+
+
+def save_layout(full, args, meta, save_dir, tp, pp, split=None, with_optimizer=False, ep=1,
+                etp=None):
+    """Write ``full`` as a torch-format checkpoint for TP=tp, PP=pp, EP=ep and ETP=etp
+    (default: tp) for MoE experts, the layers split over the stages as ``split`` says (a
+    dict of the pipeline-split arguments, :data:`SPLIT_ARGS`; none: an even split without
+    virtual stages); ``with_optimizer`` also writes ``meta``'s optimizer state and schedule."""
     etp = tp if etp is None else etp
     check_expert_layout(full, args, ep, etp)
     args = dict(args, true_vocab_size=args.get("true_vocab_size") or
@@ -288,25 +298,24 @@ def save_layout(full, args, meta, save_dir, tp, pp, vp_layers=None, first=None, 
     optimizer = None
     if with_optimizer and meta.get("optimizer"):
         optimizer = {kind: pad_vocab_rows(per, args, tp) for kind, per in meta["optimizer"].items()}
-    from megatron_cp.pipeline_parallel.stages import chunk_layer_numbers, virtual_pipeline_size
-    num_layers = args["num_layers"]
-    vp = virtual_pipeline_size(num_layers, pp, vp_layers) if vp_layers else None
+    from megatron_cp.pipeline_parallel.stages import layout_from_args
     tied = not args["untie_embeddings_and_output_weights"]
     new_args = dict(args, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                     padded_vocab_size=full["embedding.word_embeddings.weight"].shape[0],
-                    num_layers_per_virtual_pipeline_stage=vp_layers,
-                    decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last,
-                    expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+                    expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                    **{name: (split or {}).get(name) for name in SPLIT_ARGS})
+    layout = layout_from_args(new_args)
+    vp = layout.vp_size
+    new_args["virtual_pipeline_model_parallel_size"] = vp if vp > 1 else None
     root = checkpointing.iteration_dir(save_dir, meta["iteration"])
     same_layout = optimizer is not None and layout_of(new_args) == meta.get("layout")
     sizes = checkpointing.file_layout(new_args)
     for coords, shard_name in checkpointing.shard_names(*sizes).items():
         pp_rank = coords[1]
-        chunks = chunk_layer_numbers(num_layers, pp, pp_rank, vp, first, last)
+        chunks = layout.chunk_layer_numbers(pp_rank)
         states = []
         for c, layers in enumerate(chunks):
-            pre = pp_rank == 0 and c == 0
-            post = pp_rank == pp - 1 and c == len(chunks) - 1
+            pre, post = layout.has_embedding(pp_rank, c), layout.has_loss(pp_rank, c)
             wanted = {}
             for name, tensor in full.items():
                 m = LAYER.match(name)
@@ -389,10 +398,18 @@ def main(argv=None):
                    help="ETP of a torch output (default: --target-tensor-parallel-size)")
     p.add_argument("--target-num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="virtual stages of the output (interleaved schedule)")
+    p.add_argument("--target-num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                   help="virtual stages per pipeline rank of the output")
     p.add_argument("--target-decoder-first-pipeline-num-layers", type=int, default=None,
                    help="layers on the first stage of the output")
     p.add_argument("--target-decoder-last-pipeline-num-layers", type=int, default=None,
                    help="layers on the last stage of the output")
+    p.add_argument("--target-account-for-embedding-in-pipeline-split", action="store_true",
+                   help="the output's even split counts the embedding as a layer")
+    p.add_argument("--target-account-for-loss-in-pipeline-split", action="store_true",
+                   help="the output's even split counts the loss as a layer")
+    p.add_argument("--target-pipeline-model-parallel-layout", default=None,
+                   help="the output's stages written out (--pipeline-model-parallel-layout)")
     a = p.parse_args(argv)
     if bool(a.load_dir) == bool(a.from_hf):
         raise ValueError("give exactly one input: --load-dir CHECKPOINT or --from-hf FOLDER")
@@ -409,11 +426,10 @@ def main(argv=None):
         save_torch_dist(full, args, meta, a.save_dir)
         print(f"wrote {a.save_dir} (torch_dist, loads under any layout) at iteration {meta['iteration']}")
     elif a.save_dir:
+        split = {name: getattr(a, "target_" + name) for name in SPLIT_ARGS}
         save_layout(full, args, meta, a.save_dir, a.target_tensor_parallel_size,
-                    a.target_pipeline_parallel_size, a.target_num_layers_per_virtual_pipeline_stage,
-                    a.target_decoder_first_pipeline_num_layers, a.target_decoder_last_pipeline_num_layers,
-                    with_optimizer=source_dist, ep=a.target_expert_model_parallel_size,
-                    etp=a.target_expert_tensor_parallel_size)
+                    a.target_pipeline_parallel_size, split, with_optimizer=source_dist,
+                    ep=a.target_expert_model_parallel_size, etp=a.target_expert_tensor_parallel_size)
         print(f"wrote {a.save_dir} (TP={a.target_tensor_parallel_size}, "
               f"PP={a.target_pipeline_parallel_size}, EP={a.target_expert_model_parallel_size}) "
               f"at iteration {meta['iteration']}")

@@ -49,7 +49,9 @@ GROUP_SETTINGS = ("lr", "weight_decay", "betas", "eps", "wd_mult", "lr_mult")
 LAYOUT_KEYS = ("world_size", "tensor_model_parallel_size", "context_parallel_size",
                "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
                "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-               "expert_model_parallel_size", "expert_tensor_parallel_size")
+               "num_virtual_stages_per_pipeline_rank", "pipeline_model_parallel_layout",
+               "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+               "expert_model_parallel_size", "expert_tensor_parallel_size", "rank_order")
 
 
 def is_torch_dist(folder):

@@ -12,7 +12,7 @@ import torch
 from megatron_cp import checkpointing
 from megatron_cp.data import build_tokenizer
 from megatron_cp.model import GPTModel
-from megatron_cp.pipeline_parallel import build_model_chunks
+from megatron_cp.pipeline_parallel import build_model_chunks, layout_from_args
 from megatron_cp.run_report import print_rank_0
 from megatron_cp.training import config_from_args
 
@@ -73,8 +73,7 @@ class InferenceModel:
                              f"checkpoint under {args.load} was trained with {saved}; use its "
                              f"tokenizer (--use-checkpoint-args)")
         if state.size("pp") > 1:
-            chunks = build_model_chunks(self.config, state, args.decoder_first_pipeline_num_layers,
-                                        args.decoder_last_pipeline_num_layers)
+            chunks = build_model_chunks(self.config, state, layout_from_args(args))
         else:
             chunks = [GPTModel(self.config, state=state, device=self.device)]
         for chunk in chunks:

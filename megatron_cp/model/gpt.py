@@ -140,7 +140,9 @@ class GPTModel(torch.nn.Module):
         dropout_ids = DropoutIds(sample_ids, unpadded_index)
         h = self.decoder(h, position_ids, token_index, document_ids, loss_mask, dropout_ids)
         if not self.post_process:
-            return h
+            # An empty stage (a layout's "||") passes its input on as a view: the schedule
+            # frees and differentiates its own output, not the received tensor.
+            return h.view_as(h) if h is self.input_tensor else h
         h = self.final_layernorm(h)
         logits = self._logits(h)  # [s, b, v/tp]
         if labels is None:

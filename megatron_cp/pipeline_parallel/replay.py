@@ -11,6 +11,7 @@ idle fraction: the schedule's own bubble, which the benchmark compares with theo
 with the measured one.
 """
 import collections
+import functools
 
 import torch
 
@@ -63,9 +64,11 @@ class _StandIn(torch.nn.Module):
         return x * self.weight
 
 
-def record_program(pp_size, pp_rank, vp_size, num_microbatches, forward_only=False):
+def record_program(pp_size, pp_rank, vp_size, num_microbatches, forward_only=False,
+                   group_size=None):
     """The ordered events of one rank: ``("F" | "B", chunk, microbatch, ...)`` computations
-    and ``("C", messages)`` exchanges, from the real 1F1B / interleaved schedule code."""
+    and ``("C", messages)`` exchanges, from the real 1F1B / interleaved schedule code
+    (``group_size``: the interleaved schedule's microbatches per virtual stage in a row)."""
     from megatron_cp.pipeline_parallel.interleaved import \
         forward_backward_pipelining_with_interleaving
     from megatron_cp.pipeline_parallel.schedules import \
@@ -73,8 +76,11 @@ def record_program(pp_size, pp_rank, vp_size, num_microbatches, forward_only=Fal
     events = []
     comm = RecordingCommunicator(pp_size, pp_rank, events)
     chunks = [_StandIn(pp_rank == 0 and c == 0) for c in range(vp_size)]
-    schedule = forward_backward_pipelining_with_interleaving if vp_size > 1 else \
-        forward_backward_pipelining_without_interleaving
+    if vp_size > 1:
+        schedule = functools.partial(forward_backward_pipelining_with_interleaving,
+                                     microbatch_group_size=group_size)
+    else:
+        schedule = forward_backward_pipelining_without_interleaving
     schedule(lambda model, batch: model(batch), lambda out, batch: (out.sum(), out.sum().detach()),
              [None] * num_microbatches, chunks, None, forward_only, tensor_shape=_SHAPE,
              dtype=torch.float32, trace=events, communicator=comm)

@@ -199,7 +199,8 @@ def forward_backward_pipelining_without_interleaving(
     return losses
 
 
-def get_forward_backward_func(state, tensor_shape=None, dtype=None, overlap_p2p_comm=False):
+def get_forward_backward_func(state, tensor_shape=None, dtype=None, overlap_p2p_comm=False,
+                              microbatch_group_size=None):
     """The schedule for this layout: no pipelining at PP=1, else 1F1B, or interleaved 1F1B
     when ``state.virtual_pipeline_model_parallel_size`` > 1.
 
@@ -207,15 +208,17 @@ def get_forward_backward_func(state, tensor_shape=None, dtype=None, overlap_p2p_
     the P2P exchanges asynchronously, ``--overlap-p2p-comm``; no effect at PP=1) and, when
     given, ``tensor_shape`` (the P2P buffer shape, see
     :func:`~megatron_cp.pipeline_parallel.stages.pipeline_tensor_shape`; else pass it per
-    call) are bound into the returned function.
+    call) are bound into the returned function; so is ``microbatch_group_size`` for the
+    interleaved schedule (``--microbatch-group-size-per-virtual-pipeline-stage``, None: PP).
     """
     if state.size("pp") == 1:
         return forward_backward_no_pipelining
     vp_size = state.virtual_pipeline_model_parallel_size
+    bound = {} if tensor_shape is None else {"tensor_shape": tuple(tensor_shape)}
     if vp_size is not None and vp_size > 1:
         schedule = forward_backward_pipelining_with_interleaving
+        bound["microbatch_group_size"] = microbatch_group_size
     else:
         schedule = forward_backward_pipelining_without_interleaving
-    bound = {} if tensor_shape is None else {"tensor_shape": tuple(tensor_shape)}
     return functools.partial(schedule, dtype=dtype if dtype is not None else torch.float32,
                              overlap_p2p_comm=bool(overlap_p2p_comm), **bound)
