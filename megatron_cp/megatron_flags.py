@@ -203,8 +203,10 @@ COMPAT_FLAGS = (
                "built; give --data-path with --split", argparse=dict(nargs="*", default=None)),
     CompatFlag("--test-data-path", REFUSE, "separate train/valid/test data paths are not "
                "built; give --data-path with --split", argparse=dict(nargs="*", default=None)),
-    CompatFlag("--rampup-batch-size", REFUSE, "batch-size ramp-up is not built; drop it",
-               argparse=dict(nargs=3, default=None)),
+    CompatFlag("--rampup-batch-size", REFUSE, "Megatron-LM deprecated it and ignores it (the "
+               "batch stays --global-batch-size); give the ramp-up as --step-batch-size-schedule "
+               "(e.g. '0:16 1M:32 2M:64', thresholds in tokens)",
+               argparse=dict(nargs=3, type=int, default=None)),
     CompatFlag("--wandb-project", REFUSE, "Weights & Biases is not a dependency; use "
                "--tensorboard-dir", argparse=dict(default=None)),
     CompatFlag("--wandb-exp-name", REFUSE, "Weights & Biases is not a dependency; use "
@@ -601,9 +603,9 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
     ("a fake process group skips all communication and so changes every result; it is not "
      "built, drop it",
      ("--fake-process-group",)),
-    ("batch-size schedules and automatic batch-size changes are not built; use a fixed "
-     "--global-batch-size",
-     ("--step-batch-size-schedule", "--decrease-batch-size-if-needed",)),
+    ("shrinking the global batch to fit micro batch x DP is not built; give a "
+     "--global-batch-size divisible by micro batch x DP (or a --step-batch-size-schedule)",
+     ("--decrease-batch-size-if-needed",)),
     ("cross-replica weight-hash checks and GPU sniff tests are not built; drop them",
      ("--check-weight-hash-across-dp-replicas-interval", "--gpu-sniff-test-interval",)),
     ("only SIGTERM triggers the --exit-signal-handler save-and-exit; other signals and "
@@ -748,10 +750,10 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
      "which are not used; use --bf16",
      ("--reuse-grad-buf-for-mxfp8-param-ag", "--fp4-param-gather", "--fp8-param-gather",
       "--te-precision-config-file",)),
-    ("evaluation always runs every --eval-interval with the training batch sizes; these eval "
-     "options are not built",
-     ("--start-eval-at-iter", "--eval-global-batch-size", "--eval-micro-batch-size",
-      "--full-validation", "--multiple-validation-sets", "--validation-set-names",)),
+    ("evaluation always runs every --eval-interval, --eval-iters batches from the start of "
+     "the one validation split; these eval options are not built",
+     ("--start-eval-at-iter", "--full-validation", "--multiple-validation-sets",
+      "--validation-set-names",)),
     ("evaluation-only runs and Megatron's test mode are not built; drop them",
      ("--skip-train", "--test-mode",)),
     ("the profiler trace is always recorded without shapes, call stacks or Chakra traces; "

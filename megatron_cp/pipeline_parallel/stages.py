@@ -92,8 +92,8 @@ def validate_interleaved_microbatches(num_microbatches, pp_size, vp_size):
         raise ValueError(
             f"the interleaved schedule needs the number of microbatches ({num_microbatches}) to "
             f"be a multiple of --pipeline-model-parallel-size ({pp_size}); set "
-            f"--global-batch-size to a multiple of micro batch x data-parallel size x {pp_size}, "
-            f"or drop --num-layers-per-virtual-pipeline-stage")
+            f"--global-batch-size (or each --step-batch-size-schedule batch size) to a multiple "
+            f"of micro batch x data-parallel size x {pp_size}, or drop --num-layers-per-virtual-pipeline-stage")
 
 
 def chunk_layer_numbers(num_layers, pp_size, pp_rank, vp_size=None, first=None, last=None):
