@@ -104,6 +104,12 @@ def _training_args(g):
                         "overflowing gradient is a skipped step instead).")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
                    action="store_false", help="Train on through a NaN or inf loss or gradient norm.")
+    g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
+                   help="Every this many iterations (and before the first), hash every "
+                        "parameter (SHA-1 of its fp32 values) on each data-parallel replica and "
+                        "compare them over the DP group (expert parameters over the expert-DP "
+                        "group); replicas that differ stop the run naming the ranks and "
+                        "parameters. By default weights are not compared.")
     g.add_argument("--deterministic-mode", action="store_true",
                    help="Deterministic execution, so two runs of one job give the same bits "
                         "(slower): torch's deterministic algorithms (an op without one raises), "
@@ -177,6 +183,10 @@ def _io_args(g):
                    help="Keep only the checkpoints whose iteration is a multiple of this (and "
                         "the latest): each save deletes the previous one otherwise. A multiple "
                         "of --save-interval.")
+    g.add_argument("--verify-integrity", action="store_true",
+                   help="With --ckpt-format torch_dist: write a SHA-256 of every checkpoint "
+                        "file (integrity.json) once a save has finished, and check them before "
+                        "--load reads the checkpoint; a file changed since is an error naming it.")
     g.add_argument("--async-save", action="store_true",
                    help="With --ckpt-format torch_dist: copy the state, then write it in the "
                         "background while training goes on; the tracker file is written once "
@@ -537,7 +547,7 @@ def _validate_sequence_split(args):
 COUNT_MINIMUMS = (("micro_batch_size", 1), ("global_batch_size", 1), ("log_interval", 1),
                   ("train_iters", 0), ("train_samples", 1), ("eval_iters", 0),
                   ("eval_interval", 0), ("save_interval", 0), ("eval_global_batch_size", 1),
-                  ("eval_micro_batch_size", 1))
+                  ("eval_micro_batch_size", 1), ("check_weight_hash_across_dp_replicas_interval", 1))
 
 
 def _validate_counts(args):
@@ -567,6 +577,10 @@ def _validate_optimizer_and_checkpoint(args):
                          f"{args.ckpt_format}; add --ckpt-format torch_dist")
     if args.async_save and not args.save:
         raise ValueError("--async-save needs a checkpoint directory: give --save")
+    if args.verify_integrity and args.ckpt_format != "torch_dist":
+        raise ValueError(f"--verify-integrity hashes --ckpt-format torch_dist checkpoints "
+                         f"(Megatron-LM's rule), not {args.ckpt_format}; add --ckpt-format "
+                         f"torch_dist")
     retain, every = args.save_retain_interval, args.save_interval
     if retain is not None and not (every and retain >= 1 and retain % every == 0):
         need = f"--save-interval ({every})" if every else "--save --save-interval N"

@@ -387,6 +387,10 @@ def load_checkpoint(trainer, root):
     if os.path.exists(os.path.join(iteration_dir(root, it), ".metadata")):
         from megatron_cp.dist_checkpoint import torch_dist
         return torch_dist.load(trainer, root, it)
+    if getattr(args, "verify_integrity", False) and st.global_rank == 0:
+        print(f" --verify-integrity: the checkpoint under {root} is --ckpt-format torch, which "
+              f"has no integrity manifest (Megatron-LM hashes torch_dist checkpoints only); "
+              f"loading it unverified", flush=True)
     path = os.path.join(iteration_dir(root, it), own_shard_name(st, args), "model_optim_rng.pt")
     if not os.path.exists(path):
         first = latest_first_shard(root)  # another layout names its files otherwise: say which

@@ -564,8 +564,6 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
       "--torch-fsdp2-no-reshard-after-forward",)),
     ("the pre-Megatron-Core-0.14 checkpoint save format is not built; drop it",
      ("--dist-ckpt-save-pre-mcore-014",)),
-    ("checkpoint file hashing and load-time integrity verification is not built; drop it",
-     ("--verify-integrity",)),
     ("deprecated Megatron spellings; use --ckpt-format torch_dist",
      ("--use-dist-ckpt", "--dist-ckpt-format",)),
     ("deferred model-parallel initialisation for an external DDP manager is not built; drop "
@@ -606,8 +604,9 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
     ("shrinking the global batch to fit micro batch x DP is not built; give a "
      "--global-batch-size divisible by micro batch x DP (or a --step-batch-size-schedule)",
      ("--decrease-batch-size-if-needed",)),
-    ("cross-replica weight-hash checks and GPU sniff tests are not built; drop them",
-     ("--check-weight-hash-across-dp-replicas-interval", "--gpu-sniff-test-interval",)),
+    ("GPU sniff tests (timed GEMMs, all-to-all and send/recv compared across ranks) are not "
+     "built; drop it (--check-weight-hash-across-dp-replicas-interval compares the replicas)",
+     ("--gpu-sniff-test-interval",)),
     ("only SIGTERM triggers the --exit-signal-handler save-and-exit; other signals and "
      "dataloader/training-specific handlers are not built",
      ("--exit-signal", "--exit-signal-handler-for-dataloader",

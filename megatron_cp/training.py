@@ -43,6 +43,7 @@ from megatron_cp.run_report import (count_parameters, format_arguments, format_c
                                     format_parameter_counts, format_summary, is_global_rank_zero,
                                     print_rank_0)
 from megatron_cp.training_log import TrainingLogger, model_flops_per_token
+from megatron_cp.weight_hash import check_weight_hashes
 
 
 def config_from_args(args, vocab_size):
@@ -180,6 +181,13 @@ class Trainer:
                                                      or self.iteration == a.train_iters):
             self.optimizer.finish_param_sync()  # the norm reads every param: wait for the gathers
         return loss, grad_norm, ok
+
+    def check_weight_hashes(self):
+        """--check-weight-hash-across-dp-replicas-interval: every DP replica holds the same
+        weights (megatron_cp.weight_hash), once the parameter all-gathers have landed."""
+        self.progress.activity = f"the weight-hash check after iteration {self.iteration}"
+        self.optimizer.finish_param_sync()
+        check_weight_hashes(self.model_chunks, self.state, self.iteration)
 
     @property
     def evaluates(self):
@@ -369,6 +377,9 @@ def _train(trainer, logger, start):
     stop_reason = f"--train-iters {args.train_iters}"
     profiler = StepProfiler(args, state.global_rank, state.device)
     microbatches = trainer.batches.num_microbatches(trainer.consumed_samples)
+    hash_interval = args.check_weight_hash_across_dp_replicas_interval
+    if hash_interval:  # Megatron-LM checks once before the first iteration too
+        trainer.check_weight_hashes()
     try:
         while trainer.iteration < args.train_iters:
             profiler.step(trainer.iteration)
@@ -389,6 +400,8 @@ def _train(trainer, logger, start):
             if trainer.evaluates and args.eval_interval and it % args.eval_interval == 0:
                 logger.validation(it, trainer.evaluate())
                 collect = manual_gc
+            if hash_interval and it % hash_interval == 0:  # before a save could keep the damage
+                trainer.check_weight_hashes()
             if args.save and args.save_interval and it % args.save_interval == 0:
                 trainer.progress.activity = f"the checkpoint save at iteration {it}"
                 checkpointing.save_checkpoint(trainer, args.save)
