@@ -346,6 +346,10 @@ AS_IS = (  # (why, flags): accepted, they select what megatron_cp does anyway
     ("no TorchScript/JIT fuser is used; plain PyTorch ops run unless --torch-compile is "
      "given",
      ("--disable-jit-fuser",)),
+    ("Megatron-LM's test mode compares the QK-layernorm weights over DP ranks in each "
+     "attention forward and skips its fused QKV+RoPE kernel; there is no QK layernorm "
+     "(refused) and no such kernel here",
+     ("--test-mode",)),
     ("every pipeline stage launches its own gradient reductions and param all-gathers when "
      "ready; launch timing changes no value",
      ("--no-align-grad-reduce", "--no-align-param-gather",
@@ -753,8 +757,8 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
      "the one validation split; these eval options are not built",
      ("--start-eval-at-iter", "--full-validation", "--multiple-validation-sets",
       "--validation-set-names",)),
-    ("evaluation-only runs and Megatron's test mode are not built; drop them",
-     ("--skip-train", "--test-mode",)),
+    ("evaluation-only runs are not built; drop it (evaluate a checkpoint with tasks/main.py)",
+     ("--skip-train",)),
     ("the profiler trace is always recorded without shapes, call stacks or Chakra traces; "
      "these options are not built",
      ("--pytorch-profiler-collect-shapes", "--pytorch-profiler-collect-callstack",

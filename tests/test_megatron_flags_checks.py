@@ -106,3 +106,15 @@ def test_verify_integrity_goes_with_torch_dist_and_a_manifest(tmp_path):
     (tmp_path / "a.bin").unlink()
     assert integrity.problems(str(tmp_path)) == [
         f"checkpoint file {tmp_path}/a.bin (listed in {tmp_path}/integrity.json) is missing"]
+
+
+# ----- --test-mode ----------------------------------------------------------------------------
+
+def test_test_mode_is_accepted_as_the_nothing_it_does_here():
+    """Megatron-LM's test mode only re-checks the QK-layernorm weights (which megatron_cp does
+    not have) and skips a fused GPU kernel (which it does not use): accepted, with a note."""
+    from megatron_cp.arguments import parse_args
+    args = parse_args(f"{TINY} --train-iters 3 --test-mode".split())
+    assert [n for n in args.compat_notes if n.startswith(
+        "--test-mode: Megatron-LM's test mode compares the QK-layernorm weights")], args.compat_notes
+    assert not hasattr(args, "test_mode")  # nothing reads it
