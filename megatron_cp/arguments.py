@@ -32,6 +32,8 @@ from megatron_cp import rerun, wandb_logging
 from megatron_cp.megatron_flags import add_compat_flags, apply_compat_flags
 from megatron_cp.config_flags import (add_config_flags, arg_of, build_config, config_flag_names,
                                       fill_args, name_flags)
+from megatron_cp.data.batch_schedule import (SIZE_NAME, BatchSchedule, check_divisible,
+                                              parse_schedule)
 from megatron_cp.data.tokenizers import TOKENIZER_TYPES
 from megatron_cp.data.utils import parse_and_normalize_split
 from megatron_cp.initialize import rank_order, validate_sizes
@@ -48,6 +50,16 @@ def _training_args(g):
     g.add_argument("--micro-batch-size", type=int, required=True, help="Samples per microbatch per DP rank.")
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="Samples per optimizer step (default micro batch x DP).")
+    g.add_argument("--step-batch-size-schedule", default=None,
+                   help="Global batch size by training tokens consumed, instead of "
+                        "--global-batch-size: 'THRESHOLD:BATCH_SIZE ...' (e.g. '0:384 200B:768 "
+                        "400B:1152'; K/M/B/T suffixes; thresholds in tokens, divided by "
+                        "--seq-length into samples; the first 0). Each iteration takes the "
+                        "batch size of the largest threshold reached, so the number of "
+                        "microbatches grows (never falls); a checkpoint is saved (with --save) "
+                        "before the first iteration of a new size. The learning-rate schedule "
+                        "then counts samples, as Megatron-LM's does: with --train-iters, its "
+                        "iteration lengths are micro batch x DP samples per iteration.")
     g.add_argument("--train-iters", type=int, default=None, help="Number of optimizer steps.")
     g.add_argument("--train-samples", type=int, default=None, help="Train for this many samples instead.")
     g.add_argument("--lr", type=float, default=None, help="Peak learning rate.")
@@ -105,6 +117,12 @@ def _training_args(g):
     g.add_argument("--iterations-to-skip", nargs="+", type=int, default=[],
                    help="Skip these iterations (1-based): their batch is read and counted "
                         "consumed, with no forward, backward or update.")
+    g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
+                   help="Every this many iterations (and before the first), hash every "
+                        "parameter (SHA-1 of its fp32 values) on each data-parallel replica and "
+                        "compare them over the DP group (expert parameters over the expert-DP "
+                        "group); replicas that differ stop the run naming the ranks and "
+                        "parameters. By default weights are not compared.")
     g.add_argument("--deterministic-mode", action="store_true",
                    help="Deterministic execution, so two runs of one job give the same bits "
                         "(slower): torch's deterministic algorithms (an op without one raises), "
@@ -233,6 +251,10 @@ def _io_args(g):
                    help="Keep only the checkpoints whose iteration is a multiple of this (and "
                         "the latest): each save deletes the previous one otherwise. A multiple "
                         "of --save-interval.")
+    g.add_argument("--verify-integrity", action="store_true",
+                   help="With --ckpt-format torch_dist: write a SHA-256 of every checkpoint "
+                        "file (integrity.json) once a save has finished, and check them before "
+                        "--load reads the checkpoint; a file changed since is an error naming it.")
     g.add_argument("--async-save", action="store_true",
                    help="With --ckpt-format torch_dist: copy the state, then write it in the "
                         "background while training goes on; the tracker file is written once "
@@ -250,6 +272,13 @@ def _io_args(g):
     g.add_argument("--log-interval", type=int, default=100, help="Print a log line every this many iterations.")
     g.add_argument("--eval-interval", type=int, default=1000, help="Evaluate every this many iterations.")
     g.add_argument("--eval-iters", type=int, default=100, help="Batches per evaluation.")
+    g.add_argument("--eval-global-batch-size", type=int, default=None,
+                   help="Samples per evaluation batch (default --global-batch-size, which a "
+                        "--step-batch-size-schedule leaves at micro batch x DP); a multiple of "
+                        "--eval-micro-batch-size x DP. An evaluation reads --eval-iters of them.")
+    g.add_argument("--eval-micro-batch-size", type=int, default=None,
+                   help="Samples per evaluation microbatch per DP rank (default "
+                        "--micro-batch-size).")
     g.add_argument("--tensorboard-dir", default=None, help="Write tensorboard logs here.")
     g.add_argument("--no-log-loss-scale-to-tensorboard", "--disable-log-loss-scale-to-tensorboard",
                    dest="log_loss_scale_to_tensorboard", action="store_false", default=True,
@@ -483,6 +512,8 @@ def validate_args(args, world_size, inference=False, problems=()):
     sizes_ok = checks.run(_validate_sizes, args, world_size)
     batch_ok = counts_ok and sizes_ok and checks.run(_validate_batch, args)
     if batch_ok:
+        checks.run(_validate_eval_batch, args)
+    if batch_ok:
         checks.run(_validate_pipeline, args, check_microbatches=not inference)
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         args.sequence_parallel = False  # Megatron turns it off silently for TP=1
@@ -538,15 +569,49 @@ def _validate_sizes(args, world_size):
 
 
 def _validate_batch(args):
-    """Global batch = micro batch x DP x microbatches."""
+    """Global batch = micro batch x DP x microbatches: constant, or stepped by
+    --step-batch-size-schedule (data/batch_schedule.py)."""
     dp = args.data_parallel_size
+    if args.step_batch_size_schedule is not None:
+        args.batch_size_schedule = parse_schedule(args.step_batch_size_schedule, args.seq_length)
+        # Megatron-LM fills the unused --global-batch-size as without a schedule; its
+        # iteration-based learning-rate lengths count these samples per iteration
+        args.global_batch_size = args.micro_batch_size * dp
+        args.num_microbatches = None  # it follows the consumed samples (BatchSchedule)
+        if not args.load:  # a resumed run may have passed entries that no longer fit
+            for _, size in args.batch_size_schedule:
+                check_divisible(size, args.micro_batch_size, dp, SIZE_NAME)
+        return
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * dp
-    if args.global_batch_size % (args.micro_batch_size * dp) != 0:
-        raise ValueError(f"--global-batch-size ({args.global_batch_size}) must be divisible by "
-                         f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size ({dp}); "
-                         f"use a multiple of {args.micro_batch_size * dp}")
+    check_divisible(args.global_batch_size, args.micro_batch_size, dp)
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
+
+
+def _validate_eval_batch(args):
+    """Evaluation's own batch sizes (Megatron's defaults: the training ones)."""
+    if args.eval_global_batch_size is None:
+        args.eval_global_batch_size = args.global_batch_size
+    if args.eval_micro_batch_size is None:
+        args.eval_micro_batch_size = args.micro_batch_size
+    per = args.eval_micro_batch_size * args.data_parallel_size
+    if args.eval_global_batch_size % per != 0:
+        raise ValueError(f"--eval-global-batch-size ({args.eval_global_batch_size}) must be "
+                         f"divisible by --eval-micro-batch-size ({args.eval_micro_batch_size}) "
+                         f"x data-parallel size ({args.data_parallel_size}); use a multiple of "
+                         f"{per}")
+    args.eval_num_microbatches = args.eval_global_batch_size // per
+
+
+def _microbatch_counts(args):
+    """The microbatch counts the run will use, as far as the arguments tell (a resumed
+    schedule is checked as it runs)."""
+    if args.num_microbatches is not None:
+        return [args.num_microbatches]
+    if args.load:
+        return []
+    per = args.micro_batch_size * args.data_parallel_size
+    return [size // per for _, size in args.batch_size_schedule]
 
 
 def _validate_sequence_split(args):
@@ -562,7 +627,8 @@ def _validate_sequence_split(args):
 # Counts that a loop divides by or runs over: (argument, smallest value that means something).
 COUNT_MINIMUMS = (("micro_batch_size", 1), ("global_batch_size", 1), ("log_interval", 1),
                   ("train_iters", 0), ("train_samples", 1), ("eval_iters", 0),
-                  ("eval_interval", 0), ("save_interval", 0))
+                  ("eval_interval", 0), ("save_interval", 0), ("eval_global_batch_size", 1),
+                  ("eval_micro_batch_size", 1), ("check_weight_hash_across_dp_replicas_interval", 1))
 
 
 def _validate_counts(args):
@@ -573,6 +639,9 @@ def _validate_counts(args):
     if args.train_iters is not None and args.train_samples is not None:
         problems.append(f"--train-iters ({args.train_iters}) and --train-samples "
                         f"({args.train_samples}) both give the training length; give one")
+    if args.step_batch_size_schedule is not None and args.global_batch_size is not None:
+        problems.append(f"--step-batch-size-schedule and --global-batch-size "
+                        f"({args.global_batch_size}) both give the global batch size; give one")
     if problems:
         raise ArgumentErrors(problems)
 
@@ -587,6 +656,10 @@ def _validate_optimizer_and_checkpoint(args):
     if args.async_save and args.ckpt_format != "torch_dist":
         raise ValueError(f"--async-save writes --ckpt-format torch_dist checkpoints, not "
                          f"{args.ckpt_format}; add --ckpt-format torch_dist")
+    if args.verify_integrity and args.ckpt_format != "torch_dist":
+        raise ValueError(f"--verify-integrity hashes --ckpt-format torch_dist checkpoints "
+                         f"(Megatron-LM's rule), not {args.ckpt_format}; add --ckpt-format "
+                         f"torch_dist")
     retain, every = args.save_retain_interval, args.save_interval
     if retain is not None and not (every and retain >= 1 and retain % every == 0):
         need = f"--save-interval ({every})" if every else "--save --save-interval N"
@@ -651,8 +724,15 @@ def _validate_schedule(args):
         raise ValueError("give the learning-rate schedule in samples (--lr-decay-samples, "
                          "--lr-warmup-samples) or in iterations (--lr-decay-iters, "
                          "--lr-warmup-iters), not both")
+    schedule = BatchSchedule.from_args(args)
+    if schedule.stepped and args.train_samples is not None and (
+            args.lr_decay_iters is not None or args.lr_warmup_iters > 0):
+        raise ValueError("with --step-batch-size-schedule and --train-samples the "
+                         "learning-rate schedule counts samples: give --lr-decay-samples / "
+                         "--lr-warmup-samples instead of --lr-decay-iters / --lr-warmup-iters")
     if args.train_iters is None:
-        args.train_iters = math.ceil(args.train_samples / args.global_batch_size)
+        args.train_iters = schedule.iterations_for(args.train_samples) if schedule.stepped \
+            else math.ceil(args.train_samples / args.global_batch_size)
     if args.lr is None:
         raise ValueError("give --lr, the peak learning rate")
     if args.lr_decay_samples is not None:
@@ -663,10 +743,21 @@ def _validate_schedule(args):
         args.lr_decay_iters = args.train_iters
     if args.lr_warmup_fraction is not None:
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
-    if args.lr_warmup_iters >= args.lr_decay_iters and args.lr_warmup_iters > 0:
-        raise ValueError(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than "
-                         f"--lr-decay-iters ({args.lr_decay_iters}, default --train-iters); "
-                         f"shorten the warmup or lengthen the decay")
+    # the scheduler's unit: iterations, or samples once the batch size steps (Megatron's)
+    args.lr_counts_samples = schedule.stepped
+    if schedule.stepped:
+        args.lr_warmup_steps, args.lr_decay_steps, args.wd_incr_steps = _lr_lengths_in_samples(args)
+        if args.lr_warmup_steps >= args.lr_decay_steps and args.lr_warmup_steps > 0:
+            raise ValueError(f"the learning-rate warmup ({args.lr_warmup_steps} samples) must "
+                             f"be shorter than its decay ({args.lr_decay_steps} samples); "
+                             f"shorten the warmup or lengthen the decay")
+    else:
+        args.lr_warmup_steps, args.lr_decay_steps = args.lr_warmup_iters, args.lr_decay_iters
+        args.wd_incr_steps = args.train_iters
+        if args.lr_warmup_iters >= args.lr_decay_iters and args.lr_warmup_iters > 0:
+            raise ValueError(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than "
+                             f"--lr-decay-iters ({args.lr_decay_iters}, default --train-iters); "
+                             f"shorten the warmup or lengthen the decay")
     given = [flag for flag, value in (("--start-weight-decay", args.start_weight_decay),
                                       ("--end-weight-decay", args.end_weight_decay))
              if value is not None]
@@ -683,6 +774,25 @@ def _validate_schedule(args):
     # DDP takes the bucket size in MB of its fp32 gradient buffer; Megatron counts elements.
     args.ddp_bucket_size_mb = 40.0 if args.ddp_bucket_size is None else \
         args.ddp_bucket_size * 4 / 2 ** 20
+
+
+def _lr_lengths_in_samples(args):
+    """``(warmup, decay, weight-decay increment)`` in samples, the unit of Megatron-LM's
+    scheduler, which each iteration steps by its global batch size: what a batch-size
+    schedule needs. With --train-samples the sample flags (decay default --train-samples);
+    with --train-iters the iteration flags times --global-batch-size, which a schedule
+    leaves at micro batch x DP (Megatron-LM's formula). --lr-warmup-fraction is a fraction
+    of the decay."""
+    if args.train_samples is not None:
+        decay = args.train_samples if args.lr_decay_samples is None else args.lr_decay_samples
+        warmup, weight_decay = args.lr_warmup_samples, args.train_samples
+    else:
+        per_iteration = args.global_batch_size
+        decay = args.lr_decay_iters * per_iteration
+        warmup, weight_decay = args.lr_warmup_iters * per_iteration, args.train_iters * per_iteration
+    if args.lr_warmup_fraction is not None:
+        warmup = args.lr_warmup_fraction * decay
+    return warmup, decay, weight_decay
 
 
 def _validate_data(args, need_data=True):
@@ -761,9 +871,11 @@ def _validate_pipeline(args, check_microbatches=True):
     layout = layout_from_args(args)
     args.virtual_pipeline_model_parallel_size = layout.vp_size if layout.vp_size > 1 else None
     if check_microbatches:
-        validate_interleaved_microbatches(args.num_microbatches, pp,
-                                          args.virtual_pipeline_model_parallel_size,
-                                          args.microbatch_group_size_per_vp_stage)
+        evaluation = [args.eval_num_microbatches] if args.eval_iters > 0 and getattr(
+            args, "eval_num_microbatches", None) else []
+        for count in sorted(set(_microbatch_counts(args) + evaluation)):
+            validate_interleaved_microbatches(count, pp, args.virtual_pipeline_model_parallel_size,
+                                              args.microbatch_group_size_per_vp_stage)
     if args.pipeline_seq_length is None:
         return  # the pipeline buffers follow each step's data
     if args.pipeline_seq_length < args.seq_length:

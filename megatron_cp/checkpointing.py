@@ -273,10 +273,11 @@ def wait_for_async_save(trainer):
 def resume_schedule_only(trainer, root, it, iteration, consumed_samples):
     """After loading weights only (a converted checkpoint, or one saved with
     ``--no-save-optim``): the optimizer and RNG start fresh, but the learning-rate schedule
-    goes on at the saved iteration (one step per iteration), as the iteration count does,
-    instead of warming up again. Returns (iteration, consumed samples)."""
+    goes on at the saved iteration (one step per iteration, or per sample under a batch-size
+    schedule), as the iteration count does, instead of warming up again. Returns (iteration,
+    consumed samples)."""
     trainer.scheduler.num_steps = 0
-    trainer.scheduler.step(iteration)
+    trainer.scheduler.step(consumed_samples if trainer.args.lr_counts_samples else iteration)
     if trainer.state.global_rank == 0:
         print(f" loaded weights only from {root} at iteration {it}: optimizer and RNG "
               f"start fresh, the learning-rate schedule resumes at iteration {iteration}",
@@ -420,6 +421,10 @@ def load_checkpoint(trainer, root):
     if os.path.exists(os.path.join(iteration_dir(root, it), ".metadata")):
         from megatron_cp.dist_checkpoint import torch_dist
         return torch_dist.load(trainer, root, it)
+    if getattr(args, "verify_integrity", False) and st.global_rank == 0:
+        print(f" --verify-integrity: the checkpoint under {root} is --ckpt-format torch, which "
+              f"has no integrity manifest (Megatron-LM hashes torch_dist checkpoints only); "
+              f"loading it unverified", flush=True)
     path = os.path.join(iteration_dir(root, it), own_shard_name(st, args), "model_optim_rng.pt")
     if not os.path.exists(path):
         first = latest_first_shard(root)  # another layout names its files otherwise: say which

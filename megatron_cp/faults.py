@@ -11,6 +11,8 @@ A fault is not a bug, so it gets no traceback: ``training.main`` prints the mess
 * :class:`NonFiniteError`: the training loss or the gradient norm is NaN or inf. Both are
   values every rank holds identically (the loss after its all-reduce, the norm after its
   reductions), so every rank stops at the same point and no collective is left waiting.
+* :class:`ReplicaMismatchError`: data-parallel replicas hold different weights
+  (``--check-weight-hash-across-dp-replicas-interval``); the ranks agree before raising.
 
 :func:`raise_on_every_rank` is the same idea for user errors that may hit some ranks only
 (one rank's checkpoint shard is corrupted): after a step that may fail locally, the ranks
@@ -48,6 +50,10 @@ class LostContactError(TrainingFault):
 
 class NonFiniteError(TrainingFault):
     """The training loss or the gradient norm is NaN or inf."""
+
+
+class ReplicaMismatchError(TrainingFault):
+    """Data-parallel replicas hold different weights (megatron_cp.weight_hash)."""
 
 
 class Progress:

@@ -203,8 +203,10 @@ COMPAT_FLAGS = (
                "built; give --data-path with --split", argparse=dict(nargs="*", default=None)),
     CompatFlag("--test-data-path", REFUSE, "separate train/valid/test data paths are not "
                "built; give --data-path with --split", argparse=dict(nargs="*", default=None)),
-    CompatFlag("--rampup-batch-size", REFUSE, "batch-size ramp-up is not built; drop it",
-               argparse=dict(nargs=3, default=None)),
+    CompatFlag("--rampup-batch-size", REFUSE, "Megatron-LM deprecated it and ignores it (the "
+               "batch stays --global-batch-size); give the ramp-up as --step-batch-size-schedule "
+               "(e.g. '0:16 1M:32 2M:64', thresholds in tokens)",
+               argparse=dict(nargs=3, type=int, default=None)),
     CompatFlag("--fp8-format", REFUSE, "FP8 training needs Transformer Engine's fp8 layers, "
                "which are not used; use --bf16", argparse=dict(choices=["e4m3", "hybrid"],
                                                               default=None)),
@@ -337,6 +339,10 @@ AS_IS = (  # (why, flags): accepted, they select what megatron_cp does anyway
     ("no TorchScript/JIT fuser is used; plain PyTorch ops run unless --torch-compile is "
      "given",
      ("--disable-jit-fuser",)),
+    ("Megatron-LM's test mode compares the QK-layernorm weights over DP ranks in each "
+     "attention forward and skips its fused QKV+RoPE kernel; there is no QK layernorm "
+     "(refused) and no such kernel here",
+     ("--test-mode",)),
     ("every pipeline stage launches its own gradient reductions and param all-gathers when "
      "ready; launch timing changes no value",
      ("--no-align-grad-reduce", "--no-align-param-gather",
@@ -552,8 +558,6 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
       "--torch-fsdp2-no-reshard-after-forward",)),
     ("the pre-Megatron-Core-0.14 checkpoint save format is not built; drop it",
      ("--dist-ckpt-save-pre-mcore-014",)),
-    ("checkpoint file hashing and load-time integrity verification is not built; drop it",
-     ("--verify-integrity",)),
     ("deprecated Megatron spellings; use --ckpt-format torch_dist",
      ("--use-dist-ckpt", "--dist-ckpt-format",)),
     ("deferred model-parallel initialisation for an external DDP manager is not built; drop "
@@ -582,11 +586,12 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
     ("a fake process group skips all communication and so changes every result; it is not "
      "built, drop it",
      ("--fake-process-group",)),
-    ("batch-size schedules and automatic batch-size changes are not built; use a fixed "
-     "--global-batch-size",
-     ("--step-batch-size-schedule", "--decrease-batch-size-if-needed",)),
-    ("cross-replica weight-hash checks and GPU sniff tests are not built; drop them",
-     ("--check-weight-hash-across-dp-replicas-interval", "--gpu-sniff-test-interval",)),
+    ("shrinking the global batch to fit micro batch x DP is not built; give a "
+     "--global-batch-size divisible by micro batch x DP (or a --step-batch-size-schedule)",
+     ("--decrease-batch-size-if-needed",)),
+    ("GPU sniff tests (timed GEMMs, all-to-all and send/recv compared across ranks) are not "
+     "built; drop it (--check-weight-hash-across-dp-replicas-interval compares the replicas)",
+     ("--gpu-sniff-test-interval",)),
     ("only SIGTERM triggers the --exit-signal-handler save-and-exit; other signals and "
      "dataloader/training-specific handlers are not built",
      ("--exit-signal", "--exit-signal-handler-for-dataloader",
@@ -720,12 +725,12 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
      "which are not used; use --bf16",
      ("--reuse-grad-buf-for-mxfp8-param-ag", "--fp4-param-gather", "--fp8-param-gather",
       "--te-precision-config-file",)),
-    ("evaluation always runs every --eval-interval with the training batch sizes; these eval "
-     "options are not built",
-     ("--start-eval-at-iter", "--eval-global-batch-size", "--eval-micro-batch-size",
-      "--full-validation", "--multiple-validation-sets", "--validation-set-names",)),
-    ("evaluation-only runs and Megatron's test mode are not built; drop them",
-     ("--skip-train", "--test-mode",)),
+    ("evaluation always runs every --eval-interval, --eval-iters batches from the start of "
+     "the one validation split; these eval options are not built",
+     ("--start-eval-at-iter", "--full-validation", "--multiple-validation-sets",
+      "--validation-set-names",)),
+    ("evaluation-only runs are not built; drop it (evaluate a checkpoint with tasks/main.py)",
+     ("--skip-train",)),
     ("the profiler trace is always recorded without shapes, call stacks or Chakra traces; "
      "these options are not built",
      ("--pytorch-profiler-collect-shapes", "--pytorch-profiler-collect-callstack",

@@ -15,6 +15,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from megatron_cp.data.batch_schedule import BatchSchedule
 from megatron_cp.initialize import distributed_env
 from megatron_cp.optimizer.clip_grads import counted_here
 from megatron_cp.pipeline_parallel.stages import layout_from_args
@@ -56,7 +57,7 @@ def format_compat_notes(args):
 
 def format_parallel_sizes(args, state):
     """World size and every parallel size, as Megatron's ``using world size`` line, plus the
-    microbatch split of the global batch."""
+    microbatch split of the global batch (or Megatron's table of a batch-size schedule)."""
     tp, cp, pp, dp = (state.size(n) for n in ("tp", "cp", "pp", "dp"))
     vp = state.virtual_pipeline_model_parallel_size
     line = (f"using world size: {state.world_size}, data-parallel size: {dp}, "
@@ -67,6 +68,10 @@ def format_parallel_sizes(args, state):
     details = [f"sequence parallel: {bool(getattr(args, 'sequence_parallel', False))}"]
     if cp > 1:
         details.append(f"cp comm type: {args.cp_comm_type}")
+    if getattr(args, "batch_size_schedule", None):  # Megatron's lines for a schedule
+        schedule = BatchSchedule.from_args(args)
+        return (line + "\n> " + ", ".join(details) + "\n> using step batch size schedule: "
+                f"{args.step_batch_size_schedule}\n" + schedule.describe(args.seq_length))
     details.append(f"number of microbatches: {args.num_microbatches} (global batch "
                    f"{args.global_batch_size} = micro batch {args.micro_batch_size} x DP {dp} x "
                    f"{args.num_microbatches})")

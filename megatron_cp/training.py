@@ -33,6 +33,7 @@ from megatron_cp import rerun
 from megatron_cp.config_flags import build_config
 from megatron_cp.context_parallel import resolve_comm_type
 from megatron_cp.data import build_tokenizer
+from megatron_cp.data.batch_schedule import BatchSchedule
 from megatron_cp.data.feed import DataFeed
 from megatron_cp.initialize import initialize_distributed, initialize_model_parallel
 from megatron_cp.model import GPTConfig, GPTModel
@@ -47,6 +48,7 @@ from megatron_cp.run_report import (count_parameters, format_arguments, format_c
                                     format_parameter_counts, format_summary, is_global_rank_zero,
                                     print_rank_0)
 from megatron_cp.training_log import TrainingLogger, model_flops_per_token
+from megatron_cp.weight_hash import check_weight_hashes
 
 
 def config_from_args(args, vocab_size):
@@ -109,16 +111,20 @@ class Trainer:
         self.skipped_samples = 0  # of the iterations skipped (--iterations-to-skip)
         self.num_zeros = None  # of the latest step, with --log-num-zeros-in-grad
         self.pending_save = None  # the --async-save in flight (megatron_cp.dist_checkpoint)
+        # the schedule counts iterations, or samples under a batch-size schedule (arguments)
         self.scheduler = OptimizerParamScheduler(
-            self.optimizer, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters,
-            lr_decay_steps=args.lr_decay_iters, lr_decay_style=args.lr_decay_style,
+            self.optimizer, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_steps,
+            lr_decay_steps=args.lr_decay_steps, lr_decay_style=args.lr_decay_style,
             init_lr=args.lr_warmup_init, start_wd=args.start_weight_decay,
             end_wd=args.end_weight_decay, wd_incr_style=args.weight_decay_incr_style,
-            wd_incr_steps=None if args.weight_decay_incr_style == "constant" else args.train_iters,
+            wd_incr_steps=None if args.weight_decay_incr_style == "constant" else args.wd_incr_steps,
             use_checkpoint_values=args.use_checkpoint_opt_param_scheduler,
             override_from_arguments=args.override_opt_param_scheduler)
         self.iteration, self.consumed_samples = 0, 0
-        self.data = DataFeed(args, state, self.tokenizer, self.config.sequence_parallel)
+        self.batches = BatchSchedule.from_args(args)
+        self.global_batch_size = None  # of the latest iteration (the log line's)
+        self.data = DataFeed(args, state, self.tokenizer, self.config.sequence_parallel,
+                             self.batches)
         # The P2P buffers between pipeline stages are [length/cp(/tp with SP), b, h]; the
         # length follows each step's data (DataFeed._step_length), the shape is passed per step.
         self.forward_backward = get_forward_backward_func(
@@ -148,9 +154,10 @@ class Trainer:
 
         shape = None
         if st.size("pp") > 1:  # [length/cp(/tp with SP), b, h], the same on every stage
-            length = microbatches[0]["tokens"].shape[1] * st.size("cp")
-            shape = pipeline_tensor_shape(length, self.args.micro_batch_size, self.args.hidden_size,
-                                          st.size("cp"), st.size("tp"), self.config.sequence_parallel)
+            micro_batch_size, length = microbatches[0]["tokens"].shape
+            shape = pipeline_tensor_shape(length * st.size("cp"), micro_batch_size,
+                                          self.args.hidden_size, st.size("cp"), st.size("tp"),
+                                          self.config.sequence_parallel)
         losses = self.forward_backward(forward_step, loss_func, microbatches, self.model_chunks, st,
                                        forward_only=forward_only, tensor_shape=shape)
         loss_sum = torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
@@ -169,10 +176,14 @@ class Trainer:
         :class:`~megatron_cp.rerun.RerunExit` on every rank before the update."""
         current = self.iteration + 1
         self.progress.activity = f"iteration {current}"
-        microbatches = self.data.microbatches(self.data.train_iter, self.consumed_samples)
+        a = self.args
+        global_batch_size = self.batches.global_batch_size(self.consumed_samples)
+        microbatches = self.data.microbatches(
+            self.data.train_iter, self.batches.num_microbatches(self.consumed_samples),
+            a.micro_batch_size, self.consumed_samples)
         # MoE balancing losses: the mean over the global batch's microbatches (moe/balancing.py)
         moe.set_aux_loss_scale(self.model_chunks, float(self.optimizer.get_loss_scale())
-                               / (self.args.global_batch_size // self.args.micro_batch_size))
+                               / (global_batch_size // a.micro_batch_size))
         while self.rerun.should_run_forward_backward(self.iteration):
             for chunk in self.model_chunks:
                 chunk.train()
@@ -193,10 +204,10 @@ class Trainer:
         except GradNormNotFinite as bad:
             raise faults.non_finite("gradient norm", bad.grad_norm, current, rank, bad.ranks) from None
         if ok:
-            self.scheduler.step(1)
+            self.scheduler.step(global_batch_size if a.lr_counts_samples else 1)
         self.iteration += 1
-        self.consumed_samples += self.args.global_batch_size
-        a = self.args
+        self.consumed_samples += global_batch_size
+        self.global_batch_size = global_batch_size
         if getattr(a, "log_params_norm", False) and (self.iteration % a.log_interval == 0
                                                      or self.iteration == a.train_iters):
             self.optimizer.finish_param_sync()  # the norm reads every param: wait for the gathers
@@ -205,10 +216,13 @@ class Trainer:
     def skip_step(self):
         """Megatron's ``--iterations-to-skip``: read the next iteration's batch and count it
         consumed (and skipped), without a forward, backward or update."""
-        self.data.microbatches(self.data.train_iter)
+        global_batch_size = self.batches.global_batch_size(self.consumed_samples)
+        self.data.microbatches(self.data.train_iter,
+                               self.batches.num_microbatches(self.consumed_samples),
+                               self.args.micro_batch_size)
         self.iteration += 1
-        self.consumed_samples += self.args.global_batch_size
-        self.skipped_samples += self.args.global_batch_size
+        self.consumed_samples += global_batch_size
+        self.skipped_samples += global_batch_size
 
     def _rerun_extra(self):
         """What a rerun of the step starts from again, beside the global RNGs: the tracker's
@@ -219,6 +233,13 @@ class Trainer:
     def _restore_rerun_extra(self, saved):
         self.model.module.rng_tracker.set_states(saved["tracker"])
         moe.restore_router_counters(self.model_chunks, saved["moe"])
+
+    def check_weight_hashes(self):
+        """--check-weight-hash-across-dp-replicas-interval: every DP replica holds the same
+        weights (megatron_cp.weight_hash), once the parameter all-gathers have landed."""
+        self.progress.activity = f"the weight-hash check after iteration {self.iteration}"
+        self.optimizer.finish_param_sync()
+        check_weight_hashes(self.model_chunks, self.state, self.iteration)
 
     @property
     def evaluates(self):
@@ -232,8 +253,11 @@ class Trainer:
         for chunk in self.model_chunks:
             chunk.eval()
         total, tokens = 0.0, 0
-        for _ in range(self.args.eval_iters):
-            loss, n = self._run_batches(self.data.microbatches(it), forward_only=True)
+        a = self.args
+        for _ in range(a.eval_iters):  # batches of --eval-global-batch-size samples
+            microbatches = self.data.microbatches(it, a.eval_num_microbatches,
+                                                  a.eval_micro_batch_size)
+            loss, n = self._run_batches(microbatches, forward_only=True)
             total, tokens = total + loss * n, tokens + n
         return total / max(tokens, 1)
 
@@ -392,8 +416,9 @@ def _pretrain(args, state, progress):
 
 
 def _train(trainer, logger, start):
-    """The loop: train, log, evaluate, save and stop as the arguments say; returns the
-    losses and what stopped it. ``--manual-gc`` turns Python's collector off during the loop
+    """The loop: train, log, evaluate, save and stop as the arguments say (with --save, also
+    before the first iteration of a new --step-batch-size-schedule batch size, as Megatron-LM
+    does); returns the losses and what stopped it. ``--manual-gc`` turns Python's collector off during the loop
     and collects after evaluations and saves and every ``--manual-gc-interval`` iterations
     (0: only then) instead (Megatron's flags)."""
     args, state = trainer.args, trainer.state
@@ -407,12 +432,23 @@ def _train(trainer, logger, start):
     stop_reason = f"--train-iters {args.train_iters}"
     profiler = StepProfiler(args, state.global_rank, state.device)
     skips = rerun.iterations_to_skip(args, state.global_rank)
+    microbatches = trainer.batches.num_microbatches(trainer.consumed_samples)
+    hash_interval = args.check_weight_hash_across_dp_replicas_interval
+    if hash_interval:  # Megatron-LM checks once before the first iteration too
+        trainer.check_weight_hashes()
     try:
         while trainer.iteration < args.train_iters:
             if trainer.iteration + 1 in skips:
                 trainer.skip_step()
                 continue
             profiler.step(trainer.iteration)
+            before, microbatches = microbatches, trainer.batches.num_microbatches(
+                trainer.consumed_samples)
+            if microbatches != before and args.save and saved_at != trainer.iteration:
+                # Megatron-LM saves before the first iteration of a new batch size
+                trainer.progress.activity = f"the checkpoint save at iteration {trainer.iteration}"
+                checkpointing.save_checkpoint(trainer, args.save)
+                saved_at = trainer.iteration
             t0 = time.time()
             try:
                 loss, grad_norm, ok = trainer.train_step()
@@ -426,6 +462,8 @@ def _train(trainer, logger, start):
             if trainer.evaluates and args.eval_interval and it % args.eval_interval == 0:
                 logger.validation(it, trainer.evaluate())
                 collect = manual_gc
+            if hash_interval and it % hash_interval == 0:  # before a save could keep the damage
+                trainer.check_weight_hashes()
             if args.save and args.save_interval and it % args.save_interval == 0:
                 trainer.progress.activity = f"the checkpoint save at iteration {it}"
                 checkpointing.save_checkpoint(trainer, args.save)

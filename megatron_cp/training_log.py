@@ -66,6 +66,7 @@ class TrainingLogger:
 
     def _reset(self):
         self.time, self.loss, self.count = 0.0, 0.0, 0
+        self.samples = 0  # of the interval's iterations (their batch sizes may differ)
 
     def print(self, line):
         if self.is_writer:
@@ -75,6 +76,7 @@ class TrainingLogger:
         a = self.args
         self.time, self.count = self.time + seconds, self.count + 1
         self.loss += loss
+        self.samples += trainer.global_batch_size
         it = trainer.iteration
         scale = trainer.optimizer.get_loss_scale()
         scale = scale.item() if torch.is_tensor(scale) else float(scale)
@@ -86,7 +88,8 @@ class TrainingLogger:
             w("learning-rate", lr, it)
             w("grad-norm", grad_norm, it)
             w("consumed-samples", trainer.consumed_samples, it)
-            w("batch-size", a.global_batch_size, it)
+            w("batch-size", trainer.global_batch_size, it)
+            w("batch-size vs samples", trainer.global_batch_size, trainer.consumed_samples)
             if getattr(trainer, "skipped_samples", 0):
                 w("skipped-train-samples", trainer.skipped_samples, it)
             if a.log_loss_scale_to_tensorboard:  # Megatron's default: on
@@ -98,7 +101,7 @@ class TrainingLogger:
         if it % a.log_interval != 0 and it != a.train_iters:
             return
         per_iter = self.time / self.count
-        tokens_per_s = a.global_batch_size * a.seq_length / per_iter
+        tokens_per_s = self.samples * a.seq_length / self.time
         tflops = tokens_per_s * self.flops_per_token / self.state.world_size / 1e12
         mem_mb = _memory_mb(self.state.device)
         params_norm = ""
@@ -118,7 +121,7 @@ class TrainingLogger:
             f" elapsed time per iteration (ms): {per_iter * 1000:.1f} |"
             f" throughput per GPU (TFLOP/s/GPU): {tflops:.4f} |"
             f" tokens per second: {tokens_per_s:.1f} |"
-            f" learning rate: {lr:.6E} | global batch size: {a.global_batch_size:5d} |"
+            f" learning rate: {lr:.6E} | global batch size: {trainer.global_batch_size:5d} |"
             f" lm loss: {self.loss / self.count:.6E} | loss scale: {scale:.1f} |"
             f" grad norm: {grad_norm:.4f} |{zeros}{params_norm}{moe_line}"
             f" number of skipped iterations: {trainer.optimizer.num_skipped_iters:3d} |")
@@ -149,7 +152,7 @@ class TrainingLogger:
         aux, z, tokens = moe.take_stats(trainer.model_chunks, self.state, config.num_layers,
                                         config.num_moe_experts)
         layers = [n for n, is_moe in enumerate(config.moe_layer_pattern()) if is_moe]
-        microbatches = self.count * (self.args.global_batch_size // self.args.micro_batch_size)
+        microbatches = self.samples // self.args.micro_batch_size  # over every DP rank
         aux, z = aux[layers] / microbatches, z[layers] / microbatches  # [moe layers]
         tokens = tokens[layers] / self.count  # [moe layers, E] per iteration
         fewest, most = tokens.min().item(), tokens.max().item()

@@ -245,8 +245,9 @@ def test_refused_values_of_accepted_flags(flag, value, why):
                                                    "--ckpt-format torch_dist"),
     ("--optimizer sgd", "--optimizer sgd: only Adam"),
     ("--dataloader-type cyclic", "--dataloader-type cyclic: the cyclic"),
-    ("--rampup-batch-size 8 8 100", "--rampup-batch-size 8 8 100: batch-size ramp-up is not "
-                                    "built; drop it"),
+    ("--rampup-batch-size 8 8 100", "--rampup-batch-size 8 8 100: Megatron-LM deprecated it "
+                                    "and ignores it (the batch stays --global-batch-size); give "
+                                    "the ramp-up as --step-batch-size-schedule"),
     ("--no-position-embedding", "--no-position-embedding: turns the learned position table off, "
                                 "leaving the model no position signal; add "
                                 "--position-embedding-type rope"),
@@ -289,7 +290,7 @@ def test_every_table_flag_is_in_the_parser_with_help():
     for entry in COMPAT_FLAGS:
         assert entry.kind in (STORE, SAME, MAP, REFUSE) and entry.why
         assert by_flag[entry.flag].help, entry.flag
-    assert "Refused: batch-size ramp-up is not built" in parser.format_help()
+    assert "Refused: Megatron-LM deprecated it and ignores it" in parser.format_help()
 
 
 # ----- schedules in samples and weight-decay increments ------------------------------------

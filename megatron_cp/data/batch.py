@@ -4,7 +4,9 @@
 ids and (for packed documents) document ids. :func:`build_data_iterator` hands every
 DP rank its microbatches so that global batch ``k`` is always the samples
 ``[consumed + k*G, consumed + (k+1)*G)`` of the dataset, whatever the DP layout:
-DP rank ``d`` takes the contiguous share ``[d*G/DP, (d+1)*G/DP)`` of it, in microbatches.
+DP rank ``d`` takes the contiguous share ``[d*G/DP, (d+1)*G/DP)`` of it, in microbatches
+(under a batch-size schedule each batch starts where the previous one ended and takes the
+size the schedule gives at that sample).
 """
 import numpy as np
 import torch
@@ -52,16 +54,21 @@ def get_ltor_batch(text, eod_token, reset_position_ids=False, reset_attention_ma
 class DataParallelBatchSampler:
     """Yields, for one DP rank, the sample indices of each of its microbatches.
 
-    Global batch ``k`` covers samples ``[consumed + k*G, consumed + (k+1)*G)``; rank
-    ``d`` gets ``G/DP`` contiguous samples of it, ``micro_batch_size`` at a time. A
-    trailing partial global batch is dropped.
+    Global batches follow each other from ``consumed_samples``: one that starts at sample
+    ``c`` covers ``[c, c + G(c))``, where ``G`` is ``global_batch_size``, a number or a
+    function of the samples consumed before the batch (a batch-size schedule). Rank ``d``
+    gets ``G/DP`` contiguous samples of it, ``micro_batch_size`` at a time. A trailing
+    partial global batch is dropped.
     """
 
     def __init__(self, total_samples, consumed_samples, global_batch_size, micro_batch_size,
                  dp_rank, dp_size):
-        if global_batch_size % (micro_batch_size * dp_size) != 0:
+        size_at = global_batch_size if callable(global_batch_size) else (
+            lambda consumed, size=int(global_batch_size): size)
+        first = size_at(consumed_samples)
+        if first % (micro_batch_size * dp_size) != 0:
             raise ValueError(
-                f"global_batch_size ({global_batch_size}) must be divisible by "
+                f"global_batch_size ({first}) must be divisible by "
                 f"micro_batch_size ({micro_batch_size}) x data_parallel_size ({dp_size}); "
                 f"use a multiple of {micro_batch_size * dp_size}")
         if not 0 <= dp_rank < dp_size:
@@ -70,24 +77,34 @@ class DataParallelBatchSampler:
             raise ValueError(f"consumed_samples ({consumed_samples}) must be >= 0")
         self.total_samples = int(total_samples)
         self.consumed_samples = int(consumed_samples)
-        self.global_batch_size = int(global_batch_size)
+        self.size_at = size_at
         self.micro_batch_size = int(micro_batch_size)
         self.dp_rank = int(dp_rank)
         self.dp_size = int(dp_size)
 
+    def _global_batches(self):
+        """``(first sample, size)`` of every whole global batch left."""
+        start = self.consumed_samples
+        while True:
+            size = self.size_at(start)
+            if start + size > self.total_samples:
+                return
+            yield start, size
+            start += size
+
     @property
     def num_global_batches(self):
         """Whole global batches left after ``consumed_samples``."""
-        return max(0, self.total_samples - self.consumed_samples) // self.global_batch_size
+        return sum(1 for _ in self._global_batches())
 
     def __len__(self):
-        return self.num_global_batches * self.global_batch_size // (
+        return sum(size for _, size in self._global_batches()) // (
             self.micro_batch_size * self.dp_size)
 
     def __iter__(self):
-        share = self.global_batch_size // self.dp_size
-        for k in range(self.num_global_batches):
-            first = self.consumed_samples + k * self.global_batch_size + self.dp_rank * share
+        for start, size in self._global_batches():
+            share = size // self.dp_size
+            first = start + self.dp_rank * share
             for m in range(0, share, self.micro_batch_size):
                 yield list(range(first + m, first + m + self.micro_batch_size))
 
@@ -98,7 +115,8 @@ def _collate_text(samples):
 
 def build_data_iterator(dataset, global_batch_size, micro_batch_size, dp_rank, dp_size,
                         consumed_samples=0, num_workers=0):
-    """Iterator over this DP rank's microbatches: ``text`` tensors ``[micro_batch_size, s+1]``.
+    """Iterator over this DP rank's microbatches: ``text`` tensors ``[micro_batch_size, s+1]``;
+    ``global_batch_size``: a number, or a function of the consumed samples (a schedule).
 
     Resumes exactly: the same ``consumed_samples`` gives the same following batches.
     Returns None for a None dataset. Uses a torch DataLoader with

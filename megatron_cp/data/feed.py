@@ -18,8 +18,9 @@ class DataFeed:
     ``state``: its ParallelState, ``tokenizer``: the run's tokenizer, ``sequence_parallel``:
     whether the sequence is also split over TP)."""
 
-    def __init__(self, args, state, tokenizer, sequence_parallel):
+    def __init__(self, args, state, tokenizer, sequence_parallel, batches):
         self.args, self.state, self.tokenizer = args, state, tokenizer
+        self.batches = batches  # the global batch size at each sample (BatchSchedule)
         self.sequence_parallel = sequence_parallel
         self.device = state.device
         self.reads = state.rank("tp") == 0  # TP peers receive their batch by broadcast
@@ -30,54 +31,57 @@ class DataFeed:
         ``consumed_samples``."""
         a = self.args
         eval_rounds = a.train_iters // a.eval_interval + 1 if a.eval_iters > 0 else 0
-        num_samples = (a.train_iters * a.global_batch_size,
-                       eval_rounds * a.eval_iters * a.global_batch_size,
-                       a.eval_iters * a.global_batch_size)
+        num_samples = (self.batches.samples_after(a.train_iters),
+                       eval_rounds * a.eval_iters * a.eval_global_batch_size,
+                       a.eval_iters * a.eval_global_batch_size)
         train, valid, test = build_train_valid_test_datasets(
             a.data_path, a.split, num_samples, a.seq_length, a.seed, self.tokenizer,
             mock=a.mock_data, data_cache_path=a.data_cache_path,
             mmap_bin=a.mmap_bin_files) if self.reads else (None,) * 3
         self.datasets = {"train": train, "validation": valid, "test": test}  # for the banner
-        self.train_iter = build_data_iterator(train, a.global_batch_size, a.micro_batch_size,
+        self.train_iter = build_data_iterator(train, self.batches.global_batch_size,
+                                              a.micro_batch_size,
                                               self.state.rank("dp"), self.state.size("dp"),
                                               consumed_samples, a.num_workers)
         self.valid_dataset = valid
 
     def validation_iterator(self):
-        """A fresh pass over the validation split, from its start."""
+        """A fresh pass over the validation split, from its start, in evaluation batches
+        (--eval-global-batch-size of --eval-micro-batch-size microbatches)."""
         a = self.args
         return build_data_iterator(self.valid_dataset if self.reads else None,
-                                   a.global_batch_size, a.micro_batch_size,
+                                   a.eval_global_batch_size, a.eval_micro_batch_size,
                                    self.state.rank("dp"), self.state.size("dp"), 0, a.num_workers)
 
-    def microbatches(self, iterator, first_sample=0):
-        """This rank's microbatches of one global batch, padded to the step's length and
-        (for CP) partitioned. Each carries ``sample_ids`` [b]: its samples' numbers in the
-        run's stream (``first_sample``, the samples consumed before this global batch, plus
-        the index in the global batch, which DP rank d holds from d x G/DP on, as
-        DataParallelBatchSampler deals them): attention dropout's mask follows them, so DP
-        ranks drop what one process running the whole batch would."""
+    def microbatches(self, iterator, count, micro_batch_size, first_sample=0):
+        """This rank's ``count`` microbatches of ``micro_batch_size`` samples (one global
+        batch), padded to the step's length and (for CP) partitioned. Each carries
+        ``sample_ids`` [b]: its samples' numbers in the run's stream (``first_sample``, the
+        samples consumed before this global batch, plus the index in the global batch, which
+        DP rank d holds from d x G/DP on, as DataParallelBatchSampler deals them): attention
+        dropout's mask follows them, so DP ranks drop what one process running the whole
+        batch would."""
         a, st = self.args, self.state
         batches = []
-        for _ in range(a.num_microbatches):
+        for _ in range(count):
             text = next(iterator) if iterator is not None else None
             if text is not None:
                 self._check_token_ids(text)
             if st.size("tp") > 1:
                 if text is None:
-                    text = torch.empty(a.micro_batch_size, a.seq_length + 1, dtype=torch.long)
+                    text = torch.empty(micro_batch_size, a.seq_length + 1, dtype=torch.long)
                 text = text.to(self.device)
                 dist.broadcast(text, src=st.group_ranks("tp")[0], group=st.group("tp"))
             batches.append(get_ltor_batch(text.to(self.device), self.tokenizer.eod,
                                           a.reset_position_ids, a.reset_attention_mask,
                                           a.eod_mask_loss))
         length = self._step_length(batches)
-        first = first_sample + st.rank("dp") * (a.global_batch_size // st.size("dp"))
+        first = first_sample + st.rank("dp") * count * micro_batch_size  # G/DP samples a rank
         prepared = []
         for m, batch in enumerate(batches):
             batch = prepare_microbatch(batch, st.rank("cp"), st.size("cp"), length)
-            start = first + m * a.micro_batch_size
-            batch["sample_ids"] = torch.arange(start, start + a.micro_batch_size,
+            start = first + m * micro_batch_size
+            batch["sample_ids"] = torch.arange(start, start + micro_batch_size,
                                                device=self.device)
             prepared.append(batch)
         return prepared

@@ -8,6 +8,7 @@ Layout of one iteration's folder::
     iter_0000020/__<rank>_0.distcp    the chunks each rank wrote (in parallel)
     iter_0000020/common.pt            iteration, samples, arguments, schedule, loss scale
     iter_0000020/rng/rank_00005.pt    every rank's RNG states (restored under the same layout)
+    iter_0000020/integrity.json       with --verify-integrity: every file's SHA-256 (integrity.py)
 
 Tensors are keyed by canonical name (:mod:`megatron_cp.dist_checkpoint.canonical`):
 ``model.<name>`` holds the model weights, ``optimizer.exp_avg.<name>`` /
@@ -39,6 +40,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 from megatron_cp import checkpointing as ckpt
 from megatron_cp import faults
+from megatron_cp.dist_checkpoint import integrity
 from megatron_cp.dist_checkpoint.canonical import canonical_name, expert_param_spec, param_spec
 from megatron_cp.dist_checkpoint.pieces import Pieces, PiecesLoadPlanner, PiecesSavePlanner
 from megatron_cp.optimizer.optimizer import adam_step, set_adam_step
@@ -253,6 +255,8 @@ def save(trainer, root, async_save=False):
             ckpt._atomic_torch_save(common, os.path.join(tmp, COMMON))
         dist.barrier(group=group)  # every rank has written: only now may the tracker move
         if st.global_rank == 0:
+            if args.verify_integrity:
+                integrity.write_manifest(tmp)
             ckpt.commit_checkpoint(root, it, getattr(args, "save_retain_interval", None))
         dist.barrier(group=group)
 
@@ -267,6 +271,8 @@ def load(trainer, root, it):
     whatever layout saved it; returns (iteration, consumed samples)."""
     st, args = trainer.state, trainer.args
     folder = ckpt.iteration_dir(root, it)
+    if args.verify_integrity:  # before a byte of it is read
+        integrity.verify(folder, checkpoint_group(trainer), ckpt._earlier(root, it))
     common = read_common(folder)
     ckpt.check_args_match(common["args"], args, ckpt.MODEL_ONLY_ARGS)
     wait_for_async_save(trainer)
