@@ -59,6 +59,9 @@ def _training_args(g):
                    help="Warmup as a fraction of the decay iterations.")
     g.add_argument("--lr-decay-iters", type=int, default=None, help="Decay iterations (default train iters).")
     g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay.")
+    g.add_argument("--apply-wd-to-qk-layernorm", action="store_true",
+                   help="Decay the --qk-layernorm weights (and biases) too; every other norm "
+                        "weight and bias stays undecayed.")
     g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1.")
     g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2.")
     g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon.")
