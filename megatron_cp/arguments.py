@@ -71,6 +71,9 @@ def _training_args(g):
                    help="Warmup as a fraction of the decay iterations.")
     g.add_argument("--lr-decay-iters", type=int, default=None, help="Decay iterations (default train iters).")
     g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay.")
+    g.add_argument("--apply-wd-to-qk-layernorm", action="store_true",
+                   help="Decay the --qk-layernorm weights (and biases) too; every other norm "
+                        "weight and bias stays undecayed.")
     g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1.")
     g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2.")
     g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon.")
@@ -148,6 +151,10 @@ def _rerun_args(g):
                    help="What an injected result turns out to be: a transient error (its "
                         "rerun differs), a persistent error (the same when rerun here, "
                         "different on another GPU) or a correct result (the same everywhere).")
+    g.add_argument("--test-mode", action="store_true",
+                   help="Megatron-LM's realtime test: every attention forward checks that the "
+                        "--qk-layernorm weights are equal over the data-parallel replicas "
+                        "(stops naming them if not); nothing else changes.")
     g.add_argument("--check-for-spiky-loss", action="store_true",
                    help="Validate each microbatch's loss against 10x the largest of the first "
                         "100 losses; with --rerun-mode validate_results a spike reruns the step "

@@ -61,6 +61,10 @@ COMPAT_FLAGS = (
                group="training", sets=("recompute_granularity", "selective")),
     CompatFlag("--use-rotary-position-embeddings", MAP, "Same as --position-embedding-type rope.",
                group="model", sets=("position_embedding_type", "rope")),
+    CompatFlag("--no-weight-decay-cond-type", MAP, "Deprecated spelling of "
+               "--apply-wd-to-qk-layernorm (its one value).", group="training",
+               argparse=dict(choices=["apply_wd_to_qk_layernorm"], default=None),
+               sets=("apply_wd_to_qk_layernorm", True)),
     # --- accepted, kept on args ---
     CompatFlag("--use-checkpoint-args", STORE, "Take the model and tokenizer flags not given on "
                "the command line from the checkpoint under --load.",
@@ -190,8 +194,20 @@ COMPAT_FLAGS = (
     CompatFlag("--no-position-embedding", SAME, "no learned position table: rotary "
                "embeddings (--position-embedding-type rope) have none",
                needs=("position_embedding_type", ("rope",),
-                      "turns the learned position table off, leaving the model no position "
-                      "signal; add --position-embedding-type rope (rotary, no learned table)")),
+                      "is Megatron-LM's deprecated spelling, accepted only beside "
+                      "--position-embedding-type rope (no learned table to turn off); choose "
+                      "the positions with --position-embedding-type and drop it")),
+    CompatFlag("--rope-type", SAME, "GPT attention's rotary embedding is rope (Megatron-LM's "
+               "non-MLA attention takes no other)", group="model",
+               argparse=dict(choices=["rope", "yarn"], default=None),
+               refuse={"yarn": "it picks multi-latent attention's rotary embedding, and MLA is "
+                               "not built (Megatron-LM's GPT attention refuses it too); for "
+                               "YaRN use --position-embedding-type yarn"}),
+    CompatFlag("--yarn-correction-range-round-to-int", SAME, "YaRN's ramp ends are rounded to "
+               "whole channel pairs by default (--no-yarn-correction-range-round-to-int turns "
+               "it off)", group="model", argparse=dict(action="store_true", default=None),
+               needs=("no_yarn_correction_range_round_to_int", (False,),
+                      "contradicts --no-yarn-correction-range-round-to-int; give one")),
     CompatFlag("--use-legacy-models", REFUSE, "the legacy model " + _NOT_BUILT +
                " (the model is Megatron-core style)"),
     CompatFlag("--vocab-extra-ids", REFUSE, "extra sentinel ids are for T5 span corruption, "
@@ -210,7 +226,6 @@ COMPAT_FLAGS = (
     CompatFlag("--fp8-format", REFUSE, "FP8 training needs Transformer Engine's fp8 layers, "
                "which are not used; use --bf16", argparse=dict(choices=["e4m3", "hybrid"],
                                                               default=None)),
-    CompatFlag("--qk-layernorm", REFUSE, "QK layernorm " + _NOT_BUILT),
     CompatFlag("--tp-comm-overlap", REFUSE, "it needs Transformer Engine userbuffers, which "
                "are not used; drop it"),
     CompatFlag("--fp32-residual-connection", REFUSE, "the residual stream stays in the model "
@@ -339,10 +354,6 @@ AS_IS = (  # (why, flags): accepted, they select what megatron_cp does anyway
     ("no TorchScript/JIT fuser is used; plain PyTorch ops run unless --torch-compile is "
      "given",
      ("--disable-jit-fuser",)),
-    ("Megatron-LM's test mode compares the QK-layernorm weights over DP ranks in each "
-     "attention forward and skips its fused QKV+RoPE kernel; there is no QK layernorm "
-     "(refused) and no such kernel here",
-     ("--test-mode",)),
     ("every pipeline stage launches its own gradient reductions and param all-gathers when "
      "ready; launch timing changes no value",
      ("--no-align-grad-reduce", "--no-align-param-gather",
@@ -410,17 +421,12 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
       "--attention-output-gate",)),
     ("post-LN residual ordering is not built; layers are pre-LN; drop it",
      ("--apply-residual-connection-post-layernorm",)),
-    ("zero-centred (1+gamma) LayerNorm weights are not built; drop it",
-     ("--apply-layernorm-1p",)),
     ("a bias on QKV alone is not built; --disable-bias-linear switches all linear biases "
      "together",
      ("--add-qkv-bias",)),
     ("GLU offset and activation clamping are not built; SwiGLU/GELU run unmodified; drop "
      "them",
      ("--glu-linear-offset", "--activation-func-clamp-value",)),
-    ("interleaved (RoFormer-style) rotary pairs are not built; rope rotates first/second "
-     "halves; drop it",
-     ("--rotary-interleaved",)),
     ("multimodal rope sections are not built; drop it",
      ("--mrope-section",)),
     ("experimental attention variants (Gated DeltaNet, DeepSeek sparse attention and its "
@@ -604,9 +610,6 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
     ("deprecated Megatron spelling; use --recompute-granularity full --recompute-method "
      "uniform",
      ("--checkpoint-activations",)),
-    ("only standard RoPE is built (YaRN is not); drop --rope-type, use "
-     "--position-embedding-type rope",
-     ("--rope-type",)),
     ("optimizer CPU offload (hybrid CPU/GPU Adam) is not built; drop these flags",
      ("--optimizer-cpu-offload", "--optimizer-offload-fraction",
       "--use-torch-optimizer-for-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d",
@@ -645,15 +648,13 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
       "--fim-suffix-token", "--fim-pad-token", "--fim-eod-token",)),
     ("sliding-window attention is not built; drop it",
      ("--window-size", "--window-attn-skip-freq",)),
-    ("rotary scaling (YaRN, llama3), interpolation and per-layer RoPE skipping are not "
-     "built; use plain rope (--rotary-base, --rotary-percent)",
-     ("--yarn-original-max-position-embeddings", "--yarn-beta-fast", "--yarn-beta-slow",
-      "--yarn-correction-range-round-to-int", "--no-yarn-correction-range-round-to-int",
-      "--rotary-seq-len-interpolation-factor", "--use-rope-scaling", "--rope-scaling-factor",
+    ("llama3 rope scaling, position interpolation and per-layer RoPE skipping are not built; "
+     "use --position-embedding-type rope or yarn (--rotary-scaling-factor)",
+     ("--rotary-seq-len-interpolation-factor", "--use-rope-scaling", "--rope-scaling-factor",
       "--no-rope-freq",)),
-    ("only exact GELU and SwiGLU are built (no tanh GELU, squared ReLU or quick GEGLU); use "
-     "the default or --swiglu",
-     ("--openai-gelu", "--squared-relu", "--quick-geglu",)),
+    ("only exact GELU, SwiGLU and squared ReLU are built (no tanh GELU or quick GEGLU); use "
+     "the default, --swiglu or --squared-relu",
+     ("--openai-gelu", "--quick-geglu",)),
     ("the ONNX-export workarounds are not built; drop it",
      ("--onnx-safe",)),
     ("heterogeneous per-layer architectures are not built; drop it",
@@ -662,8 +663,7 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
      ("--linear-attention-freq", "--mamba-training-ssm-states-dtype",)),
     ("multi-latent attention and multi-token prediction are not built yet; drop them",
      ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
-      "--v-head-dim", "--rotary-scaling-factor", "--mscale", "--mscale-all-dim",
-      "--cache-mla-latents", "--mla-down-proj-fusion",)),
+      "--v-head-dim", "--cache-mla-latents", "--mla-down-proj-fusion",)),
     ("upcycling a dense checkpoint into MoE is not built; drop it",
      ("--moe-use-upcycling", "--moe-upcycling-granularity",)),
     ("writing progress.txt into the checkpoint directory is not built; drop it",
@@ -679,9 +679,6 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
      ("--moe-routing-trace-path", "--moe-routing-trace-max-training-iters",
       "--moe-routing-trace-capture-logits", "--moe-routing-trace-capture-hidden-states",
       "--moe-routing-trace-dump-weights",)),
-    ("the QK layernorm is not built (--qk-layernorm is refused), so its weight-decay rule is "
-     "too; drop it",
-     ("--apply-wd-to-qk-layernorm", "--no-weight-decay-cond-type",)),
     ("only Adam (AdamW) is built, not SGD, Muon or Lion; drop these optimizer settings",
      ("--sgd-momentum", "--muon-momentum", "--muon-no-split-qkv", "--muon-nesterov",
       "--muon-scale-mode", "--muon-fp32-matmul-prec", "--muon-coefficient-type",

@@ -90,10 +90,15 @@ class Trainer:
             overlap_grad_reduce=args.overlap_grad_reduce, use_distributed_optimizer=distributed,
             overlap_param_gather=getattr(args, "overlap_param_gather", False)) for m in models]
         self.model = self.model_chunks[0]
+        if args.test_mode:  # Megatron-LM's realtime test: QK norms equal over DP, every forward
+            for m in models:
+                for module in m.modules():
+                    if getattr(module, "q_layernorm", None) is not None:
+                        module.replica_check_group = state.group("dp")
         adam = dict(lr=args.lr, weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2),
                     eps=args.adam_eps, clip_grad=args.clip_grad, params_dtype=args.params_dtype,
                     grad_scaler=_grad_scaler(args), check_for_nan_in_grad=self.check_for_nan)
-        groups = get_param_groups(models, args.weight_decay)
+        groups = get_param_groups(models, args.weight_decay, args.apply_wd_to_qk_layernorm)
         self.optimizer = DistributedOptimizer(groups, self.model_chunks, state, **adam) \
             if distributed else MixedPrecisionOptimizer(groups, state, **adam)
         self.optimizer.count_zeros_in_grad = args.log_num_zeros_in_grad

@@ -43,6 +43,24 @@ def _mismatches(params, group, device):
     return names, any(not torch.equal(local, other) for other in gathered)
 
 
+def check_replicas_equal(named_params, group, device, where):
+    """``--test-mode``: ``named_params`` (``[(name, param)]``) are the same on every rank of
+    ``group`` (a collective over it); else :class:`~megatron_cp.faults.ReplicaMismatchError`
+    on every rank of the group, naming ``where`` and the parameters."""
+    if not named_params:
+        return
+    local = torch.stack([_hash(p) for _, p in named_params]).to(device)  # [n, 20]
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, local, group=group)
+    differ = torch.stack([(other != gathered[0]).any(dim=1) for other in gathered]).any(dim=0)
+    names = [name for (name, _), bad in zip(named_params, differ.tolist()) if bad]
+    if names:  # the same on every rank of the group: all stop together
+        raise faults.ReplicaMismatchError(
+            f"--test-mode: {where}: {', '.join(names)} differ across the "
+            f"data-parallel replicas (from DP rank 0 of the group): the replicas no longer hold "
+            f"the same weights")
+
+
 def check_weight_hashes(model_chunks, state, iteration):
     """Compare every parameter with its DP replicas (see the module doc); a collective over
     the world. Raises :class:`~megatron_cp.faults.ReplicaMismatchError` on every rank when

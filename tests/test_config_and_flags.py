@@ -248,9 +248,11 @@ def test_refused_values_of_accepted_flags(flag, value, why):
     ("--rampup-batch-size 8 8 100", "--rampup-batch-size 8 8 100: Megatron-LM deprecated it "
                                     "and ignores it (the batch stays --global-batch-size); give "
                                     "the ramp-up as --step-batch-size-schedule"),
-    ("--no-position-embedding", "--no-position-embedding: turns the learned position table off, "
-                                "leaving the model no position signal; add "
-                                "--position-embedding-type rope"),
+    ("--no-position-embedding", "--no-position-embedding: is Megatron-LM's deprecated spelling, "
+                                "accepted only beside --position-embedding-type rope"),
+    ("--no-position-embedding --position-embedding-type yarn",
+     "--no-position-embedding: is Megatron-LM's deprecated spelling, accepted only beside "
+     "--position-embedding-type rope"),
     ("--recompute-activations --recompute-granularity full --recompute-method uniform",
      "--recompute-activations means --recompute-granularity selective"),
 ])

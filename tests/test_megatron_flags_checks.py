@@ -110,11 +110,37 @@ def test_verify_integrity_goes_with_torch_dist_and_a_manifest(tmp_path):
 
 # ----- --test-mode ----------------------------------------------------------------------------
 
-def test_test_mode_is_accepted_as_the_nothing_it_does_here():
-    """Megatron-LM's test mode only re-checks the QK-layernorm weights (which megatron_cp does
-    not have) and skips a fused GPU kernel (which it does not use): accepted, with a note."""
-    from megatron_cp.arguments import parse_args
-    args = parse_args(f"{TINY} --train-iters 3 --test-mode".split())
-    assert [n for n in args.compat_notes if n.startswith(
-        "--test-mode: Megatron-LM's test mode compares the QK-layernorm weights")], args.compat_notes
-    assert not hasattr(args, "test_mode")  # nothing reads it
+TEST_MODE = TINY + " --train-iters 3 --log-interval 1 --qk-layernorm --test-mode"
+
+
+def _main_perturbing_qk_norm(rank, world, argv, perturb_at):
+    """``_main`` where global rank 1 nudges layer 0's query norm after ``perturb_at``."""
+    from megatron_cp import training
+    real_step = training.Trainer.train_step
+
+    def train_step(self):
+        out = real_step(self)
+        if perturb_at == self.iteration and self.state.global_rank == 1:
+            with torch.no_grad():
+                self.model_chunks[0].module.decoder.layers[0].self_attention.q_layernorm \
+                    .weight[0] += 1e-3
+        return out
+
+    training.Trainer.train_step = train_step
+    return _main(rank, world, argv)
+
+
+def test_test_mode_checks_the_qk_norms_over_dp_replicas_in_every_forward():
+    """Megatron-LM's realtime test: with --qk-layernorm, each attention forward compares the
+    QK-norm weights over the DP replicas. Equal replicas train on; a replica whose query norm
+    drifted stops the run at the next forward, naming it (without --test-mode it trains on)."""
+    (status, text), _ = run_workers(_main, 2, TEST_MODE)
+    assert status == 0, text
+    results = run_workers(_main_perturbing_qk_norm, 2, TEST_MODE, 1)
+    for status, text in results:
+        errors = [line for line in text.splitlines() if line.startswith("error:")]
+        assert status == 1 and len(errors) == 1, text
+        assert "--test-mode: layer 0 attention: q_layernorm.weight differ across the " \
+               "data-parallel replicas" in errors[0], errors
+    quiet = run_workers(_main_perturbing_qk_norm, 2, TEST_MODE.replace(" --test-mode", ""), 1)
+    assert [status for status, _ in quiet] == [0, 0]

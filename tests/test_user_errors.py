@@ -63,8 +63,8 @@ def _mistakes(tmp):
         (f"--save {tmp}/file/run", f"--save {tmp}/file/run: {tmp}/file is a file, not a "
                                    f"directory; give a directory"),
         ("--no-position-embedding --position-embedding-type learned_absolute",
-         "--no-position-embedding: turns the learned position table off, leaving the model "
-         "no position signal; add --position-embedding-type rope"),
+         "--no-position-embedding: is Megatron-LM's deprecated spelling, accepted only beside "
+         "--position-embedding-type rope (no learned table to turn off)"),
         ("--fp8-format hybrid", "--fp8-format hybrid: FP8 training needs Transformer Engine's "
                                 "fp8 layers"),
         ("--cuda-graph-impl local", "--cuda-graph-impl local: CUDA graph capture is not built"),

@@ -94,7 +94,7 @@ def _chunk_states(payload):
     return [payload[k] for k in keys]
 
 
-def param_order(states):
+def param_order(states, apply_wd_to_qk_layernorm=False):
     """The optimizer's order of one model-parallel rank's params: ``[(chunk, local name)]``,
     weight-decay group first (``get_param_groups``' rule over the chunks' state dicts,
     which hold exactly the params), and the two group sizes."""
@@ -102,7 +102,8 @@ def param_order(states):
     for c, state in enumerate(states):
         for name, tensor in state.items():
             if not is_buffer(name):
-                (no_decay if no_weight_decay(name, tensor.dim()) else decay).append((c, name))
+                decays = not no_weight_decay(name, tensor.dim(), apply_wd_to_qk_layernorm)
+                (decay if decays else no_decay).append((c, name))
     return decay + no_decay, [len(g) for g in (decay, no_decay) if g]
 
 
@@ -158,7 +159,7 @@ def _load_torch(load_dir, it):
         opt = payload.get("optimizer")
         if opt is None or payload.get("converted"):
             continue
-        order, _ = param_order(states)
+        order, _ = param_order(states, args.get("apply_wd_to_qk_layernorm", False))
         for i, (c, name) in enumerate(order):
             canon = _global_name(name, payload["layer_numbers"][c])
             per_param = opt["optimizer"]["state"].get(i)
@@ -237,7 +238,7 @@ def _split(name, tensor, swiglu, sizes, coords):
 
 def _optimizer_payload(states, layer_numbers, optimizer, meta, args, sizes, coords):
     """The MixedPrecisionOptimizer state dict of one target rank, from full moments."""
-    order, sizes_of_groups = param_order(states)
+    order, sizes_of_groups = param_order(states, args.get("apply_wd_to_qk_layernorm", False))
     tied = not args["untie_embeddings_and_output_weights"]
 
     def shard(kind, c, name):

@@ -7,6 +7,11 @@ and only that; dense Llama-style models (RMSNorm, SwiGLU, RoPE, no biases)
 learned absolute positions, biases) ``GPT2LMHeadModel`` (tools/hf_gpt2.py); the tokenizer
 files travel along (tools/hf_tokenizer.py). The import picks the layout from
 ``config.json``'s ``model_type``.
+
+Zero-centred norm weights (``--apply-layernorm-1p``: the norms scale by 1 + w) are exported as
+the plain weights 1 + w, which every layout here multiplies by. Settings none of the layouts
+express (QK norms, interleaved rotary pairs, squared ReLU; YaRN, which no layout picks) are
+refused, naming the flag.
 """
 from tools import hf_gpt2, hf_llama, hf_mixtral
 from tools.hf_io import read_config
@@ -16,10 +21,35 @@ LAYOUTS = {"mixtral": (hf_mixtral, "MixtralForCausalLM"), "llama": (hf_llama, "L
 SIGNATURE = ("normalization", "swiglu", "disable_bias_linear", "position_embedding_type")
 
 
+# settings of the checkpoint's arguments that no Hugging Face layout here expresses
+NOT_EXPRESSIBLE = {"qk_layernorm": "--qk-layernorm (a norm on every query and key head)",
+                   "rotary_interleaved": "--rotary-interleaved (rotary pairs (2i, 2i + 1); "
+                                         "Llama's are the halves' (i, i + d/2))",
+                   "squared_relu": "--squared-relu (the layouts' MLPs use GELU or SwiGLU)"}
+
+
+def check_expressible(args):
+    """Raise ValueError naming every setting of ``args`` no Hugging Face layout expresses."""
+    wrong = [why for key, why in NOT_EXPRESSIBLE.items() if args.get(key)]
+    if wrong:
+        raise ValueError(f"the checkpoint was trained with {'; '.join(wrong)}, which none of "
+                         f"the Hugging Face layouts ({', '.join(LAYOUTS)}) express: it cannot "
+                         f"be exported")
+
+
+def plain_norm_weights(full, args):
+    """``full`` with zero-centred norm weights w (``--apply-layernorm-1p``) replaced by the
+    scale 1 + w they stand for (``full`` itself when the norms are plain)."""
+    if not args.get("apply_layernorm_1p"):
+        return full
+    return {name: t + 1 if name.endswith("layernorm.weight") else t for name, t in full.items()}
+
+
 def pick_layout(args):
     """The Hugging Face layout (a key of LAYOUTS) the checkpoint's arguments describe. An MoE
     checkpoint maps onto Mixtral only (ValueError naming each setting Mixtral cannot express);
-    a dense one onto Llama or GPT-2."""
+    a dense one onto Llama or GPT-2. Settings no layout expresses are refused first."""
+    check_expressible(args)
     if args.get("num_experts"):
         hf_mixtral.check_args(args)
         return "mixtral"
@@ -40,7 +70,7 @@ def export_hf(full, args, out_dir, tokenizer=True):
 
     module, architecture = LAYOUTS[pick_layout(args)]
     ids = hf_tokenizer.token_ids(args) if tokenizer else {}  # checks the files before writing
-    module.to_hf(full, args, out_dir, token_ids=ids)
+    module.to_hf(plain_norm_weights(full, args), args, out_dir, token_ids=ids)
     if tokenizer:
         hf_tokenizer.write_tokenizer(args, out_dir)
     return architecture

@@ -100,8 +100,8 @@ def check_config(c, hf_dir):
     rope_type = (c.get("rope_parameters") or scaling).get("rope_type", "default")
     if rope_type != "default" or (scaling and "rope_type" not in scaling):
         raise ValueError(f"{hf_dir}: rope type {rope_type!r} "
-                         f"({scaling or c.get('rope_parameters')}) is not implemented in "
-                         f"megatron_cp's rotary embedding (plain RoPE only)")
+                         f"({scaling or c.get('rope_parameters')}) is not imported: the "
+                         f"import reads plain RoPE only")
 
 
 def _rope_theta(c, default=1e4):

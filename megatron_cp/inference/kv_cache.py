@@ -1,21 +1,19 @@
 """Incremental decoding: a model chunk run on new tokens only, with a key/value cache per layer.
 
 This is an inference-only path over the model's OWN modules and weights (embedding, norms,
-QKV and output projections, rotary, MLP, output layer): the training forward stays as it is.
-Each attention layer projects the new tokens to q, k, v exactly as
-:meth:`megatron_cp.model.attention.SelfAttention.forward` does (fused QKV laid out per query
-group: ``[q heads of the group | k | v]``), rotates q and k by their positions, appends k and
-v to the layer's cache and lets the new queries attend to every cached key. The first call
-(the prompt) runs the layer's own ``core_attention``, so its outputs are those of the full
-forward; later calls attend with one query row per new token.
+QKV and output projections, QK norms, rotary, MLP, output layer): the training forward stays
+as it is. Each attention layer projects the new tokens to q, k, v with the layer's own
+:meth:`megatron_cp.model.attention.SelfAttention.query_key_value` (normalised and rotated by
+their positions, as in training), appends k and v to the layer's cache and lets the new
+queries attend to every cached key. The first call (the prompt) runs the layer's own
+``core_attention``, so its outputs are those of the full forward; later calls attend with one
+query row per new token.
 
 Tensor parallelism works as in training (heads and MLP split, the same collectives);
 sequence parallelism and context parallelism do not apply to a few new tokens and are off.
 """
 import torch
 import torch.nn.functional as F
-
-from megatron_cp.model.rotary import rotary_cos_sin, rotate
 
 
 class LayerCache:
@@ -73,15 +71,8 @@ def cached_attention(attention, x, position_ids, cache):
     """``SelfAttention`` ``attention`` on the new tokens ``x`` [s, b, h] at ``position_ids``
     [b, s], through ``cache`` (a :class:`LayerCache`) -> [s, b, h]."""
     past = cache.length
-    qkv = attention.linear_qkv(x)  # [s, b, ng/tp * (hpg + 2) * d]
-    s, b = qkv.shape[0], qkv.shape[1]
-    hpg, d = attention.heads_per_group, attention.head_dim
-    qkv = qkv.view(s, b, attention.local_groups, hpg + 2, d)
-    q = qkv[:, :, :, :hpg].reshape(s, b, attention.local_heads, d)
-    k, v = qkv[:, :, :, hpg], qkv[:, :, :, hpg + 1]  # [s, b, ng/tp, d]
-    if attention.config.position_embedding_type == "rope":
-        cos, sin = rotary_cos_sin(position_ids, attention.rotary_dim, attention.config.rotary_base)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+    q, k, v = attention.query_key_value(x, position_ids)  # [s, b, heads, d]
+    s, b, d = q.shape[0], q.shape[1], attention.head_dim
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
     k, v = cache.append(k, v)  # [b, ng/tp, past + s, d]
     out = _attend(attention, q, k, v, past)  # [b, nh/tp, s, d]

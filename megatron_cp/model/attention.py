@@ -1,4 +1,5 @@
-"""Self-attention: QKV column-parallel projection, RoPE, core attention, row-parallel output.
+"""Self-attention: QKV column-parallel projection, QK norms, rotary, core attention,
+row-parallel output.
 
 Heads are split over TP first (each rank holds num_query_groups/TP groups of heads); the
 core attention then runs locally or, with context parallelism, through
@@ -16,7 +17,9 @@ import torch.distributed as dist
 from megatron_cp import tensor_parallel as tpar
 from megatron_cp.context_parallel import (AttentionDropout, ContextParallelAttention,
                                           attention_kernel, dropout_key, local_attention)
-from megatron_cp.model.rotary import rotary_cos_sin, rotate
+from megatron_cp.model.fused import norm_for
+from megatron_cp.model.rotary import RotaryEmbedding
+from megatron_cp.weight_hash import check_replicas_equal
 
 DropoutIds = namedtuple("DropoutIds", "samples positions")
 DropoutIds.__doc__ = """Where a microbatch's tokens sit in the run, for attention dropout:
@@ -38,6 +41,13 @@ class SelfAttention(torch.nn.Module):
 
     The fused QKV weight is laid out per query group: [q heads of the group | k | v], so a
     contiguous TP split hands each rank whole groups.
+
+    ``--qk-layernorm`` (Megatron-LM's ``q_layernorm`` / ``k_layernorm``): the config's norm
+    over each head's ``head_dim`` channels of q and of k, one weight shared by every head,
+    after the projection and before rotary. Each TP rank normalises its own heads with the
+    replicated weight, so its gradient is a partial sum over heads: marked
+    ``sequence_parallel``, it is summed over TP like the sequence-parallel norms' (with or
+    without SP).
     """
 
     def __init__(self, config, prefix, tp_group, cp_group, rng_tracker, device=None,
@@ -53,6 +63,7 @@ class SelfAttention(torch.nn.Module):
         self.local_heads = nh // tp_size
         tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
         self.first_head = tp_rank * self.local_heads  # the global index of local head 0
+        self.layer_number = layer_number
         self.dropout_key = dropout_key(config.seed, layer_number)
         std = config.init_method_std
         common = dict(tp_group=tp_group, bias=config.add_bias_linear,
@@ -65,7 +76,18 @@ class SelfAttention(torch.nn.Module):
             nh * d, config.hidden_size,
             init_method=tpar.normal_init(tpar.scaled_init_std(std, config.num_layers)),
             seed=tpar.init_seed(config.seed, prefix + ".linear_proj"), **common)
-        self.rotary_dim = int(d * config.rotary_percent)
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:
+            self.q_layernorm = norm_for(config, d, device)  # over each head's d channels
+            self.k_layernorm = norm_for(config, d, device)
+            for p in (*self.q_layernorm.parameters(), *self.k_layernorm.parameters()):
+                p.sequence_parallel = tp_size > 1  # heads differ per TP rank: sum over TP
+        # --test-mode: the DP group over which every forward checks the QK norms are equal
+        # (Megatron-LM's realtime test; set by the trainer, which holds the DP group)
+        self.replica_check_group = None
+        self.rotary = None
+        if config.position_embedding_type in ("rope", "yarn"):
+            self.rotary = RotaryEmbedding(config, d)
         # chosen once per layer: "auto" (the device's fused kernels) or "torch" (plain PyTorch)
         self.attention_kernel = attention_kernel(config.attention_kernel)
         self.cp_attention = None  # built once: the comm type and head plan are checked here
@@ -94,17 +116,32 @@ class SelfAttention(torch.nn.Module):
         return local_attention(q, k, v, token_index, document_ids, kernel=self.attention_kernel,
                                dropout=dropout)
 
-    def forward(self, x, position_ids, token_index=None, document_ids=None, dropout_ids=None):
-        """x [s/tp with SP else s, b, h] -> same shape."""
+    def query_key_value(self, x, position_ids):
+        """x [s(/tp), b, h] -> q [s, b, nh/tp, d], k and v [s, b, ng/tp, d]: projected, q and k
+        normalised (--qk-layernorm) and rotated by ``position_ids`` [b, s]."""
         qkv = self.linear_qkv(x)  # [s, b, ng/tp * (hpg + 2) * d]
         s, b = qkv.shape[0], qkv.shape[1]
         qkv = qkv.view(s, b, self.local_groups, self.heads_per_group + 2, self.head_dim)
         q = qkv[:, :, :, :self.heads_per_group].reshape(s, b, self.local_heads, self.head_dim)
         k = qkv[:, :, :, self.heads_per_group]  # [s, b, ng/tp, d]
         v = qkv[:, :, :, self.heads_per_group + 1]
-        if self.config.position_embedding_type == "rope":
-            cos, sin = rotary_cos_sin(position_ids, self.rotary_dim, self.config.rotary_base)
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)  # one cos/sin for both
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+            if self.replica_check_group is not None:
+                norms = [(f"{n}.{w}", p) for n, m in (("q_layernorm", self.q_layernorm),
+                                                       ("k_layernorm", self.k_layernorm))
+                         for w, p in m.named_parameters()]
+                check_replicas_equal(norms, self.replica_check_group, q.device,
+                                     f"layer {self.layer_number} attention")
+        if self.rotary is not None:
+            cos, sin = self.rotary.cos_sin(position_ids)  # one cos/sin for q and k
+            q, k = self.rotary.rotate(q, cos, sin), self.rotary.rotate(k, cos, sin)
+        return q, k, v
+
+    def forward(self, x, position_ids, token_index=None, document_ids=None, dropout_ids=None):
+        """x [s/tp with SP else s, b, h] -> same shape."""
+        q, k, v = self.query_key_value(x, position_ids)
+        s, b = q.shape[0], q.shape[1]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if self.config.recompute_granularity == "selective":
             out = tpar.checkpoint(self.core_attention, self.rng_tracker, q, k, v, token_index,

@@ -7,6 +7,7 @@ the config built from it and the checkpoint resume check are derived from the fi
 new hyper-parameter is one new field.
 """
 import ast
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -81,17 +82,52 @@ class GPTConfig:
                                       help="Per-head dimension (default hidden size / heads).")
     max_position_embeddings: int = setting(2048, cli_default=None, shapes=True,
                                            help="Size of the position table (default --seq-length).")
-    position_embedding_type: str = setting("rope", cli_default="learned_absolute", shapes=True,
-                                           choices=("rope", "learned_absolute"),
-                                           help="Position embedding type.")
+    position_embedding_type: str = setting(
+        "rope", cli_default="learned_absolute", shapes=True,
+        choices=("rope", "yarn", "learned_absolute"),
+        help="Position embedding type: rope (rotary), yarn (rotary with YaRN's frequencies for "
+             "a context --rotary-scaling-factor times the original one) or learned_absolute.")
     rotary_base: float = setting(10000.0, help="RoPE base frequency.")
     rotary_percent: float = setting(1.0, help="Fraction of head dims rotated.")
+    rotary_interleaved: bool = setting(
+        False, shapes=True, help="Rotate the interleaved channel pairs (0, 1), (2, 3), ... of "
+        "each head (RoFormer, GPT-J) instead of the pairs (i, i + d/2) of its two halves.")
+    # YaRN (position_embedding_type yarn); Megatron-LM's flags and defaults
+    rotary_scaling_factor: float = setting(
+        1.0, help="YaRN: how many times longer the context is than the original one; the "
+        "slowly turning rotary frequencies are divided by it.")
+    yarn_original_max_position_embeddings: int = setting(
+        4096, cli_default=None, help="YaRN: the context length before scaling (default 4096).")
+    yarn_beta_fast: float = setting(
+        32.0, cli_default=None, help="YaRN: channel pairs that turn at least this many times "
+        "over the original context keep their frequency (default 32) ...")
+    yarn_beta_slow: float = setting(
+        1.0, cli_default=None, help="... those that turn at most this many times are divided "
+        "by the factor, with a linear ramp in between (default 1).")
+    yarn_correction_range_round_to_int: bool = setting(
+        True, flag="--no-yarn-correction-range-round-to-int",
+        help="YaRN: do not round the ramp's ends to whole channel pairs (rounded by default).")
+    mscale: float = setting(
+        1.0, help="YaRN: cos and sin are multiplied by (0.1 mscale ln(factor) + 1) / "
+        "(0.1 mscale_all_dim ln(factor) + 1), so the attention logits by its square.")
+    mscale_all_dim: float = setting(0.0, help="YaRN: see --mscale.")
     normalization: str = setting("LayerNorm", choices=("LayerNorm", "RMSNorm"), shapes=True,
                                  help="Normalization layer type.")
     norm_epsilon: float = setting(1e-5, help="Epsilon of the norms.")
+    layernorm_zero_centered_gamma: bool = setting(
+        False, flag="--apply-layernorm-1p", shapes=True,
+        help="Zero-centred norm weights: every norm (LayerNorm or RMSNorm) stores w, starting "
+             "at 0, and scales by 1 + w.")
+    qk_layernorm: bool = setting(
+        False, shapes=True, help="Normalise each head of the queries and keys (before rotary) "
+             "with a norm of the --normalization kind over the head dim, one weight for all "
+             "heads.")
     activation: str = setting("gelu", flag="--swiglu", when_set="swiglu", shapes=True,
-                              choices=("gelu", "swiglu"),
+                              choices=("gelu", "swiglu", "squared_relu"),
                               help="Use the SwiGLU activation in the MLP (default GeLU).")
+    squared_relu: bool = setting(False, shapes=True,
+                                 help="Use the squared ReLU activation, relu(x)^2, in the MLP "
+                                      "(default GeLU; not with --swiglu).")
     add_bias_linear: bool = setting(True, flag="--disable-bias-linear", shapes=True,
                                     help="No biases in linear layers.")
     hidden_dropout: float = setting(0.1, help="Dropout on hidden states.")
@@ -217,6 +253,13 @@ class GPTConfig:
 
     def __post_init__(self):
         check_choices(self)
+        if self.squared_relu:
+            if self.activation == "swiglu":
+                raise ValueError("squared_relu (True) and activation ('swiglu') are two MLP "
+                                 "activations; give one")
+            self.activation = "squared_relu"
+        self.squared_relu = self.activation == "squared_relu"
+        self._check_rotary()
         if self.moe_token_dispatcher_type == "flex":
             raise ValueError("moe_token_dispatcher_type ('flex') runs on the DeepEP / HybridEP "
                              "GPU libraries, which megatron_cp does not use; use alltoall")
@@ -246,6 +289,32 @@ class GPTConfig:
         if self.recompute_granularity == "full" and self.recompute_method not in ("uniform", "block"):
             raise ValueError(f"recompute_granularity 'full' needs recompute_method uniform or block "
                              f"(got {self.recompute_method!r})")
+
+    def _check_rotary(self):
+        """YaRN's settings mean something with position_embedding_type yarn only, and YaRN
+        rotates whole heads in halves (Megatron-LM's YarnRotaryEmbedding)."""
+        yarn = ("rotary_scaling_factor", "yarn_original_max_position_embeddings",
+                "yarn_beta_fast", "yarn_beta_slow", "yarn_correction_range_round_to_int",
+                "mscale", "mscale_all_dim")
+        if self.position_embedding_type != "yarn":
+            given = [f"{f.name} ({getattr(self, f.name)})" for f in dataclasses.fields(self)
+                     if f.name in yarn and getattr(self, f.name) != f.default]
+            if given:
+                raise ValueError(f"{', '.join(given)} {'apply' if len(given) > 1 else 'applies'} "
+                                 f"only to position_embedding_type yarn (the model has "
+                                 f"{self.position_embedding_type}); add position_embedding_type "
+                                 f"yarn or drop {'them' if len(given) > 1 else 'it'}")
+            return
+        given = [f"{name} ({getattr(self, name)})" for name, plain in
+                 (("rotary_percent", 1.0), ("rotary_interleaved", False))
+                 if getattr(self, name) != plain]
+        if given:
+            raise ValueError(f"position_embedding_type yarn rotates every channel of a head in "
+                             f"halves, as Megatron-LM's YaRN does: drop {' and '.join(given)}")
+        for name in ("rotary_scaling_factor", "yarn_original_max_position_embeddings",
+                     "yarn_beta_fast", "yarn_beta_slow"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be positive")
 
     def _check_moe(self):
         """The MoE rules that need no parallel size (see :meth:`validate_experts`)."""

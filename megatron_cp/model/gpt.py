@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from megatron_cp import tensor_parallel as tpar
 from megatron_cp.model.attention import DropoutIds
-from megatron_cp.model.fused import build_norm
+from megatron_cp.model.fused import norm_for
 from megatron_cp.model.transformer import TransformerBlock, dropout, mark_sequence_parallel
 
 WORD_EMBEDDING_KEY = "embedding.word_embeddings"
@@ -94,8 +94,7 @@ class GPTModel(torch.nn.Module):
         self.decoder = TransformerBlock(config, layer_numbers, tp_group, cp_group, rng_tracker,
                                         device, state=state)
         if post_process:
-            self.final_layernorm = build_norm(config.normalization, config.hidden_size,
-                                              config.norm_epsilon, config.params_dtype, device)
+            self.final_layernorm = norm_for(config, config.hidden_size, device)
             mark_sequence_parallel(self.final_layernorm, config.sequence_parallel)
             self.output_layer = None
             if not (tied and pre_process):

@@ -1,5 +1,6 @@
-"""The dense MLP: column-parallel fc1, GeLU or SwiGLU, row-parallel fc2 (also the MoE layer's
-shared experts, with their own hidden size)."""
+"""The dense MLP: column-parallel fc1, GeLU, SwiGLU or squared ReLU, row-parallel fc2 (also
+the MoE layer's shared experts, with their own hidden size; the routed experts share
+:func:`activate`)."""
 import torch
 import torch.nn.functional as F
 
@@ -39,11 +40,23 @@ def swiglu(h):
     return _SwiGLU.apply(h)
 
 
+def activate(h, activation):
+    """The MLP's non-linearity of fc1's output ``h`` [..., f] (SwiGLU: [..., 2 f]): ``gelu``
+    (exact, erf), ``swiglu`` or ``squared_relu`` (relu(h)^2, Megatron-LM's ``--squared-relu``,
+    which it allows only without a gated unit)."""
+    if activation == "swiglu":
+        return swiglu(h)
+    if activation == "squared_relu":
+        return F.relu(h).square()
+    return F.gelu(h)
+
+
 class MLP(torch.nn.Module):
     """[s, b, h] -> [s, b, h]; ffn split over TP. SwiGLU's fc1 stacks [gate; up] (stride 2)."""
 
     def __init__(self, config, prefix, tp_group, device=None, ffn_hidden_size=None):
         super().__init__()
+        self.activation = config.activation
         self.swiglu = config.activation == "swiglu"
         ffn, std = ffn_hidden_size or config.ffn_hidden_size, config.init_method_std
         common = dict(tp_group=tp_group, bias=config.add_bias_linear,
@@ -60,8 +73,5 @@ class MLP(torch.nn.Module):
 
     def forward(self, x):
         h = self.linear_fc1(x)  # [s, b, ffn/tp (x2 for swiglu)]
-        if self.swiglu:
-            h = swiglu(h)  # [s, b, ffn/tp]
-        else:
-            h = F.gelu(h)
+        h = activate(h, self.activation)  # [s, b, ffn/tp]
         return self.linear_fc2(h)

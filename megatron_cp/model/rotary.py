@@ -1,16 +1,30 @@
-"""Rotary position embedding (RoPE) driven by per-token position ids.
+"""Rotary position embedding (RoPE, and YaRN's rescaled RoPE) driven by per-token position ids.
 
 Positions are the GLOBAL ones (context parallelism keeps each token's original position;
 reset-position-ids restarts them per document), so the angles are computed from the ids,
 never sliced from a table.
 
-Half-split (GPT-NeoX / Llama) convention: channel i pairs with i + rotary_dim/2, and both
-channels of a pair turn by the same angle, so only the half-dim cos and sin are built
-(:func:`rotary_cos_sin`, once per attention call, shared by q and k). :func:`rotate` applies
-them with the arithmetic in fp32 (as the angles are) and writes each half straight into one
-output of the input's dtype: no ``torch.cat``, no fp32 copy of the input, and backward saves
-only cos and sin.
+Two pairings of channels, Megatron-LM's two conventions:
+
+- half-split (GPT-NeoX / Llama, the default): channel i pairs with i + rotary_dim/2;
+- interleaved (RoFormer / GPT-J, ``--rotary-interleaved``): channel 2i pairs with 2i + 1.
+
+Both channels of a pair turn by the same angle, so only the half-dim cos and sin are built
+(:meth:`RotaryEmbedding.cos_sin`, once per attention call, shared by q and k). :func:`rotate`
+applies them with the arithmetic in fp32 (as the angles are) and writes each half straight
+into one output of the input's dtype: no ``torch.cat``, no fp32 copy of the input, and
+backward saves only cos and sin.
+
+YaRN (``--position-embedding-type yarn``, Peng et al. 2023, Megatron-LM's
+``YarnRotaryEmbedding``) blends each frequency between the original one (fast-turning
+channels, kept) and the one divided by ``--rotary-scaling-factor`` (slow channels,
+interpolated), with a linear ramp between the channels that turn ``beta_fast`` and
+``beta_slow`` times over ``--yarn-original-max-position-embeddings`` positions, and multiplies
+cos and sin by the concentration factor (Megatron's "mscale"), so the attention logits grow
+by its square.
 """
+import math
+
 import torch
 
 
@@ -20,12 +34,89 @@ def rotary_frequencies(dim, base, device=None):
     return 1.0 / (base ** exponents)
 
 
-def rotary_cos_sin(position_ids, rotary_dim, base):
-    """(cos, sin), each [s, b, 1, rotary_dim/2] fp32, of the angles of ``position_ids`` [b, s]."""
-    inv_freq = rotary_frequencies(rotary_dim, base, position_ids.device)  # [rd/2]
+def _yarn_correction_dim(num_rotations, dim, base, original_max_positions):
+    """The (fractional) channel pair whose frequency turns ``num_rotations`` times over
+    ``original_max_positions`` positions."""
+    return dim * math.log(original_max_positions / (num_rotations * 2 * math.pi)) / \
+        (2 * math.log(base))
+
+
+def yarn_frequencies(dim, base, scaling_factor, original_max_positions, beta_fast, beta_slow,
+                     round_to_int=True, device=None):
+    """YaRN's inverse frequencies [dim/2] (fp32): the pairs below the ramp keep the RoPE
+    frequency, those above it take it divided by ``scaling_factor``, linearly in between.
+
+    The ramp runs from the pair that turns ``beta_fast`` times over the original context to
+    the one that turns ``beta_slow`` times (ends floored / ceiled when ``round_to_int``),
+    clamped to the channel range, as Megatron-LM and Hugging Face compute it."""
+    low = _yarn_correction_dim(beta_fast, dim, base, original_max_positions)
+    high = _yarn_correction_dim(beta_slow, dim, base, original_max_positions)
+    if round_to_int:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a one-pair ramp: no division by zero
+    pairs = torch.arange(dim // 2, dtype=torch.float32, device=device)  # [dim/2]
+    kept = 1 - ((pairs - low) / (high - low)).clamp(0, 1)  # 1: keep, 0: interpolate
+    powers = base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
+    # the same operations, in the same order, as the reference implementations
+    return 1.0 / (scaling_factor * powers) * (1 - kept) + 1.0 / powers * kept
+
+
+def yarn_concentration_factor(scaling_factor, mscale=1.0, mscale_all_dim=0.0):
+    """YaRN's factor on cos and sin (Megatron's "mscale", Hugging Face's "attention_factor"):
+    m(mscale) / m(mscale_all_dim) with m(k) = 0.1 k ln(scaling_factor) + 1, and 1 when the
+    factor does not stretch the context (<= 1)."""
+    if scaling_factor <= 1:
+        return 1.0
+    return (0.1 * mscale * math.log(scaling_factor) + 1.0) / \
+        (0.1 * mscale_all_dim * math.log(scaling_factor) + 1.0)
+
+
+def rotary_cos_sin(position_ids, rotary_dim, base, inv_freq=None, scale=1.0):
+    """(cos, sin), each [s, b, 1, rotary_dim/2] fp32, of the angles of ``position_ids`` [b, s]
+    (``inv_freq``: the frequencies, default plain RoPE's; ``scale``: a factor on both)."""
+    if inv_freq is None:
+        inv_freq = rotary_frequencies(rotary_dim, base, position_ids.device)  # [rd/2]
     angles = position_ids.t().unsqueeze(-1).float() * inv_freq  # [s, b, rd/2]
     angles = angles.unsqueeze(2)  # [s, b, 1, rd/2]: broadcast over heads
-    return angles.cos(), angles.sin()
+    if scale == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * scale, angles.sin() * scale
+
+
+class RotaryEmbedding:
+    """The rotary embedding a config describes (``position_embedding_type`` rope or yarn,
+    ``rotary_percent``, ``rotary_interleaved``, the YaRN settings) for heads of ``head_dim``.
+
+    :meth:`cos_sin` builds the angles' cos and sin of a batch's positions (YaRN's concentration
+    factor included), :meth:`rotate` turns q or k by them."""
+
+    def __init__(self, config, head_dim):
+        self.config, self.dim = config, int(head_dim * config.rotary_percent)
+        self.base, self.interleaved = config.rotary_base, config.rotary_interleaved
+        self.yarn = config.position_embedding_type == "yarn"
+        self.scale = yarn_concentration_factor(config.rotary_scaling_factor, config.mscale,
+                                               config.mscale_all_dim) if self.yarn else 1.0
+
+    def frequencies(self, device=None):
+        """The inverse frequencies [rotary_dim/2] (fp32) on ``device``."""
+        if not self.yarn:
+            return rotary_frequencies(self.dim, self.base, device)
+        c = self.config
+        return yarn_frequencies(self.dim, self.base, c.rotary_scaling_factor,
+                                c.yarn_original_max_position_embeddings, c.yarn_beta_fast,
+                                c.yarn_beta_slow, c.yarn_correction_range_round_to_int, device)
+
+    def cos_sin(self, position_ids):
+        """(cos, sin), each [s, b, 1, rotary_dim/2] fp32, for ``position_ids`` [b, s]."""
+        return rotary_cos_sin(position_ids, self.dim, self.base,
+                              self.frequencies(position_ids.device), self.scale)
+
+    def rotate(self, x, cos, sin):
+        """``x`` [s, b, n, d] turned by :meth:`cos_sin`'s (cos, sin) in this embedding's
+        pairing of channels."""
+        return rotate(x, cos, sin, self.interleaved)
 
 
 def _addcmul_into(out, x, y, z, value):
@@ -40,16 +131,25 @@ def _addcmul_into(out, x, y, z, value):
         torch.addcmul(x, y, z, value=value, out=out)
 
 
-def _rotate_into(out, x, cos, sin, sign):
+def _pairs(x, half, interleaved):
+    """The two channels of every rotated pair of ``x`` [..., d], as views [..., half] each:
+    (i, i + half) split in halves, or (2i, 2i + 1) interleaved."""
+    if interleaved:
+        return x[..., 0:2 * half:2], x[..., 1:2 * half:2]
+    return x[..., :half], x[..., half:2 * half]
+
+
+def _rotate_into(out, x, cos, sin, sign, interleaved):
     """out = x with each pair (x1, x2) of its first 2 x half channels turned by ``sign`` x angle:
     (x1 cos - sign x2 sin, x2 cos + sign x1 sin); the channels past them are copied.
 
     The products promote to fp32 (cos, sin are fp32) and are cast once, when written to ``out``.
     """
     half = cos.shape[-1]
-    x1, x2 = x[..., :half], x[..., half:2 * half]  # views, [s, b, n, rd/2] each
-    _addcmul_into(out[..., :half], x1 * cos, x2, sin, -sign)
-    _addcmul_into(out[..., half:2 * half], x2 * cos, x1, sin, sign)
+    x1, x2 = _pairs(x, half, interleaved)  # views, [s, b, n, rd/2] each
+    out1, out2 = _pairs(out, half, interleaved)
+    _addcmul_into(out1, x1 * cos, x2, sin, -sign)
+    _addcmul_into(out2, x2 * cos, x1, sin, sign)
     if x.shape[-1] > 2 * half:  # --rotary-percent < 1: the rest passes through
         out[..., 2 * half:] = x[..., 2 * half:]
     return out
@@ -60,26 +160,29 @@ class _Rotate(torch.autograd.Function):
     angle (a rotation's transpose is its inverse). Saves cos and sin only."""
 
     @staticmethod
-    def forward(ctx, x, cos, sin):
+    def forward(ctx, x, cos, sin, interleaved):
         ctx.save_for_backward(cos, sin)
-        return _rotate_into(torch.empty_like(x), x, cos, sin, 1.0)
+        ctx.interleaved = interleaved
+        return _rotate_into(torch.empty_like(x), x, cos, sin, 1.0, interleaved)
 
     @staticmethod
     def backward(ctx, grad):
         cos, sin = ctx.saved_tensors
-        return _rotate_into(torch.empty_like(grad), grad, cos, sin, -1.0), None, None
+        grad_x = _rotate_into(torch.empty_like(grad), grad, cos, sin, -1.0, ctx.interleaved)
+        return grad_x, None, None, None
 
 
-def rotate(x, cos, sin):
+def rotate(x, cos, sin, interleaved=False):
     """``x`` [s, b, n, d] rotated by (cos, sin) [s, b, 1, rd/2] from :func:`rotary_cos_sin`;
-    the first rd channels turn, the rest pass through. Returns a new tensor of x's dtype."""
-    return _Rotate.apply(x, cos, sin)
+    the first rd channels turn (pairs (i, i + rd/2), or (2i, 2i + 1) when ``interleaved``),
+    the rest pass through. Returns a new tensor of x's dtype."""
+    return _Rotate.apply(x, cos, sin, interleaved)
 
 
-def apply_rotary(x, position_ids, rotary_dim, base):
+def apply_rotary(x, position_ids, rotary_dim, base, interleaved=False):
     """Rotate the first ``rotary_dim`` channels of ``x`` [s, b, n, d] by ``position_ids`` [b, s].
 
     One-tensor convenience; the attention layer builds cos/sin once for q and k instead.
     """
     cos, sin = rotary_cos_sin(position_ids, rotary_dim, base)
-    return rotate(x, cos, sin)
+    return rotate(x, cos, sin, interleaved)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from megatron_cp import tensor_parallel as tpar
 from megatron_cp.model.attention import SelfAttention
 from megatron_cp.model.compile_layers import compile_layer
-from megatron_cp.model.fused import build_norm
+from megatron_cp.model.fused import norm_for
 from megatron_cp.model.mlp import MLP
 # a module reference: megatron_cp.moe.layer imports the MLP from this package (import cycle)
 import megatron_cp.moe.layer as moe_layer
@@ -43,15 +43,13 @@ class TransformerLayer(torch.nn.Module):
         super().__init__()
         prefix = f"decoder.layers.{layer_number}"
         self.config, self.rng_tracker, self.layer_number = config, rng_tracker, layer_number
-        norm = lambda: build_norm(config.normalization, config.hidden_size, config.norm_epsilon,
-                                  config.params_dtype, device)
-        self.input_layernorm = norm()
+        self.input_layernorm = norm_for(config, config.hidden_size, device)
         hierarchical = None  # the a2a+p2p sub-groups, when the state was built with them
         if state is not None and state.group("hcp_inner") is not None:
             hierarchical = (state.group("hcp_inner"), state.group("hcp_outer"))
         self.self_attention = SelfAttention(config, prefix + ".self_attention", tp_group, cp_group,
                                             rng_tracker, device, hierarchical, layer_number)
-        self.pre_mlp_layernorm = norm()
+        self.pre_mlp_layernorm = norm_for(config, config.hidden_size, device)
         self.is_moe = config.moe_layer_pattern()[layer_number]
         if self.is_moe:
             self.mlp = moe_layer.MoELayer(config, prefix + ".mlp", state, rng_tracker, device)

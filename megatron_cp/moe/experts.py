@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_cp import tensor_parallel as tpar
-from megatron_cp.model.mlp import swiglu
+from megatron_cp.model.mlp import activate
 from megatron_cp.tensor_parallel.layers import _full_then_split, _mark
 
 
@@ -67,6 +67,7 @@ class GroupedExperts(torch.nn.Module):
 
     def __init__(self, config, prefix, ep_rank, ep_size, etp_rank, etp_size, device=None):
         super().__init__()
+        self.activation = config.activation
         self.swiglu = config.activation == "swiglu"
         self.etp_rank = etp_rank
         self.num_local = config.num_moe_experts // ep_size
@@ -103,6 +104,6 @@ class GroupedExperts(torch.nn.Module):
                 torch.arange(self.num_local, device=tokens.device),
                 torch.tensor(counts, device=tokens.device), output_size=tokens.shape[0])  # [N]
         h = grouped_linear(tokens, fc1.weight, counts, fc1.bias, expert_ids)  # [N, ffn/etp (x2)]
-        h = swiglu(h) if self.swiglu else F.gelu(h)  # [N, ffn/etp]
+        h = activate(h, self.activation)  # [N, ffn/etp]
         fc2_bias = fc2.bias if self.etp_rank == 0 else None  # once over ETP (module docstring)
         return grouped_linear(h, fc2.weight, counts, fc2_bias, expert_ids)  # [N, h]

@@ -70,10 +70,13 @@ def _as_chunks(model):
     return list(model) if isinstance(model, (list, tuple)) else [model]
 
 
-def no_weight_decay(name, ndim):
+def no_weight_decay(name, ndim, apply_wd_to_qk_layernorm=False):
     """True for params that get no weight decay: 1-D params (biases, norm weights), names
-    ending in ``bias``, and params of modules whose name ends in ``norm``."""
+    ending in ``bias``, and params of modules whose name ends in ``norm``; with
+    ``apply_wd_to_qk_layernorm`` (Megatron-LM's flag) the QK norms' params are decayed."""
     module_name = name.rsplit(".", 1)[0] if "." in name else ""
+    if apply_wd_to_qk_layernorm and module_name.endswith(("q_layernorm", "k_layernorm")):
+        return False
     return ndim == 1 or name.endswith("bias") or module_name.endswith("norm")
 
 
@@ -135,11 +138,13 @@ def set_adam_step(optimizer, step):
             group["step"] = int(step)
 
 
-def get_param_groups(model, weight_decay):
+def get_param_groups(model, weight_decay, apply_wd_to_qk_layernorm=False):
     """Split trainable params into a weight-decay group and a no-weight-decay group.
 
     No decay for 1-D params (biases, norm weights), names ending in ``bias``, and params of
-    modules whose name ends in ``norm``. ``model`` is a module or a list of model chunks.
+    modules whose name ends in ``norm``, except the QK norms' with
+    ``apply_wd_to_qk_layernorm`` (:func:`no_weight_decay`). ``model`` is a module or a list
+    of model chunks.
     Groups carry ``wd_mult`` (1 or 0) and ``lr_mult`` for the LR scheduler; empty groups
     are left out.
     """
@@ -149,7 +154,7 @@ def get_param_groups(model, weight_decay):
             if not param.requires_grad or id(param) in seen:
                 continue
             seen.add(id(param))
-            if no_weight_decay(name, param.dim()):
+            if no_weight_decay(name, param.dim(), apply_wd_to_qk_layernorm):
                 no_decay.append(param)
             else:
                 decay.append(param)
