@@ -5,9 +5,10 @@
 stages with a loss-only stage and two empty stages), the first/last stage counts with
 virtual stages, the embedding and loss counted in the even split (uneven: 1, 2, 1 layers on
 3 stages), the interleaved schedule on 5 microbatches in groups of 3, and PP x DP under both
-of Megatron-LM's rank orders (each run reports its pipeline group, so the order is the one
-asked for). A checkpoint saved under an interleaved uneven layout loads under PP=1 (torch_dist
-directly; torch through tools/checkpoint_convert.py, both ways) with the same losses.
+of Megatron-LM's rank orders, also with MoE layers (each run reports its pipeline group, so
+the order is the one asked for). A checkpoint saved under an interleaved uneven layout loads
+under PP=1 (torch_dist directly; torch through tools/checkpoint_convert.py, both ways) with
+the same losses.
 """
 import pytest
 import torch
@@ -19,8 +20,10 @@ from tools import checkpoint_convert as convert
 from training_utils import TINY, max_rel_diff, train_losses
 
 STEPS = TINY.replace("--num-layers 2", "--num-layers 4") + " --train-iters 10"
+MOE = "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 --moe-aux-loss-coeff 0.05"
 REFERENCES = {"4": STEPS, "6": STEPS.replace("--num-layers 4", "--num-layers 6"),
-              "4_gbs10": STEPS.replace("--global-batch-size 8", "--global-batch-size 10")}
+              "4_gbs10": STEPS.replace("--global-batch-size 8", "--global-batch-size 10"),
+              "4_moe": f"{STEPS} {MOE}"}
 PP2, PP4 = "--pipeline-model-parallel-size 2", "--pipeline-model-parallel-size 4"
 # name: (world, reference, extra arguments, expected pipeline group of rank 0 or None)
 LAYOUTS = {
@@ -38,6 +41,8 @@ LAYOUTS = {
                                      f"--eval-iters 1 --eval-interval 5", None),
     "pp2_dp2_pp_outermost": (4, "4", PP2, [0, 2]),
     "pp2_dp2_tp_pp_dp_mapping": (4, "4", f"{PP2} --use-tp-pp-dp-mapping", [0, 1]),
+    # experts reduced over the expert-DP group, which the order moves too
+    "pp2_dp2_moe_tp_pp_dp_mapping": (4, "4_moe", f"{PP2} --use-tp-pp-dp-mapping", [0, 1]),
 }
 
 
