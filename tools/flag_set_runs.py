@@ -107,12 +107,18 @@ def on_this_machine(argv):
     return argv
 
 
+def path_flags(workdir):
+    """The paths a set gets in place of the dropped ones: a fresh --save/--load and
+    --tensorboard-dir under ``workdir``."""
+    return ["--save", os.path.join(workdir, "checkpoints"),
+            "--load", os.path.join(workdir, "checkpoints"),
+            "--tensorboard-dir", os.path.join(workdir, "tensorboard")]
+
+
 def command(argv, workdir):
     """The torchrun command line that trains shrunk ``argv``, writing under ``workdir``."""
     world = parallel_sizes(argv)[3]
-    paths = ["--save", os.path.join(workdir, "checkpoints"),
-             "--load", os.path.join(workdir, "checkpoints"),
-             "--tensorboard-dir", os.path.join(workdir, "tensorboard")]
+    paths = path_flags(workdir)
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             "--nproc-per-node", str(world), os.path.join(REPO, "pretrain_gpt.py"),
             *on_this_machine(shrink(argv)), *paths]

@@ -33,13 +33,23 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_cp.arguments import build_parser, parse_args  # noqa: E402
-from tools.flag_set_runs import parallel_sizes, run  # noqa: E402
+from tools.flag_set_runs import parallel_sizes, path_flags, run  # noqa: E402
 
 GOAL = 200  # sets that must train unchanged (the issue's bar, of 224 here)
 # what tests/test_megatron_flag_set_runs.py trains (spread over examples, GPT and MoE tests, and
 # over TP/PP/CP/DP/EP, virtual stages, recompute, the distributed optimizer) and sees refused
-SAMPLE_TRAIN = ()
-SAMPLE_REFUSE = ()
+SAMPLE_TRAIN = (
+    "examples/train_mixtral_8x7b_distributed", "gpt/gpt3_mcore_te_tp2_pp2_cp2",
+    "gpt/gpt3_mcore_te_tp1_pp4_vp1_uneven_pipeline",
+    "gpt/gpt3_mcore_te_tp1_pp2_cp4_a2a_p2p_nondeterministic",
+    "gpt/gpt3_mcore_te_tp4_pp1_dist_optimizer_overlap_grad_reduce_param_gather",
+    "gpt/gpt3_mcore_te_tp4_pp1_qk_layernorm_test_mode", "gpt/gpt3_mcore_reruns_enable",
+    "gpt/gpt3_mcore_te_tp1_pp1_resume_torch_dist_uniform_full_recompute",
+    "gpt/gpt3_mcore_te_tp2_pp1_cp2_nondeterministic", "gpt/gpt3_mcore_te_tp1_pp2_rope_embeddings",
+    "moe/gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_resume_torch_dist_dist_optimizer",
+    "moe/gpt3_mcore_te_tp2_pp1_te_a2a_ovlp_8experts_etp1_ep4")
+SAMPLE_REFUSE = ("moe/deepseek_proxy_fsdp_ep2_fsdp2", "gpt/gpt3_mcore_te_tp2_zp_z3_resume_fsdp_dtensor",
+                 "moe/gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph")
 
 # Paths and data: replaced by mock data, as the sets' ${VARIABLES} have no value here.
 DROPPED = {"--data-path", "--data-cache-path", "--vocab-file", "--merge-file",
@@ -140,7 +150,9 @@ def check(sets):
     results = {}
     for name, argv in sets.items():
         try:
-            parse_args(argv, world_size=parallel_sizes(argv)[3])
+            # with the paths a run gets (tools/flag_set_runs.py): --save, --load, tensorboard
+            parse_args(argv + path_flags(os.path.join(tempfile.gettempdir(), "flag_set_check")),
+                       world_size=parallel_sizes(argv)[3])
             results[name] = []
         except ValueError as error:
             results[name] = getattr(error, "lines", None) or [str(error)]
