@@ -30,14 +30,20 @@ def _hash(param):
     return torch.frombuffer(bytearray(hashlib.sha1(values).digest()), dtype=torch.uint8)
 
 
+def _gathered_hashes(params, group, device):
+    """This rank's hashes of ``params`` [n, 20] and every group rank's, in group order."""
+    local = torch.stack([_hash(p) for _, p in params]).to(device)  # [n, 20]
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, local, group=group)
+    return local, gathered
+
+
 def _mismatches(params, group, device):
     """Names of ``params`` (``[(name, param)]``, in the same order on every replica) whose
     hash differs from the group's rank 0; True when any replica of the group differs."""
     if not params:
         return [], False
-    local = torch.stack([_hash(p) for _, p in params]).to(device)  # [n, 20]
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, local, group=group)
+    local, gathered = _gathered_hashes(params, group, device)
     differ = (local != gathered[0]).any(dim=1).tolist()
     names = [name for (name, _), bad in zip(params, differ) if bad]
     return names, any(not torch.equal(local, other) for other in gathered)
@@ -49,9 +55,7 @@ def check_replicas_equal(named_params, group, device, where):
     on every rank of the group, naming ``where`` and the parameters."""
     if not named_params:
         return
-    local = torch.stack([_hash(p) for _, p in named_params]).to(device)  # [n, 20]
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, local, group=group)
+    _, gathered = _gathered_hashes(named_params, group, device)
     differ = torch.stack([(other != gathered[0]).any(dim=1) for other in gathered]).any(dim=0)
     names = [name for (name, _), bad in zip(named_params, differ.tolist()) if bad]
     if names:  # the same on every rank of the group: all stop together
