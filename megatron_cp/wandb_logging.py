@@ -90,6 +90,8 @@ class WandbWriter:
         self.run = wandb.init(**options)
 
     def add_scalar(self, name, value, step):
+        if name.endswith(" vs samples"):  # tensorboard's samples axis; Megatron's wandb has none
+            return
         self.run.log({_MEGATRON_NAMES.get(name, name): value}, step=step)
 
     def flush(self):

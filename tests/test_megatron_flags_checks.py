@@ -96,7 +96,7 @@ def test_verify_integrity_goes_with_torch_dist_and_a_manifest(tmp_path):
     with pytest.raises(ArgumentErrors, match=r"^--verify-integrity hashes --ckpt-format "
                                              r"torch_dist checkpoints \(Megatron-LM's rule\), "
                                              r"not torch; add --ckpt-format torch_dist$"):
-        parse_args(f"{TINY} --train-iters 3 --verify-integrity".split())
+        parse_args(f"{TINY} --train-iters 3 --verify-integrity --ckpt-format torch".split())
     assert integrity.problems(str(tmp_path)) == [
         f"--verify-integrity: {tmp_path} has no integrity.json (it was saved without "
         f"--verify-integrity); load it without the flag"]

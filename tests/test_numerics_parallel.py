@@ -152,12 +152,12 @@ def test_checkpoints_carry_the_qk_norms(tmp_path):
     """Saved under TP=2 at iteration 2 in both formats, resumed to 4: under TP=2 (torch), under
     DP=2 (torch_dist, any layout) and after conversions to torch_dist and back to torch at
     TP=1 with the Adam moments (the decayed QK norms sit in the optimizer's first group, as
-    the trainer orders them), each resume repeats the straight run's losses 3 and 4."""
+    the trainer orders them), and from the trainer's torch_dist to torch at TP=1, each resume repeats the straight run's losses 3 and 4."""
     tp2 = f"{FLAGS} --tensor-model-parallel-size 2"
     torch_ck, dist_ck, resharded = tmp_path / "torch", tmp_path / "dist", tmp_path / "tp1"
     straight, _, _ = run_workers(_jobs, 2, [
         (train_losses, f"{tp2} --train-iters 4"),
-        (train_losses, f"{tp2} --train-iters 2 --save {torch_ck}"),
+        (train_losses, f"{tp2} --train-iters 2 --save {torch_ck} --ckpt-format torch"),
         (train_losses, f"{tp2} --train-iters 2 --save {dist_ck} --ckpt-format torch_dist")])[0]
     full, args, _ = convert.load_full(str(torch_ck))
     saved, _ = read_full(str(dist_ck / "iter_0000002"))
@@ -171,10 +171,14 @@ def test_checkpoints_carry_the_qk_norms(tmp_path):
                   "--target-ckpt-format", "torch_dist"])
     convert.main(["--load-dir", str(tmp_path / "converted"), "--save-dir", str(resharded),
                   "--target-tensor-parallel-size", "1"])
+    # a trainer's torch_dist lists the params in its own order; the torch output keeps the model's
+    convert.main(["--load-dir", str(dist_ck), "--save-dir", str(tmp_path / "from_dist"),
+                  "--target-tensor-parallel-size", "1"])
     resumed = run_workers(_jobs, 2, [
         (train_losses, f"{tp2} --train-iters 4 --load {torch_ck}"),
         (train_losses, f"{FLAGS} --train-iters 4 --load {dist_ck}"),
-        (train_losses, f"{FLAGS} --train-iters 4 --load {resharded}")])[0]
+        (train_losses, f"{FLAGS} --train-iters 4 --load {resharded}"),
+        (train_losses, f"{FLAGS} --train-iters 4 --load {tmp_path / 'from_dist'}")])[0]
     for losses in resumed:
         assert max_rel_diff(losses, straight[2:]) < 1e-5, (losses, straight)
 

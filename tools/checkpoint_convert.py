@@ -107,6 +107,21 @@ def param_order(states, apply_wd_to_qk_layernorm=False):
     return decay + no_decay, [len(g) for g in (decay, no_decay) if g]
 
 
+def module_order(args, vocab_size):
+    """{full param name: its place in the model of ``args``} (the model built on the meta
+    device, so nothing is allocated): the order a trainer's optimizer sees its params in,
+    whatever order a checkpoint file listed them in."""
+    import argparse
+    from megatron_cp.model.gpt import GPTModel
+    from megatron_cp.training import config_from_args
+    # the saved dtype is a string; the order does not depend on it
+    config = config_from_args(argparse.Namespace(**dict(args, params_dtype=torch.float32)),
+                              vocab_size)
+    with torch.device("meta"):
+        model = GPTModel(config)
+    return {name: i for i, (name, _) in enumerate(model.state_dict().items())}
+
+
 def _global_name(name, layers):
     m = LAYER.match(name)
     return f"decoder.layers.{layers[int(m.group(1))]}.{m.group(2)}" if m else name
@@ -311,6 +326,8 @@ def save_layout(full, args, meta, save_dir, tp, pp, split=None, with_optimizer=F
     root = checkpointing.iteration_dir(save_dir, meta["iteration"])
     same_layout = optimizer is not None and layout_of(new_args) == meta.get("layout")
     sizes = checkpointing.file_layout(new_args)
+    place = module_order(args, args["true_vocab_size"])
+    full = dict(sorted(full.items(), key=lambda item: place.get(item[0], len(place))))
     for coords, shard_name in checkpointing.shard_names(*sizes).items():
         pp_rank = coords[1]
         chunks = layout.chunk_layer_numbers(pp_rank)
