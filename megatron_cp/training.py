@@ -31,9 +31,8 @@ from megatron_cp.data import build_tokenizer
 from megatron_cp.data.feed import DataFeed
 from megatron_cp.initialize import initialize_distributed, initialize_model_parallel
 from megatron_cp.model import GPTConfig, GPTModel
-from megatron_cp.optimizer import (DistributedDataParallel, DistributedOptimizer,
-                                   GradNormNotFinite, MixedPrecisionOptimizer,
-                                   OptimizerParamScheduler, finalize_model_grads, get_param_groups)
+from megatron_cp.optimizer import (DistributedDataParallel, GradNormNotFinite, build_optimizer,
+                                   build_scheduler, finalize_model_grads)
 from megatron_cp.pipeline_parallel import (build_model_chunks, get_forward_backward_func,
                                            pipeline_tensor_shape)
 from megatron_cp.profiling import StepProfiler
@@ -80,23 +79,11 @@ class Trainer:
             overlap_grad_reduce=args.overlap_grad_reduce, use_distributed_optimizer=distributed,
             overlap_param_gather=getattr(args, "overlap_param_gather", False)) for m in models]
         self.model = self.model_chunks[0]
-        adam = dict(lr=args.lr, weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2),
-                    eps=args.adam_eps, clip_grad=args.clip_grad, params_dtype=args.params_dtype,
-                    grad_scaler=_grad_scaler(args), check_for_nan_in_grad=self.check_for_nan)
-        groups = get_param_groups(models, args.weight_decay)
-        self.optimizer = DistributedOptimizer(groups, self.model_chunks, state, **adam) \
-            if distributed else MixedPrecisionOptimizer(groups, state, **adam)
+        self.optimizer = build_optimizer(args, models, self.model_chunks, state, self.check_for_nan)
         self.optimizer.count_zeros_in_grad = args.log_num_zeros_in_grad
         self.num_zeros = None  # of the latest step, with --log-num-zeros-in-grad
         self.pending_save = None  # the --async-save in flight (megatron_cp.dist_checkpoint)
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters,
-            lr_decay_steps=args.lr_decay_iters, lr_decay_style=args.lr_decay_style,
-            init_lr=args.lr_warmup_init, start_wd=args.start_weight_decay,
-            end_wd=args.end_weight_decay, wd_incr_style=args.weight_decay_incr_style,
-            wd_incr_steps=None if args.weight_decay_incr_style == "constant" else args.train_iters,
-            use_checkpoint_values=args.use_checkpoint_opt_param_scheduler,
-            override_from_arguments=args.override_opt_param_scheduler)
+        self.scheduler = build_scheduler(args, self.optimizer)
         self.iteration, self.consumed_samples = 0, 0
         self.data = DataFeed(args, state, self.tokenizer, self.config.sequence_parallel)
         # The P2P buffers between pipeline stages are [length/cp(/tp with SP), b, h]; the
@@ -210,16 +197,6 @@ def forward_step(model, batch):
     return model(batch["tokens"], batch["position_ids"], labels=batch["labels"],
                  token_index=batch.get("token_index"), document_ids=batch.get("document_ids"),
                  loss_mask=batch.get("loss_mask"))
-
-
-def _grad_scaler(args):
-    from megatron_cp.optimizer import ConstantGradScaler, DynamicGradScaler
-    if not args.fp16:
-        return None
-    if args.loss_scale:
-        return ConstantGradScaler(args.loss_scale)
-    return DynamicGradScaler(initial_scale=args.initial_loss_scale, min_scale=args.min_loss_scale,
-                             growth_interval=args.loss_scale_window, hysteresis=args.hysteresis)
 
 
 class _SigtermFlag:

@@ -244,7 +244,7 @@ def test_refused_values_of_accepted_flags(flag, value, why):
                                "torch; add --ckpt-format torch_dist"),
     ("--async-save --ckpt-format torch_dist", "--async-save needs a checkpoint directory: give "
                                               "--save"),
-    ("--optimizer sgd", "--optimizer sgd: only Adam"),
+    ("--optimizer sgd", "--optimizer ('sgd'): SGD is not built; use adam or muon"),
     ("--dataloader-type cyclic", "--dataloader-type cyclic: the cyclic"),
     ("--rampup-batch-size 8 8 100", "--rampup-batch-size 8 8 100: batch-size ramp-up is not "
                                     "built; drop it"),
