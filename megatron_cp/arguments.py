@@ -14,7 +14,8 @@ Read top-down, a flag's story is:
    stopping at the first.
 3. **Checked.** :func:`validate_args` runs each check (the table, counts, precision, the rank
    grid, batch and pipeline split, the model config's own rules with flag names, the schedule,
-   the split, the data files, the tokenizer, the optimizer and checkpoint companions),
+   the split, the data files, the tokenizer, the optimizer config's rules, the optimizer and
+   checkpoint companions),
    deriving what later checks need, and keeps every failure.
 4. **Reported.** All problems raise together as :class:`ArgumentErrors`, a line each;
    check_args.py prints them (``error: ...``) and exits 2, before any collective starts.
@@ -38,6 +39,7 @@ from megatron_cp.data.tokenizers import TOKENIZER_TYPES
 from megatron_cp.data.utils import parse_and_normalize_split
 from megatron_cp.initialize import rank_order, validate_sizes
 from megatron_cp.model.config import GPTConfig
+from megatron_cp.optimizer.config import OptimizerConfig
 from megatron_cp.pipeline_parallel.stages import layout_from_args, validate_interleaved_microbatches
 
 def _model_args(g):
@@ -333,6 +335,7 @@ def build_parser(parser_class=argparse.ArgumentParser):
     p = parser_class(description="megatron_cp GPT pretraining", allow_abbrev=False)
     groups = {name: p.add_argument_group(_GROUP_TITLES.get(name, name)) for name in GROUPS}
     add_config_flags(GPTConfig, groups)
+    add_config_flags(OptimizerConfig, groups)
     for add, name in ((_model_args, "model"), (_training_args, "training"),
                       (_rerun_args, "rerun engine"), (_parallel_args, "parallelism"),
                       (_data_args, "data"), (_io_args, "checkpointing and logging")):
@@ -342,11 +345,12 @@ def build_parser(parser_class=argparse.ArgumentParser):
 
 
 def flag_names(parser=None):
-    """``{Python name: flag}`` for every argument and every GPTConfig field with a flag."""
+    """``{Python name: flag}`` for every argument and every config field with a flag."""
     parser = parser or build_parser()
     names = {action.dest: action.option_strings[0] for action in parser._actions
              if action.option_strings and action.dest != "help"}
     names.update(config_flag_names(GPTConfig))
+    names.update(config_flag_names(OptimizerConfig))
     return names
 
 
@@ -526,7 +530,8 @@ def validate_args(args, world_size, inference=False, problems=()):
         args.sequence_parallel = False  # Megatron turns it off silently for TP=1
     if args.deterministic_mode and args.attention_kernel == "auto":
         args.attention_kernel = "torch"  # the fused kernels' backward accumulates atomically
-    checks.run(_validate_model, args, flag_names(parser))
+    names = flag_names(parser)
+    checks.run(_validate_model, args, names)
     checks.run(_validate_sequence_split, args)
     if inference:
         args.train_iters = args.train_iters or 0
@@ -535,6 +540,7 @@ def validate_args(args, world_size, inference=False, problems=()):
     checks.run(_validate_split, args)
     checks.run(_validate_data, args, need_data=not inference)
     checks.run(_validate_tokenizer, args)
+    checks.run(_validate_optimizer, args, names)
     checks.run(_validate_optimizer_and_checkpoint, args)
     checks.run(_validate_rerun_and_wandb, args)
     if args.save:
@@ -651,6 +657,17 @@ def _validate_counts(args):
                         f"({args.global_batch_size}) both give the global batch size; give one")
     if problems:
         raise ArgumentErrors(problems)
+
+
+def _validate_optimizer(args, names):
+    """The optimizer config's own rules (naming flags, not fields). dist_muon is Muon under
+    the distributed optimizer, which Megatron-LM also rewrites it to."""
+    try:
+        build_config(OptimizerConfig, args)
+    except ValueError as err:
+        raise ValueError(name_flags(str(err), names)) from err
+    if args.optimizer == "dist_muon":
+        args.optimizer, args.use_distributed_optimizer = "muon", True
 
 
 def _validate_optimizer_and_checkpoint(args):

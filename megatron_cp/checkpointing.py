@@ -407,6 +407,17 @@ def _ranks_moved(saved, args, state):
     return saved_order
 
 
+def check_optimizer_matches(saved, args):
+    """Refuse to load optimizer state that another ``--optimizer`` saved (Adam's moments are
+    not Muon's momentum)."""
+    saved_optimizer = saved.get("optimizer", "adam")
+    if saved_optimizer != args.optimizer:
+        raise ValueError(f"the checkpoint holds the optimizer state of --optimizer "
+                         f"{saved_optimizer}, but this run uses --optimizer {args.optimizer}; "
+                         f"resume with --optimizer {saved_optimizer}, or pass --no-load-optim "
+                         f"to start the optimizer afresh")
+
+
 def load_checkpoint(trainer, root):
     """Load the latest checkpoint under ``root`` into ``trainer``; returns (iteration, consumed)."""
     st, args = trainer.state, trainer.args
@@ -444,8 +455,9 @@ def load_checkpoint(trainer, root):
         return resume_schedule_only(trainer, root, it, payload["iteration"],
                                     payload["consumed_samples"])
     if not args.no_load_optim:
+        check_optimizer_matches(payload["args"], args)
+        trainer.scheduler.load_state_dict(payload["opt_param_scheduler"])  # names the flags
         trainer.optimizer.load_state_dict(payload["optimizer"])
-        trainer.scheduler.load_state_dict(payload["opt_param_scheduler"])
     if payload.get("no_rng") and not args.no_load_rng and st.global_rank == 0:
         print(" the checkpoint was converted to another layout without RNG states: the RNG "
               "streams (dropout) start afresh", flush=True)

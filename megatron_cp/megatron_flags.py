@@ -135,10 +135,6 @@ COMPAT_FLAGS = (
     CompatFlag("--ddp-bucket-size", STORE, "Gradient elements per data-parallel all-reduce bucket "
                "(default 40 MB of fp32 gradients).", group="training",
                argparse=dict(type=int, default=None)),
-    CompatFlag("--optimizer", STORE, "Optimizer.", group="training",
-               argparse=dict(choices=["adam", "sgd"], default="adam"),
-               refuse={"sgd": "only Adam (AdamW, decoupled weight decay) is built; "
-                              "use --optimizer adam"}),
     CompatFlag("--dataloader-type", SAME, "samples are read in order by the single sampler",
                group="data",
                argparse=dict(choices=["single", "cyclic", "external"], default="single"),
@@ -252,6 +248,12 @@ COMPAT_FLAGS = (
 # logged or saved is refused until it is built; AS_IS holds only flags that change none of it.
 
 AS_IS = (  # (why, flags): accepted, they select what megatron_cp does anyway
+    ("Muon's Newton-Schulz Gram matrix X X^T is one plain matmul; the SYRK kernel (Triton, GPU "
+     "only) computes the same product",
+     ("--muon-use-syrk",)),
+    ("dist_muon keeps Muon's state in the distributed optimizer's buckets, the one layout "
+     "there is (the layout changes only the order of bf16 reductions)",
+     ("--no-use-layer-wise-param-layout",)),
     ("pipeline P2P goes over the default process-group backend that --distributed-backend "
      "picks",
      ("--pipeline-model-parallel-comm-backend",)),
@@ -580,9 +582,6 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
      ("--model-parallel-size",)),
     ("generalized-TP (GTP) weight rematerialization is not built; drop it",
      ("--gtp-remat-reduce-scatter-with-fp32-accumulation",)),
-    ("the Muon layer-wise distributed-optimizer param layout is not built (only Adam); drop "
-     "it",
-     ("--no-use-layer-wise-param-layout",)),
     ("it needs NCCL user-buffer / symmetric-memory registration, which is not used; drop it",
      ("--use-nccl-ub", "--disable-symmetric-registration", "--gtp-remat-nccl-ub",
       "--gtp-expert-remat-nccl-ub",)),
@@ -679,18 +678,13 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
      ("--moe-routing-trace-path", "--moe-routing-trace-max-training-iters",
       "--moe-routing-trace-capture-logits", "--moe-routing-trace-capture-hidden-states",
       "--moe-routing-trace-dump-weights",)),
-    ("only Adam (AdamW) is built, not SGD, Muon or Lion; drop these optimizer settings",
-     ("--sgd-momentum", "--muon-momentum", "--muon-no-split-qkv", "--muon-nesterov",
-      "--muon-scale-mode", "--muon-fp32-matmul-prec", "--muon-coefficient-type",
-      "--muon-num-ns-steps", "--muon-tp-mode", "--muon-use-syrk", "--muon-extra-scale-factor",
-      "--muon-scalar-optimizer", "--lion-beta1", "--lion-beta2",)),
+    ("SGD and Lion are not built (--optimizer adam or muon); drop these optimizer settings",
+     ("--sgd-momentum", "--lion-beta1", "--lion-beta2",)),
     ("the WSD learning-rate schedule is not built; use --lr-decay-style "
      "linear/cosine/inverse-square-root",
      ("--lr-wsd-decay-style", "--lr-wsd-decay-iters", "--lr-wsd-decay-samples",)),
     ("deprecated Megatron spelling; use --lr-warmup-iters",
      ("--warmup",)),
-    ("a separate learning rate for the embedding and output layer is not built; drop it",
-     ("--decoupled-lr", "--decoupled-min-lr",)),
     ("freezing layers is not built; drop it",
      ("--freeze-all-layers",)),
     ("the padded vocab is always computed from the tokenizer and "

@@ -37,9 +37,8 @@ from megatron_cp.data.batch_schedule import BatchSchedule
 from megatron_cp.data.feed import DataFeed
 from megatron_cp.initialize import initialize_distributed, initialize_model_parallel
 from megatron_cp.model import GPTConfig, GPTModel
-from megatron_cp.optimizer import (DistributedDataParallel, DistributedOptimizer,
-                                   GradNormNotFinite, MixedPrecisionOptimizer,
-                                   OptimizerParamScheduler, finalize_model_grads, get_param_groups)
+from megatron_cp.optimizer import (DistributedDataParallel, GradNormNotFinite, build_optimizer,
+                                   build_scheduler, finalize_model_grads)
 from megatron_cp.pipeline_parallel import (build_model_chunks, get_forward_backward_func,
                                            layout_from_args, pipeline_tensor_shape)
 from megatron_cp.profiling import StepProfiler
@@ -95,12 +94,7 @@ class Trainer:
                 for module in m.modules():
                     if getattr(module, "q_layernorm", None) is not None:
                         module.replica_check_group = state.group("dp")
-        adam = dict(lr=args.lr, weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2),
-                    eps=args.adam_eps, clip_grad=args.clip_grad, params_dtype=args.params_dtype,
-                    grad_scaler=_grad_scaler(args), check_for_nan_in_grad=self.check_for_nan)
-        groups = get_param_groups(models, args.weight_decay, args.apply_wd_to_qk_layernorm)
-        self.optimizer = DistributedOptimizer(groups, self.model_chunks, state, **adam) \
-            if distributed else MixedPrecisionOptimizer(groups, state, **adam)
+        self.optimizer = build_optimizer(args, models, self.model_chunks, state, self.check_for_nan)
         self.optimizer.count_zeros_in_grad = args.log_num_zeros_in_grad
         # --rerun-mode: a rejected loss or gradient reruns the step (megatron_cp.rerun). Under
         # dynamic fp16 loss scaling an overflow is the scaler's signal, not a fault: Megatron
@@ -116,15 +110,7 @@ class Trainer:
         self.skipped_samples = 0  # of the iterations skipped (--iterations-to-skip)
         self.num_zeros = None  # of the latest step, with --log-num-zeros-in-grad
         self.pending_save = None  # the --async-save in flight (megatron_cp.dist_checkpoint)
-        # the schedule counts iterations, or samples under a batch-size schedule (arguments)
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_steps,
-            lr_decay_steps=args.lr_decay_steps, lr_decay_style=args.lr_decay_style,
-            init_lr=args.lr_warmup_init, start_wd=args.start_weight_decay,
-            end_wd=args.end_weight_decay, wd_incr_style=args.weight_decay_incr_style,
-            wd_incr_steps=None if args.weight_decay_incr_style == "constant" else args.wd_incr_steps,
-            use_checkpoint_values=args.use_checkpoint_opt_param_scheduler,
-            override_from_arguments=args.override_opt_param_scheduler)
+        self.scheduler = build_scheduler(args, self.optimizer)
         self.iteration, self.consumed_samples = 0, 0
         self.batches = BatchSchedule.from_args(args)
         self.global_batch_size = None  # of the latest iteration (the log line's)
@@ -289,16 +275,6 @@ def forward_step(model, batch):
                  token_index=batch.get("token_index"), document_ids=batch.get("document_ids"),
                  loss_mask=batch.get("loss_mask"), sample_ids=batch.get("sample_ids"),
                  unpadded_index=batch.get("unpadded_index"))
-
-
-def _grad_scaler(args):
-    from megatron_cp.optimizer import ConstantGradScaler, DynamicGradScaler
-    if not args.fp16:
-        return None
-    if args.loss_scale:
-        return ConstantGradScaler(args.loss_scale)
-    return DynamicGradScaler(initial_scale=args.initial_loss_scale, min_scale=args.min_loss_scale,
-                             growth_interval=args.loss_scale_window, hysteresis=args.hysteresis)
 
 
 class _SigtermFlag:

@@ -243,7 +243,7 @@ def test_refused_values_of_accepted_flags(flag, value, why):
     ("--async-save --save ck --ckpt-format torch", "--async-save writes --ckpt-format "
                                                    "torch_dist checkpoints, not torch; add "
                                                    "--ckpt-format torch_dist"),
-    ("--optimizer sgd", "--optimizer sgd: only Adam"),
+    ("--optimizer sgd", "--optimizer ('sgd'): SGD is not built; use adam or muon"),
     ("--dataloader-type cyclic", "--dataloader-type cyclic: the cyclic"),
     ("--rampup-batch-size 8 8 100", "--rampup-batch-size 8 8 100: Megatron-LM deprecated it "
                                     "and ignores it (the batch stays --global-batch-size); give "

@@ -17,6 +17,7 @@ from megatron_cp.arguments import build_parser
 from megatron_cp.megatron_flags import (AS_IS, MAP, NOT_BUILT, REFUSE, SAME, all_entries,
                                         megatron_census)
 from megatron_cp.model.config import GPTConfig
+from megatron_cp.optimizer.config import OptimizerConfig
 from megatron_cp.config_flags import arg_of, flag_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -85,7 +86,8 @@ def test_no_accepted_flag_is_read_nowhere():
     """Every flag accepted with an effect (ours, and the table's STORE entries) is read by
     the code; a SAME entry is accepted because it has none, a REFUSE entry is refused."""
     table = {entry.dest: entry for entry in all_entries()}
-    fields = {arg_of(f): f.name for f in dataclasses.fields(GPTConfig) if flag_of(f)}
+    fields = {arg_of(f): f.name for config in (GPTConfig, OptimizerConfig)
+              for f in dataclasses.fields(config) if flag_of(f)}
     # a gate flag (--group-query-attention) is read through the field it gates
     fields.update({f.metadata["gate"][0][2:].replace("-", "_"): f.name
                    for f in dataclasses.fields(GPTConfig) if f.metadata.get("gate")})

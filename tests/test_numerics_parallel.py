@@ -99,7 +99,7 @@ def test_qk_norms_decay_only_with_apply_wd_to_qk_layernorm():
     qk = {n for n in names.values() if "q_layernorm." in n or "k_layernorm." in n}
     assert len(qk) == 2 * 2 * 2  # weight and bias of the q and k norms of 2 layers
     for apply_wd in (False, True):
-        decay, no_decay = get_param_groups(model, 0.1, apply_wd)
+        decay, no_decay = get_param_groups(model, 0.1, apply_wd_to_qk_layernorm=apply_wd)
         assert (decay["wd_mult"], no_decay["wd_mult"]) == (1.0, 0.0)
         decayed = {names[id(p)] for p in decay["params"]}
         assert decayed & qk == (qk if apply_wd else set())

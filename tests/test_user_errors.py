@@ -71,6 +71,11 @@ def _mistakes(tmp):
         ("--num-experts 4 --moe-token-dispatcher-type flex",
          "--moe-token-dispatcher-type ('flex') runs on the DeepEP / HybridEP GPU libraries"),
         ("--use-nccl-ub", "--use-nccl-ub: it needs NCCL user-buffer"),
+        ("--decoupled-min-lr 1e-4", "--decoupled-min-lr (0.0001) is the end of the decoupled "
+                                    "learning rate's decay: add --decoupled-lr"),
+        ("--num-experts 4 --moe-router-load-balancing-type sinkhorn --moe-aux-loss-coeff 0.01",
+         "--moe-router-load-balancing-type 'sinkhorn' balances without a loss, so "
+         "--moe-aux-loss-coeff (0.01) must be 0"),
         ("--save-retain-interval 3", "--save-retain-interval (3) keeps the checkpoints at its "
                                      "multiples, so it must be a positive multiple of --save "
                                      "--save-interval N"),

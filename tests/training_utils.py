@@ -17,6 +17,18 @@ def train_losses(rank, world, argv):
     return pretrain(args, build_parallel_state(args, torch.device("cpu")))
 
 
+def train_runs(rank, world, argvs):
+    """Worker: train each of ``argvs`` in turn in one process group; per run its losses, or
+    the error line it stopped with (a ValueError: a refused flag or checkpoint)."""
+    out = []
+    for argv in argvs:
+        try:
+            out.append(train_losses(rank, world, argv))
+        except ValueError as error:
+            out.append(str(error))
+    return out
+
+
 def max_rel_diff(losses, reference):
     assert len(losses) == len(reference), (len(losses), len(reference))
     return max(abs(a - b) / abs(b) for a, b in zip(losses, reference))

@@ -1,7 +1,7 @@
 """Convert megatron_cp checkpoints between formats and layouts, and to/from Hugging Face.
 
     # torch (per model-parallel rank) <-> torch_dist (layout-free); everything is carried:
-    # weights, Adam moments, fp32 main params, schedule, loss scale, RNG
+    # weights, Adam moments (Muon's momentum), fp32 main params, schedule, loss scale, RNG
     python tools/checkpoint_convert.py --load-dir ck --save-dir ck_dist --target-ckpt-format torch_dist
     python tools/checkpoint_convert.py --load-dir ck_dist --save-dir ck2 \
         --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
@@ -47,12 +47,12 @@ from megatron_cp.dist_checkpoint import full as dist_full  # noqa: E402
 from megatron_cp.dist_checkpoint.canonical import (canonical_from_full,  # noqa: E402
                                                    full_from_canonical)
 from megatron_cp.dist_checkpoint.torch_dist import is_torch_dist, layout_of  # noqa: E402
-from megatron_cp.optimizer.optimizer import no_weight_decay  # noqa: E402
+from megatron_cp.optimizer.inner import ADAM_KINDS, MUON_KINDS  # noqa: E402
+from megatron_cp.optimizer.optimizer import group_key, group_order  # noqa: E402
 from megatron_cp.tensor_parallel import merge_shards, split_full  # noqa: E402
 
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")  # [padded vocab, h]
-KINDS = ("exp_avg", "exp_avg_sq", "main_param")
 
 
 def is_expert(name):
@@ -94,17 +94,27 @@ def _chunk_states(payload):
     return [payload[k] for k in keys]
 
 
-def param_order(states, apply_wd_to_qk_layernorm=False):
-    """The optimizer's order of one model-parallel rank's params: ``[(chunk, local name)]``,
-    weight-decay group first (``get_param_groups``' rule over the chunks' state dicts,
-    which hold exactly the params), and the two group sizes."""
-    decay, no_decay = [], []
+def param_order(states, args):
+    """The optimizer's order of one model-parallel rank's params: ``[(chunk, local name)]``
+    by ``get_param_groups``' groups (over the chunks' state dicts, which hold exactly the
+    params), and ``[(group key, size)]`` of the groups."""
+    by_key = {}
     for c, state in enumerate(states):
         for name, tensor in state.items():
             if not is_buffer(name):
-                decays = not no_weight_decay(name, tensor.dim(), apply_wd_to_qk_layernorm)
-                (decay if decays else no_decay).append((c, name))
-    return decay + no_decay, [len(g) for g in (decay, no_decay) if g]
+                key = group_key(name, tensor.dim(), is_expert(name), name in VOCAB_ROWS,
+                                args.get("decoupled_lr") is not None,
+                                args.get("optimizer") == "muon",
+                                args.get("apply_wd_to_qk_layernorm", False))
+                by_key.setdefault(key, []).append((c, name))
+    keys = sorted(by_key, key=group_order)
+    return [item for key in keys for item in by_key[key]], [(key, len(by_key[key])) for key in keys]
+
+
+def _key_of(group):
+    """A saved param group's key (older checkpoints: Adam, no decoupled rate)."""
+    return group.get("optimizer", "adam"), group.get("wd_mult", 1.0), group.get("is_decoupled_lr",
+                                                                                False)
 
 
 def module_order(args, vocab_size):
@@ -155,7 +165,7 @@ def _load_torch(load_dir, it):
                                     keys=("args",))
     args = first["args"]
     sizes = checkpointing.file_layout(args)
-    weights, moments, groups = {}, {kind: {} for kind in KINDS}, None
+    weights, moments, groups = {}, {}, None
     meta = {"iteration": first["iteration"], "consumed_samples": first["consumed_samples"]}
     for (tp_rank, _, ep_rank, etp_rank), shard in checkpointing.shard_names(*sizes).items():
         payload = checkpointing.load_file(os.path.join(root, shard, "model_optim_rng.pt"),
@@ -174,24 +184,26 @@ def _load_torch(load_dir, it):
         opt = payload.get("optimizer")
         if opt is None or payload.get("converted"):
             continue
-        order, _ = param_order(states, args.get("apply_wd_to_qk_layernorm", False))
+        order, _ = param_order(states, args)
         for i, (c, name) in enumerate(order):
             canon = _global_name(name, payload["layer_numbers"][c])
-            per_param = opt["optimizer"]["state"].get(i)
-            if per_param is not None:
-                for kind in ("exp_avg", "exp_avg_sq"):
-                    moments[kind].setdefault(canon, {})[key_of(canon)] = per_param[kind]
-                meta["adam_step"] = float(per_param["step"])
+            per_param = opt["optimizer"]["state"].get(i, {})
+            for kind, value in per_param.items():  # Adam's moments and step, Muon's momentum
+                if kind == "step":
+                    meta["adam_step"] = float(value)
+                else:
+                    moments.setdefault(kind, {}).setdefault(canon, {})[key_of(canon)] = value
             if opt["main_params"]:
-                moments["main_param"].setdefault(canon, {})[key_of(canon)] = opt["main_params"][i]
-        groups = [{k: v for k, v in g.items() if k != "params"}
-                  for g in opt["optimizer"]["param_groups"]]
+                moments.setdefault("main_param", {}).setdefault(canon, {})[key_of(canon)] = \
+                    opt["main_params"][i]
+        groups = {**(groups or {}), **{_key_of(g): {k: v for k, v in g.items() if k != "params"}
+                                       for g in opt["optimizer"]["param_groups"]}}
         meta.update(opt_param_scheduler=payload["opt_param_scheduler"],
                     grad_scaler=opt.get("grad_scaler"),
                     num_skipped_iters=opt.get("num_skipped_iters", 0))
     if groups is not None:
         meta["optimizer"] = {kind: _merge(per, args, sizes) for kind, per in moments.items() if per}
-        meta["param_groups"] = groups
+        meta["param_groups"] = list(groups.values())  # every stage's groups
         meta.setdefault("adam_step", 0.0)
     meta.update(layout=layout_of(args), rng_from=root)
     return _merge(weights, args, sizes), args, meta
@@ -200,12 +212,12 @@ def _load_torch(load_dir, it):
 def _load_torch_dist(folder):
     tensors, common = dist_full.read_full(folder)
     args = common["args"]
-    full, moments = {}, {kind: {} for kind in KINDS}
+    full, moments = {}, {}
     for key, tensor in tensors.items():
         section, rest = key.split(".", 1)
         kind, name = ("model", rest) if section == "model" else rest.split(".", 1)
         value = full_from_canonical(tensor, tp_spec(name, args["swiglu"]))
-        (full if kind == "model" else moments[kind])[name] = value
+        (full if kind == "model" else moments.setdefault(kind, {}))[name] = value
     meta = {"iteration": common["iteration"], "consumed_samples": common["consumed_samples"],
             "layout": common.get("layout"), "rng_from": folder}
     if common.get("has_optimizer"):
@@ -253,7 +265,7 @@ def _split(name, tensor, swiglu, sizes, coords):
 
 def _optimizer_payload(states, layer_numbers, optimizer, meta, args, sizes, coords):
     """The MixedPrecisionOptimizer state dict of one target rank, from full moments."""
-    order, sizes_of_groups = param_order(states, args.get("apply_wd_to_qk_layernorm", False))
+    order, groups_here = param_order(states, args)
     tied = not args["untie_embeddings_and_output_weights"]
 
     def shard(kind, c, name):
@@ -263,14 +275,19 @@ def _optimizer_payload(states, layer_numbers, optimizer, meta, args, sizes, coor
         return _split(name, optimizer[kind][canon], args["swiglu"], sizes, coords)
 
     step = torch.tensor(meta["adam_step"], dtype=torch.float32)
-    state = {} if not meta["adam_step"] else {
-        i: {"step": step.clone(), "exp_avg": shard("exp_avg", c, n), "exp_avg_sq": shard("exp_avg_sq", c, n)}
-        for i, (c, n) in enumerate(order)}
-    hyper = {g.get("wd_mult", 1.0): g for g in meta["param_groups"]}
-    groups, start = [], 0
-    for size, wd_mult in zip(sizes_of_groups, (1.0, 0.0) if len(sizes_of_groups) == 2 else (None,)):
-        group = hyper.get(wd_mult, meta["param_groups"][0])
-        groups.append({**group, "params": list(range(start, start + size))})
+    hyper = {_key_of(g): g for g in meta["param_groups"]}
+    groups, state, start = [], {}, 0
+    for key, size in groups_here:
+        # a stage may have a group the saved rank had not: take its twin of the other rate
+        saved = hyper.get(key) or {**hyper[(key[0], key[1], not key[2])],
+                                   "is_decoupled_lr": key[2]}
+        groups.append({**saved, "params": list(range(start, start + size))})
+        for i in range(start, start + size) if meta["adam_step"] else ():
+            c, n = order[i]
+            kinds = MUON_KINDS if key[0] == "muon" else ADAM_KINDS
+            state[i] = {kind: shard(kind, c, n) for kind in kinds}
+            if kinds == ADAM_KINDS:
+                state[i]["step"] = step.clone()
         start += size
     mains = [shard("main_param", c, n) for c, n in order] if "main_param" in optimizer else []
     return {"optimizer": {"state": state, "param_groups": groups}, "grad_scaler": meta["grad_scaler"],

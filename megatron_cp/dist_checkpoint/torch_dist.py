@@ -12,7 +12,8 @@ Layout of one iteration's folder::
 
 Tensors are keyed by canonical name (:mod:`megatron_cp.dist_checkpoint.canonical`):
 ``model.<name>`` holds the model weights, ``optimizer.exp_avg.<name>`` /
-``optimizer.exp_avg_sq.<name>`` the Adam moments and ``optimizer.main_param.<name>`` the
+``optimizer.exp_avg_sq.<name>`` the Adam moments (``optimizer.momentum_buffer.<name>``
+Muon's momentum) and ``optimizer.main_param.<name>`` the
 fp32 main params of a bf16/fp16 model, each in the same canonical form as its weight, so
 any layout reads back the same full tensors. Expert (MoE) params are stored whole, with the
 global expert dimension first (``[E, ...]``); each rank writes its (EP slice, ETP slice),
@@ -43,11 +44,12 @@ from megatron_cp import faults
 from megatron_cp.dist_checkpoint import integrity
 from megatron_cp.dist_checkpoint.canonical import canonical_name, expert_param_spec, param_spec
 from megatron_cp.dist_checkpoint.pieces import Pieces, PiecesLoadPlanner, PiecesSavePlanner
-from megatron_cp.optimizer.optimizer import adam_step, set_adam_step
+from megatron_cp.optimizer.inner import adam_step, set_adam_step
 
 COMMON = "common.pt"
-OPTIMIZER_KINDS = ("exp_avg", "exp_avg_sq", "main_param")
-GROUP_SETTINGS = ("lr", "weight_decay", "betas", "eps", "wd_mult", "lr_mult")
+GROUP_SETTINGS = ("lr", "weight_decay", "betas", "eps", "momentum", "wd_mult", "lr_mult")
+# what tells one param group from another (get_param_groups' key)
+GROUP_KEY = ("optimizer", "wd_mult", "is_decoupled_lr")
 LAYOUT_KEYS = ("world_size", "tensor_model_parallel_size", "context_parallel_size",
                "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
                "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
@@ -158,7 +160,7 @@ def sharded_state(trainer, with_optimizer, for_load=False):
             spec, tied_copy = specs[id(shard.model_param)]
             if tied_copy and not for_load:
                 continue
-            for kind, flat in zip(OPTIMIZER_KINDS, (shard.exp_avg, shard.exp_avg_sq, shard.main)):
+            for kind, flat in {**shard.state, "main_param": shard.main}.items():
                 if flat is not None:
                     put(f"optimizer.{kind}.{spec.name}", spec, flat, shard.start, shard.stop)
     return state
@@ -278,6 +280,8 @@ def load(trainer, root, it):
     wait_for_async_save(trainer)
     trainer.optimizer.finish_param_sync()
     with_optimizer = common["has_optimizer"] and not args.finetune and not args.no_load_optim
+    if with_optimizer:
+        ckpt.check_optimizer_matches(common["args"], args)
     state = sharded_state(trainer, with_optimizer, for_load=True)
     check_files(folder)
     try:
@@ -298,17 +302,23 @@ def load(trainer, root, it):
         return ckpt.resume_schedule_only(trainer, root, it, common["iteration"],
                                          common["consumed_samples"])
     if with_optimizer:
-        _restore_optimizer(trainer.optimizer, common)
         trainer.scheduler.load_state_dict(common["opt_param_scheduler"])
+        _restore_optimizer(trainer.optimizer, common)
     _restore_rng(trainer, folder, common)
     if st.global_rank == 0:
         print(f" loaded checkpoint from {root} at iteration {it}", flush=True)
     return common["iteration"], common["consumed_samples"]
 
 
+def _group_key(group):
+    return tuple(group.get(k, default) for k, default in zip(GROUP_KEY, ("adam", 1.0, False)))
+
+
 def _restore_optimizer(opt, common):
     set_adam_step(opt.optimizer, common["adam_step"])
-    for group, saved in zip(opt.optimizer.param_groups, common["param_groups"]):
+    saved_groups = {_group_key(saved): saved for saved in common["param_groups"]}
+    for group in opt.optimizer.param_groups:  # by key: a stage may lack a group rank 0 has
+        saved = saved_groups.get(_group_key(group), {})
         # the hyper-parameters only: kernel switches (fused, foreach) follow this run's device
         group.update({k: v for k, v in saved.items() if k in GROUP_SETTINGS})
     if opt.grad_scaler is not None and common.get("grad_scaler") is not None:

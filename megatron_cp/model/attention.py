@@ -72,6 +72,8 @@ class SelfAttention(torch.nn.Module):
         self.linear_qkv = tpar.ColumnParallelLinear(
             config.hidden_size, (nh + 2 * ng) * d, init_method=tpar.normal_init(std),
             seed=tpar.init_seed(config.seed, prefix + ".linear_qkv"), **common)
+        # rows of one query group: its q heads, k, v (Muon orthogonalises Q, K and V apart)
+        self.linear_qkv.weight.qkv_split_shapes = (self.heads_per_group * d, d, d)
         self.linear_proj = tpar.RowParallelLinear(
             nh * d, config.hidden_size,
             init_method=tpar.normal_init(tpar.scaled_init_std(std, config.num_layers)),

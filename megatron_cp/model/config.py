@@ -217,10 +217,13 @@ class GPTConfig:
     moe_input_jitter_eps: float | None = setting(
         None, group="moe", help="Multiply the router input by U(1-eps, 1+eps) in training.")
     moe_router_load_balancing_type: str = setting(
-        "aux_loss", choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "none"), group="moe",
+        "aux_loss", choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"),
+        group="moe",
         help="Load balancing: aux_loss (per microbatch), seq_aux_loss (per sequence), "
              "global_aux_loss (over the microbatches the data-parallel ranks run together), "
-             "none. Padding and loss-masked tokens are never counted.")
+             "sinkhorn (S-BASE: in training each token's experts are the top-k of the "
+             "Sinkhorn-balanced router scores of its microbatch; no balancing loss), none. "
+             "Padding and loss-masked tokens are never counted.")
     moe_aux_loss_coeff: float = setting(0.0, group="moe",
                                         help="Weight of the load-balancing loss.")
     moe_z_loss_coeff: float | None = setting(
@@ -339,6 +342,8 @@ class GPTConfig:
                 raise ValueError(f"moe_router_topk / moe_router_group_topk ({topk // group_topk}) "
                                  f"experts per group exceeds the group size "
                                  f"({experts // groups}); raise moe_router_group_topk")
+        if self.moe_router_load_balancing_type == "sinkhorn":
+            self._check_sinkhorn()
         if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
             raise ValueError("moe_router_enable_expert_bias needs moe_router_score_function "
                              "sigmoid (the bias shifts sigmoid scores for the top-k choice)")
@@ -348,6 +353,27 @@ class GPTConfig:
             raise ValueError(f"moe_expert_capacity_factor ({self.moe_expert_capacity_factor}) "
                              f"must be > 0 (leave it out for dropless routing)")
         self.moe_layer_pattern()  # raises on a malformed --moe-layer-freq
+
+    def _check_sinkhorn(self):
+        """Sinkhorn routing balances by itself and scores the plain logits its own way
+        (sigmoid for top-1, softmax over all experts otherwise), so the settings of the other
+        routers would be silently ignored: each is refused."""
+        if self.moe_aux_loss_coeff > 0:
+            raise ValueError(f"moe_router_load_balancing_type 'sinkhorn' balances without a "
+                             f"loss, so moe_aux_loss_coeff ({self.moe_aux_loss_coeff}) must be 0 "
+                             f"(Megatron-LM refuses it too); drop moe_aux_loss_coeff")
+        ignored = [name for name, value, default in (
+            ("moe_router_score_function", self.moe_router_score_function, "softmax"),
+            ("moe_router_pre_softmax", self.moe_router_pre_softmax, False),
+            ("moe_router_topk_scaling_factor", self.moe_router_topk_scaling_factor, None),
+            ("moe_router_num_groups", self.moe_router_num_groups, None),
+            ("moe_router_enable_expert_bias", self.moe_router_enable_expert_bias, False))
+            if value != default]
+        if ignored:
+            raise ValueError(f"moe_router_load_balancing_type 'sinkhorn' scores the logits with "
+                             f"sigmoid (top-1) or a softmax over all experts and routes by its "
+                             f"balanced scores, so {', '.join(ignored)} would have no effect; "
+                             f"drop {'it' if len(ignored) == 1 else 'them'}")
 
     def moe_layer_pattern(self):
         """One bool per layer: is it an MoE layer (all False for a dense model)."""

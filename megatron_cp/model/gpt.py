@@ -4,7 +4,9 @@ Stage-aware from the start: ``pre_process`` builds the embedding, ``post_process
 norm, output layer and loss, and ``layer_numbers`` the global layers this chunk owns. With
 tied embeddings on a last stage that lacks the embedding, the output layer holds a copy
 initialized identically and marked ``shared_embedding`` (its gradient is all-reduced with
-the first stage's over the embedding group).
+the first stage's over the embedding group). The word embedding and the output layer weight
+(either copy) are marked ``is_embedding_or_output_parameter``, Megatron-LM's mark: the
+optimizer gives them --decoupled-lr and keeps them from Muon.
 """
 import torch
 import torch.nn.functional as F
@@ -90,6 +92,7 @@ class GPTModel(torch.nn.Module):
         if pre_process:
             self.embedding = Embedding(config, self.padded_vocab_size, tp_group, rng_tracker, device)
             self.embedding.word_embeddings.weight.shared_embedding = tied and not post_process
+            self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
         layer_numbers = range(config.num_layers) if layer_numbers is None else layer_numbers
         self.decoder = TransformerBlock(config, layer_numbers, tp_group, cp_group, rng_tracker,
                                         device, state=state)
@@ -107,6 +110,7 @@ class GPTModel(torch.nn.Module):
                     sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype,
                     device=device)
                 self.output_layer.weight.shared_embedding = tied
+                self.output_layer.weight.is_embedding_or_output_parameter = True
 
     def set_input_tensor(self, tensor):
         """The activation received from the previous pipeline stage."""

@@ -17,6 +17,9 @@ are counts (no gradient), so each rank's differentiable part is its own ``S`` wi
 global ``c`` and ``N``: the parts sum to the loss, and summing gradients over DP x CP (and
 TP) gives its exact gradient.
 
+Sinkhorn routing (:func:`sinkhorn`) balances without a loss, over the same weighted tokens
+of the whole microbatch.
+
 The training objective adds the mean of these per-microbatch losses over the global batch's
 microbatches, so the scale does not change with TP, CP, DP or the number of microbatches:
 the training loop sets each router's ``aux_loss_scale`` to ``loss_scale / microbatches of
@@ -86,6 +89,34 @@ def aux_loss(kind, scores, routing_map, weights, *, topk, coeff, token_groups, d
     if kind == "global_aux_loss":  # the DP ranks' parts sum to one loss for their microbatches
         local = local * _group_size(dp_group)
     return local, (factor[:, None] * s_all * counts).sum().detach()
+
+
+@torch.no_grad()
+def sinkhorn(logits, weights, token_groups, tol=1e-4):
+    """Sinkhorn-Knopp balancing of a microbatch's router logits (S-BASE), Megatron-LM's
+    iteration: row scales ``d0`` [T] and expert scales ``d1`` [E] of ``C = exp(logits)`` are
+    refined in turn, ``d0 = 1/N / (C d1 + eps)`` and ``d1 = 1/E / (C^T d0 + eps)``, until
+    ``d1`` moves by at most ``tol`` on average; returns ``d1 * C * d0`` [T, E] (fp32), whose
+    row top-k is a balanced choice of experts.
+
+    Only the weighted tokens (``weights`` [T] > 0) enter ``C^T d0`` and ``N``, summed over
+    ``token_groups`` (the ranks holding the microbatch's other tokens): padding and
+    loss-masked tokens get scores but move no expert's scale, and every layout balances the
+    whole microbatch as one process does (Megatron-LM balances each rank's own tokens). The
+    sums are the same on every rank of the groups, so all stop at the same iteration."""
+    cost = torch.exp(logits.float())  # [T, E]
+    counted = (weights > 0).to(cost.dtype)[:, None]  # [T, 1]
+    num_tokens = sum_over_groups(counted.sum().reshape(1), token_groups).clamp(min=1.0)
+    experts, eps = cost.shape[1], 1e-8
+    d1 = d1_old = torch.ones(experts, dtype=cost.dtype, device=cost.device)
+    error = float("inf")
+    while error > tol:
+        d0 = (1 / num_tokens) * 1 / ((d1 * cost).sum(1) + eps)  # [T]
+        columns = sum_over_groups((d0[:, None] * cost * counted).sum(0), token_groups)  # [E]
+        d1 = (1 / experts) * 1 / (columns + eps)
+        error = (d1_old - d1).abs().mean().item()
+        d1_old = d1
+    return d1 * cost * d0[:, None]
 
 
 def z_loss(logits, weights, *, coeff, token_groups):

@@ -1,5 +1,5 @@
-"""The top-k router: logits, routing, capacity, balancing losses, expert bias and the
-statistics the training loop logs.
+"""The top-k router: logits, routing (top-k, or Sinkhorn-balanced in training), capacity,
+balancing losses, expert bias and the statistics the training loop logs.
 
 The router weight ``[E, h]`` is replicated over TP; the MoE layer gives each TP rank its
 own tokens, so the weight's gradient is summed over TP (``sequence_parallel``) as well as
@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from megatron_cp import tensor_parallel as tpar
-from megatron_cp.moe.balancing import AttachLoss, aux_loss, z_loss
+from megatron_cp.moe.balancing import AttachLoss, aux_loss, sinkhorn, z_loss
 from megatron_cp.moe.routing import (apply_capacity, expert_capacity, scores_for_balancing,
-                                     topk_routing)
+                                     sinkhorn_routing, topk_routing)
 
 ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
 
@@ -71,10 +71,17 @@ class TopKRouter(torch.nn.Module):
             eps = c.moe_input_jitter_eps
             x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
         logits = F.linear(x, self.weight.to(dtype))  # [T, E]
-        probs, routing_map = topk_routing(
-            logits, c.moe_router_topk, c.moe_router_score_function, c.moe_router_pre_softmax,
-            c.moe_router_topk_scaling_factor, c.moe_router_num_groups, c.moe_router_group_topk,
-            self.expert_bias)
+        if c.moe_router_load_balancing_type == "sinkhorn":
+            indices = None  # evaluation: the plain top-k
+            if self.training:
+                balanced = sinkhorn(logits.detach(), weights, self.token_groups)  # [T, E]
+                indices = balanced.topk(c.moe_router_topk, dim=-1).indices  # [T, k]
+            probs, routing_map = sinkhorn_routing(logits, c.moe_router_topk, indices)
+        else:
+            probs, routing_map = topk_routing(
+                logits, c.moe_router_topk, c.moe_router_score_function, c.moe_router_pre_softmax,
+                c.moe_router_topk_scaling_factor, c.moe_router_num_groups,
+                c.moe_router_group_topk, self.expert_bias)
         counts = (routing_map.to(torch.float32) * weights.to(torch.float32)[:, None]).sum(0)  # [E]
         local = logits.new_zeros(())
         aux_value = z_value = torch.zeros((), dtype=torch.float32, device=logits.device)

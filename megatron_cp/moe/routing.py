@@ -67,6 +67,22 @@ def topk_routing(logits, topk, score_function="softmax", pre_softmax=False, scal
     return probs, routing_map
 
 
+def sinkhorn_routing(logits, topk, indices=None):
+    """Megatron-LM's Sinkhorn router on ``logits`` [T, E]: the probabilities are the plain
+    logits' sigmoid (top-1) or softmax over all experts (top-k > 1), kept at ``indices``
+    [T, k] -- in training the top-k of the Sinkhorn-balanced scores
+    (:func:`megatron_cp.moe.balancing.sinkhorn`) -- or, when None (evaluation), at their own
+    top-k. Returns ``(probs [T, E], routing_map [T, E] bool)``."""
+    if topk == 1:  # a softmax over one chosen logit would be constant 1, with no gradient
+        scores = torch.sigmoid(logits)
+    else:
+        scores = torch.softmax(logits, dim=-1, dtype=_at_least_fp32(logits)).type_as(logits)
+    if indices is None:
+        indices = scores.topk(topk, dim=-1).indices  # [T, k]
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, indices, True)  # [T, E]
+    return scores * routing_map, routing_map
+
+
 def scores_for_balancing(logits, score_function):
     """The per-expert scores the balancing loss averages, [T, E]: the softmax over all
     experts, or the sigmoid scores normalised over all experts."""

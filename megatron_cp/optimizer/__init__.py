@@ -1,21 +1,24 @@
 """Optimizer side of training: grad buffers and DP reduction, loss scaling, global-norm
-clipping, mixed-precision AdamW, the distributed (ZeRO-1) optimizer, memory accounting and
-the learning-rate schedule."""
+clipping, mixed-precision AdamW and Muon, the distributed (ZeRO-1) optimizer, memory
+accounting and the learning-rate schedule; factory.py builds them from the flags."""
 from megatron_cp.optimizer.clip_grads import clip_grad_norm, get_grad_norm, grad_of
 from megatron_cp.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron_cp.optimizer.distributed import (DistributedDataParallel, allreduce_embedding_grads,
                                                allreduce_sequence_parallel_grads,
                                                finalize_model_grads)
+from megatron_cp.optimizer.factory import build_optimizer, build_scheduler
 from megatron_cp.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megatron_cp.optimizer.inner import build_adamw
 from megatron_cp.optimizer.lr_scheduler import OptimizerParamScheduler
 from megatron_cp.optimizer.memory import expected_bytes_per_param, memory_breakdown
 from megatron_cp.optimizer.optimizer import (GradNormNotFinite, MixedPrecisionOptimizer,
-                                             build_adamw, get_param_groups)
+                                             get_param_groups)
 
 __all__ = [
     "ConstantGradScaler", "DistributedDataParallel", "DistributedOptimizer", "DynamicGradScaler",
     "GradNormNotFinite", "MixedPrecisionOptimizer", "expected_bytes_per_param", "memory_breakdown",
     "OptimizerParamScheduler", "allreduce_embedding_grads", "allreduce_sequence_parallel_grads",
-    "build_adamw", "clip_grad_norm", "finalize_model_grads", "get_grad_norm", "get_param_groups",
+    "build_adamw", "build_optimizer", "build_scheduler", "clip_grad_norm",
+    "finalize_model_grads", "get_grad_norm", "get_param_groups",
     "grad_of",
 ]

@@ -1,6 +1,7 @@
 """The distributed optimizer (ZeRO-1, Megatron-LM's ``--use-distributed-optimizer``).
 
-The fp32 main params and the Adam moments are sharded over the data-parallel ranks: dense
+The fp32 main params and the Adam moments (Muon's momentum with ``--optimizer dist_muon``,
+:class:`~megatron_cp.optimizer.muon.ShardedMuon`) are sharded over the data-parallel ranks: dense
 params over DP x CP, expert params over expert-DP. The shards are exactly the bucket shards
 of :mod:`megatron_cp.optimizer.buckets` -- one layout for the gradient reduce-scatter,
 the optimizer state and the parameter all-gather -- so a rank's shard of a bucket may hold
@@ -29,8 +30,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_cp import dist_compat
+from megatron_cp.optimizer.inner import (ADAM_KINDS, MUON_KINDS, adam_step, build_inner,
+                                         param_state, set_adam_step)
+from megatron_cp.optimizer.muon import Orthogonalizer, ShardedMuon, sharding_plan
 from megatron_cp.optimizer.optimizer import (_PARAM_ATTRS, MixedPrecisionOptimizer, ParamShard,
-                                             adam_state, adam_step, build_adamw, set_adam_step)
+                                             check_saved_groups, muon_settings)
 
 
 @dataclass
@@ -46,7 +50,7 @@ class _Shard:
 
 
 class DistributedOptimizer(MixedPrecisionOptimizer):
-    """AdamW over this rank's shards; see the module docstring for one step's stages.
+    """AdamW (and Muon) over this rank's shards; see the module docstring for one step's stages.
 
     ``model_params`` as for :class:`MixedPrecisionOptimizer` (param groups from
     :func:`get_param_groups`); ``model_chunks`` are the
@@ -58,7 +62,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def __init__(self, model_params, model_chunks, state, lr, weight_decay=0.0,
                  betas=(0.9, 0.999), eps=1e-8, clip_grad=1.0, params_dtype=torch.float32,
-                 grad_scaler=None, use_fused=None, check_for_nan_in_grad=False):
+                 grad_scaler=None, use_fused=None, check_for_nan_in_grad=False, muon=None):
         groups = self._setup(model_params, state, clip_grad, params_dtype, grad_scaler)
         self.check_for_nan_in_grad = check_for_nan_in_grad
         self.model_chunks = list(model_chunks)
@@ -89,8 +93,16 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     self._shards.append(shard)
                     mains.append(shard.main)
             inner_groups.append({**group, "params": mains})
-        self.optimizer = build_adamw(inner_groups, lr, weight_decay, betas, eps, state.device,
-                                     use_fused)
+
+        def make_muon(groups):
+            mains = {id(m) for g in groups for m in g["params"]}
+            params = [p for g in self._groups if g.get("optimizer") == "muon" for p in g["params"]]
+            return ShardedMuon(groups, Orthogonalizer(muon, state),
+                               [s for s in self._shards if id(s.main) in mains],
+                               sharding_plan(self.model_chunks, params), lr=lr,
+                               weight_decay=weight_decay, **muon_settings(muon))
+        self.optimizer = build_inner(inner_groups, lr, weight_decay, betas, eps, state.device,
+                                     use_fused, make_muon)
 
     @staticmethod
     def _make_shard(param, bucket):
@@ -148,21 +160,22 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def param_shards(self):
         """A :class:`ParamShard` per shard of this rank, in param-group order."""
-        out = []
-        for s in self._shards:
-            st = adam_state(self.optimizer, s.main)
-            out.append(ParamShard(s.model, s.start, s.stop,
-                                  None if s.main is s.param_view else s.main,
-                                  st["exp_avg"], st["exp_avg_sq"]))
-        return out
+        return [ParamShard(s.model, s.start, s.stop, None if s.main is s.param_view else s.main,
+                           param_state(self.optimizer, s.main)) for s in self._shards]
 
     # ----- the plain (unsharded) format, for --ckpt-format torch --------------------------
     def _model_order(self):
         return [p for group in self._groups for p in group["params"]]
 
+    def _kinds_of(self):
+        """{id(model param): the state kinds its optimizer keeps}, whether or not this rank
+        holds a shard of it."""
+        return {id(p): MUON_KINDS if group.get("optimizer") == "muon" else ADAM_KINDS
+                for group in self._groups for p in group["params"]}
+
     def _gather_full(self, kind):
-        """{id(model param): full fp32 tensor} of ``kind`` (main / exp_avg / exp_avg_sq),
-        all-gathered bucket by bucket over each bucket's group."""
+        """{id(model param): full fp32 tensor} of ``kind`` (main, or a state kind: zeros for
+        the params without it), all-gathered bucket by bucket over each bucket's group."""
         shards_of = {}
         for shard in self.param_shards():
             shards_of.setdefault(id(shard.model_param), shard)
@@ -175,7 +188,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     shard = shards_of.get(id(p))
                     if shard is not None:
                         lo = bucket.offsets[id(p)][0]
-                        value = shard.main if kind == "main" else getattr(shard, kind)
+                        value = shard.main if kind == "main" else shard.state.get(kind)
                         if value is not None:  # None: an fp32 param is its own main param
                             flat[lo + shard.start:lo + shard.stop].copy_(value)
                 first, last = bucket.shard_range()
@@ -193,14 +206,17 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         order = self._model_order()
         step = torch.tensor([adam_step(self.optimizer)], dtype=torch.float64)
         dist.all_reduce(step, op=dist.ReduceOp.MAX)  # a rank may own no shard at all
-        avg, avg_sq = self._gather_full("exp_avg"), self._gather_full("exp_avg_sq")
+        kinds_of = self._kinds_of()
+        full = {kind: self._gather_full(kind) for kind in dict.fromkeys(
+            k for kinds in kinds_of.values() for k in kinds)}
         half = [p for p in order if p.dtype != torch.float32]
         mains = self._gather_full("main") if half else {}
         state = {}
-        if step.item() > 0:
-            state = {i: {"step": torch.tensor(step.item(), dtype=torch.float32),
-                         "exp_avg": avg[id(p)], "exp_avg_sq": avg_sq[id(p)]}
-                     for i, p in enumerate(order)}
+        if step.item() > 0:  # Adam steps along with Muon (norms, biases are always Adam's)
+            for i, p in enumerate(order):
+                state[i] = {kind: full[kind][id(p)] for kind in kinds_of[id(p)]}
+                if kinds_of[id(p)] == ADAM_KINDS:
+                    state[i]["step"] = torch.tensor(step.item(), dtype=torch.float32)
         groups, index = [], 0
         for outer, inner in zip(self._groups, self.optimizer.param_groups):
             count = len(outer["params"])
@@ -218,10 +234,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         each rank keeps its shards; the model params are refreshed from the main params."""
         saved = state_dict["optimizer"]
         order = self._model_order()
-        if len(saved["param_groups"]) != len(self._groups) or \
-                sum(len(g["params"]) for g in saved["param_groups"]) != len(order):
-            raise ValueError("the checkpoint's optimizer has other parameter groups than this "
-                             "model; load it into the same model (or pass --no-load-optim)")
+        check_saved_groups(saved["param_groups"], self._groups)
         for group, saved_group in zip(self.optimizer.param_groups, saved["param_groups"]):
             group.update({k: v for k, v in saved_group.items() if k != "params"})
         index_of = {id(p): i for i, p in enumerate(order)}
@@ -235,9 +248,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for s, shard in zip(self._shards, self.param_shards()):
             per_param = saved["state"].get(index_of[id(s.model)])
             if per_param is not None:
-                shard.exp_avg.copy_(per_param["exp_avg"].reshape(-1)[s.start:s.stop])
-                shard.exp_avg_sq.copy_(per_param["exp_avg_sq"].reshape(-1)[s.start:s.stop])
-                step = float(per_param["step"])
+                for kind, value in shard.state.items():
+                    value.copy_(per_param[kind].reshape(-1)[s.start:s.stop])
+                step = float(per_param.get("step", step))
             if id(s.model) in main_of:
                 s.main.copy_(main_of[id(s.model)].reshape(-1)[s.start:s.stop])
                 s.param_view.copy_(s.main)

@@ -5,7 +5,10 @@ Warmup is linear from ``init_lr`` to ``max_lr`` over ``lr_warmup_steps`` (step 0
 (linear, cosine, inverse-square-root, or stays at ``max_lr`` for constant) and stays at
 ``min_lr`` afterwards. Weight decay optionally moves from ``start_wd`` to ``end_wd`` over
 ``wd_incr_steps``. Each param group's ``lr_mult`` / ``wd_mult`` (default 1) multiply the
-scheduled values, which is how no-weight-decay groups stay at zero.
+scheduled values, which is how no-weight-decay groups stay at zero. The groups marked
+``is_decoupled_lr`` (the input embedding and the output layer) follow the same warmup and
+decay from ``decoupled_lr`` down to ``decoupled_min_lr`` (default ``min_lr``), Megatron-LM's
+``--decoupled-lr``; the logged rate is the other groups'.
 """
 import math
 
@@ -15,9 +18,11 @@ WD_INCR_STYLES = ("constant", "linear", "cosine")
 _FLAG_OF = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters",
             "lr_decay_steps": "--lr-decay-iters", "lr_decay_style": "--lr-decay-style",
             "start_wd": "--start-weight-decay", "end_wd": "--end-weight-decay",
-            "wd_incr_style": "--weight-decay-incr-style"}
+            "wd_incr_style": "--weight-decay-incr-style", "decoupled_lr": "--decoupled-lr",
+            "decoupled_min_lr": "--decoupled-min-lr"}
 _CHECKED_KEYS = ("max_lr", "min_lr", "init_lr", "lr_warmup_steps", "lr_decay_steps",
-                 "lr_decay_style", "start_wd", "end_wd", "wd_incr_steps", "wd_incr_style")
+                 "lr_decay_style", "start_wd", "end_wd", "wd_incr_steps", "wd_incr_style",
+                 "decoupled_lr", "decoupled_min_lr")
 
 
 class OptimizerParamScheduler:
@@ -29,12 +34,14 @@ class OptimizerParamScheduler:
     makes :meth:`load_state_dict` adopt the saved schedule; ``override_from_arguments`` keeps
     the constructor's (the flags ``--use-checkpoint-opt_param-scheduler`` and
     ``--override-opt_param-scheduler``); with neither, a mismatch raises ValueError naming them.
+    ``decoupled_lr`` / ``decoupled_min_lr``: the schedule's ends for the ``is_decoupled_lr``
+    groups (None: those groups follow ``max_lr``; see the module docstring).
     """
 
     def __init__(self, optimizer, max_lr, min_lr=0.0, lr_warmup_steps=0, lr_decay_steps=None,
                  lr_decay_style="linear", init_lr=0.0, start_wd=None, end_wd=None,
                  wd_incr_steps=None, wd_incr_style="constant", use_checkpoint_values=False,
-                 override_from_arguments=False):
+                 override_from_arguments=False, decoupled_lr=None, decoupled_min_lr=None):
         if lr_decay_style not in LR_DECAY_STYLES:
             raise ValueError(f"lr_decay_style {lr_decay_style!r} is not supported; "
                              f"pick one of {list(LR_DECAY_STYLES)}")
@@ -66,8 +73,11 @@ class OptimizerParamScheduler:
             if wd_incr_style != "constant" and not (wd_incr_steps and wd_incr_steps > 0):
                 raise ValueError(f"wd_incr_steps ({wd_incr_steps}) must be > 0 for wd_incr_style "
                                  f"{wd_incr_style!r}")
+        if decoupled_min_lr is not None and decoupled_lr is None:
+            raise ValueError(f"decoupled_min_lr ({decoupled_min_lr}) needs decoupled_lr")
         self.optimizer = optimizer
         self.max_lr, self.min_lr, self.init_lr = float(max_lr), float(min_lr), float(init_lr)
+        self.decoupled_lr, self.decoupled_min_lr = decoupled_lr, decoupled_min_lr
         self.lr_warmup_steps, self.lr_decay_steps = lr_warmup_steps, lr_decay_steps
         self.lr_decay_style = lr_decay_style
         self.start_wd, self.end_wd = start_wd, end_wd
@@ -82,10 +92,13 @@ class OptimizerParamScheduler:
         self.step(0)
 
     def get_lr(self, param_group=None):
-        """The learning rate at the current step (a group may carry its own max_lr/min_lr)."""
-        group = param_group or {}
-        max_lr = group.get("max_lr", self.max_lr)
-        min_lr = group.get("min_lr", self.min_lr)
+        """The learning rate of ``param_group`` at the current step (None: the main rate)."""
+        max_lr, min_lr = self.max_lr, self.min_lr
+        if param_group is not None and param_group.get("is_decoupled_lr") and \
+                self.decoupled_lr is not None:
+            max_lr = self.decoupled_lr
+            if self.decoupled_min_lr is not None:
+                min_lr = self.decoupled_min_lr
         step = self.num_steps
         if self.lr_warmup_steps > 0 and step <= self.lr_warmup_steps:
             return self.init_lr + (max_lr - self.init_lr) * float(step) / float(self.lr_warmup_steps)
@@ -157,7 +170,7 @@ class OptimizerParamScheduler:
                f"{'its' if len(follow) == 1 else 'their'} length)") if follow else ""
         keep = f" (past step {saved['lr_decay_steps']} the rate stays at --min-lr)" if decay else ""
         again = ""
-        if all(k in _FLAG_OF for k in keys):  # else a flag alone cannot restore it
+        if all(k in _FLAG_OF and saved[k] is not None for k in keys):  # else no flag can
             again = (", or give the checkpoint's values again ("
                      + " ".join(f"{_FLAG_OF[k]} {saved[k]}" for k in keys) + ")")
         return (f"the learning-rate schedule differs from the checkpoint's: {diffs}{why}. Pass "

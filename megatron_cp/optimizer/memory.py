@@ -32,7 +32,7 @@ def memory_breakdown(model_chunks, optimizer):
 
     ``model_chunks`` are the :class:`DistributedDataParallel` wrappers (their flat buffers
     are counted, padding included); ``optimizer`` is a :class:`MixedPrecisionOptimizer` or
-    :class:`DistributedOptimizer` (its Adam state is created as zeros if it has not stepped).
+    :class:`DistributedOptimizer` (its state is created as zeros if it has not stepped).
     """
     params = list({id(p): p for chunk in model_chunks for p in chunk.parameters()}.values())
     num_params = sum(p.numel() for p in params)
@@ -44,7 +44,7 @@ def memory_breakdown(model_chunks, optimizer):
     grad_bytes = sum(b.numel() * b.element_size() for chunk in model_chunks for b in chunk.buffers)
     shards = optimizer.param_shards()
     main_bytes = sum(s.main.numel() * s.main.element_size() for s in shards if s.main is not None)
-    state_bytes = sum(t.numel() * t.element_size() for s in shards for t in (s.exp_avg, s.exp_avg_sq))
+    state_bytes = sum(t.numel() * t.element_size() for s in shards for t in s.state.values())
     total = param_bytes + grad_bytes + main_bytes + state_bytes
     return {"num_params": num_params, "params": param_bytes, "grads": grad_bytes,
             "main_params": main_bytes, "optimizer_state": state_bytes, "total": total,

@@ -16,8 +16,8 @@ reduced (MAX) over the whole world: reducing over ``mp`` would suffice for dense
 (identical across DP x CP after the reduction) but expert grads differ across EP ranks,
 which can lie outside the ``mp`` group, and one scalar per step costs nothing.
 
-The fused Adam (apex ``FusedAdam``, else torch's ``fused=True``) is chosen in
-:func:`build_adamw` only, and only on CUDA; the CPU path is plain ``torch.optim.AdamW``.
+The inner torch optimizer is AdamW, or with ``muon`` Muon for the matrices chained with
+AdamW (:mod:`megatron_cp.optimizer.inner`).
 
 :meth:`MixedPrecisionOptimizer.param_shards` describes the optimizer state per model param
 as flat ranges (the whole param here, a shard with the distributed optimizer), which is
@@ -32,38 +32,13 @@ import torch.distributed as dist
 from megatron_cp.faults import ranks_where
 from megatron_cp.optimizer.clip_grads import clip_grad_norm, count_zeros, get_grad_norm
 from megatron_cp.optimizer.grad_scaler import DynamicGradScaler
+from megatron_cp.optimizer.inner import build_inner, param_state
+from megatron_cp.optimizer.muon import Muon, Orthogonalizer
 
-# Attributes that get_grad_norm reads; main params must carry them like their model params.
+# Attributes that get_grad_norm and Muon read; main params carry them like their model params.
 _PARAM_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride",
-                "sequence_parallel", "is_expert", "shared_embedding")
+                "sequence_parallel", "is_expert", "shared_embedding", "qkv_split_shapes")
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
-
-
-def _import_fused_adam():
-    """apex's FusedAdam class, or None when apex is missing or broken."""
-    try:
-        from apex.optimizers import FusedAdam  # optional accelerator
-    except (ImportError, OSError):
-        return None
-    return FusedAdam
-
-
-def build_adamw(param_groups, lr, weight_decay, betas, eps, device, use_fused=None):
-    """The one import point for Adam: fused on CUDA (apex, else torch), torch AdamW elsewhere.
-
-    ``use_fused`` False forces plain torch AdamW; None picks fused when on CUDA.
-    """
-    kwargs = dict(lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps)
-    fused = device.type == "cuda" if use_fused is None else bool(use_fused)
-    if fused and device.type != "cuda":
-        raise ValueError(f"use_fused=True needs a CUDA device, this rank runs on {device}; "
-                         f"leave use_fused unset on CPU")
-    if fused:
-        apex_adam = _import_fused_adam()
-        if apex_adam is not None:
-            return apex_adam(param_groups, adam_w_mode=True, **kwargs)
-        return torch.optim.AdamW(param_groups, fused=True, **kwargs)
-    return torch.optim.AdamW(param_groups, **kwargs)
 
 
 def _as_chunks(model):
@@ -78,6 +53,19 @@ def no_weight_decay(name, ndim, apply_wd_to_qk_layernorm=False):
     if apply_wd_to_qk_layernorm and module_name.endswith(("q_layernorm", "k_layernorm")):
         return False
     return ndim == 1 or name.endswith("bias") or module_name.endswith("norm")
+
+
+def muon_settings(config):
+    """Muon's keyword arguments (momentum, Nesterov) from the OptimizerConfig ``config``."""
+    return dict(momentum=config.muon_momentum, nesterov=config.muon_nesterov)
+
+
+def check_saved_groups(saved, groups):
+    """Raise ValueError unless the saved param groups have the sizes of ``groups``."""
+    if [len(g["params"]) for g in saved] != [len(g["params"]) for g in groups]:
+        raise ValueError("the checkpoint's optimizer has other parameter groups than this run "
+                         "(another model, --optimizer or --decoupled-lr?); resume with the "
+                         "checkpoint's flags, or pass --no-load-optim")
 
 
 class GradNormNotFinite(FloatingPointError):
@@ -95,82 +83,69 @@ class GradNormNotFinite(FloatingPointError):
 class ParamShard:
     """The flat elements ``[start, stop)`` of ``model_param`` that this rank's optimizer owns.
 
-    ``main`` (fp32; None when the model param is its own fp32 main param), ``exp_avg`` and
-    ``exp_avg_sq`` are 1-D views of length ``stop - start`` of the live optimizer state.
+    ``main`` (fp32; None when the model param is its own fp32 main param) and the values of
+    ``state`` (``{kind: tensor}``: Adam's ``exp_avg`` and ``exp_avg_sq``, or Muon's
+    ``momentum_buffer``) are 1-D views of length ``stop - start`` of the live optimizer state.
     """
     model_param: torch.Tensor
     start: int
     stop: int
     main: torch.Tensor | None
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+    state: dict
 
 
-def adam_state(optimizer, param):
-    """The Adam state of ``param`` (``step``, ``exp_avg``, ``exp_avg_sq``), created as zeros
-    when the optimizer has not stepped yet, as torch's AdamW would create it, so a checkpoint
-    can be loaded into it in place."""
-    state = optimizer.state[param]
-    if "exp_avg" not in state:
-        group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
-        on_device = group.get("fused") or group.get("capturable")
-        state["step"] = torch.zeros((), dtype=torch.float32,
-                                    device=param.device if on_device else "cpu")
-        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-    return state
+def group_key(name, ndim, expert=False, embedding_or_output=False, decoupled_lr=False,
+              muon=False, apply_wd_to_qk_layernorm=False):
+    """The param group of param ``name`` (``ndim`` dims; a routed ``expert``'s stacked
+    weights; the word embedding or output layer): ``(optimizer, wd_mult, is_decoupled_lr)``.
+
+    Muon takes Megatron-LM's 2-D weights (a routed expert's own ``[out, in]``, its weights
+    being stacked ``[E, out, in]``) but not the embedding or output layer; no weight decay
+    for 1-D params, names ending in ``bias`` and modules whose name ends in ``norm``, except
+    the QK norms' with ``apply_wd_to_qk_layernorm`` (:func:`no_weight_decay`)."""
+    matrix = ndim - (1 if expert else 0) == 2 and not embedding_or_output
+    return ("muon" if muon and matrix else "adam",
+            0.0 if no_weight_decay(name, ndim, apply_wd_to_qk_layernorm) else 1.0,
+            bool(decoupled_lr and embedding_or_output))
 
 
-def adam_step(optimizer):
-    """The number of Adam steps taken (the same for every param; 0 before the first)."""
-    steps = [float(st["step"]) for st in optimizer.state.values() if "step" in st]
-    steps += [float(g["step"]) for g in optimizer.param_groups if "step" in g]  # apex FusedAdam
-    return max(steps, default=0.0)
+def group_order(key):
+    """The order of the groups: Muon's first, then the decoupled ones last, decay first."""
+    return key[0] != "muon", key[2], -key[1]
 
 
-def set_adam_step(optimizer, step):
-    """Set the Adam step count of every param (and group, for apex) to ``step``."""
-    for param_state in optimizer.state.values():
-        if "step" in param_state:
-            param_state["step"].fill_(step)
-    for group in optimizer.param_groups:
-        if "step" in group:
-            group["step"] = int(step)
+def get_param_groups(model, weight_decay, decoupled_lr=False, muon=False,
+                     apply_wd_to_qk_layernorm=False):
+    """Split trainable params into groups by optimizer, weight decay and learning rate
+    (:func:`group_key`, in :func:`group_order`).
 
-
-def get_param_groups(model, weight_decay, apply_wd_to_qk_layernorm=False):
-    """Split trainable params into a weight-decay group and a no-weight-decay group.
-
-    No decay for 1-D params (biases, norm weights), names ending in ``bias``, and params of
-    modules whose name ends in ``norm``, except the QK norms' with
-    ``apply_wd_to_qk_layernorm`` (:func:`no_weight_decay`). ``model`` is a module or a list
-    of model chunks.
-    Groups carry ``wd_mult`` (1 or 0) and ``lr_mult`` for the LR scheduler; empty groups
-    are left out.
+    With ``decoupled_lr`` the params marked ``is_embedding_or_output_parameter`` form groups
+    of their own (``is_decoupled_lr``: the LR scheduler gives them --decoupled-lr); with
+    ``muon`` the matrices form ``optimizer: "muon"`` groups. ``model`` is a module or a list
+    of model chunks. Groups carry ``wd_mult`` (1 or 0) and ``lr_mult`` for the LR scheduler;
+    empty groups are left out.
     """
-    decay, no_decay, seen = [], [], set()
+    by_key, seen = {}, set()
     for chunk in _as_chunks(model):
         for name, param in chunk.named_parameters():
             if not param.requires_grad or id(param) in seen:
                 continue
             seen.add(id(param))
-            if no_weight_decay(name, param.dim(), apply_wd_to_qk_layernorm):
-                no_decay.append(param)
-            else:
-                decay.append(param)
-    groups = []
-    if decay:
-        groups.append({"params": decay, "weight_decay": weight_decay, "wd_mult": 1.0, "lr_mult": 1.0})
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0, "lr_mult": 1.0})
-    return groups
+            key = group_key(name, param.dim(), getattr(param, "is_expert", False),
+                            getattr(param, "is_embedding_or_output_parameter", False),
+                            decoupled_lr, muon, apply_wd_to_qk_layernorm)
+            by_key.setdefault(key, []).append(param)
+    return [{"params": by_key[key], "weight_decay": weight_decay * key[1], "wd_mult": key[1],
+             "lr_mult": 1.0, "optimizer": key[0], "is_decoupled_lr": key[2]}
+            for key in sorted(by_key, key=group_order)]
 
 
 class MixedPrecisionOptimizer:
-    """AdamW over fp32 main params; see the module docstring for one step's stages.
+    """AdamW (and Muon) over fp32 main params; see the module docstring for one step's stages.
 
     ``model_params`` is an iterable of params or of param-group dicts (as from
-    :func:`get_param_groups`). ``params_dtype`` is the model's dtype (fp32, bf16 or fp16);
+    :func:`get_param_groups`); ``muon``: the OptimizerConfig whose Muon settings step the
+    ``optimizer: "muon"`` groups. ``params_dtype`` is the model's dtype (fp32, bf16 or fp16);
     fp16 without a ``grad_scaler`` gets a :class:`DynamicGradScaler`. ``clip_grad`` <= 0
     disables clipping (the norm is still computed and returned). ``check_for_nan_in_grad``:
     raise :class:`GradNormNotFinite` instead of stepping on a NaN/inf norm (no grad scaler).
@@ -183,7 +158,7 @@ class MixedPrecisionOptimizer:
 
     def __init__(self, model_params, state, lr, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8,
                  clip_grad=1.0, params_dtype=torch.float32, grad_scaler=None, use_fused=None,
-                 check_for_nan_in_grad=False):
+                 check_for_nan_in_grad=False, muon=None):
         groups = self._setup(model_params, state, clip_grad, params_dtype, grad_scaler)
         self.check_for_nan_in_grad = check_for_nan_in_grad
         self._pairs = []  # (model param, main param); the same object twice for fp32 params
@@ -205,7 +180,12 @@ class MixedPrecisionOptimizer:
                 self._pairs.append((param, main))
                 mains.append(main)
             main_groups.append({**group, "params": mains})
-        self.optimizer = build_adamw(main_groups, lr, weight_decay, betas, eps, state.device, use_fused)
+
+        def make_muon(groups):
+            return Muon(groups, Orthogonalizer(muon, state), lr=lr, weight_decay=weight_decay,
+                        **muon_settings(muon))
+        self.optimizer = build_inner(main_groups, lr, weight_decay, betas, eps, state.device,
+                                     use_fused, make_muon)
 
     def _setup(self, model_params, state, clip_grad, params_dtype, grad_scaler):
         """Check the dtype, keep the shared settings; returns the param groups (dicts)."""
@@ -333,13 +313,12 @@ class MixedPrecisionOptimizer:
 
     def param_shards(self):
         """A :class:`ParamShard` per model param, in param-group order: the whole param here
-        (Adam state created as zeros before the first step)."""
+        (the state created as zeros before the first step)."""
         shards = []
         for model, main in self._pairs:
-            st = adam_state(self.optimizer, main)
+            state = {kind: t.view(-1) for kind, t in param_state(self.optimizer, main).items()}
             shards.append(ParamShard(model, 0, model.numel(),
-                                     None if main is model else main.view(-1),
-                                     st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1)))
+                                     None if main is model else main.view(-1), state))
         return shards
 
     def finish_param_sync(self):
@@ -359,6 +338,7 @@ class MixedPrecisionOptimizer:
     @torch.no_grad()
     def load_state_dict(self, state_dict):
         """Restore :meth:`state_dict`; the model params are rewritten from the main params."""
+        check_saved_groups(state_dict["optimizer"]["param_groups"], self.optimizer.param_groups)
         self.optimizer.load_state_dict(state_dict["optimizer"])
         saved_scaler = state_dict.get("grad_scaler")
         if self.grad_scaler is not None and saved_scaler is not None:

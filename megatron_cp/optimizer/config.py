@@ -1,0 +1,134 @@
+"""The optimizer's configuration: one dataclass, the one place each optimizer setting lives.
+
+Which optimizer (Adam, or Muon for the hidden matrices with Adam for every other
+parameter), Muon's settings, and the decoupled learning rate of the input embedding and
+output layer: Megatron-LM's flags, names and defaults (its ``OptimizerConfig``), declared
+with :func:`megatron_cp.config_flags.setting` and checked in ``__post_init__``. The learning
+rate, its schedule and Adam's betas are the run's own flags (arguments.py).
+"""
+import dataclasses
+from dataclasses import dataclass
+
+from megatron_cp.config_flags import check_choices, setting
+from megatron_cp.optimizer.newton_schulz import COEFFICIENT_SETS, SCALE_MODES
+
+OPTIMIZERS = ("adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon")
+_NOT_BUILT = {
+    "sgd": "SGD is not built",
+    "lion": "Lion is not built",
+    "soap": "SOAP is not built",
+    "adaptive_muon": "adaptive Muon (a second moment after the orthogonalisation) is not built",
+}
+MUON_TP_MODES = ("blockwise", "duplicated", "distributed")
+
+
+@dataclass
+class OptimizerConfig:
+    """How parameters are updated. Field names follow Megatron-LM's OptimizerConfig."""
+    optimizer: str = setting(
+        "adam", choices=OPTIMIZERS, group="training",
+        help="adam (AdamW), or muon: Muon (momentum, Newton-Schulz orthogonalisation) for the "
+             "2-D weights of the transformer layers, Adam for the rest (embedding, output "
+             "layer, biases, norms). dist_muon: muon with --use-distributed-optimizer (its "
+             "state sharded over the data-parallel ranks).")
+    decoupled_lr: float | None = setting(
+        None, group="training",
+        help="Peak learning rate of the input embedding and the output layer weights (the "
+             "word embedding only, not learned positions), on the same warmup and decay as "
+             "--lr.")
+    decoupled_min_lr: float | None = setting(
+        None, group="training",
+        help="With --decoupled-lr: the embedding's and output layer's rate at the end of the "
+             "decay (default --min-lr).")
+    muon_momentum: float = setting(0.9, group="training",
+                                   help="Muon's momentum: m = momentum m + (1 - momentum) g.")
+    muon_split_qkv: bool = setting(
+        True, flag="--muon-no-split-qkv", group="training",
+        help="Orthogonalise the fused QKV weight whole, not its Q, K and V parts apart.")
+    muon_nesterov: bool = setting(
+        False, group="training",
+        help="Nesterov momentum: orthogonalise g + momentum (m - g) instead of m.")
+    muon_scale_mode: str = setting(
+        "spectral", choices=SCALE_MODES, group="training",
+        help="Factor on an orthogonalised m x n update: spectral sqrt(max(m, n)), "
+             "unit_rms_norm sqrt(m / n), shape_scaling sqrt(max(1, m / n)).")
+    muon_fp32_matmul_prec: str = setting(
+        "medium", choices=("low", "medium", "high"), group="training",
+        help="Precision of the Newton-Schulz matmuls: medium runs them in bfloat16 (on every "
+             "device), high in fp32 (TF32 on CUDA). Megatron-LM's low is not a torch setting.")
+    muon_coefficient_type: str = setting(
+        "quintic", group="training",
+        help="Newton-Schulz coefficients: " + ", ".join(COEFFICIENT_SETS) + ".")
+    muon_num_ns_steps: int = setting(5, group="training", help="Newton-Schulz steps.")
+    muon_tp_mode: str = setting(
+        "duplicated", choices=MUON_TP_MODES, group="training",
+        help="A tensor-parallel matrix is orthogonalised: duplicated, gathered whole on each "
+             "rank; distributed, in place with its Gram matrix summed over TP (both "
+             "TP-invariant); blockwise, each rank its own shard (the update then depends on "
+             "the TP size).")
+    muon_extra_scale_factor: float = setting(
+        1.0, group="training", help="A further factor on every Muon update.")
+    muon_scalar_optimizer: str = setting(
+        "adam", choices=("adam", "lion"), group="training",
+        help="Optimizer of the parameters Muon does not take (embedding, output layer, "
+             "biases, norms): adam.")
+    # other flags' values, for the rules below
+    fp16: bool = setting(False, flag=None, arg="fp16", help="--fp16 was given.")
+    min_lr: float = setting(0.0, flag=None, arg="min_lr", help="--min-lr.")
+
+    def __post_init__(self):
+        check_choices(self)
+        if self.optimizer in _NOT_BUILT:
+            raise ValueError(f"optimizer ({self.optimizer!r}): {_NOT_BUILT[self.optimizer]}; "
+                             f"use adam or muon")
+        if self.uses_muon:
+            self._check_muon()
+        else:
+            given = [f.name if isinstance(f.default, bool) else
+                     f"{f.name} ({getattr(self, f.name)!r})"
+                     for f in dataclasses.fields(self)
+                     if f.name.startswith("muon_") and getattr(self, f.name) != f.default]
+            if given:
+                raise ValueError(f"{', '.join(given)} set Muon, but optimizer "
+                                 f"({self.optimizer!r}) is not Muon; add --optimizer muon or "
+                                 f"drop {'it' if len(given) == 1 else 'them'}")
+        self._check_decoupled_lr()
+
+    @property
+    def uses_muon(self):
+        return self.optimizer in ("muon", "dist_muon")
+
+    def _check_muon(self):
+        if self.fp16:
+            raise ValueError(f"optimizer ({self.optimizer!r}) does not train fp16 models "
+                             f"(Megatron-LM refuses it too); use --bf16")
+        if self.muon_scalar_optimizer != "adam":
+            raise ValueError(f"muon_scalar_optimizer ({self.muon_scalar_optimizer!r}): Lion is "
+                             f"not built; use adam")
+        if self.muon_fp32_matmul_prec == "low":
+            raise ValueError("muon_fp32_matmul_prec ('low') is no torch float32 matmul "
+                             "precision (Megatron-LM's optimizer fails on it); use medium or "
+                             "high")
+        if self.muon_coefficient_type not in COEFFICIENT_SETS:
+            raise ValueError(f"muon_coefficient_type ({self.muon_coefficient_type!r}) must be "
+                             f"one of {', '.join(COEFFICIENT_SETS)} (no flag gives 'custom' "
+                             f"coefficients)")
+        if self.muon_num_ns_steps < 1:
+            raise ValueError(f"muon_num_ns_steps ({self.muon_num_ns_steps}) must be at least 1")
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise ValueError(f"muon_momentum ({self.muon_momentum}) must be in [0, 1)")
+
+    def _check_decoupled_lr(self):
+        lr, low = self.decoupled_lr, self.decoupled_min_lr
+        if lr is None:
+            if low is not None:
+                raise ValueError(f"decoupled_min_lr ({low}) is the end of the decoupled "
+                                 f"learning rate's decay: add decoupled_lr")
+            return
+        if lr < 0.0 or (low is not None and not 0.0 <= low <= lr):
+            raise ValueError(f"need 0 <= decoupled_min_lr ({low}) <= decoupled_lr ({lr})"
+                             if low is not None else f"decoupled_lr ({lr}) must be >= 0")
+        if low is None and self.min_lr > lr:
+            raise ValueError(f"the decoupled learning rate decays to min_lr ({self.min_lr}) "
+                             f"when decoupled_min_lr is not given, which is above decoupled_lr "
+                             f"({lr}); give decoupled_min_lr")
