@@ -37,7 +37,7 @@ from megatron_cp.data.batch_schedule import (SIZE_NAME, BatchSchedule, check_div
                                               parse_schedule)
 from megatron_cp.data.tokenizers import TOKENIZER_TYPES
 from megatron_cp.data.utils import parse_and_normalize_split
-from megatron_cp.initialize import rank_order, validate_sizes
+from megatron_cp.initialize import check_instances, rank_order, validate_sizes
 from megatron_cp.model.config import GPTConfig
 from megatron_cp.optimizer.config import OptimizerConfig
 from megatron_cp.pipeline_parallel.stages import layout_from_args, validate_interleaved_microbatches
@@ -94,6 +94,13 @@ def _training_args(g):
                    help="ZeRO-1: shard the fp32 main params and Adam state over the data-parallel "
                         "(DP x CP) ranks; gradients are reduce-scattered and the updated params "
                         "all-gathered, bucket by bucket.")
+    g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
+                   help="With --use-distributed-optimizer: keep K copies of the sharded "
+                        "optimizer state, each sharded over a 1/K slice of the DP x CP ranks "
+                        "(consecutive ranks of the group): gradients are reduce-scattered "
+                        "inside the slice and all-reduced across the K slices, parameters "
+                        "all-gathered inside it. The same training as K = 1, with the "
+                        "collectives over smaller groups.")
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="With --use-distributed-optimizer: run the parameter all-gather in the "
                         "background after the step; each module's forward waits for its own "
@@ -576,6 +583,11 @@ def _validate_sizes(args, world_size):
             world_size, args.tensor_model_parallel_size, args.context_parallel_size,
             args.pipeline_model_parallel_size, args.expert_model_parallel_size,
             args.expert_tensor_parallel_size, args.rank_order)
+        expert_dp = world_size // (args.pipeline_model_parallel_size
+                                   * args.expert_model_parallel_size
+                                   * args.expert_tensor_parallel_size)
+        check_instances(args.num_distributed_optimizer_instances,
+                        args.data_parallel_size * args.context_parallel_size, expert_dp)
     except ValueError as err:  # initialize's rule names fields: name the flags instead
         raise ValueError(name_flags(str(err), flag_names()).replace("world_size", "the world "
                                                                     "size")) from None
@@ -641,7 +653,8 @@ def _validate_sequence_split(args):
 COUNT_MINIMUMS = (("micro_batch_size", 1), ("global_batch_size", 1), ("log_interval", 1),
                   ("train_iters", 0), ("train_samples", 1), ("eval_iters", 0),
                   ("eval_interval", 0), ("save_interval", 0), ("eval_global_batch_size", 1),
-                  ("eval_micro_batch_size", 1), ("check_weight_hash_across_dp_replicas_interval", 1))
+                  ("eval_micro_batch_size", 1), ("check_weight_hash_across_dp_replicas_interval", 1),
+                  ("num_distributed_optimizer_instances", 1))
 
 
 def _validate_counts(args):
@@ -677,6 +690,10 @@ def _validate_optimizer_and_checkpoint(args):
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise ValueError("--overlap-param-gather overlaps the distributed optimizer's parameter "
                          "all-gather: add --use-distributed-optimizer")
+    if args.num_distributed_optimizer_instances > 1 and not args.use_distributed_optimizer:
+        raise ValueError(f"--num-distributed-optimizer-instances "
+                         f"({args.num_distributed_optimizer_instances}) copies the distributed "
+                         f"optimizer: add --use-distributed-optimizer")
     if args.async_save and args.ckpt_format != "torch_dist":
         raise ValueError(f"--async-save writes --ckpt-format torch_dist checkpoints, not "
                          f"{args.ckpt_format}; add --ckpt-format torch_dist")
@@ -730,7 +747,8 @@ def _validate_model(args, names):
 
 def _samples_to_iters(samples, global_batch_size):
     """Megatron's sample-based schedule in iterations: fractional where the batch does not
-    divide, so every step gets the rate Megatron gives it (there is no batch ramp-up)."""
+    divide, so every step gets the rate Megatron gives it (a constant batch size; under a
+    --step-batch-size-schedule the scheduler counts samples instead)."""
     iters = samples / global_batch_size
     return int(iters) if iters.is_integer() else iters
 

@@ -41,6 +41,11 @@ def rank_order(use_tp_pp_dp_mapping):
     """The rank order that ``--use-tp-pp-dp-mapping`` selects (Megatron-LM's rule)."""
     return TP_PP_DP_RANK_ORDER if use_tp_pp_dp_mapping else DEFAULT_RANK_ORDER
 
+# With K > 1 distributed-optimizer instances only: each dp_cp / edp group cut into K
+# consecutive slices (intra: one instance) and the ranks at one position in every slice
+# (inter: the K copies of one shard).
+INSTANCE_GROUP_NAMES = ("dp_cp_intra", "dp_cp_inter", "edp_intra", "edp_inter")
+
 
 def _check_positive(**sizes):
     for name, value in sizes.items():
@@ -95,7 +100,7 @@ def _mesh(world_size, order, outer, inner, pp):
 def rank_layout(world_size, tensor_model_parallel_size=1, context_parallel_size=1,
                 pipeline_model_parallel_size=1, expert_model_parallel_size=1,
                 expert_tensor_parallel_size=1, hierarchical_context_parallel_sizes=None,
-                order=DEFAULT_RANK_ORDER):
+                order=DEFAULT_RANK_ORDER, num_distributed_optimizer_instances=1):
     """Return ``{group name: [rank list, ...]}`` for every group in rank order ``order``; no
     torch.distributed needed.
 
@@ -103,7 +108,10 @@ def rank_layout(world_size, tensor_model_parallel_size=1, context_parallel_size=
     first and last pipeline stage of each (dp, cp, tp) position. With
     ``hierarchical_context_parallel_sizes`` (U, R) each CP group is also cut into
     ``hcp_inner`` groups (U consecutive CP ranks: the a2a+p2p all-to-all) and ``hcp_outer``
-    groups (the R CP ranks with equal cp_rank % U: its ring).
+    groups (the R CP ranks with equal cp_rank % U: its ring). With
+    ``num_distributed_optimizer_instances`` K > 1 each dp_cp and edp group is cut into K
+    consecutive slices (``dp_cp_intra``, ``edp_intra``: Megatron-LM's instances) and the
+    ranks of one position across the slices form ``dp_cp_inter`` / ``edp_inter``.
     """
     tp, cp, pp = tensor_model_parallel_size, context_parallel_size, pipeline_model_parallel_size
     ep, etp = expert_model_parallel_size, expert_tensor_parallel_size
@@ -138,7 +146,31 @@ def rank_layout(world_size, tensor_model_parallel_size=1, context_parallel_size=
         cp_groups = np.array(layout["cp"]).reshape(-1, outer, inner)  # [groups, R, U]
         layout["hcp_inner"] = lists(cp_groups.reshape(-1, inner))
         layout["hcp_outer"] = lists(cp_groups.transpose(0, 2, 1).reshape(-1, outer))
+    instances = num_distributed_optimizer_instances
+    if instances > 1:
+        check_instances(instances, dp * cp, edp)
+        for name in ("dp_cp", "edp"):
+            slices = np.array(layout[name]).reshape(len(layout[name]), instances, -1)  # [g, K, n/K]
+            layout[f"{name}_intra"] = lists(slices.reshape(-1, slices.shape[2]))
+            layout[f"{name}_inter"] = lists(slices.transpose(0, 2, 1).reshape(-1, instances))
     return layout
+
+
+def check_instances(instances, dp_cp_size, edp_size):
+    """K distributed-optimizer instances split the DP x CP and the expert-DP ranks evenly."""
+    _check_positive(num_distributed_optimizer_instances=instances)
+    for size, what in ((dp_cp_size, "data-parallel x context-parallel size"),
+                       (edp_size, "expert data-parallel size")):
+        if size % instances != 0:
+            raise ValueError(f"num_distributed_optimizer_instances ({instances}) must divide the "
+                             f"{what} ({size}); pick a divisor of {size}")
+
+
+def optimizer_groups(state, expert):
+    """``(group name the distributed optimizer shards over, group name its shards are summed
+    over across instances or None)`` for dense (``expert`` False) or expert params."""
+    name = "edp" if expert else "dp_cp"
+    return (f"{name}_intra", f"{name}_inter") if f"{name}_intra" in state.layout else (name, None)
 
 
 @dataclass
@@ -192,12 +224,14 @@ def initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_siz
                               virtual_pipeline_model_parallel_size=None,
                               hierarchical_context_parallel_sizes=None,
                               world_size=None, rank=None, device=None, timeout_minutes=10,
-                              order=DEFAULT_RANK_ORDER):
+                              order=DEFAULT_RANK_ORDER,
+                              num_distributed_optimizer_instances=1):
     """Validate the sizes, build one process group per rank list and return a ParallelState.
 
     ``order``: the rank order, one of :data:`RANK_ORDERS` (Megatron-LM's default, PP
     outermost, unless given). ``torch.distributed`` must already be initialized (see
     :func:`initialize_distributed`).
+    ``num_distributed_optimizer_instances``: see :func:`rank_layout`.
     """
     world_size = dist.get_world_size() if world_size is None else world_size
     rank = dist.get_rank() if rank is None else rank
@@ -211,7 +245,7 @@ def initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_siz
                              f"{list(hierarchical_context_parallel_sizes)}: give two sizes, the "
                              f"inner (all-to-all) and the outer (ring) one")
     layout = rank_layout(world_size, tp, cp, pp, ep, etp, hierarchical_context_parallel_sizes,
-                         order)
+                         order, num_distributed_optimizer_instances)
     if virtual_pipeline_model_parallel_size is not None and pp < 2:
         raise ValueError(f"virtual_pipeline_model_parallel_size ({virtual_pipeline_model_parallel_size}) "
                          f"needs pipeline_model_parallel_size > 1 (got {pp})")
@@ -224,6 +258,7 @@ def initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_siz
                  edp=world_size // (pp * ep * etp), ep_etp=ep * etp)
     if hierarchical_context_parallel_sizes is not None:
         sizes.update(zip(HIERARCHICAL_GROUP_NAMES, hierarchical_context_parallel_sizes))
+    sizes.update({name: len(layout[name][0]) for name in INSTANCE_GROUP_NAMES if name in layout})
     state = ParallelState(world_size=world_size, global_rank=rank, device=device, sizes=sizes,
                           layout=layout,
                           virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
@@ -231,7 +266,8 @@ def initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_siz
                           order=order)
     timeout = datetime.timedelta(minutes=timeout_minutes)
     # Every rank must create every group, in the same order, even those it is not in.
-    for name in GROUP_NAMES + tuple(n for n in HIERARCHICAL_GROUP_NAMES if n in layout):
+    for name in GROUP_NAMES + tuple(n for n in HIERARCHICAL_GROUP_NAMES + INSTANCE_GROUP_NAMES
+                                    if n in layout):
         for ranks in layout[name]:
             group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:

@@ -585,9 +585,6 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
     ("it needs NCCL user-buffer / symmetric-memory registration, which is not used; drop it",
      ("--use-nccl-ub", "--disable-symmetric-registration", "--gtp-remat-nccl-ub",
       "--gtp-expert-remat-nccl-ub",)),
-    ("the distributed optimizer always shards over the full DP group; several optimizer "
-     "instances are not built, drop it",
-     ("--num-distributed-optimizer-instances",)),
     ("a fake process group skips all communication and so changes every result; it is not "
      "built, drop it",
      ("--fake-process-group",)),

@@ -266,7 +266,8 @@ def build_parallel_state(args, device=None):
         args.expert_tensor_parallel_size,
         virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
         hierarchical_context_parallel_sizes=hierarchical, device=device,
-        timeout_minutes=args.distributed_timeout_minutes, order=args.rank_order)
+        timeout_minutes=args.distributed_timeout_minutes, order=args.rank_order,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances)
 
 
 def forward_step(model, batch):

@@ -197,3 +197,74 @@ def test_expert_params_shard_over_expert_data_parallel():
         assert norms[0] > 0.05, "clipping must act"
         for a, b in zip(dist_params, params):
             torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-6, atol=1e-7)
+
+
+# ----- --num-distributed-optimizer-instances ---------------------------------------------------
+
+# clipping at 0.05 is active at every step, so a norm counting a shard twice changes losses
+CLIPPED = TINY + " --train-iters 4 --clip-grad 0.05"
+INSTANCES = CLIPPED + " --use-distributed-optimizer --ckpt-format torch_dist"
+
+
+def _instance_run(rank, world, argv):
+    """(losses, (shard group size, instance count, optimizer elements here, model
+    elements)) of a training run (Megatron-LM's partial distributed optimizer when K > 1)."""
+    from megatron_cp import training
+    from training_utils import train_losses
+    trainers, real_init = [], training.Trainer.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        trainers.append(self)
+    training.Trainer.__init__ = init
+    losses = train_losses(rank, world, argv)
+    trainer = trainers[0]
+    bucket = trainer.model_chunks[0].buckets[0]
+    owned = sum(shard.stop - shard.start for shard in trainer.optimizer.param_shards())
+    total = sum(p.numel() for p in trainer.model_chunks[0].parameters())
+    return losses, (bucket.group_size, bucket.inter_size, owned, total)
+
+
+def test_optimizer_instances_train_as_one_process_and_load_under_one_instance(tmp_path):
+    """DP=4 with K=2 instances: each instance shards the optimizer over 2 ranks (twice the
+    state of K=1 per rank), gradients summed inside and across instances; the loss curve is
+    the one-process one, and its torch_dist checkpoint resumes under K=1."""
+    reference = run_workers(_instance_run, 1, CLIPPED)[0][0]
+    save = tmp_path / "ckpt"
+    runs = run_workers(_instance_run, 4, f"{INSTANCES} --num-distributed-optimizer-instances 2 "
+                                         f"--overlap-grad-reduce --overlap-param-gather "
+                                         f"--save {save} --save-interval 2 --exit-interval 2")
+    for losses, (shard_ranks, instances, owned, total) in runs:
+        assert max_rel_diff(losses, reference[:2]) < 1e-5, (losses, reference)
+        assert (shard_ranks, instances) == (2, 2)
+        assert total / 2 <= owned < total / 2 + 64  # half the model (+ bucket padding)
+    resumed = run_workers(_instance_run, 4, f"{INSTANCES} --load {save}")
+    for losses, (shard_ranks, instances, owned, total) in resumed:
+        assert (shard_ranks, instances) == (4, 1) and owned < total / 4 + 64
+        assert max_rel_diff(losses, reference[2:]) < 1e-5, (losses, reference)
+
+
+def test_optimizer_instances_are_checked_before_start():
+    from training_utils import assert_refused
+    assert_refused(f"{CLIPPED} --num-distributed-optimizer-instances 2",
+                   "--num-distributed-optimizer-instances (2) copies the distributed optimizer: "
+                   "add --use-distributed-optimizer", world_size=4)
+    assert_refused(f"{INSTANCES} --num-distributed-optimizer-instances 3",
+                   "--num-distributed-optimizer-instances (3) must divide the data-parallel x "
+                   "context-parallel size (4); pick a divisor of 4", world_size=4)
+    layout = parse_args(f"{INSTANCES} --num-distributed-optimizer-instances 2".split(),
+                        world_size=4)
+    assert layout.num_distributed_optimizer_instances == 2
+
+
+def test_optimizer_instances_cut_each_data_parallel_group_into_slices():
+    """Megatron-LM's instance groups: K consecutive slices of each DP x CP (and expert-DP)
+    group, and the ranks of one position across the slices."""
+    from megatron_cp.initialize import rank_layout
+    layout = rank_layout(8, tensor_model_parallel_size=2, expert_tensor_parallel_size=2,
+                         num_distributed_optimizer_instances=2)
+    assert layout["dp_cp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert layout["dp_cp_intra"] == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert layout["dp_cp_inter"] == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    assert layout["edp_intra"] == layout["dp_cp_intra"]
+    assert "dp_cp_intra" not in rank_layout(8, tensor_model_parallel_size=2)

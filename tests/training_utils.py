@@ -1,7 +1,7 @@
 """Run the real training loop inside harness workers and compare layouts' loss curves."""
 import torch
 
-from megatron_cp.arguments import parse_args
+from megatron_cp.arguments import ArgumentErrors, parse_args
 from megatron_cp.training import build_parallel_state, pretrain
 
 TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
@@ -32,3 +32,13 @@ def train_runs(rank, world, argvs):
 def max_rel_diff(losses, reference):
     assert len(losses) == len(reference), (len(losses), len(reference))
     return max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+
+
+def assert_refused(argv, line, world_size=1):
+    """``parse_args`` refuses ``argv`` with an error line that starts with ``line``."""
+    try:
+        parse_args(argv.split(), world_size=world_size)
+    except ArgumentErrors as error:
+        assert any(printed.startswith(line) for printed in error.lines), (line, error.lines)
+        return
+    raise AssertionError(f"accepted, but should be refused with {line!r}: {argv}")

@@ -108,6 +108,8 @@ class BatchSchedule:
 
     def samples_after(self, iterations, consumed_samples=0):
         """Samples consumed after ``iterations`` more iterations from ``consumed_samples``."""
+        if not self.stepped:
+            return consumed_samples + int(iterations) * self.sizes[0]
         for _ in range(int(iterations)):
             consumed_samples += self.global_batch_size(consumed_samples)
         return consumed_samples

@@ -13,11 +13,19 @@ live in a second flat buffer of the same layout, which one all-gather per bucket
 after the step. A tied word-embedding copy (``shared_embedding``) gets a bucket of its own:
 the first and the last pipeline stage then shard it identically, so its gradient can be
 summed over the embedding group after the reduce-scatter, shard for shard.
+
+With K distributed-optimizer instances (Megatron-LM's ``--num-distributed-optimizer-instances``)
+the sharding group is one instance, a 1/K slice of the reduction group
+(``initialize.optimizer_groups``): the reduce-scatter runs inside the instance and the
+shard is then all-reduced over the K instances (the inter-instance group), so every
+instance holds the fully summed gradient of its shards; the parameter all-gather stays
+inside the instance.
 """
 import torch
 import torch.distributed as dist
 
 from megatron_cp import dist_compat
+from megatron_cp.initialize import optimizer_groups
 
 
 class Bucket:
@@ -28,7 +36,8 @@ class Bucket:
     of the parameter buffer; ``n`` is a multiple of ``group_size`` when sharded.
     """
 
-    def __init__(self, params, offsets, grad_data, param_data, group_name, group, shard):
+    def __init__(self, params, offsets, grad_data, param_data, group_name, group, shard,
+                 inter_group=None):
         self.params = params
         self.offsets = offsets
         self.grad_data = grad_data  # [n]
@@ -36,6 +45,8 @@ class Bucket:
         self.group_name, self.group = group_name, group
         self.group_size = dist.get_world_size(group) if group is not None else 1
         self.group_rank = dist.get_rank(group) if group is not None else 0
+        self.inter_group = inter_group  # the other optimizer instances (sharded, K > 1)
+        self.inter_size = dist.get_world_size(inter_group) if inter_group is not None else 1
         self.shard = shard
         self.ready = set()
         self.handle = None
@@ -62,8 +73,8 @@ class Bucket:
     def start_grad_reduce(self, average):
         """Launch the (asynchronous) SUM of the gradients over the group: an all-reduce, or a
         reduce-scatter into this rank's shard (in place) when sharded."""
-        if average and self.group_size > 1:
-            self.grad_data.mul_(1.0 / self.group_size)
+        if average and self.group_size * self.inter_size > 1:
+            self.grad_data.mul_(1.0 / (self.group_size * self.inter_size))
         if self.group_size > 1:
             if self.shard:
                 start, stop = self.shard_range()
@@ -72,6 +83,16 @@ class Bucket:
             else:
                 self.handle = dist.all_reduce(self.grad_data, group=self.group, async_op=True)
         self.launched = True
+
+    def finish_grad_reduce(self):
+        """Wait for the launched reduction; with optimizer instances, then sum this rank's
+        shard over them (every rank finishes its buckets in the same order)."""
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+        if self.launched and self.inter_size > 1:
+            start, stop = self.shard_range()
+            dist.all_reduce(self.grad_data[start:stop], group=self.inter_group)
 
     def start_param_gather(self, async_op):
         """All-gather the updated param shards of every rank into ``param_data`` (in place)."""
@@ -119,15 +140,19 @@ def build_buckets(params, state, bucket_numel, grad_dtype, shard):
     Returns ``(grad_buffers, param_buffers, buckets)``. Dense params reduce over ``dp_cp``,
     expert params (``is_expert``) over ``edp``. With ``shard`` the model params are moved
     into the param buffers (their ``.data`` becomes a view) and buckets are padded as the
-    module docstring says; every param gets ``main_grad``, its view of the gradient buffer.
+    module docstring says (to the size of one optimizer instance, which is the whole group
+    unless there are several); every param gets ``main_grad``, its view of the gradient
+    buffer.
     """
     per_key = {}
     for p in params:
         per_key.setdefault(bool(getattr(p, "is_expert", False)), []).append(p)
     grad_buffers, param_buffers, buckets = [], [], []
     for is_expert, key_params in per_key.items():
-        group_name = "edp" if is_expert else "dp_cp"
+        group_name, inter_name = optimizer_groups(state, is_expert) if shard else (
+            "edp" if is_expert else "dp_cp", None)
         group = state.group(group_name)
+        inter = state.group(inter_name) if inter_name else None
         multiple = state.size(group_name) if shard else 1
         dtypes = {p.dtype for p in key_params}
         if shard and len(dtypes) > 1:
@@ -150,5 +175,6 @@ def build_buckets(params, state, bucket_numel, grad_dtype, shard):
                     p.data = values[lo:hi].view(p.shape)
                 offsets[id(p)] = (lo - start, hi - start)
             buckets.append(Bucket(members, offsets, grads[start:stop],
-                                  values[start:stop] if shard else None, group_name, group, shard))
+                                  values[start:stop] if shard else None, group_name, group, shard,
+                                  inter))
     return grad_buffers, param_buffers, buckets

@@ -18,7 +18,8 @@ whole-model parameter count of the start-up banner.
 
 With ``sharded=True`` (the distributed optimizer) each rank holds a disjoint shard of the
 gradients of its model-parallel rank: the dense part is first summed over ``dp_cp`` and the
-expert part over ``edp`` (each shard counted once), then reduced as above.
+expert part over ``edp`` (each shard counted once; with several optimizer instances, over
+one instance, which holds every shard once), then reduced as above.
 
 Every rank issues the same collectives, whether or not it holds expert params, so a
 pipeline stage without MoE layers cannot deadlock one with them.
@@ -27,6 +28,8 @@ import math
 
 import torch
 import torch.distributed as dist
+
+from megatron_cp.initialize import optimizer_groups
 
 
 def grad_of(param):
@@ -100,9 +103,9 @@ def _owned(params, state, tensor_of):
 def _reduce_over_model(dense_part, expert_part, state, op, sharded):
     """Both [1] parts reduced over the groups the parameters differ along (module
     docstring); returns them as one [2] tensor (dense, expert), the same on every rank."""
-    if sharded:
-        _all_reduce(dense_part, state, "dp_cp", op)
-        _all_reduce(expert_part, state, "edp", op)
+    if sharded:  # one optimizer instance holds every shard once
+        _all_reduce(dense_part, state, optimizer_groups(state, False)[0], op)
+        _all_reduce(expert_part, state, optimizer_groups(state, True)[0], op)
     _all_reduce(expert_part, state, "ep", op)
     _all_reduce(expert_part, state, "etp", op)
     _all_reduce(dense_part, state, "tp", op)

@@ -2,7 +2,9 @@
 
 The fp32 main params and the Adam moments (Muon's momentum with ``--optimizer dist_muon``,
 :class:`~megatron_cp.optimizer.muon.ShardedMuon`) are sharded over the data-parallel ranks: dense
-params over DP x CP, expert params over expert-DP. The shards are exactly the bucket shards
+params over DP x CP, expert params over expert-DP (with ``--num-distributed-optimizer-instances``
+K, over one of K slices of those groups, each slice a full copy of the optimizer: see
+:mod:`megatron_cp.optimizer.buckets`). The shards are exactly the bucket shards
 of :mod:`megatron_cp.optimizer.buckets` -- one layout for the gradient reduce-scatter,
 the optimizer state and the parameter all-gather -- so a rank's shard of a bucket may hold
 the tail of one param and the head of the next. One step:

@@ -125,9 +125,12 @@ class DistributedDataParallel(nn.Module):
             self._sync_enabled = previous
 
     def finish_grad_sync(self):
-        """Reduce the buckets not launched yet, in order, and wait for all of them."""
+        """Reduce the buckets not launched yet, in order, and wait for all of them (with
+        several optimizer instances, each shard is then summed over them)."""
         while self._next_launch < len(self.buckets):
             self._launch(self.buckets[self._next_launch])
+        for bucket in self.buckets:
+            bucket.finish_grad_reduce()
         self._reset_buckets()
 
     def _reset_buckets(self):

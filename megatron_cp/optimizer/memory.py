@@ -2,7 +2,8 @@
 the per-parameter formula they follow.
 
 With d the size of the data-parallel group the optimizer state is sharded over (1 without
-the distributed optimizer), Megatron-LM's figures per parameter are:
+the distributed optimizer; DP x CP / K with K optimizer instances), Megatron-LM's figures per
+parameter are:
 
 =================================  ==============  ===========
 model params / grads                 distributed     replicated
