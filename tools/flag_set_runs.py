@@ -53,20 +53,21 @@ def _drop(argv, flag, nargs=1):
     return argv
 
 
-def parallel_sizes(argv):
-    """(tp, cp, pp, world size) the set needs: 8 ranks (a node, as Megatron-LM's functional
-    tests run) unless its model-parallel or expert-parallel sizes need more."""
+def parallel_sizes(argv, gpus=None):
+    """(tp, cp, pp, world size) the set needs: ``gpus`` when its config names them
+    (GPUS_PER_NODE), else 8 ranks (a node, as Megatron-LM's functional tests run) unless its
+    model-parallel or expert-parallel sizes need more."""
     tp = _value(argv, "--tensor-model-parallel-size", 1)
     cp = _value(argv, "--context-parallel-size", 1)
     pp = _value(argv, "--pipeline-model-parallel-size", 1)
     ep = _value(argv, "--expert-model-parallel-size", 1)
     etp = _value(argv, "--expert-tensor-parallel-size", tp)
-    return tp, cp, pp, max(8, math.lcm(tp * cp * pp, ep * etp * pp))
+    return tp, cp, pp, gpus or max(8, math.lcm(tp * cp * pp, ep * etp * pp))
 
 
-def shrink(argv):
+def shrink(argv, gpus=None):
     """``argv`` with small widths, sequence and batches, and ITERATIONS iterations."""
-    tp, cp, pp, world = parallel_sizes(argv)
+    tp, cp, pp, world = parallel_sizes(argv, gpus)
     dp = world // (tp * cp * pp)
     for flag, small in _WIDTHS.items():
         if flag in argv:
@@ -115,16 +116,17 @@ def path_flags(workdir):
             "--tensorboard-dir", os.path.join(workdir, "tensorboard")]
 
 
-def command(argv, workdir):
-    """The torchrun command line that trains shrunk ``argv``, writing under ``workdir``."""
-    world = parallel_sizes(argv)[3]
+def command(argv, workdir, gpus=None):
+    """The torchrun command line that trains shrunk ``argv`` on ``gpus`` ranks (None: as
+    :func:`parallel_sizes` says), writing under ``workdir``."""
+    world = parallel_sizes(argv, gpus)[3]
     paths = path_flags(workdir)
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             "--nproc-per-node", str(world), os.path.join(REPO, "pretrain_gpt.py"),
-            *on_this_machine(shrink(argv)), *paths]
+            *on_this_machine(shrink(argv, gpus)), *paths]
 
 
-def run(argv, workdir, timeout=900):
+def run(argv, workdir, timeout=900, gpus=None):
     """Train the set; ``{"ok", "seconds", "iterations", "losses", "status", "tail"}``
     (``losses``: the lm loss logged at each iteration; ``tail``: the last lines of the output,
     where a failure says why)."""
@@ -132,7 +134,7 @@ def run(argv, workdir, timeout=900):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     start = time.time()
     try:
-        done = subprocess.run(command(argv, workdir), cwd=workdir, env=env, timeout=timeout,
+        done = subprocess.run(command(argv, workdir, gpus), cwd=workdir, env=env, timeout=timeout,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         out, status = done.stdout, done.returncode
     except subprocess.TimeoutExpired as expired:

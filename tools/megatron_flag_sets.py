@@ -76,8 +76,15 @@ def flag_sets(megatron_root):
             if config.get("MODE", "pretraining") != "pretraining" or "inference" in name:
                 continue  # inference and RL tests run other entry points
             args = config.get("MODEL_ARGS") or {}
-            sets[f"{family}/{os.path.basename(os.path.dirname(path))}"] = _argv(args, single)
+            sets[f"{family}/{name}"] = _argv(args, single)
+            gpus = ((config.get("MODEL_ENV_VARS") or {}).get("MODEL_ARGS") or {}).get("GPUS_PER_NODE")
+            if gpus:  # the harness's world size for this MODEL_ARGS
+                GPUS[f"{family}/{name}"] = int(gpus)
     return sets
+
+
+# {set name: world size} of the configs that name theirs (MODEL_ENV_VARS: GPUS_PER_NODE)
+GPUS = {}
 
 
 # Megatron-LM's GPT pretraining launch scripts and the positional arguments they take (paths,
@@ -152,7 +159,7 @@ def check(sets):
         try:
             # with the paths a run gets (tools/flag_set_runs.py): --save, --load, tensorboard
             parse_args(argv + path_flags(os.path.join(tempfile.gettempdir(), "flag_set_check")),
-                       world_size=parallel_sizes(argv)[3])
+                       world_size=parallel_sizes(argv, GPUS.get(name))[3])
             results[name] = []
         except ValueError as error:
             results[name] = getattr(error, "lines", None) or [str(error)]
@@ -224,7 +231,8 @@ def _run_accepted(sets, results, workdir):
     for name, argv in sets.items():
         if results[name]:
             continue
-        runs[name] = run(argv, os.path.join(workdir, name.replace("/", "__")))
+        runs[name] = run(argv, os.path.join(workdir, name.replace("/", "__")),
+                         gpus=GPUS.get(name))
         outcome = "trained" if runs[name]["ok"] else "FAILED: " + " | ".join(
             runs[name]["tail"][-3:])
         print(f"{name}: {outcome} ({runs[name]['seconds']} s)", flush=True)
