@@ -65,6 +65,10 @@ def take_checkpoint_args(args, saved, given, inference=False):
     arguments, a dict) holds and the command line did not give (``given``: the names it
     set). ``inference``: the weights' own dtype too, unless ``--bf16`` / ``--fp16`` is given.
     ValueError naming what neither the checkpoint nor the command line gives."""
+    if "group_query_attention" not in saved and saved.get("num_query_groups"):
+        # Hugging Face imports that predate the gate: other than one group per head is GQA
+        saved = dict(saved, group_query_attention=saved["num_query_groups"]
+                     != saved.get("num_attention_heads"))
     for name in model_arg_names():
         if name in saved and name not in given:
             setattr(args, name, saved[name])

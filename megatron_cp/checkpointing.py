@@ -1,6 +1,8 @@
 """Checkpoints: saved atomically, resumed exactly; ``--ckpt-format torch`` here, and the
 dispatch to ``--ckpt-format torch_dist`` (:mod:`megatron_cp.dist_checkpoint`), which loads
-into any parallel layout. ``--load`` reads either format, whatever ``--ckpt-format`` says.
+into any parallel layout. ``--load`` reads either format, whatever ``--ckpt-format`` says,
+into any layout: a torch checkpoint of another layout is read whole by every rank, which
+takes its own shards (:mod:`megatron_cp.dist_checkpoint.torch_full`).
 
 The torch format has one shard per (TP, PP, EP, ETP) rank combination (Megatron's layout)::
 
@@ -382,9 +384,9 @@ def check_args_match(saved, args):
     if differ:
         diffs = "; ".join(f"{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}"
                           for k in differ)
-        raise ValueError(f"checkpoint was saved with other model arguments: {diffs}. Use the "
-                         f"same arguments (or --use-checkpoint-args), or convert it with "
-                         f"tools/checkpoint_convert.py")
+        raise ValueError(f"checkpoint was saved with other model arguments: {diffs}. Give "
+                         f"the model's own arguments, or take them from it with "
+                         f"--use-checkpoint-args")
 
 
 def same_files(saved, args):

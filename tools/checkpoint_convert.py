@@ -30,7 +30,8 @@ choose). MoE experts are assembled whole, ``mlp.experts.linear_fc1.weight`` as
 ``[E, ffn (x2), h]`` (every file of every EP and ETP rank read), as a one-process model
 holds them, and split over EP (the expert dim) and ETP for the target.
 torch -> torch resharding writes weights only (``converted: True``): the optimizer and RNG
-start fresh, at the saved iteration, samples and learning rate. A conversion from or to
+start fresh, at the saved iteration, samples and learning rate. (No conversion is needed to
+change layout: ``--load`` reshards either format itself, optimizer state included.) A conversion from or to
 torch_dist carries the optimizer state too; RNG states follow when the layout is unchanged.
 """
 import argparse
