@@ -191,7 +191,8 @@ def restore_rng(trainer, rng):
 
 def _model_states(trainer):
     chunks = [c.module if hasattr(c, "module") else c for c in trainer.model_chunks]
-    # the global layer numbers of each chunk let tools/checkpoint_convert.py reshard
+    # the global layer numbers of each chunk let a load in another layout reshard (and
+    # tools/checkpoint_convert.py)
     layers = {"layer_numbers": [list(c.decoder.layer_numbers) for c in chunks]}
     if len(chunks) == 1:
         return {"model": chunks[0].state_dict(), **layers}
