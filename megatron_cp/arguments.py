@@ -22,7 +22,6 @@ Read top-down, a flag's story is:
 5. **Used.** ``training.config_from_args`` builds the typed config from the parsed flags.
 """
 import argparse
-import dataclasses
 import math
 import os
 import sys
@@ -30,8 +29,9 @@ import sys
 import torch
 
 from megatron_cp import rerun, wandb_logging
+from megatron_cp.checkpoint_args import given_on_command_line, take_checkpoint_args
 from megatron_cp.megatron_flags import add_compat_flags, apply_compat_flags
-from megatron_cp.config_flags import (add_config_flags, arg_of, build_config, config_flag_names,
+from megatron_cp.config_flags import (add_config_flags, build_config, config_flag_names,
                                       fill_args, name_flags)
 from megatron_cp.data.batch_schedule import (SIZE_NAME, BatchSchedule, check_divisible,
                                               parse_schedule)
@@ -361,14 +361,6 @@ def flag_names(parser=None):
     return names
 
 
-# Config settings that describe a run rather than the trained model: --use-checkpoint-args
-# leaves them to the command line.
-RUN_SETTINGS = ("hidden_dropout", "attention_dropout", "recompute_granularity", "recompute_method",
-                "recompute_num_layers", "cp_comm_type", "hierarchical_context_parallel_sizes",
-                "no_cp_dummy_heads", "seed", "init_method_std", "sequence_parallel", "params_dtype")
-TOKENIZER_ARGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")
-
-
 # Defaults of a run that only evaluates or generates (``inference=True``): no training
 # schedule, no dataset, one sample per microbatch unless the user asks for more, no dropout.
 INFERENCE_DEFAULTS = {"micro_batch_size": 1, "hidden_dropout": 0.0, "attention_dropout": 0.0}
@@ -418,7 +410,7 @@ def parse_args(argv=None, world_size=1, extra_args_provider=None, inference=Fals
     if args is None or not values_ok:
         raise ArgumentErrors(problems)
     if args.use_checkpoint_args:
-        _take_checkpoint_args(args, argv, inference)
+        _take_checkpoint_args(args, parser, argv, inference)
     return validate_args(args, world_size, inference, problems)
 
 
@@ -471,27 +463,15 @@ def _drop_flag(argv, name):
     return dropped
 
 
-def _take_checkpoint_args(args, argv, inference=False):
+def _take_checkpoint_args(args, parser, argv, inference=False):
+    """``--use-checkpoint-args``: the model from the checkpoint under ``--load``, never its
+    parallel layout (the rule: :mod:`megatron_cp.checkpoint_args`)."""
     if not args.load:
         raise ValueError("--use-checkpoint-args reads the model flags from a checkpoint: give "
                          "--load DIR")
     from megatron_cp.checkpointing import saved_args
-    saved = saved_args(args.load)
-    names = [arg_of(f) for f in dataclasses.fields(GPTConfig) if arg_of(f)]
-    names += [f.metadata["gate"][0].lstrip("-").replace("-", "_")
-              for f in dataclasses.fields(GPTConfig) if f.metadata.get("gate")]
-    names += ["seq_length", *TOKENIZER_ARGS]
-    for name in names:
-        flag = "--" + name.replace("_", "-")
-        if name in saved and name not in RUN_SETTINGS and flag not in argv:
-            setattr(args, name, saved[name])
-    if inference and not (args.bf16 or args.fp16):  # the weights' own dtype
-        args.bf16, args.fp16 = bool(saved.get("bf16")), bool(saved.get("fp16"))
-    missing = [f"--{n.replace('_', '-')}" for n in ("num_layers", "hidden_size",
-               "num_attention_heads", "seq_length", "micro_batch_size") if getattr(args, n) is None]
-    if missing:
-        raise ValueError(f"{', '.join(missing)} not given and not in the checkpoint under "
-                         f"{args.load}; pass them on the command line")
+    take_checkpoint_args(args, saved_args(args.load), given_on_command_line(parser, argv),
+                         inference)
 
 
 class _Checks:

@@ -1,6 +1,8 @@
 """Checkpoints: saved atomically, resumed exactly; ``--ckpt-format torch`` here, and the
 dispatch to ``--ckpt-format torch_dist`` (:mod:`megatron_cp.dist_checkpoint`), which loads
-into any parallel layout. ``--load`` reads either format, whatever ``--ckpt-format`` says.
+into any parallel layout. ``--load`` reads either format, whatever ``--ckpt-format`` says,
+into any layout: a torch checkpoint of another layout is read whole by every rank, which
+takes its own shards (:mod:`megatron_cp.dist_checkpoint.torch_full`).
 
 The torch format has one shard per (TP, PP, EP, ETP) rank combination (Megatron's layout)::
 
@@ -39,7 +41,6 @@ import math
 import os
 import random
 import re
-import shlex
 import shutil
 
 import numpy as np
@@ -52,9 +53,11 @@ from megatron_cp.initialize import TP_PP_DP_RANK_ORDER
 from megatron_cp.model.config import GPTConfig
 
 TRACKER = "latest_checkpointed_iteration.txt"
-# Arguments that change the shape or layout of the saved tensors: must match to resume. The
-# model's are the GPTConfig fields marked ``shapes`` (params_dtype among them); the layout's
-# are how the layers and their shards are spread over the files.
+# Arguments that shape the saved tensors: a checkpoint loads only into a model with the same
+# (the GPTConfig fields marked ``shapes``, params_dtype among them).
+SHAPE_ARGS = checkpoint_args(GPTConfig)
+# Arguments that spread the layers and their shards over the torch format's files: when
+# they differ from the running ones, a torch checkpoint is resharded on load.
 LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
                "decoder_last_pipeline_num_layers", "num_virtual_stages_per_pipeline_rank",
@@ -62,8 +65,9 @@ LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                "account_for_loss_in_pipeline_split", "expert_model_parallel_size",
                "expert_tensor_parallel_size")
 EXPERT_LAYOUT_ARGS = ("expert_model_parallel_size", "expert_tensor_parallel_size")
-MODEL_ONLY_ARGS = checkpoint_args(GPTConfig)
-MODEL_ARGS = MODEL_ONLY_ARGS + LAYOUT_ARGS
+# ... and the rest of the rank grid: each rank's RNG states are restored only when all of
+# these are the same (the RNG files are per global rank).
+RANK_LAYOUT_ARGS = ("world_size", "context_parallel_size", *LAYOUT_ARGS, "rank_order")
 
 
 def iteration_dir(root, iteration):
@@ -187,7 +191,8 @@ def restore_rng(trainer, rng):
 
 def _model_states(trainer):
     chunks = [c.module if hasattr(c, "module") else c for c in trainer.model_chunks]
-    # the global layer numbers of each chunk let tools/checkpoint_convert.py reshard
+    # the global layer numbers of each chunk let a load in another layout reshard (and
+    # tools/checkpoint_convert.py)
     layers = {"layer_numbers": [list(c.decoder.layer_numbers) for c in chunks]}
     if len(chunks) == 1:
         return {"model": chunks[0].state_dict(), **layers}
@@ -371,40 +376,58 @@ def saved_args(root):
     return load_file(path, root, read_tracker(root), keys=("args",))["args"]
 
 
-def _target_flag(name):
-    """The tools/checkpoint_convert.py flag that sets layout argument ``name``."""
-    short = {"tensor_model_parallel_size": "tensor_parallel_size",
-             "pipeline_model_parallel_size": "pipeline_parallel_size"}.get(name, name)
-    return "--target-" + short.replace("_", "-")
-
-
-def check_args_match(saved, args, names=MODEL_ARGS):
-    """Refuse a checkpoint whose model arguments (``names``) differ, naming every mismatch;
-    when only the parallel layout differs, name the conversion that fixes it."""
+def check_args_match(saved, args):
+    """Refuse a checkpoint whose model shape (:data:`SHAPE_ARGS`) differs from this run's,
+    naming every mismatch. The parallel layout never has to match: a torch_dist checkpoint
+    loads into any layout, a torch one is resharded (:func:`load_checkpoint`)."""
     current = dict(vars(args), params_dtype=str(args.params_dtype))
-    skip = () if saved.get("num_experts") else EXPERT_LAYOUT_ARGS  # no experts: no expert layout
-    differ = [k for k in names if k in saved and k not in skip and saved.get(k) != current.get(k)]
-    diffs = "; ".join(f"{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}" for k in differ)
-    if any(k not in LAYOUT_ARGS for k in differ):
-        raise ValueError(f"checkpoint was saved with other model arguments: {diffs}. Use the same "
-                         f"arguments, or convert it with tools/checkpoint_convert.py")
+    differ = [k for k in SHAPE_ARGS if k in saved and saved.get(k) != current.get(k)]
     if differ:
-        flags = " ".join(_target_flag(k) + ("" if current[k] is True else f" {shlex.quote(str(current[k]))}")
-                         for k in differ  # None, False: leave the flag out
-                         if current.get(k) is not None and current.get(k) is not False)
-        raise ValueError(f"checkpoint was saved under another parallel layout ({diffs}): resume "
-                         f"with that layout, or convert it with tools/checkpoint_convert.py "
-                         f"{flags}")
+        diffs = "; ".join(f"{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}"
+                          for k in differ)
+        raise ValueError(f"checkpoint was saved with other model arguments: {diffs}. Give "
+                         f"the model's own arguments, or take them from it with "
+                         f"--use-checkpoint-args")
 
 
-def _ranks_moved(saved, args, state):
-    """The saved rank order when it puts this run's (pp, dp) positions on other global ranks
-    (the RNG files are per global rank), else None. Checkpoints that predate the setting
-    were saved with data parallel outermost."""
-    saved_order = saved.get("rank_order", TP_PP_DP_RANK_ORDER)
-    if saved_order == args.rank_order or state.size("pp") == 1 or state.size("dp") == 1:
-        return None
-    return saved_order
+def same_files(saved, args):
+    """True when a torch checkpoint saved with ``saved`` (its args) spreads the layers and
+    their shards over its files as this run does (:data:`LAYOUT_ARGS`; a dense model has no
+    expert layout), so each rank reads its own file."""
+    skip = () if saved.get("num_experts") else EXPERT_LAYOUT_ARGS
+    current = vars(args)
+    return all(saved.get(k) == current.get(k) for k in LAYOUT_ARGS if k not in skip)
+
+
+def rank_grid(args):
+    """Where ``args`` (a namespace or the saved dict) put every rank: the values of
+    :data:`RANK_LAYOUT_ARGS`. The rank order counts only when it moves ranks (PP > 1 and
+    DP > 1); checkpoints that predate the setting were saved with data parallel outermost."""
+    values = args if isinstance(args, dict) else vars(args)
+    grid = {k: values.get(k) for k in RANK_LAYOUT_ARGS}
+    model = ((grid["tensor_model_parallel_size"] or 1) * (grid["context_parallel_size"] or 1)
+             * (grid["pipeline_model_parallel_size"] or 1))
+    dp = (grid["world_size"] or model) // model
+    moves = (grid["pipeline_model_parallel_size"] or 1) > 1 and dp > 1
+    grid["rank_order"] = (grid["rank_order"] or TP_PP_DP_RANK_ORDER) if moves else None
+    return grid
+
+
+def load_rng(trainer, root, it, saved_layout):
+    """Restore this rank's RNG states from iteration ``it`` under ``root`` (either format)
+    when the checkpoint was saved on the same rank grid (``saved_layout``: its
+    :func:`rank_grid`) and has them; otherwise say in one line that the RNG streams start
+    afresh: they are per global rank and cannot follow the ranks into another layout."""
+    st = trainer.state
+    path = os.path.join(iteration_dir(root, it), "rng", f"rank_{st.global_rank:05d}.pt")
+    if saved_layout is None or rank_grid(saved_layout) != rank_grid(trainer.args) \
+            or not os.path.exists(path):
+        if st.global_rank == 0:
+            print(" the checkpoint was saved under another parallel layout (or without RNG "
+                  "states): data order and optimizer resume exactly, the RNG streams (dropout) "
+                  "start afresh", flush=True)
+        return
+    restore_rng(trainer, load_file(path, root, it, keys=RNG_KEYS))
 
 
 def check_optimizer_matches(saved, args):
@@ -419,7 +442,13 @@ def check_optimizer_matches(saved, args):
 
 
 def load_checkpoint(trainer, root):
-    """Load the latest checkpoint under ``root`` into ``trainer``; returns (iteration, consumed)."""
+    """Load the latest checkpoint under ``root`` into ``trainer``, whatever its format and
+    parallel layout; returns (iteration, consumed samples).
+
+    The format is told by the iteration folder (a DCP ``.metadata``: torch_dist). A torch
+    checkpoint saved in this run's file layout is read file by file, each rank its own
+    (bit-exact resume); in another layout every rank reads it whole and takes its pieces
+    (:mod:`megatron_cp.dist_checkpoint.torch_full`), as a torch_dist load does."""
     st, args = trainer.state, trainer.args
     it = read_tracker(root)
     if it is None:
@@ -437,14 +466,18 @@ def load_checkpoint(trainer, root):
               f"has no integrity manifest (Megatron-LM hashes torch_dist checkpoints only); "
               f"loading it unverified", flush=True)
     path = os.path.join(iteration_dir(root, it), own_shard_name(st, args), "model_optim_rng.pt")
-    if not os.path.exists(path):
-        first = latest_first_shard(root)  # another layout names its files otherwise: say which
-        check_args_match(load_file(first, root, it, keys=("args",))["args"], args)
-        raise ValueError(f"checkpoint shard {path} is missing: was it saved with another "
-                         f"TP/PP/EP layout? Convert it with tools/checkpoint_convert.py")
-    payload = load_file(path, root, it, trainer.device,
-                        keys=("args", "iteration", "consumed_samples"))
-    check_args_match(payload["args"], args)
+    payload = None
+    if os.path.exists(path):  # this rank's file in this run's layout, or a namesake
+        payload = load_file(path, root, it, trainer.device,
+                            keys=("args", "iteration", "consumed_samples"))
+    saved = (payload or load_file(latest_first_shard(root), root, it, keys=("args",)))["args"]
+    check_args_match(saved, args)
+    if payload is None or not same_files(saved, args):
+        from megatron_cp.dist_checkpoint import torch_full
+        if st.global_rank == 0:
+            print(f" the torch checkpoint under {root} was saved under another parallel layout: "
+                  f"every rank reads it whole and takes its own shards", flush=True)
+        return torch_full.load_resharded(trainer, root, it)
     chunks = [c.module if hasattr(c, "module") else c for c in trainer.model_chunks]
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(payload["model"] if len(chunks) == 1 else payload[f"model{i}"])
@@ -458,20 +491,9 @@ def load_checkpoint(trainer, root):
         check_optimizer_matches(payload["args"], args)
         trainer.scheduler.load_state_dict(payload["opt_param_scheduler"])  # names the flags
         trainer.optimizer.load_state_dict(payload["optimizer"])
-    if payload.get("no_rng") and not args.no_load_rng and st.global_rank == 0:
-        print(" the checkpoint was converted to another layout without RNG states: the RNG "
-              "streams (dropout) start afresh", flush=True)
-    moved = _ranks_moved(payload["args"], args, st)
-    if moved and not args.no_load_rng and st.global_rank == 0:
-        print(f" the checkpoint was saved with rank order {moved}, this run uses "
-              f"{args.rank_order}: each rank's RNG file belongs to another rank, so the RNG "
-              f"streams (dropout) start afresh", flush=True)
-    if not args.no_load_rng and not payload.get("no_rng") and not moved:
-        rng_path = os.path.join(iteration_dir(root, it), "rng", f"rank_{st.global_rank:05d}.pt")
-        if not os.path.exists(rng_path):
-            raise ValueError(f"{rng_path} is missing (saved on another number of ranks?); "
-                             f"resume with --no-load-rng")
-        restore_rng(trainer, load_file(rng_path, root, it, keys=RNG_KEYS))
+    if not args.no_load_rng:
+        # a conversion to another layout (tools/checkpoint_convert.py) carries no RNG states
+        load_rng(trainer, root, it, None if payload.get("no_rng") else payload["args"])
     if st.global_rank == 0:
         print(f" loaded checkpoint from {root} at iteration {it}", flush=True)
     return payload["iteration"], payload["consumed_samples"]

@@ -77,8 +77,8 @@ COMPAT_FLAGS = (
     CompatFlag("--ckpt-format", STORE, "Checkpoint format of --save: torch_dist (the default, as "
                "in Megatron-LM: torch.distributed.checkpoint; every rank writes its shards in "
                "parallel and --load restores it under any TP/PP/CP/DP/EP layout) or torch (one "
-               "file per model-parallel rank; loads into the same TP/PP layout, or any other "
-               "through tools/checkpoint_convert.py). --load reads either.",
+               "file per model-parallel rank; another layout reshards it on load). --load "
+               "reads either, in any layout.",
                group="checkpointing and logging",
                argparse=dict(choices=["torch", "torch_dist", "torch_dcp", "fsdp_dtensor", "zarr"],
                              default="torch_dist"),

@@ -1,7 +1,7 @@
 """Zero-shot evaluation of a checkpoint, with Megatron-LM's task names and flags.
 
-Launched like training (the same parallel flags; any TP / CP / PP / DP layout the
-checkpoint loads into: its own for a torch checkpoint, any for torch_dist)::
+Launched like training (the same parallel flags; any TP / CP / PP / DP layout, whatever
+layout saved the checkpoint, torch or torch_dist)::
 
     torchrun --nproc-per-node 2 tasks/main.py --task WIKITEXT103 --valid-data wiki.test.tokens \\
         --load CK --use-checkpoint-args --tensor-model-parallel-size 2 [--overlapping-eval 32]

@@ -73,19 +73,18 @@ def test_every_field_has_help_a_flag_or_a_source_and_reaches_the_config():
     assert config.recompute_num_layers == 1 and config.num_moe_experts == 0
 
 
-def test_model_args_are_the_shaping_fields_plus_the_layout():
+def test_shape_args_are_the_shaping_fields_and_never_the_layout():
     shaping = [arg_of(f) for f in dataclasses.fields(GPTConfig) if f.metadata.get("shapes")]
-    for name in shaping + ["tensor_model_parallel_size", "pipeline_model_parallel_size",
-                           "num_layers_per_virtual_pipeline_stage", "params_dtype",
-                           "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"]:
-        assert name in checkpointing.MODEL_ARGS, name
+    assert set(checkpointing.SHAPE_ARGS) == set(shaping) and "params_dtype" in shaping
     # the names tools/checkpoint_convert.py and tools/hf_llama.py read from saved args
     for name in ("swiglu", "disable_bias_linear", "untie_embeddings_and_output_weights",
                  "num_query_groups", "kv_channels", "normalization", "position_embedding_type"):
-        assert name in checkpointing.MODEL_ARGS, name
-    assert "rotary_base" not in checkpointing.MODEL_ARGS  # does not shape a saved tensor
+        assert name in checkpointing.SHAPE_ARGS, name
+    assert "rotary_base" not in checkpointing.SHAPE_ARGS  # does not shape a saved tensor
+    # a checkpoint loads into any layout: no layout argument is a shape argument
+    assert not set(checkpointing.SHAPE_ARGS) & set(checkpointing.RANK_LAYOUT_ARGS)
     args = _parse()
-    for name in checkpointing.MODEL_ARGS:
+    for name in checkpointing.SHAPE_ARGS + checkpointing.RANK_LAYOUT_ARGS:
         assert hasattr(args, name), name
 
 

@@ -2,12 +2,11 @@
 every split flag gives (Megatron-LM's offset formulas, worked by hand), one-line errors for bad
 splits before anything starts, the interleaved schedule's microbatch-group rule and its
 schedule table, replayed for deadlocks."""
-import types
 
 import pytest
 
 from megatron_cp.arguments import parse_args
-from megatron_cp.checkpointing import _ranks_moved
+from megatron_cp.checkpointing import rank_grid
 from megatron_cp.pipeline_parallel import parse_layout, pipeline_layout
 from megatron_cp.pipeline_parallel.interleaved import schedule_table
 from megatron_cp.pipeline_parallel.replay import record_program, simulate
@@ -149,14 +148,17 @@ def test_schedule_table_and_replay_with_microbatch_groups():
 
 
 def test_rng_files_follow_the_rank_order():
-    def args(order):
-        return types.SimpleNamespace(rank_order=order)
-
-    def state(pp, dp):
-        return types.SimpleNamespace(size=lambda name: {"pp": pp, "dp": dp}[name])
-
+    """The RNG files are per global rank: a rank order that moves ranks (PP > 1 and DP > 1)
+    is another rank grid, one that moves none is the same."""
     pp_outer, dp_outer = "tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"
-    assert _ranks_moved({"rank_order": dp_outer}, args(pp_outer), state(2, 2)) == dp_outer
-    assert _ranks_moved({}, args(pp_outer), state(2, 2)) == dp_outer  # saved before the setting
-    assert _ranks_moved({}, args(dp_outer), state(2, 2)) is None
-    assert _ranks_moved({"rank_order": dp_outer}, args(pp_outer), state(1, 4)) is None
+
+    def grid(order, pp, dp):
+        args = {"world_size": pp * dp, "tensor_model_parallel_size": 1,
+                "context_parallel_size": 1, "pipeline_model_parallel_size": pp}
+        return rank_grid(args if order is None else dict(args, rank_order=order))
+
+    assert grid(dp_outer, 2, 2) != grid(pp_outer, 2, 2)
+    assert grid(None, 2, 2) == grid(dp_outer, 2, 2)  # saved before the setting
+    assert grid(None, 2, 2) != grid(pp_outer, 2, 2)
+    assert grid(dp_outer, 1, 4) == grid(pp_outer, 1, 4)
+    assert grid(dp_outer, 2, 1) == grid(pp_outer, 2, 1)

@@ -30,12 +30,12 @@ choose). MoE experts are assembled whole, ``mlp.experts.linear_fc1.weight`` as
 ``[E, ffn (x2), h]`` (every file of every EP and ETP rank read), as a one-process model
 holds them, and split over EP (the expert dim) and ETP for the target.
 torch -> torch resharding writes weights only (``converted: True``): the optimizer and RNG
-start fresh, at the saved iteration, samples and learning rate. A conversion from or to
+start fresh, at the saved iteration, samples and learning rate. (No conversion is needed to
+change layout: ``--load`` reshards either format itself, optimizer state included.) A conversion from or to
 torch_dist carries the optimizer state too; RNG states follow when the layout is unchanged.
 """
 import argparse
 import os
-import re
 import shutil
 import sys
 
@@ -44,78 +44,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_cp import checkpointing  # noqa: E402
 from megatron_cp.dist_checkpoint import full as dist_full  # noqa: E402
-from megatron_cp.dist_checkpoint.canonical import (canonical_from_full,  # noqa: E402
-                                                   full_from_canonical)
-from megatron_cp.dist_checkpoint.torch_dist import is_torch_dist, layout_of  # noqa: E402
+from megatron_cp.dist_checkpoint.canonical import full_from_canonical  # noqa: E402
+from megatron_cp.dist_checkpoint.torch_dist import is_torch_dist  # noqa: E402
+from megatron_cp.dist_checkpoint.torch_full import (LAYER, VOCAB_ROWS,  # noqa: E402
+                                                    canonical_tensors, common_state, global_name,
+                                                    is_expert, param_order, read_torch_full,
+                                                    saved_group_key, tp_spec)
 from megatron_cp.optimizer.inner import ADAM_KINDS, MUON_KINDS  # noqa: E402
-from megatron_cp.optimizer.optimizer import group_key, group_order  # noqa: E402
-from megatron_cp.tensor_parallel import merge_shards, split_full  # noqa: E402
-
-LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
-VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")  # [padded vocab, h]
-
-
-def is_expert(name):
-    """True for a routed expert's param (``mlp.experts.``; not the shared experts):
-    ``[E, ...]``, split over EP along dim 0 and over ETP by :func:`tp_spec`."""
-    return ".mlp.experts." in name or name.startswith("mlp.experts.")
-
-
-def is_buffer(name):
-    """True for a state-dict entry that is a buffer, not a param (no optimizer state)."""
-    return name.endswith("router.expert_bias")
-
-
-def tp_spec(name, swiglu):
-    """(partition_dim, stride) of a TP-sharded parameter name, or None when replicated.
-
-    Mirrors the layers: column-parallel weights split dim 0 (SwiGLU's fc1 stacks gate and up,
-    stride 2), row-parallel weights dim 1, the vocab-parallel embedding and output dim 0.
-    Expert params (``[E, ...]``) are split over ETP the same way one dim further in.
-    """
-    if is_expert(name):
-        if name.endswith(("linear_fc1.weight", "linear_fc1.bias")):
-            return 1, 2 if swiglu else 1
-        return (2, 1) if name.endswith("linear_fc2.weight") else None
-    if name.endswith(("word_embeddings.weight", "output_layer.weight")):
-        return 0, 1
-    if name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
-        return 0, 1
-    if name.endswith(("linear_fc1.weight", "linear_fc1.bias")):
-        return 0, 2 if swiglu else 1
-    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
-        return 1, 1
-    return None
-
-
-def _chunk_states(payload):
-    keys = ["model"] if "model" in payload else sorted(
-        (k for k in payload if re.fullmatch(r"model\d+", k)), key=lambda k: int(k[5:]))
-    return [payload[k] for k in keys]
-
-
-def param_order(states, args):
-    """The optimizer's order of one model-parallel rank's params: ``[(chunk, local name)]``
-    by ``get_param_groups``' groups (over the chunks' state dicts, which hold exactly the
-    params), and ``[(group key, size)]`` of the groups."""
-    by_key = {}
-    for c, state in enumerate(states):
-        for name, tensor in state.items():
-            if not is_buffer(name):
-                key = group_key(name, tensor.dim(), is_expert(name), name in VOCAB_ROWS,
-                                args.get("decoupled_lr") is not None,
-                                args.get("optimizer") == "muon",
-                                args.get("apply_wd_to_qk_layernorm", False))
-                by_key.setdefault(key, []).append((c, name))
-    keys = sorted(by_key, key=group_order)
-    return [item for key in keys for item in by_key[key]], [(key, len(by_key[key])) for key in keys]
-
-
-def _key_of(group):
-    """A saved param group's key (older checkpoints: Adam, no decoupled rate)."""
-    return group.get("optimizer", "adam"), group.get("wd_mult", 1.0), group.get("is_decoupled_lr",
-                                                                                False)
-
+from megatron_cp.tensor_parallel import split_full  # noqa: E402
 
 def module_order(args, vocab_size):
     """{full param name: its place in the model of ``args``} (the model built on the meta
@@ -130,83 +66,6 @@ def module_order(args, vocab_size):
     with torch.device("meta"):
         model = GPTModel(config)
     return {name: i for i, (name, _) in enumerate(model.state_dict().items())}
-
-
-def _global_name(name, layers):
-    m = LAYER.match(name)
-    return f"decoder.layers.{layers[int(m.group(1))]}.{m.group(2)}" if m else name
-
-
-def _merge(shards, args, sizes):
-    """Full tensors (real vocabulary rows) from {name: {tp rank: shard}}, experts from
-    {name: {(ep rank, etp rank): shard}}; ``sizes``: the source's (TP, PP, EP, ETP)."""
-    tied = not args["untie_embeddings_and_output_weights"]
-    true_vocab = args.get("true_vocab_size")
-    tp, _, ep, etp = sizes
-    full = {}
-    for name, per_rank in shards.items():
-        if tied and name == "output_layer.weight":
-            continue  # the last stage's copy of the tied embedding
-        spec = tp_spec(name, args["swiglu"])
-        if is_expert(name):  # [E/ep, ...] per EP rank, each split over ETP
-            parts = [[per_rank[(e, t)] for t in range(etp)] for e in range(ep)]
-            full[name] = torch.cat([merge_shards(p, *spec) if spec else p[0] for p in parts])
-            continue
-        parts = [per_rank[r] for r in range(tp)]
-        full[name] = merge_shards(parts, *spec) if spec else parts[0]
-        if name in VOCAB_ROWS and true_vocab:  # the padding depends on the TP size
-            full[name] = full[name][:true_vocab]
-    return full
-
-
-def _load_torch(load_dir, it):
-    root = checkpointing.iteration_dir(load_dir, it)
-    first = checkpointing.load_file(checkpointing.latest_first_shard(load_dir), load_dir, it,
-                                    keys=("args",))
-    args = first["args"]
-    sizes = checkpointing.file_layout(args)
-    weights, moments, groups = {}, {}, None
-    meta = {"iteration": first["iteration"], "consumed_samples": first["consumed_samples"]}
-    for (tp_rank, _, ep_rank, etp_rank), shard in checkpointing.shard_names(*sizes).items():
-        payload = checkpointing.load_file(os.path.join(root, shard, "model_optim_rng.pt"),
-                                          load_dir, it, keys=("layer_numbers",))
-
-        def key_of(name, expert_key=(ep_rank, etp_rank), tp_key=tp_rank):
-            # a dense param is the same in every file of its TP rank, an expert in every file
-            # of its (EP, ETP) rank: one copy per key
-            return expert_key if is_expert(name) else tp_key
-
-        states = _chunk_states(payload)
-        for state, layers in zip(states, payload["layer_numbers"]):
-            for name, tensor in state.items():
-                canon = _global_name(name, layers)
-                weights.setdefault(canon, {})[key_of(canon)] = tensor
-        opt = payload.get("optimizer")
-        if opt is None or payload.get("converted"):
-            continue
-        order, _ = param_order(states, args)
-        for i, (c, name) in enumerate(order):
-            canon = _global_name(name, payload["layer_numbers"][c])
-            per_param = opt["optimizer"]["state"].get(i, {})
-            for kind, value in per_param.items():  # Adam's moments and step, Muon's momentum
-                if kind == "step":
-                    meta["adam_step"] = float(value)
-                else:
-                    moments.setdefault(kind, {}).setdefault(canon, {})[key_of(canon)] = value
-            if opt["main_params"]:
-                moments.setdefault("main_param", {}).setdefault(canon, {})[key_of(canon)] = \
-                    opt["main_params"][i]
-        groups = {**(groups or {}), **{_key_of(g): {k: v for k, v in g.items() if k != "params"}
-                                       for g in opt["optimizer"]["param_groups"]}}
-        meta.update(opt_param_scheduler=payload["opt_param_scheduler"],
-                    grad_scaler=opt.get("grad_scaler"),
-                    num_skipped_iters=opt.get("num_skipped_iters", 0))
-    if groups is not None:
-        meta["optimizer"] = {kind: _merge(per, args, sizes) for kind, per in moments.items() if per}
-        meta["param_groups"] = list(groups.values())  # every stage's groups
-        meta.setdefault("adam_step", 0.0)
-    meta.update(layout=layout_of(args), rng_from=root)
-    return _merge(weights, args, sizes), args, meta
 
 
 def _load_torch_dist(folder):
@@ -236,7 +95,7 @@ def load_full(load_dir):
     if it is None:
         raise ValueError(f"{load_dir} has no {checkpointing.TRACKER}: not a megatron_cp checkpoint")
     folder = checkpointing.iteration_dir(load_dir, it)
-    return _load_torch_dist(folder) if is_torch_dist(folder) else _load_torch(load_dir, it)
+    return _load_torch_dist(folder) if is_torch_dist(folder) else read_torch_full(load_dir, it)
 
 
 def pad_vocab_rows(full, args, tp):
@@ -269,13 +128,13 @@ def _optimizer_payload(states, layer_numbers, optimizer, meta, args, sizes, coor
     tied = not args["untie_embeddings_and_output_weights"]
 
     def shard(kind, c, name):
-        canon = _global_name(name, layer_numbers[c])
+        canon = global_name(name, layer_numbers[c])
         if tied and canon == "output_layer.weight":
             canon = "embedding.word_embeddings.weight"
         return _split(name, optimizer[kind][canon], args["swiglu"], sizes, coords)
 
     step = torch.tensor(meta["adam_step"], dtype=torch.float32)
-    hyper = {_key_of(g): g for g in meta["param_groups"]}
+    hyper = {saved_group_key(g): g for g in meta["param_groups"]}
     groups, state, start = [], {}, 0
     for key, size in groups_here:
         # a stage may have a group the saved rank had not: take its twin of the other rate
@@ -341,7 +200,8 @@ def save_layout(full, args, meta, save_dir, tp, pp, split=None, with_optimizer=F
     vp = layout.vp_size
     new_args["virtual_pipeline_model_parallel_size"] = vp if vp > 1 else None
     root = checkpointing.iteration_dir(save_dir, meta["iteration"])
-    same_layout = optimizer is not None and layout_of(new_args) == meta.get("layout")
+    same_layout = optimizer is not None and checkpointing.rank_grid(new_args) == \
+        checkpointing.rank_grid(meta.get("layout") or {})
     sizes = checkpointing.file_layout(new_args)
     place = module_order(args, args["true_vocab_size"])
     full = dict(sorted(full.items(), key=lambda item: place.get(item[0], len(place))))
@@ -394,18 +254,9 @@ def save_torch_dist(full, args, meta, save_dir):
     layout loads."""
     args = dict(args, true_vocab_size=args.get("true_vocab_size") or
                 full["embedding.word_embeddings.weight"].shape[0])
-    tensors = {f"model.{name}": canonical_from_full(t, tp_spec(name, args["swiglu"]))
-               for name, t in full.items()}
-    optimizer = meta.get("optimizer")
-    for kind, per in (optimizer or {}).items():
-        for name, t in per.items():
-            tensors[f"optimizer.{kind}.{name}"] = canonical_from_full(t, tp_spec(name, args["swiglu"]))
-    common = {"iteration": meta["iteration"], "consumed_samples": meta["consumed_samples"],
-              "args": args, "checkpoint_version": 3.0, "ckpt_format": "torch_dist",
-              "layout": meta.get("layout"), "has_optimizer": bool(optimizer)}
-    if optimizer:
-        common.update({k: meta[k] for k in ("opt_param_scheduler", "grad_scaler",
-                                             "num_skipped_iters", "adam_step", "param_groups")})
+    tensors = canonical_tensors(full, args, meta.get("optimizer"))
+    common = common_state(args, meta)
+    optimizer = common["has_optimizer"]
     dist_full.write_full(checkpointing.iteration_dir(save_dir, meta["iteration"]), tensors, common,
                          rng_from=meta.get("rng_from") if optimizer else None)
     checkpointing._atomic_write_text(os.path.join(save_dir, checkpointing.TRACKER),

@@ -133,7 +133,8 @@ def from_hf(hf_dir, accept_tanh_gelu=False):
     full = {k: v.contiguous() for k, v in full.items()}
     args = {"num_layers": num_layers, "hidden_size": h, "num_attention_heads": nh,
             "ffn_hidden_size": c.get("n_inner") or 4 * h, "num_query_groups": nh,
-            "kv_channels": None, "max_position_embeddings": c["n_positions"],
+            "group_query_attention": False, "kv_channels": None,
+            "max_position_embeddings": c["n_positions"], "seq_length": c["n_positions"],
             "norm_epsilon": c.get("layer_norm_epsilon", 1e-5),
             "untie_embeddings_and_output_weights": not tied, **REQUIRED,
             "true_vocab_size": c["vocab_size"],

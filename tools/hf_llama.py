@@ -139,8 +139,11 @@ def shared_args(c, default_rope_theta=1e4):
     """The args dict entries of everything but the MLPs, from ``config.json`` ``c``
     (``default_rope_theta``: the model class's own default when the config names none)."""
     nh, ng, d, h = _hf_dims(c)
+    # --group-query-attention gates --num-query-groups (without it: one group per head), and
+    # the model's context is the sequence length --use-checkpoint-args gives a run
     return {"num_layers": c["num_hidden_layers"], "hidden_size": h, "num_attention_heads": nh,
-            "num_query_groups": ng, "kv_channels": d if d != h // nh else None,
+            "num_query_groups": ng, "group_query_attention": ng != nh,
+            "seq_length": c["max_position_embeddings"], "kv_channels": d if d != h // nh else None,
             "max_position_embeddings": c["max_position_embeddings"],
             "norm_epsilon": c.get("rms_norm_eps", 1e-5),
             "rotary_base": _rope_theta(c, default_rope_theta),

@@ -63,6 +63,13 @@ class Pieces:
                               size=self.global_shape))
                 for chunk, (_, t) in zip(self.chunks(), self.boxes)]
 
+    def fill_from(self, full):
+        """Copy each box out of ``full``, the whole global tensor (a load from tensors
+        already in memory: a torch checkpoint read whole)."""
+        for offsets, tensor in self.boxes:
+            box = tuple(slice(o, o + n) for o, n in zip(offsets, tensor.shape))
+            tensor.copy_(full[box])
+
     def piece_at(self, index):
         """The box tensor at ``index.offset`` (``index.index``: a hint of its position)."""
         if index.index is not None and index.index < len(self.boxes) \
@@ -72,6 +79,28 @@ class Pieces:
             if offsets == index.offset:
                 return tensor
         raise ValueError(f"no piece of {index.fqn} at offset {tuple(index.offset)} on this rank")
+
+
+def check_saved(fqn, saved_shape, pieces):
+    """ValueError unless the checkpoint holds ``fqn`` (``saved_shape``: its global shape
+    there, None when absent) in the shape of this model's ``pieces``."""
+    if saved_shape is None:
+        raise ValueError(f"the checkpoint has no tensor {fqn}: it was saved from another "
+                         f"model (compare the model arguments) or without it "
+                         f"(--no-save-optim)")
+    if torch.Size(saved_shape) != pieces.global_shape:
+        raise ValueError(f"{fqn} is {tuple(saved_shape)} in the checkpoint but "
+                         f"{tuple(pieces.global_shape)} in this model; load it into the "
+                         f"model it was saved from")
+
+
+def fill_from_full(state, tensors):
+    """Fill every :class:`Pieces` of ``state`` ({key: Pieces}) from ``tensors`` ({key: whole
+    global tensor}), checking each key and shape as a DCP load does."""
+    for fqn, pieces in _pieces(state):
+        full = tensors.get(fqn)
+        check_saved(fqn, None if full is None else full.shape, pieces)
+        pieces.fill_from(full)
 
 
 def _pieces(state_dict):
@@ -112,14 +141,7 @@ class PiecesLoadPlanner(DefaultLoadPlanner):
         saved = self.metadata.state_dict_metadata
         requests = []
         for fqn, pieces in _pieces(self.state_dict):
-            if fqn not in saved:
-                raise ValueError(f"the checkpoint has no tensor {fqn}: it was saved from another "
-                                 f"model (compare the model arguments) or without it "
-                                 f"(--no-save-optim)")
-            if saved[fqn].size != pieces.global_shape:
-                raise ValueError(f"{fqn} is {tuple(saved[fqn].size)} in the checkpoint but "
-                                 f"{tuple(pieces.global_shape)} in this model; load it into the "
-                                 f"model it was saved from")
+            check_saved(fqn, saved[fqn].size if fqn in saved else None, pieces)
             requests += create_read_items_for_chunk_list(fqn, saved[fqn], pieces.chunks())
         return LoadPlan(requests)
 

@@ -50,12 +50,6 @@ COMMON = "common.pt"
 GROUP_SETTINGS = ("lr", "weight_decay", "betas", "eps", "momentum", "wd_mult", "lr_mult")
 # what tells one param group from another (get_param_groups' key)
 GROUP_KEY = ("optimizer", "wd_mult", "is_decoupled_lr")
-LAYOUT_KEYS = ("world_size", "tensor_model_parallel_size", "context_parallel_size",
-               "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
-               "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-               "num_virtual_stages_per_pipeline_rank", "pipeline_model_parallel_layout",
-               "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
-               "expert_model_parallel_size", "expert_tensor_parallel_size", "rank_order")
 
 
 def is_torch_dist(folder):
@@ -166,12 +160,6 @@ def sharded_state(trainer, with_optimizer, for_load=False):
     return state
 
 
-def layout_of(args):
-    """The parallel layout ``args`` describe (RNG states are restored only under the same)."""
-    values = vars(args) if not isinstance(args, dict) else args
-    return {k: values.get(k) for k in LAYOUT_KEYS}
-
-
 def _common(trainer, with_optimizer):
     """The non-tensor state; a collective (the Adam step count is agreed by every rank)."""
     opt = trainer.optimizer
@@ -181,7 +169,7 @@ def _common(trainer, with_optimizer):
     args["params_dtype"] = str(trainer.args.params_dtype)
     common = {"iteration": trainer.iteration, "consumed_samples": trainer.consumed_samples,
               "args": args, "checkpoint_version": 3.0, "ckpt_format": "torch_dist",
-              "layout": layout_of(trainer.args), "has_optimizer": with_optimizer,
+              "layout": ckpt.rank_grid(trainer.args), "has_optimizer": with_optimizer,
               "opt_param_scheduler": trainer.scheduler.state_dict()}
     if with_optimizer:
         common.update(adam_step=step.item(), num_skipped_iters=opt.num_skipped_iters,
@@ -271,29 +259,40 @@ def save(trainer, root, async_save=False):
 def load(trainer, root, it):
     """Load the torch_dist checkpoint of iteration ``it`` under ``root`` into ``trainer``,
     whatever layout saved it; returns (iteration, consumed samples)."""
-    st, args = trainer.state, trainer.args
     folder = ckpt.iteration_dir(root, it)
-    if args.verify_integrity:  # before a byte of it is read
+    if trainer.args.verify_integrity:  # before a byte of it is read
         integrity.verify(folder, checkpoint_group(trainer), ckpt._earlier(root, it))
     common = read_common(folder)
-    ckpt.check_args_match(common["args"], args, ckpt.MODEL_ONLY_ARGS)
+
+    def read(state):
+        check_files(folder)
+        try:
+            dcp.load(state, storage_reader=dcp.FileSystemReader(folder),
+                     planner=PiecesLoadPlanner(), process_group=checkpoint_group(trainer))
+        except (Exception, CheckpointException) as error:  # DCP gathers every rank's read error
+            if faults.is_lost_contact(error):
+                raise
+            reason = " ".join(str(error).split())[:300] or type(error).__name__
+            raise ValueError(f"the tensors of checkpoint {folder} cannot be read, a .distcp "
+                             f"file is corrupted ({type(error).__name__}: {reason}); "
+                             f"{ckpt._earlier(root, it)}") from error
+
+    return load_state(trainer, root, it, common, read)
+
+
+def load_state(trainer, root, it, common, read):
+    """Load a checkpoint held as canonical tensors into ``trainer``: ``common`` is its
+    non-tensor state (as :func:`_common` writes it), ``read(state)`` fills this rank's
+    :func:`sharded_state` (``{key: Pieces}``) from its tensors, whichever layout saved them.
+    Returns (iteration, consumed samples)."""
+    st, args = trainer.state, trainer.args
+    ckpt.check_args_match(common["args"], args)
     wait_for_async_save(trainer)
     trainer.optimizer.finish_param_sync()
     with_optimizer = common["has_optimizer"] and not args.finetune and not args.no_load_optim
     if with_optimizer:
         ckpt.check_optimizer_matches(common["args"], args)
-    state = sharded_state(trainer, with_optimizer, for_load=True)
-    check_files(folder)
-    try:
-        dcp.load(state, storage_reader=dcp.FileSystemReader(folder), planner=PiecesLoadPlanner(),
-                 process_group=checkpoint_group(trainer))
-    except (Exception, CheckpointException) as error:  # DCP gathers every rank's read error
-        if faults.is_lost_contact(error):
-            raise
-        reason = " ".join(str(error).split())[:300] or type(error).__name__
-        raise ValueError(f"the tensors of checkpoint {folder} cannot be read, a .distcp file is "
-                         f"corrupted ({type(error).__name__}: {reason}); "
-                         f"{ckpt._earlier(root, it)}") from error
+    read(sharded_state(trainer, with_optimizer, for_load=True))
     if not with_optimizer:
         trainer.optimizer.reload_model_params()
     if args.finetune:
@@ -304,7 +303,8 @@ def load(trainer, root, it):
     if with_optimizer:
         trainer.scheduler.load_state_dict(common["opt_param_scheduler"])
         _restore_optimizer(trainer.optimizer, common)
-    _restore_rng(trainer, folder, common)
+    if not args.no_load_rng:
+        ckpt.load_rng(trainer, root, it, common.get("layout"))
     if st.global_rank == 0:
         print(f" loaded checkpoint from {root} at iteration {it}", flush=True)
     return common["iteration"], common["consumed_samples"]
@@ -324,18 +324,3 @@ def _restore_optimizer(opt, common):
     if opt.grad_scaler is not None and common.get("grad_scaler") is not None:
         opt.grad_scaler.load_state_dict(common["grad_scaler"])
     opt.num_skipped_iters = int(common.get("num_skipped_iters", 0))
-
-
-def _restore_rng(trainer, folder, common):
-    st, args = trainer.state, trainer.args
-    if args.no_load_rng:
-        return
-    path = os.path.join(folder, "rng", f"rank_{st.global_rank:05d}.pt")
-    if common.get("layout") != layout_of(args) or not os.path.exists(path):
-        if st.global_rank == 0:
-            print(" the checkpoint was saved under another parallel layout (or without RNG "
-                  "states): data order and optimizer resume exactly, the RNG streams (dropout) "
-                  "start afresh", flush=True)
-        return
-    ckpt.restore_rng(trainer, ckpt.load_file(path, *_root_and_iteration(folder),
-                                             keys=ckpt.RNG_KEYS))

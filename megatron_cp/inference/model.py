@@ -3,8 +3,8 @@
 :class:`InferenceModel` builds the model chunks this rank holds in the parallel layout of the
 arguments (TP shards, the pipeline stage and its virtual stages) exactly as training builds
 them, in eval mode and without gradients, then loads their weights from ``--load`` with
-:func:`megatron_cp.checkpointing.load_checkpoint`: a torch checkpoint of the same TP/PP layout
-or a torch_dist checkpoint of any layout. Only the weights are read: no optimizer, schedule
+:func:`megatron_cp.checkpointing.load_checkpoint`: a torch or torch_dist checkpoint saved
+under any layout. Only the weights are read: no optimizer, schedule
 or RNG state, and no DDP wrapper or optimizer is built.
 """
 import torch
