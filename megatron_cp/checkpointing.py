@@ -46,6 +46,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_cp import checkpoint_faults
 from megatron_cp import device as device_mod
 from megatron_cp.config_flags import checkpoint_args
 from megatron_cp.initialize import TP_PP_DP_RANK_ORDER
@@ -141,20 +142,24 @@ def is_shard_writer(state, args):
 
 def _atomic_torch_save(obj, path):
     partial = path + ".partial"
-    with open(partial, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    with checkpoint_faults.naming(partial):  # torch.save reports ENOSPC without the file
+        with open(partial, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(partial, path)
 
 
-def _atomic_write_text(path, text):
-    partial = path + ".partial"
-    with open(partial, "w") as f:
+def _write_synced(path, text):
+    with open(path, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(partial, path)
+
+
+def _atomic_write_text(path, text):
+    _write_synced(path + ".partial", text)
+    os.replace(path + ".partial", path)
 
 
 RNG_KEYS = ("python", "numpy", "torch", "device", "tracker")
@@ -202,33 +207,44 @@ def save_checkpoint(trainer, root):
         from megatron_cp.dist_checkpoint import torch_dist
         return torch_dist.save(trainer, root, async_save=getattr(args, "async_save", False))
     st, it = trainer.state, trainer.iteration
-    final = iteration_dir(root, it)
-    tmp = final + ".tmp"
+    tmp = iteration_dir(root, it) + ".tmp"
     trainer.optimizer.finish_param_sync()
     # a collective with the distributed optimizer (its shards are gathered): every rank
     optimizer_state = None if getattr(args, "no_save_optim", False) else trainer.optimizer.state_dict()
-    if st.global_rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
-    dist.barrier()
-    if is_shard_writer(st, args):
-        shard = os.path.join(tmp, own_shard_name(st, args))
-        os.makedirs(shard, exist_ok=True)
-        args = {k: v for k, v in vars(trainer.args).items() if _plain(v)}
-        args["params_dtype"] = str(trainer.args.params_dtype)
-        payload = {"iteration": it, "consumed_samples": trainer.consumed_samples, "args": args,
-                   "opt_param_scheduler": trainer.scheduler.state_dict(),
-                   "checkpoint_version": 3.0, **_model_states(trainer)}
-        if optimizer_state is not None:
-            payload["optimizer"] = optimizer_state
-        else:
-            payload["converted"] = True  # weights only: the schedule resumes, Adam starts fresh
-        _atomic_torch_save(payload, os.path.join(shard, "model_optim_rng.pt"))
-    _atomic_torch_save(_rng_state(trainer), os.path.join(tmp, "rng", f"rank_{st.global_rank:05d}.pt"))
-    dist.barrier()
-    if st.global_rank == 0:
-        commit_checkpoint(root, it, getattr(trainer.args, "save_retain_interval", None))
-    dist.barrier()
+    attempt = save_attempt(root, it)
+
+    def write():
+        if is_shard_writer(st, args):
+            shard = os.path.join(tmp, own_shard_name(st, args))
+            os.makedirs(shard, exist_ok=True)
+            saved = {k: v for k, v in vars(args).items() if _plain(v)}
+            saved["params_dtype"] = str(args.params_dtype)
+            payload = {"iteration": it, "consumed_samples": trainer.consumed_samples,
+                       "args": saved, "opt_param_scheduler": trainer.scheduler.state_dict(),
+                       "checkpoint_version": 3.0, **_model_states(trainer)}
+            if optimizer_state is not None:
+                payload["optimizer"] = optimizer_state
+            else:
+                payload["converted"] = True  # weights only: the schedule resumes, Adam starts fresh
+            _atomic_torch_save(payload, os.path.join(shard, "model_optim_rng.pt"))
+        _atomic_torch_save(_rng_state(trainer),
+                           os.path.join(tmp, "rng", f"rank_{st.global_rank:05d}.pt"))
+
+    def commit():
+        if st.global_rank == 0:
+            commit_checkpoint(root, it, getattr(args, "save_retain_interval", None))
+
+    attempt.start()  # the ranks agree after each phase (where a barrier was)
+    attempt.phase(write)
+    attempt.phase(commit)
+
+
+def save_attempt(root, it, group=None):
+    """The :class:`~megatron_cp.checkpoint_faults.SaveAttempt` of iteration ``it`` under
+    ``root`` (the files it may leave behind; the tracker it keeps)."""
+    return checkpoint_faults.SaveAttempt(root, it, iteration_dir(root, it) + ".tmp",
+                                         os.path.join(root, TRACKER) + ".partial",
+                                         lambda: read_tracker(root), group)
 
 
 def commit_checkpoint(root, it, retain_interval=None):
@@ -246,6 +262,8 @@ def commit_checkpoint(root, it, retain_interval=None):
         previous = int(text) if text.isdigit() else None
     final = iteration_dir(root, it)
     tmp = final + ".tmp"
+    tracker = os.path.join(root, TRACKER)
+    _write_synced(tracker + ".partial", str(it))  # the one write: before anything moves
     if os.path.exists(final):  # re-saving an iteration: keep the old copy until the swap
         old = final + ".old"
         shutil.rmtree(old, ignore_errors=True)
@@ -254,7 +272,7 @@ def commit_checkpoint(root, it, retain_interval=None):
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
-    _atomic_write_text(os.path.join(root, TRACKER), str(it))
+    os.replace(tracker + ".partial", tracker)
     print(f" saved checkpoint at iteration {it} to {root}", flush=True)
     if previous is not None and previous != it and previous % retain_interval != 0:
         old = iteration_dir(root, previous)
@@ -297,14 +315,27 @@ def saved_iterations(root):
 
 
 def _earlier(root, it):
-    """How to resume from another checkpoint than iteration ``it``: one sentence."""
-    others = [i for i in saved_iterations(root) if i != it]
-    tracker = os.path.join(root, TRACKER)
-    if not others:
-        return (f"there is no other checkpoint under {root}: restore the file from a copy, or "
-                f"start again without --load")
-    return (f"restore the file from a copy, or resume from another checkpoint by writing its "
-            f"iteration (saved: {', '.join(map(str, others))}) into {tracker}")
+    """How to resume from another checkpoint than iteration ``it``: one sentence naming the
+    newest other iteration that looks whole (checkpoint_faults.latest_intact)."""
+    others = {i: iteration_dir(root, i) for i in saved_iterations(root) if i != it}
+    good = checkpoint_faults.latest_intact(others)
+    if good is None:
+        return (f"there is no other intact checkpoint under {root}: restore the file from a "
+                f"copy, or start again without --load")
+    return (f"iteration {good} is the latest good one: load it with --ckpt-step {good} (or "
+            f"restore the file from a copy)")
+
+
+def load_iteration(root, step=None):
+    """The iteration a load reads under ``root``: ``step`` (Megatron's ``--ckpt-step``; None
+    or 0: not given) when given, else the tracker's (None: no checkpoint there)."""
+    if not step:
+        return read_tracker(root)
+    if not os.path.isdir(iteration_dir(root, step)):
+        saved = ", ".join(map(str, saved_iterations(root))) or "none"
+        raise ValueError(f"--ckpt-step {step}: {iteration_dir(root, step)} does not exist "
+                         f"(saved iterations under {root}: {saved}); give one of them")
+    return step
 
 
 def read_tracker(root):
@@ -334,9 +365,9 @@ def load_file(path, root, it, map_location="cpu", keys=()):
     try:
         payload = torch.load(path, map_location=map_location, weights_only=False)
     except Exception as error:  # unpickling, zip, EOF and storage errors: the file is damaged
-        reason = " ".join(str(error).split())[:160] or type(error).__name__
         raise ValueError(f"checkpoint file {path} cannot be read, it is truncated or corrupted "
-                         f"({type(error).__name__}: {reason}); {_earlier(root, it)}") from error
+                         f"({checkpoint_faults.short_reason(error)}); "
+                         f"{_earlier(root, it)}") from error
     missing = [k for k in keys if not isinstance(payload, dict) or k not in payload]
     if missing:
         raise ValueError(f"checkpoint file {path} has no {', '.join(missing)}: not a megatron_cp "
@@ -344,10 +375,11 @@ def load_file(path, root, it, map_location="cpu", keys=()):
     return payload
 
 
-def latest_first_shard(root):
-    """Path of the (TP 0, PP 0) shard of the latest checkpoint under ``root`` (None if none;
-    for a torch_dist checkpoint its ``common.pt``)."""
-    it = read_tracker(root)
+def latest_first_shard(root, step=None):
+    """Path of the (TP 0, PP 0) shard of the latest checkpoint under ``root`` (of iteration
+    ``step`` when given: ``--ckpt-step``; None if none; for a torch_dist checkpoint its
+    ``common.pt``)."""
+    it = load_iteration(root, step)
     if it is None:
         return None
     folder = iteration_dir(root, it)
@@ -362,13 +394,14 @@ def latest_first_shard(root):
                      f"partial copy of one")
 
 
-def saved_args(root):
-    """The arguments the latest checkpoint under ``root`` was saved with (a dict)."""
-    path = latest_first_shard(root)
+def saved_args(root, step=None):
+    """The arguments the latest checkpoint under ``root`` (iteration ``step`` when given) was
+    saved with (a dict)."""
+    path = latest_first_shard(root, step)
     if path is None:
         raise ValueError(f"no checkpoint under {root} (no {TRACKER}); train one first, or drop "
                          f"--use-checkpoint-args and give the model flags")
-    return load_file(path, root, read_tracker(root), keys=("args",))["args"]
+    return load_file(path, root, load_iteration(root, step), keys=("args",))["args"]
 
 
 def _target_flag(name):
@@ -421,7 +454,7 @@ def check_optimizer_matches(saved, args):
 def load_checkpoint(trainer, root):
     """Load the latest checkpoint under ``root`` into ``trainer``; returns (iteration, consumed)."""
     st, args = trainer.state, trainer.args
-    it = read_tracker(root)
+    it = load_iteration(root, getattr(args, "ckpt_step", None))
     if it is None:
         if getattr(args, "exit_on_missing_checkpoint", False):
             raise ValueError(f"--exit-on-missing-checkpoint: no checkpoint under --load {root} "
@@ -438,10 +471,10 @@ def load_checkpoint(trainer, root):
               f"loading it unverified", flush=True)
     path = os.path.join(iteration_dir(root, it), own_shard_name(st, args), "model_optim_rng.pt")
     if not os.path.exists(path):
-        first = latest_first_shard(root)  # another layout names its files otherwise: say which
+        first = latest_first_shard(root, it)  # another layout names its files otherwise: say which
         check_args_match(load_file(first, root, it, keys=("args",))["args"], args)
-        raise ValueError(f"checkpoint shard {path} is missing: was it saved with another "
-                         f"TP/PP/EP layout? Convert it with tools/checkpoint_convert.py")
+        raise ValueError(f"checkpoint file {path} is missing (the same layout saved it: the "
+                         f"copy is incomplete); {_earlier(root, it)}")
     payload = load_file(path, root, it, trainer.device,
                         keys=("args", "iteration", "consumed_samples"))
     check_args_match(payload["args"], args)

@@ -161,8 +161,12 @@ def report(fault, grace_seconds):
     Global rank 0 prints at once. Another rank first waits ``grace_seconds``: when rank 0
     saw the same fault it has printed and exited, and the launcher (torchrun, srun
     --kill-on-bad-exit) ends the others quietly; a rank still alive then prints its own
-    line (its message names it), which matters when rank 0 is the one that died."""
+    line (its message names it), which matters when rank 0 is the one that died. A fault
+    the ranks agreed on (``printed_by_rank_0``, e.g. a failed checkpoint save) is printed by
+    rank 0 only."""
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if rank != 0 and getattr(fault, "printed_by_rank_0", False):
+        return FAULT_EXIT_STATUS  # every rank agreed on it: rank 0 is alive and prints it
     if rank != 0:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher may end us while we wait
