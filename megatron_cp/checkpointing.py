@@ -25,7 +25,8 @@ rank t with EP rank t, so the files are ``mp_rank_00_000`` and ``mp_rank_01_001`
 
 A save writes into ``iter_N.tmp`` and renames it to ``iter_N`` only when every rank has
 written; the tracker file is replaced last. A crash mid-save leaves the previous checkpoint
-and tracker untouched. Each file is written by the lowest global rank of its combination
+and tracker untouched; a save that fails (a full disk, a lost rank) also removes its partial
+files and stops every rank with one line (:mod:`megatron_cp.checkpoint_faults`). Each file is written by the lowest global rank of its combination
 (the other ranks of it -- DP and CP replicas of the dense params, expert-DP replicas of the
 experts -- hold identical weights and optimizer states); with the distributed optimizer
 its shards (over DP x CP for dense params, over expert-DP for experts) are gathered first,
@@ -33,7 +34,8 @@ so the file is the same with or without it and loads into either.
 
 Every file a load reads goes through :func:`load_file` / :func:`read_tracker`: a truncated or
 corrupted file (or a tracker naming a missing iteration) is a ValueError naming the file and
-the way out (an earlier checkpoint, listed), never an unpickling or zip traceback.
+the way out (the latest good iteration, to load with ``--ckpt-step``), never an unpickling or
+zip traceback.
 """
 import math
 import os

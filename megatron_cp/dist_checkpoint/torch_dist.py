@@ -24,11 +24,14 @@ pipeline stage is not saved (it loads from ``model.embedding.word_embeddings.wei
 
 A save goes into ``iter_N.tmp`` and becomes ``iter_N`` (tracker file last) only when every
 rank has written; with ``--async-save`` the state is first copied (the only time training
-waits) and a background thread writes it, coordinated over a gloo group of its own.
+waits) and a background thread writes it, coordinated over a gloo group of its own. A failed
+save (checkpoint_faults.SaveAttempt) removes its files and raises on every rank; in the
+background, at the next save or at the end of training.
 
 A load first reads ``.metadata`` and checks that every file it indexes is there and long
 enough (:func:`check_files`), so a truncated or corrupted file is a ValueError naming it (as
-is one whose tensors cannot be decoded), never a raw DCP or unpickling traceback.
+is one whose tensors cannot be decoded: DCP reads through checkpoint_faults.reader, which
+names the file), never a raw DCP or unpickling traceback.
 """
 import os
 import threading
