@@ -262,6 +262,9 @@ def _data_args(g):
 def _io_args(g):
     g.add_argument("--save", default=None, help="Checkpoint directory to save to.")
     g.add_argument("--load", default=None, help="Checkpoint directory to resume from.")
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="Checkpoint step to load model from: the iteration under --load to "
+                        "read instead of the one latest_checkpointed_iteration.txt names.")
     g.add_argument("--save-interval", "--persistent-save-interval", type=int, default=None, help="Save every this many iterations.")
     g.add_argument("--save-retain-interval", type=int, default=None,
                    help="Keep only the checkpoints whose iteration is a multiple of this (and "
@@ -470,7 +473,7 @@ def _take_checkpoint_args(args, parser, argv, inference=False):
         raise ValueError("--use-checkpoint-args reads the model flags from a checkpoint: give "
                          "--load DIR")
     from megatron_cp.checkpointing import saved_args
-    take_checkpoint_args(args, saved_args(args.load), given_on_command_line(parser, argv),
+    take_checkpoint_args(args, saved_args(args.load, args.ckpt_step), given_on_command_line(parser, argv),
                          inference)
 
 
@@ -681,6 +684,9 @@ def _validate_optimizer_and_checkpoint(args):
         raise ValueError(f"--verify-integrity hashes --ckpt-format torch_dist checkpoints "
                          f"(Megatron-LM's rule), not {args.ckpt_format}; add --ckpt-format "
                          f"torch_dist")
+    if args.ckpt_step is not None and args.ckpt_step < 0:
+        raise ValueError(f"--ckpt-step ({args.ckpt_step}) is the iteration to load: give a "
+                         f"saved iteration (>= 1), or drop it to load the latest")
     retain, every = args.save_retain_interval, args.save_interval
     if retain is not None and not (every and retain >= 1 and retain % every == 0):
         need = f"--save-interval ({every})" if every else "--save --save-interval N"

@@ -27,7 +27,8 @@ rank t with EP rank t, so the files are ``mp_rank_00_000`` and ``mp_rank_01_001`
 
 A save writes into ``iter_N.tmp`` and renames it to ``iter_N`` only when every rank has
 written; the tracker file is replaced last. A crash mid-save leaves the previous checkpoint
-and tracker untouched. Each file is written by the lowest global rank of its combination
+and tracker untouched; a save that fails (a full disk, a lost rank) also removes its partial
+files and stops every rank with one line (:mod:`megatron_cp.checkpoint_faults`). Each file is written by the lowest global rank of its combination
 (the other ranks of it -- DP and CP replicas of the dense params, expert-DP replicas of the
 experts -- hold identical weights and optimizer states); with the distributed optimizer
 its shards (over DP x CP for dense params, over expert-DP for experts) are gathered first,
@@ -35,7 +36,8 @@ so the file is the same with or without it and loads into either.
 
 Every file a load reads goes through :func:`load_file` / :func:`read_tracker`: a truncated or
 corrupted file (or a tracker naming a missing iteration) is a ValueError naming the file and
-the way out (an earlier checkpoint, listed), never an unpickling or zip traceback.
+the way out (the latest good iteration, to load with ``--ckpt-step``), never an unpickling or
+zip traceback.
 """
 import math
 import os
@@ -47,6 +49,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_cp import checkpoint_faults
 from megatron_cp import device as device_mod
 from megatron_cp.config_flags import checkpoint_args
 from megatron_cp.initialize import TP_PP_DP_RANK_ORDER
@@ -145,20 +148,24 @@ def is_shard_writer(state, args):
 
 def _atomic_torch_save(obj, path):
     partial = path + ".partial"
-    with open(partial, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    with checkpoint_faults.naming(partial):  # torch.save reports ENOSPC without the file
+        with open(partial, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(partial, path)
 
 
-def _atomic_write_text(path, text):
-    partial = path + ".partial"
-    with open(partial, "w") as f:
+def _write_synced(path, text):
+    with open(path, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(partial, path)
+
+
+def _atomic_write_text(path, text):
+    _write_synced(path + ".partial", text)
+    os.replace(path + ".partial", path)
 
 
 RNG_KEYS = ("python", "numpy", "torch", "device", "tracker")
@@ -207,33 +214,44 @@ def save_checkpoint(trainer, root):
         from megatron_cp.dist_checkpoint import torch_dist
         return torch_dist.save(trainer, root, async_save=getattr(args, "async_save", False))
     st, it = trainer.state, trainer.iteration
-    final = iteration_dir(root, it)
-    tmp = final + ".tmp"
+    tmp = iteration_dir(root, it) + ".tmp"
     trainer.optimizer.finish_param_sync()
     # a collective with the distributed optimizer (its shards are gathered): every rank
     optimizer_state = None if getattr(args, "no_save_optim", False) else trainer.optimizer.state_dict()
-    if st.global_rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
-    dist.barrier()
-    if is_shard_writer(st, args):
-        shard = os.path.join(tmp, own_shard_name(st, args))
-        os.makedirs(shard, exist_ok=True)
-        args = {k: v for k, v in vars(trainer.args).items() if _plain(v)}
-        args["params_dtype"] = str(trainer.args.params_dtype)
-        payload = {"iteration": it, "consumed_samples": trainer.consumed_samples, "args": args,
-                   "opt_param_scheduler": trainer.scheduler.state_dict(),
-                   "checkpoint_version": 3.0, **_model_states(trainer)}
-        if optimizer_state is not None:
-            payload["optimizer"] = optimizer_state
-        else:
-            payload["converted"] = True  # weights only: the schedule resumes, Adam starts fresh
-        _atomic_torch_save(payload, os.path.join(shard, "model_optim_rng.pt"))
-    _atomic_torch_save(_rng_state(trainer), os.path.join(tmp, "rng", f"rank_{st.global_rank:05d}.pt"))
-    dist.barrier()
-    if st.global_rank == 0:
-        commit_checkpoint(root, it, getattr(trainer.args, "save_retain_interval", None))
-    dist.barrier()
+    attempt = save_attempt(root, it)
+
+    def write():
+        if is_shard_writer(st, args):
+            shard = os.path.join(tmp, own_shard_name(st, args))
+            os.makedirs(shard, exist_ok=True)
+            saved = {k: v for k, v in vars(args).items() if _plain(v)}
+            saved["params_dtype"] = str(args.params_dtype)
+            payload = {"iteration": it, "consumed_samples": trainer.consumed_samples,
+                       "args": saved, "opt_param_scheduler": trainer.scheduler.state_dict(),
+                       "checkpoint_version": 3.0, **_model_states(trainer)}
+            if optimizer_state is not None:
+                payload["optimizer"] = optimizer_state
+            else:
+                payload["converted"] = True  # weights only: the schedule resumes, Adam starts fresh
+            _atomic_torch_save(payload, os.path.join(shard, "model_optim_rng.pt"))
+        _atomic_torch_save(_rng_state(trainer),
+                           os.path.join(tmp, "rng", f"rank_{st.global_rank:05d}.pt"))
+
+    def commit():
+        if st.global_rank == 0:
+            commit_checkpoint(root, it, getattr(args, "save_retain_interval", None))
+
+    attempt.start()  # the ranks agree after each phase (where a barrier was)
+    attempt.phase(write)
+    attempt.phase(commit)
+
+
+def save_attempt(root, it, group=None):
+    """The :class:`~megatron_cp.checkpoint_faults.SaveAttempt` of iteration ``it`` under
+    ``root`` (the files it may leave behind; the tracker it keeps)."""
+    return checkpoint_faults.SaveAttempt(root, it, iteration_dir(root, it) + ".tmp",
+                                         os.path.join(root, TRACKER) + ".partial",
+                                         lambda: read_tracker(root), group)
 
 
 def commit_checkpoint(root, it, retain_interval=None):
@@ -251,6 +269,8 @@ def commit_checkpoint(root, it, retain_interval=None):
         previous = int(text) if text.isdigit() else None
     final = iteration_dir(root, it)
     tmp = final + ".tmp"
+    tracker = os.path.join(root, TRACKER)
+    _write_synced(tracker + ".partial", str(it))  # the one write: before anything moves
     if os.path.exists(final):  # re-saving an iteration: keep the old copy until the swap
         old = final + ".old"
         shutil.rmtree(old, ignore_errors=True)
@@ -259,7 +279,7 @@ def commit_checkpoint(root, it, retain_interval=None):
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
-    _atomic_write_text(os.path.join(root, TRACKER), str(it))
+    os.replace(tracker + ".partial", tracker)
     print(f" saved checkpoint at iteration {it} to {root}", flush=True)
     if previous is not None and previous != it and previous % retain_interval != 0:
         old = iteration_dir(root, previous)
@@ -302,14 +322,27 @@ def saved_iterations(root):
 
 
 def _earlier(root, it):
-    """How to resume from another checkpoint than iteration ``it``: one sentence."""
-    others = [i for i in saved_iterations(root) if i != it]
-    tracker = os.path.join(root, TRACKER)
-    if not others:
-        return (f"there is no other checkpoint under {root}: restore the file from a copy, or "
-                f"start again without --load")
-    return (f"restore the file from a copy, or resume from another checkpoint by writing its "
-            f"iteration (saved: {', '.join(map(str, others))}) into {tracker}")
+    """How to resume from another checkpoint than iteration ``it``: one sentence naming the
+    newest other iteration that looks whole (checkpoint_faults.latest_intact)."""
+    others = {i: iteration_dir(root, i) for i in saved_iterations(root) if i != it}
+    good = checkpoint_faults.latest_intact(others)
+    if good is None:
+        return (f"there is no other intact checkpoint under {root}: restore the file from a "
+                f"copy, or start again without --load")
+    return (f"iteration {good} is the latest good one: load it with --ckpt-step {good} (or "
+            f"restore the file from a copy)")
+
+
+def load_iteration(root, step=None):
+    """The iteration a load reads under ``root``: ``step`` (Megatron's ``--ckpt-step``; None
+    or 0: not given) when given, else the tracker's (None: no checkpoint there)."""
+    if not step:
+        return read_tracker(root)
+    if not os.path.isdir(iteration_dir(root, step)):
+        saved = ", ".join(map(str, saved_iterations(root))) or "none"
+        raise ValueError(f"--ckpt-step {step}: {iteration_dir(root, step)} does not exist "
+                         f"(saved iterations under {root}: {saved}); give one of them")
+    return step
 
 
 def read_tracker(root):
@@ -339,9 +372,9 @@ def load_file(path, root, it, map_location="cpu", keys=()):
     try:
         payload = torch.load(path, map_location=map_location, weights_only=False)
     except Exception as error:  # unpickling, zip, EOF and storage errors: the file is damaged
-        reason = " ".join(str(error).split())[:160] or type(error).__name__
         raise ValueError(f"checkpoint file {path} cannot be read, it is truncated or corrupted "
-                         f"({type(error).__name__}: {reason}); {_earlier(root, it)}") from error
+                         f"({checkpoint_faults.short_reason(error)}); "
+                         f"{_earlier(root, it)}") from error
     missing = [k for k in keys if not isinstance(payload, dict) or k not in payload]
     if missing:
         raise ValueError(f"checkpoint file {path} has no {', '.join(missing)}: not a megatron_cp "
@@ -349,10 +382,11 @@ def load_file(path, root, it, map_location="cpu", keys=()):
     return payload
 
 
-def latest_first_shard(root):
-    """Path of the (TP 0, PP 0) shard of the latest checkpoint under ``root`` (None if none;
-    for a torch_dist checkpoint its ``common.pt``)."""
-    it = read_tracker(root)
+def latest_first_shard(root, step=None):
+    """Path of the (TP 0, PP 0) shard of the latest checkpoint under ``root`` (of iteration
+    ``step`` when given: ``--ckpt-step``; None if none; for a torch_dist checkpoint its
+    ``common.pt``)."""
+    it = load_iteration(root, step)
     if it is None:
         return None
     folder = iteration_dir(root, it)
@@ -367,13 +401,14 @@ def latest_first_shard(root):
                      f"partial copy of one")
 
 
-def saved_args(root):
-    """The arguments the latest checkpoint under ``root`` was saved with (a dict)."""
-    path = latest_first_shard(root)
+def saved_args(root, step=None):
+    """The arguments the latest checkpoint under ``root`` (iteration ``step`` when given) was
+    saved with (a dict)."""
+    path = latest_first_shard(root, step)
     if path is None:
         raise ValueError(f"no checkpoint under {root} (no {TRACKER}); train one first, or drop "
                          f"--use-checkpoint-args and give the model flags")
-    return load_file(path, root, read_tracker(root), keys=("args",))["args"]
+    return load_file(path, root, load_iteration(root, step), keys=("args",))["args"]
 
 
 def check_args_match(saved, args):
@@ -450,7 +485,7 @@ def load_checkpoint(trainer, root):
     (bit-exact resume); in another layout every rank reads it whole and takes its pieces
     (:mod:`megatron_cp.dist_checkpoint.torch_full`), as a torch_dist load does."""
     st, args = trainer.state, trainer.args
-    it = read_tracker(root)
+    it = load_iteration(root, getattr(args, "ckpt_step", None))
     if it is None:
         if getattr(args, "exit_on_missing_checkpoint", False):
             raise ValueError(f"--exit-on-missing-checkpoint: no checkpoint under --load {root} "
@@ -470,8 +505,11 @@ def load_checkpoint(trainer, root):
     if os.path.exists(path):  # this rank's file in this run's layout, or a namesake
         payload = load_file(path, root, it, trainer.device,
                             keys=("args", "iteration", "consumed_samples"))
-    saved = (payload or load_file(latest_first_shard(root), root, it, keys=("args",)))["args"]
+    saved = (payload or load_file(latest_first_shard(root, it), root, it, keys=("args",)))["args"]
     check_args_match(saved, args)
+    if payload is None and same_files(saved, args):
+        raise ValueError(f"checkpoint file {path} is missing (the same layout saved it: the "
+                         f"copy is incomplete); {_earlier(root, it)}")
     if payload is None or not same_files(saved, args):
         from megatron_cp.dist_checkpoint import torch_full
         if st.global_rank == 0:

@@ -13,6 +13,8 @@ A fault is not a bug, so it gets no traceback: ``training.main`` prints the mess
   reductions), so every rank stops at the same point and no collective is left waiting.
 * :class:`ReplicaMismatchError`: data-parallel replicas hold different weights
   (``--check-weight-hash-across-dp-replicas-interval``); the ranks agree before raising.
+* ``checkpoint_faults.SaveFailedError``: a checkpoint save could not write its files; the
+  ranks agree, and rank 0 alone prints it (``printed_by_rank_0``).
 
 :func:`raise_on_every_rank` is the same idea for user errors that may hit some ranks only
 (one rank's checkpoint shard is corrupted): after a step that may fail locally, the ranks
@@ -161,8 +163,12 @@ def report(fault, grace_seconds):
     Global rank 0 prints at once. Another rank first waits ``grace_seconds``: when rank 0
     saw the same fault it has printed and exited, and the launcher (torchrun, srun
     --kill-on-bad-exit) ends the others quietly; a rank still alive then prints its own
-    line (its message names it), which matters when rank 0 is the one that died."""
+    line (its message names it), which matters when rank 0 is the one that died. A fault
+    the ranks agreed on (``printed_by_rank_0``, e.g. a failed checkpoint save) is printed by
+    rank 0 only."""
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if rank != 0 and getattr(fault, "printed_by_rank_0", False):
+        return FAULT_EXIT_STATUS  # every rank agreed on it: rank 0 is alive and prints it
     if rank != 0:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher may end us while we wait

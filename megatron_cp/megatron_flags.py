@@ -540,9 +540,6 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
       "--replication-factor",)),
     ("a separate pretrained-checkpoint path is not built; use --load DIR --finetune",
      ("--pretrained-checkpoint",)),
-    ("loading a chosen iteration is not built: --load reads the tracker's latest iteration; "
-     "edit latest_checkpointed_iteration.txt instead",
-     ("--ckpt-step",)),
     ("overriding the loaded iteration (and replaying data from it) is not built; drop it",
      ("--override-ckpt-iteration",)),
     ("copying parallel sizes from the checkpoint is not built; give the TP/PP/CP/EP sizes on "

@@ -36,4 +36,12 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     pip install --quiet -e "$ROOT[dev]"
     echo "$WANT" > "$STAMP"
 fi
+# megatron-core itself, for the tests that check Megatron-LM checkpoints in and out against it
+# (tests/test_megatron_lm_checkpoints.py); test-only, never a runtime dependency. --no-deps:
+# its requirements would pull another torch.
+MCORE_PIN="megatron-core==0.16.1"
+if ! python -c 'import importlib.metadata as m, sys; sys.exit(m.version("megatron-core") != "0.16.1")' 2>/dev/null; then
+    echo "> installing $MCORE_PIN (tests only, --no-deps) into $VENV"
+    pip install --quiet --no-deps "$MCORE_PIN"
+fi
 cd "$ROOT"

@@ -325,8 +325,7 @@ CASES = {  # name: (format, file under the checkpoint, damage, message)
                         "checkpoint index {f} cannot be read, it is truncated or corrupted"),
     "shard truncated": ("torch_dist", DIST, _truncate, "checkpoint file {f} is "),
     "shard garbled": ("torch_dist", DIST, _garble,
-                      "the tensors of checkpoint {d}/iter_0000004 cannot be read, a .distcp "
-                      "file is corrupted"),
+                      "checkpoint file {f} is damaged (its bytes do not decode: "),
     "common truncated": ("torch_dist", "iter_0000004/common.pt", _truncate,
                          "checkpoint file {f} cannot be read, it is truncated or corrupted"),
 }
@@ -362,7 +361,10 @@ def test_damaged_checkpoint_files_are_named(saved, tmp_path):
         message, root = messages[roots[name]], roots[name]
         assert message is not None and message.startswith(expected.format(
             f=os.path.join(root, relative), d=root)), (name, message)
-        assert "saved: 2" in message or "iteration 7" in message, (name, message)
+        good = 4 if relative.endswith(".txt") else 2  # a bad tracker: iteration 4 is whole
+        assert message.endswith(f"; iteration {good} is the latest good one: load it with "
+                                f"--ckpt-step {good} (or restore the file from a copy)"), message
+        assert "\n" not in message and "Traceback" not in message, (name, message)
 
 
 def _main_quietly(rank, world, argv):

@@ -24,14 +24,16 @@ pipeline stage is not saved (it loads from ``model.embedding.word_embeddings.wei
 
 A save goes into ``iter_N.tmp`` and becomes ``iter_N`` (tracker file last) only when every
 rank has written; with ``--async-save`` the state is first copied (the only time training
-waits) and a background thread writes it, coordinated over a gloo group of its own.
+waits) and a background thread writes it, coordinated over a gloo group of its own. A failed
+save (checkpoint_faults.SaveAttempt) removes its files and raises on every rank; in the
+background, at the next save or at the end of training.
 
 A load first reads ``.metadata`` and checks that every file it indexes is there and long
 enough (:func:`check_files`), so a truncated or corrupted file is a ValueError naming it (as
-is one whose tensors cannot be decoded), never a raw DCP or unpickling traceback.
+is one whose tensors cannot be decoded: DCP reads through checkpoint_faults.reader, which
+names the file), never a raw DCP or unpickling traceback.
 """
 import os
-import shutil
 import threading
 
 import torch
@@ -40,7 +42,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from megatron_cp import checkpointing as ckpt
-from megatron_cp import faults
+from megatron_cp import checkpoint_faults, faults
 from megatron_cp.dist_checkpoint import integrity
 from megatron_cp.dist_checkpoint.canonical import canonical_name, expert_param_spec, param_spec
 from megatron_cp.dist_checkpoint.pieces import Pieces, PiecesLoadPlanner, PiecesSavePlanner
@@ -77,14 +79,11 @@ def check_files(folder):
     root, it = _root_and_iteration(folder)
     index = os.path.join(folder, ".metadata")
     try:
-        needed = {}
-        for info in dcp.FileSystemReader(folder).read_metadata().storage_data.values():
-            end = info.offset + info.length
-            needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+        needed = checkpoint_faults.distcp_index(folder)
     except Exception as error:  # unpickling errors, or an object of another shape
-        reason = " ".join(str(error).split())[:160] or type(error).__name__
         raise ValueError(f"checkpoint index {index} cannot be read, it is truncated or corrupted "
-                         f"({type(error).__name__}: {reason}); {ckpt._earlier(root, it)}") from error
+                         f"({checkpoint_faults.short_reason(error)}); "
+                         f"{ckpt._earlier(root, it)}") from error
     for name, end in sorted(needed.items()):
         path = os.path.join(folder, name)
         if not os.path.isfile(path):
@@ -229,26 +228,28 @@ def save(trainer, root, async_save=False):
     it = trainer.iteration
     tmp = ckpt.iteration_dir(root, it) + ".tmp"
     group = checkpoint_group(trainer)
-    if st.global_rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
-    dist.barrier(group=group)
+    attempt = ckpt.save_attempt(root, it, group)
+    attempt.start()  # the ranks agree after each phase (where a barrier was)
     if async_save:
         state = {key: pieces.staged() for key, pieces in state.items()}
 
-    def write():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=PiecesSavePlanner(),
-                 process_group=group)
+    def write_files():
+        dcp.save(state, storage_writer=checkpoint_faults.writer(tmp),
+                 planner=PiecesSavePlanner(), process_group=group)
         if rng is not None:
             ckpt._atomic_torch_save(rng, os.path.join(tmp, "rng", f"rank_{st.global_rank:05d}.pt"))
         if st.global_rank == 0:
             ckpt._atomic_torch_save(common, os.path.join(tmp, COMMON))
-        dist.barrier(group=group)  # every rank has written: only now may the tracker move
+
+    def commit():  # every rank has written: only now may the tracker move
         if st.global_rank == 0:
             if args.verify_integrity:
                 integrity.write_manifest(tmp)
             ckpt.commit_checkpoint(root, it, getattr(args, "save_retain_interval", None))
-        dist.barrier(group=group)
+
+    def write():
+        attempt.phase(write_files)
+        attempt.phase(commit)
 
     if async_save:
         trainer.pending_save = AsyncSave(write)
@@ -267,15 +268,15 @@ def load(trainer, root, it):
     def read(state):
         check_files(folder)
         try:
-            dcp.load(state, storage_reader=dcp.FileSystemReader(folder),
+            dcp.load(state, storage_reader=checkpoint_faults.reader(folder),
                      planner=PiecesLoadPlanner(), process_group=checkpoint_group(trainer))
         except (Exception, CheckpointException) as error:  # DCP gathers every rank's read error
             if faults.is_lost_contact(error):
                 raise
-            reason = " ".join(str(error).split())[:300] or type(error).__name__
-            raise ValueError(f"the tensors of checkpoint {folder} cannot be read, a .distcp "
-                             f"file is corrupted ({type(error).__name__}: {reason}); "
-                             f"{ckpt._earlier(root, it)}") from error
+            found = checkpoint_faults.find(error, checkpoint_faults.UnreadableFile)
+            damage = (str(found[1]) if found else f"the tensors of checkpoint {folder} cannot be "
+                      f"read ({checkpoint_faults.short_reason(error)})")
+            raise ValueError(f"{damage}; {ckpt._earlier(root, it)}") from error
 
     return load_state(trainer, root, it, common, read)
 

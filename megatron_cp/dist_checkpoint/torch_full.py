@@ -130,7 +130,7 @@ def read_torch_full(load_dir, it):
     ``param_groups``, ``adam_step``, ``opt_param_scheduler``, ``grad_scaler`` and
     ``num_skipped_iters``."""
     root = checkpointing.iteration_dir(load_dir, it)
-    first = checkpointing.load_file(checkpointing.latest_first_shard(load_dir), load_dir, it,
+    first = checkpointing.load_file(checkpointing.latest_first_shard(load_dir, it), load_dir, it,
                                     keys=("args",))
     args = first["args"]
     sizes = checkpointing.file_layout(args)

@@ -32,7 +32,7 @@ def check_checkpoint(args):
     if not args.load:
         raise ValueError("give --load DIR, the checkpoint to evaluate or generate from "
                          "(with --use-checkpoint-args for its model and tokenizer flags)")
-    if checkpointing.read_tracker(args.load) is None:
+    if checkpointing.load_iteration(args.load, getattr(args, "ckpt_step", None)) is None:
         raise ValueError(f"--load {args.load}: no checkpoint there (no {checkpointing.TRACKER}); "
                          f"give the --save folder of a training run")
     if args.tokenizer_type is None and args.vocab_size is None:
@@ -40,14 +40,14 @@ def check_checkpoint(args):
                          "give --tokenizer-type and its files")
 
 
-def _saved_vocab_size(root):
-    """The real vocabulary size the latest checkpoint under ``root`` was trained with (None if
-    it does not say); its tensors are mapped, not read."""
-    path = checkpointing.latest_first_shard(root)
+def _saved_vocab_size(root, step=None):
+    """The real vocabulary size the latest checkpoint under ``root`` (``--ckpt-step``'s when
+    given) was trained with (None if it does not say); its tensors are mapped, not read."""
+    path = checkpointing.latest_first_shard(root, step)
     try:
         payload = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     except Exception:  # noqa: BLE001 - a damaged file: the checked read names it
-        payload = {"args": checkpointing.saved_args(root)}
+        payload = {"args": checkpointing.saved_args(root, step)}
     return payload["args"].get("true_vocab_size")
 
 
@@ -67,7 +67,7 @@ class InferenceModel:
                                          args.tokenizer_model, args.vocab_file, args.merge_file,
                                          args.vocab_size)
         self.config = config_from_args(args, self.tokenizer.vocab_size)
-        saved = _saved_vocab_size(args.load)
+        saved = _saved_vocab_size(args.load, getattr(args, "ckpt_step", None))
         if saved is not None and saved != self.config.vocab_size:
             raise ValueError(f"the tokenizer has {self.config.vocab_size} tokens but the "
                              f"checkpoint under {args.load} was trained with {saved}; use its "
@@ -85,7 +85,7 @@ class InferenceModel:
         args.finetune, args.no_load_optim, args.no_load_rng = True, True, True
         print_rank_0(f"> loading weights from {args.load} ...")
         checkpointing.load_checkpoint(self, args.load)
-        self.iteration = checkpointing.read_tracker(args.load)
+        self.iteration = checkpointing.load_iteration(args.load, getattr(args, "ckpt_step", None))
         print_rank_0(f" loaded the weights of iteration {self.iteration} "
                      f"(TP={state.size('tp')}, CP={state.size('cp')}, PP={state.size('pp')}, "
                      f"DP={state.size('dp')})")
