@@ -59,7 +59,8 @@ LAYER_NAMES = {
                                     "mlp.experts.linear_fc2.bias"),
 }
 TOP_NAMES = {"final_layernorm.weight": "decoder.final_layernorm.weight",
-             "final_layernorm.bias": "decoder.final_layernorm.bias"}
+             "final_layernorm.bias": "decoder.final_layernorm.bias",
+             "embedding.position_embeddings": "embedding.position_embeddings.weight"}
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 # Megatron's optimizer state kinds -> ours
 OPTIMIZER_KINDS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "fp32_param": "main_param"}
@@ -323,6 +324,9 @@ def scheduler_state(common, global_batch_size, counts_samples):
     """Megatron's ``opt_param_scheduler`` state in our units: its step counts are samples;
     ours are iterations unless the schedule counts samples."""
     saved = dict(common.get("opt_param_scheduler") or {})
+    if saved.get("wd_incr_style") == "constant":  # the weight decay is --weight-decay throughout
+        for key in ("start_wd", "end_wd", "wd_incr_steps"):
+            saved.pop(key, None)
     if not counts_samples:
         for key in SAMPLE_COUNTS:
             if saved.get(key) is not None:
