@@ -169,8 +169,9 @@ def load_strict(rank, world, kind, folder, tokens):
     model = build(kind)
     for p in model.parameters():  # nothing of the init may survive the load
         p.data.fill_(float("nan"))
-    loaded = dist_checkpointing.load(model.sharded_state_dict(), folder,
+    # as Megatron-LM's load_checkpoint: the model's sharded state under "model", the
+    # common state (args, iteration) merged in
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, folder,
                                      strict=StrictHandling.RAISE_ALL)
-    model.load_state_dict(loaded)
-    common = dist_checkpointing.load_common_state_dict(folder)
-    return logits(model, tokens), vars(common["args"]), common["iteration"]
+    model.load_state_dict(loaded["model"], strict=True)
+    return logits(model, tokens), vars(loaded["args"]), loaded["iteration"]

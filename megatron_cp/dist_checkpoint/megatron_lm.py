@@ -337,10 +337,12 @@ def scheduler_state(common, global_batch_size, counts_samples):
 # --- writing ----------------------------------------------------------------------------------
 
 def _extra_state_bytes():
+    """One ``_extra_state`` object as megatron-core stores a ShardedObject: a list holding
+    the bytes of the object (None: the local spec's, and an idle TE module's, state)."""
     buffer = io.BytesIO()
-    torch.save(None, buffer)  # the local spec's (and an idle TE module's) extra state
+    torch.save(None, buffer)
     buffer.seek(0)
-    return buffer
+    return [buffer]
 
 
 def megatron_tensors(full, args):
