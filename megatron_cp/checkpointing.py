@@ -52,6 +52,7 @@ import torch.distributed as dist
 from megatron_cp import checkpoint_faults
 from megatron_cp import device as device_mod
 from megatron_cp.config_flags import checkpoint_args
+from megatron_cp.dist_checkpoint import megatron_lm
 from megatron_cp.initialize import TP_PP_DP_RANK_ORDER
 from megatron_cp.model.config import GPTConfig
 
@@ -403,7 +404,10 @@ def latest_first_shard(root, step=None):
 
 def saved_args(root, step=None):
     """The arguments the latest checkpoint under ``root`` (iteration ``step`` when given) was
-    saved with (a dict)."""
+    saved with (a dict; for one Megatron-LM wrote, its Namespace in our names)."""
+    it = load_iteration(root, step)
+    if it is not None and megatron_lm.is_megatron_lm(iteration_dir(root, it)):
+        return megatron_lm.our_args(megatron_lm.read_common(iteration_dir(root, it))["args"])
     path = latest_first_shard(root, step)
     if path is None:
         raise ValueError(f"no checkpoint under {root} (no {TRACKER}); train one first, or drop "
@@ -493,6 +497,9 @@ def load_checkpoint(trainer, root):
         if st.global_rank == 0:
             print(f" no checkpoint under {root} (no {TRACKER}); starting from scratch", flush=True)
         return 0, 0
+    if megatron_lm.is_megatron_lm(iteration_dir(root, it)):  # written by Megatron-LM itself
+        from megatron_cp.dist_checkpoint import megatron_load
+        return megatron_load.load(trainer, root, it)
     if os.path.exists(os.path.join(iteration_dir(root, it), ".metadata")):
         from megatron_cp.dist_checkpoint import torch_dist
         return torch_dist.load(trainer, root, it)

@@ -645,9 +645,9 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
      "use --position-embedding-type rope or yarn (--rotary-scaling-factor)",
      ("--rotary-seq-len-interpolation-factor", "--use-rope-scaling", "--rope-scaling-factor",
       "--no-rope-freq",)),
-    ("only exact GELU, SwiGLU and squared ReLU are built (no tanh GELU or quick GEGLU); use "
-     "the default, --swiglu or --squared-relu",
-     ("--openai-gelu", "--quick-geglu",)),
+    ("quick GEGLU is not built; use the default GELU, --openai-gelu, --swiglu or "
+     "--squared-relu",
+     ("--quick-geglu",)),
     ("the ONNX-export workarounds are not built; drop it",
      ("--onnx-safe",)),
     ("heterogeneous per-layer architectures are not built; drop it",

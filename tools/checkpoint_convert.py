@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_cp import checkpointing  # noqa: E402
 from megatron_cp.dist_checkpoint import full as dist_full  # noqa: E402
 from megatron_cp.dist_checkpoint.canonical import full_from_canonical  # noqa: E402
+from megatron_cp.dist_checkpoint.megatron_lm import is_megatron_lm  # noqa: E402
 from megatron_cp.dist_checkpoint.torch_dist import is_torch_dist  # noqa: E402
 from megatron_cp.dist_checkpoint.torch_full import (LAYER, VOCAB_ROWS,  # noqa: E402
                                                     canonical_tensors, common_state, global_name,
@@ -95,6 +96,9 @@ def load_full(load_dir):
     if it is None:
         raise ValueError(f"{load_dir} has no {checkpointing.TRACKER}: not a megatron_cp checkpoint")
     folder = checkpointing.iteration_dir(load_dir, it)
+    if is_megatron_lm(folder):  # written by Megatron-LM itself
+        from tools.megatron_lm_convert import import_megatron
+        return import_megatron(folder)
     return _load_torch_dist(folder) if is_torch_dist(folder) else read_torch_full(load_dir, it)
 
 
@@ -265,13 +269,16 @@ def save_torch_dist(full, args, meta, save_dir):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--load-dir", help="megatron_cp checkpoint to read (torch or torch_dist)")
+    p.add_argument("--load-dir", help="checkpoint to read: megatron_cp's (torch or torch_dist) or "
+                   "one Megatron-LM wrote (--ckpt-format torch_dist)")
     p.add_argument("--from-hf", help="Hugging Face Llama, Mixtral or GPT-2 folder to read instead")
     p.add_argument("--save-dir", help="megatron_cp checkpoint to write")
     p.add_argument("--target-ckpt-format", choices=["torch", "torch_dist"], default="torch",
                    help="format of --save-dir (torch_dist: loads under any layout)")
     p.add_argument("--to-hf", help="write a Hugging Face folder here (Llama, Mixtral or GPT-2, from the "
                    "checkpoint's arguments), with the tokenizer files")
+    p.add_argument("--to-megatron", help="write a checkpoint Megatron-LM loads here (its names, "
+                   "arguments and vocabulary padding; weights, iteration and schedule)")
     p.add_argument("--hf-skip-tokenizer", action="store_true",
                    help="--to-hf without the tokenizer files (weights and config only)")
     p.add_argument("--hf-accept-tanh-gelu", action="store_true",
@@ -299,8 +306,9 @@ def main(argv=None):
     a = p.parse_args(argv)
     if bool(a.load_dir) == bool(a.from_hf):
         raise ValueError("give exactly one input: --load-dir CHECKPOINT or --from-hf FOLDER")
-    if not (a.save_dir or a.to_hf):
-        raise ValueError("give an output: --save-dir CHECKPOINT and/or --to-hf FOLDER")
+    if not (a.save_dir or a.to_hf or a.to_megatron):
+        raise ValueError("give an output: --save-dir CHECKPOINT, --to-megatron CHECKPOINT and/or "
+                         "--to-hf FOLDER")
     source_dist = False
     if a.load_dir:
         full, args, meta = load_full(a.load_dir)
@@ -319,6 +327,10 @@ def main(argv=None):
         print(f"wrote {a.save_dir} (TP={a.target_tensor_parallel_size}, "
               f"PP={a.target_pipeline_parallel_size}, EP={a.target_expert_model_parallel_size}) "
               f"at iteration {meta['iteration']}")
+    if a.to_megatron:
+        from tools.megatron_lm_convert import export_megatron
+        export_megatron(full, args, meta, a.to_megatron)
+        print(f"wrote Megatron-LM checkpoint {a.to_megatron} at iteration {meta['iteration']}")
     if a.to_hf:
         from tools.hf_convert import export_hf
         architecture = export_hf(full, args, a.to_hf, tokenizer=not a.hf_skip_tokenizer)

@@ -123,11 +123,16 @@ class GPTConfig:
              "with a norm of the --normalization kind over the head dim, one weight for all "
              "heads.")
     activation: str = setting("gelu", flag="--swiglu", when_set="swiglu", shapes=True,
-                              choices=("gelu", "swiglu", "squared_relu"),
+                              choices=("gelu", "gelu_tanh", "swiglu", "squared_relu"),
                               help="Use the SwiGLU activation in the MLP (default GeLU).")
     squared_relu: bool = setting(False, shapes=True,
                                  help="Use the squared ReLU activation, relu(x)^2, in the MLP "
                                       "(default GeLU; not with --swiglu).")
+    openai_gelu: bool = setting(
+        False, help="Compute GELU with OpenAI's tanh approximation, 0.5 x (1 + tanh(sqrt(2/pi) "
+        "(x + 0.044715 x^3))), instead of the exact erf GELU. Megatron-LM's MLP computes this "
+        "one whenever its bias-GELU fusion is on (its default, with biases): a Megatron-LM "
+        "checkpoint sets it (tools/checkpoint_convert.py, --use-checkpoint-args).")
     add_bias_linear: bool = setting(True, flag="--disable-bias-linear", shapes=True,
                                     help="No biases in linear layers.")
     hidden_dropout: float = setting(0.1, help="Dropout on hidden states.")
@@ -262,6 +267,12 @@ class GPTConfig:
                                  "activations; give one")
             self.activation = "squared_relu"
         self.squared_relu = self.activation == "squared_relu"
+        if self.openai_gelu:
+            if self.activation not in ("gelu", "gelu_tanh"):
+                raise ValueError(f"openai_gelu (True) is a GELU, but the MLP's activation is "
+                                 f"{self.activation!r}; drop --openai-gelu or --swiglu / "
+                                 f"--squared-relu")
+            self.activation = "gelu_tanh"
         self._check_rotary()
         if self.moe_token_dispatcher_type == "flex":
             raise ValueError("moe_token_dispatcher_type ('flex') runs on the DeepEP / HybridEP "

@@ -42,12 +42,14 @@ def swiglu(h):
 
 def activate(h, activation):
     """The MLP's non-linearity of fc1's output ``h`` [..., f] (SwiGLU: [..., 2 f]): ``gelu``
-    (exact, erf), ``swiglu`` or ``squared_relu`` (relu(h)^2, Megatron-LM's ``--squared-relu``,
+    (exact, erf), ``gelu_tanh`` (tanh approximation), ``swiglu`` or ``squared_relu`` (relu(h)^2, Megatron-LM's ``--squared-relu``,
     which it allows only without a gated unit)."""
     if activation == "swiglu":
         return swiglu(h)
     if activation == "squared_relu":
         return F.relu(h).square()
+    if activation == "gelu_tanh":  # --openai-gelu (Megatron-LM's bias-GELU fusion)
+        return F.gelu(h, approximate="tanh")
     return F.gelu(h)
 
 

@@ -1,0 +1,93 @@
+"""A trainer resumes from a checkpoint Megatron-LM wrote, in any layout.
+
+Each rank reads the whole model once (:func:`megatron_lm.read`: Megatron's stacked tensors
+as our full weights) and copies into its params the boxes it holds, the same boxes a
+torch_dist load of ours reads (:func:`torch_dist.sharded_state`), so every TP / PP / EP /
+DP layout and the distributed optimizer load it alike. What carries over: the weights,
+the iteration, the consumed samples, the learning-rate schedule (its sample counts turned
+into our iterations) and, when Megatron saved them in a form read here, the Adam moments
+and step. One line at start-up says what does not (RNG states, Megatron's padded
+vocabulary rows, an optimizer state it did not save).
+"""
+import torch
+
+from megatron_cp import checkpointing as ckpt
+from megatron_cp.dist_checkpoint import megatron_lm
+from megatron_cp.dist_checkpoint.torch_dist import sharded_state
+from megatron_cp.optimizer.inner import set_adam_step
+
+
+def _canonical(tensor, global_shape):
+    """Our canonical form of a full weight: its real vocabulary rows, the strided split
+    dim of SwiGLU's fc1 (``[2 ffn, h]`` -> ``[2, ffn, h]``) as a view."""
+    if tensor.shape[0] > global_shape[0] and tensor.dim() == len(global_shape):
+        tensor = tensor[:global_shape[0]]
+    return tensor.reshape(global_shape)
+
+
+@torch.no_grad()
+def _copy_into(pieces_by_key, full_by_key, folder):
+    for key, pieces in pieces_by_key.items():
+        if key not in full_by_key:
+            raise ValueError(f"the Megatron-LM checkpoint {folder} has no tensor for our {key} "
+                             f"(compare the model arguments, or --use-checkpoint-args)")
+        canon = _canonical(full_by_key[key], pieces.global_shape)
+        for offsets, tensor in pieces.boxes:
+            box = tuple(slice(o, o + n) for o, n in zip(offsets, tensor.shape))
+            tensor.copy_(canon[box])
+
+
+def check_args(saved, args, folder):
+    """The model of ``args`` must be the checkpoint's (its arguments ``saved``, ours)."""
+    ckpt.check_args_match(saved, args)
+    if bool(saved.get("openai_gelu")) != bool(getattr(args, "openai_gelu", False)):
+        implied = "tanh (its bias-GELU fusion is on)" if saved.get("openai_gelu") else "exact"
+        raise ValueError(f"the Megatron-LM checkpoint {folder} computes GELU {implied}; "
+                         f"{'pass' if saved.get('openai_gelu') else 'drop'} --openai-gelu "
+                         f"(or use --use-checkpoint-args) so the logits are Megatron-LM's")
+
+
+def load(trainer, root, it):
+    """Load Megatron-LM's checkpoint of iteration ``it`` under ``root`` into ``trainer``;
+    returns (iteration, consumed samples)."""
+    st, args = trainer.state, trainer.args
+    folder = ckpt.iteration_dir(root, it)
+    vocab = trainer.config.vocab_size
+    full, moments, saved, common = megatron_lm.read(folder, vocab_rows=vocab)
+    check_args(saved, args, folder)
+    trainer.optimizer.finish_param_sync()
+    step = megatron_lm.adam_step(common)
+    with_optimizer = (bool(moments) and step is not None and not args.finetune
+                      and not args.no_load_optim and args.optimizer == "adam")
+    state = sharded_state(trainer, with_optimizer, for_load=True)
+    tensors = {f"model.{name}": t for name, t in full.items()}
+    if with_optimizer:
+        moments.setdefault("main_param", full)  # fp32 training: the weights are the main params
+        tensors.update({f"optimizer.{kind}.{name}": t for kind, per in moments.items()
+                        for name, t in per.items()})
+    _copy_into(state, tensors, folder)
+    not_carried = ["RNG states (Megatron-LM's are CUDA generator states)"]
+    padded = saved.get("padded_vocab_size")
+    if padded and padded > vocab:
+        not_carried.append(f"its {padded - vocab} padded vocabulary rows")
+    if not with_optimizer:
+        trainer.optimizer.reload_model_params()
+        not_carried.append("the optimizer state (" + (
+            "--finetune" if args.finetune else "--no-load-optim" if args.no_load_optim
+            else f"--optimizer {args.optimizer}" if args.optimizer != "adam"
+            else "none saved in a form read here") + ")")
+    else:
+        set_adam_step(trainer.optimizer.optimizer, step)
+    iteration = 0 if args.finetune else int(common.get("iteration", it))
+    consumed = 0 if args.finetune else int(saved.get("consumed_train_samples") or 0)
+    if not args.finetune and common.get("opt_param_scheduler"):
+        trainer.scheduler.load_state_dict(megatron_lm.scheduler_state(
+            common, saved["global_batch_size"], args.lr_counts_samples))
+    elif not args.finetune:
+        ckpt.resume_schedule_only(trainer, root, it, iteration, consumed)
+    if st.global_rank == 0:
+        print(f" loaded Megatron-LM checkpoint {root} at iteration {iteration} (weights, "
+              f"iteration, consumed samples {consumed}, learning-rate schedule"
+              f"{', Adam state' if with_optimizer else ''}); not carried over: "
+              f"{'; '.join(not_carried)}", flush=True)
+    return iteration, consumed
