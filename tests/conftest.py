@@ -17,6 +17,13 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     _OWN_INDUCTOR_CACHE = tempfile.mkdtemp(prefix="megatron_cp_inductor_")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = _OWN_INDUCTOR_CACHE
 
+# Under pytest-xdist (scripts/test.sh runs two workers) each worker gets its own default
+# MASTER_PORT, so one-process runs that start torch.distributed at the default port (29500)
+# in two workers at once do not collide; tests that pick a free port set their own.
+_XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _XDIST_WORKER.startswith("gw") and "MASTER_PORT" not in os.environ:
+    os.environ["MASTER_PORT"] = str(29500 + 100 * (int(_XDIST_WORKER[2:]) + 1))
+
 
 def pytest_sessionfinish(session, exitstatus):
     if _OWN_INDUCTOR_CACHE:
