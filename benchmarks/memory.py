@@ -80,7 +80,7 @@ def _dir_bytes(path):
 
 
 def _checkpoint_worker(rank, world, model, folder):
-    from megatron_cp import checkpointing
+    from megatron_cp.checkpoint import load_save
     trainer = _trainer(world, model)
     trainer.train_step()
     step = _timed(trainer.train_step)
@@ -88,19 +88,19 @@ def _checkpoint_worker(rank, world, model, folder):
     for fmt in ("torch", "torch_dist"):
         root = os.path.join(folder, fmt)
         trainer.args.ckpt_format, trainer.args.async_save = fmt, False
-        out[f"{fmt}_save_s"] = _timed(lambda: checkpointing.save_checkpoint(trainer, root))
+        out[f"{fmt}_save_s"] = _timed(lambda: load_save.save_checkpoint(trainer, root))
         out[f"{fmt}_bytes"] = _dir_bytes(root) if rank == 0 else None
-        out[f"{fmt}_load_s"] = _timed(lambda: checkpointing.load_checkpoint(trainer, root))
+        out[f"{fmt}_load_s"] = _timed(lambda: load_save.load_checkpoint(trainer, root))
     trainer.args.ckpt_format, trainer.args.async_save = "torch_dist", True
     root = os.path.join(folder, "async")
     dist.barrier()
     start = time.perf_counter()
-    checkpointing.save_checkpoint(trainer, root)
+    load_save.save_checkpoint(trainer, root)
     out["async_stall_s"] = time.perf_counter() - start  # training may go on from here
     out["async_step_during_write_s"] = time.perf_counter()
     trainer.train_step()  # a step while the background write runs
     out["async_step_during_write_s"] = time.perf_counter() - out["async_step_during_write_s"]
-    checkpointing.wait_for_async_save(trainer)
+    load_save.wait_for_async_save(trainer)
     out["async_total_s"] = time.perf_counter() - start
     dist.barrier()
     return out

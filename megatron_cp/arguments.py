@@ -29,7 +29,7 @@ import sys
 import torch
 
 from megatron_cp import rerun, wandb_logging
-from megatron_cp.checkpoint_args import given_on_command_line, take_checkpoint_args
+from megatron_cp.checkpoint.use_checkpoint_args import given_on_command_line, take_checkpoint_args
 from megatron_cp.megatron_flags import add_compat_flags, apply_compat_flags
 from megatron_cp.config_flags import (add_config_flags, build_config, config_flag_names,
                                       fill_args, name_flags)
@@ -468,11 +468,11 @@ def _drop_flag(argv, name):
 
 def _take_checkpoint_args(args, parser, argv, inference=False):
     """``--use-checkpoint-args``: the model from the checkpoint under ``--load``, never its
-    parallel layout (the rule: :mod:`megatron_cp.checkpoint_args`)."""
+    parallel layout (the rule: :mod:`megatron_cp.checkpoint.use_checkpoint_args`)."""
     if not args.load:
         raise ValueError("--use-checkpoint-args reads the model flags from a checkpoint: give "
                          "--load DIR")
-    from megatron_cp.checkpointing import saved_args
+    from megatron_cp.checkpoint.load_save import saved_args
     take_checkpoint_args(args, saved_args(args.load, args.ckpt_step), given_on_command_line(parser, argv),
                          inference)
 

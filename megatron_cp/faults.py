@@ -13,7 +13,7 @@ A fault is not a bug, so it gets no traceback: ``training.main`` prints the mess
   reductions), so every rank stops at the same point and no collective is left waiting.
 * :class:`ReplicaMismatchError`: data-parallel replicas hold different weights
   (``--check-weight-hash-across-dp-replicas-interval``); the ranks agree before raising.
-* ``checkpoint_faults.SaveFailedError``: a checkpoint save could not write its files; the
+* ``checkpoint.faults.SaveFailedError``: a checkpoint save could not write its files; the
   ranks agree, and rank 0 alone prints it (``printed_by_rank_0``).
 
 :func:`raise_on_every_rank` is the same idea for user errors that may hit some ranks only

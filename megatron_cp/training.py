@@ -25,7 +25,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from megatron_cp import checkpointing
+from megatron_cp.checkpoint import files as checkpoint_files
+from megatron_cp.checkpoint import load_save
 from megatron_cp import device as device_mod
 from megatron_cp import faults
 from megatron_cp import moe
@@ -109,7 +110,7 @@ class Trainer:
                                        check_large=args.check_for_large_grads)
         self.skipped_samples = 0  # of the iterations skipped (--iterations-to-skip)
         self.num_zeros = None  # of the latest step, with --log-num-zeros-in-grad
-        self.pending_save = None  # the --async-save in flight (megatron_cp.dist_checkpoint)
+        self.pending_save = None  # the --async-save in flight (megatron_cp.checkpoint.torch_dist_format)
         self.scheduler = build_scheduler(args, self.optimizer)
         self.iteration, self.consumed_samples = 0, 0
         self.batches = BatchSchedule.from_args(args)
@@ -313,7 +314,7 @@ def pretrain(args, state=None):
         latest = None
         if args.save:
             try:
-                latest = checkpointing.read_tracker(args.save)
+                latest = checkpoint_files.read_tracker(args.save)
             except (OSError, ValueError):
                 pass  # the message then names no iteration
         raise faults.lost_contact(error, dist.get_rank(), progress.activity, args, latest) from error
@@ -362,7 +363,7 @@ def _pretrain(args, state, progress):
         print_rank_0(f"> loading checkpoint from {args.load} ...")
         progress.activity = f"the checkpoint load from {args.load}"
         trainer.iteration, trainer.consumed_samples = _on_every_rank(
-            lambda: checkpointing.load_checkpoint(trainer, args.load), state.device)
+            lambda: load_save.load_checkpoint(trainer, args.load), state.device)
         if trainer.iteration >= args.train_iters:
             print_rank_0(f"checkpoint at iteration {trainer.iteration} already reached --train-iters "
                          f"{args.train_iters}; raise --train-iters to train on")
@@ -391,7 +392,7 @@ def _pretrain(args, state, progress):
     finally:
         logger.close()  # also when the rerun machine ends the job (RerunExit)
     if is_global_rank_zero():
-        latest = checkpointing.read_tracker(args.save) if args.save else None
+        latest = checkpoint_files.read_tracker(args.save) if args.save else None
         print(format_summary(args, first, trainer.iteration, stop_reason, time.time() - started,
                              time.time() - train_start, logger.last_validation, latest), flush=True)
     return losses
@@ -429,7 +430,7 @@ def _train(trainer, logger, start):
             if microbatches != before and args.save and saved_at != trainer.iteration:
                 # Megatron-LM saves before the first iteration of a new batch size
                 trainer.progress.activity = f"the checkpoint save at iteration {trainer.iteration}"
-                checkpointing.save_checkpoint(trainer, args.save)
+                load_save.save_checkpoint(trainer, args.save)
                 saved_at = trainer.iteration
             t0 = time.time()
             try:
@@ -448,7 +449,7 @@ def _train(trainer, logger, start):
                 trainer.check_weight_hashes()
             if args.save and args.save_interval and it % args.save_interval == 0:
                 trainer.progress.activity = f"the checkpoint save at iteration {it}"
-                checkpointing.save_checkpoint(trainer, args.save)
+                load_save.save_checkpoint(trainer, args.save)
                 saved_at = it
                 collect = manual_gc
             if collect:
@@ -467,9 +468,9 @@ def _train(trainer, logger, start):
                 break
         trainer.progress.activity = f"the end of training (iteration {trainer.iteration})"
         if args.save and saved_at != trainer.iteration:
-            checkpointing.save_checkpoint(trainer, args.save)
+            load_save.save_checkpoint(trainer, args.save)
         if args.save:
-            checkpointing.wait_for_async_save(trainer)  # the tracker is written before we return
+            load_save.wait_for_async_save(trainer)  # the tracker is written before we return
         trainer.optimizer.finish_param_sync()  # no all-gather left running (--overlap-param-gather)
     finally:
         profiler.close()
@@ -488,8 +489,8 @@ def _checkpoint_for_rerun(trainer, stop):
     if not args.save:
         return stop.without_checkpoint(" and no --save to keep it for a rerun on another GPU")
     trainer.progress.activity = f"the checkpoint save before iteration {stop.iteration}"
-    checkpointing.save_checkpoint(trainer, args.save)
-    checkpointing.wait_for_async_save(trainer)
+    load_save.save_checkpoint(trainer, args.save)
+    load_save.wait_for_async_save(trainer)
     return stop
 
 

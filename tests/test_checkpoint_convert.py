@@ -78,7 +78,7 @@ def _train_all(rank, world, argvs):
 def test_torch_and_torch_dist_round_trip(tmp_path):
     """torch -> torch_dist -> torch gives back the same files (bf16 weights, fp32 main params,
     Adam moments, schedule, RNG); both converted checkpoints resume bit-exactly."""
-    from megatron_cp.dist_checkpoint.full import read_full
+    from megatron_cp.checkpoint.torch_dist_format import read_full
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     run = f"{LLAMA} --bf16 --tensor-model-parallel-size 2"
     run_workers(train_losses, 2, f"{run} --train-iters 3 --save {a} --ckpt-format torch")

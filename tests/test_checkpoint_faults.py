@@ -1,4 +1,4 @@
-"""Checkpoint faults end in one line and lose nothing (megatron_cp/checkpoint_faults.py): a
+"""Checkpoint faults end in one line and lose nothing (megatron_cp/checkpoint/faults.py): a
 disk that fills up during a save, in both formats and with --async-save; damaged files named
 by the load; --ckpt-step to load the iteration those messages point at.
 
@@ -181,7 +181,7 @@ def test_full_disk_during_a_save_is_one_line_and_loses_nothing(tmp_path, fmt):
 def _rank_killed_mid_save(argv):
     """Subprocess body: rank 1 dies (SIGKILL) while writing its files of the second save."""
     import signal
-    from megatron_cp.dist_checkpoint import pieces
+    from megatron_cp.checkpoint import pieces
     from megatron_cp.training import main
     real, planners = pieces.PiecesSavePlanner.resolve_data, []
 

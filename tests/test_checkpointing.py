@@ -9,7 +9,7 @@ import time
 import pytest
 
 from dist_harness import WorkerError, run_workers
-from megatron_cp import checkpointing
+from megatron_cp.checkpoint import files
 from training_utils import TINY, train_losses
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,15 +22,15 @@ def test_resume_is_bit_exact(tmp_path):
     base = f"{DROPOUT} --train-iters 20 --tensor-model-parallel-size 2"
     straight = run_workers(train_losses, 2, base)[0]
     first = run_workers(train_losses, 2, f"{base} --exit-interval 10 --save {tmp_path}")[0]
-    assert checkpointing.read_tracker(str(tmp_path)) == 10
+    assert files.read_tracker(str(tmp_path)) == 10
     second = run_workers(train_losses, 2, f"{base} --load {tmp_path} --save {tmp_path}")[0]
     assert first + second == straight  # exact equality, not a tolerance
-    assert checkpointing.read_tracker(str(tmp_path)) == 20
+    assert files.read_tracker(str(tmp_path)) == 20
 
 
 def _crash_during_second_save(rank, world, argv):
     calls = {"n": 0}
-    real = checkpointing._atomic_torch_save
+    real = files.atomic_torch_save
 
     def flaky(obj, path):
         if "iter_0000004" in path:
@@ -38,7 +38,7 @@ def _crash_during_second_save(rank, world, argv):
         calls["n"] += 1
         return real(obj, path)
 
-    checkpointing._atomic_torch_save = flaky
+    files.atomic_torch_save = flaky
     return train_losses(rank, world, argv)
 
 
@@ -46,7 +46,7 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path):
     argv = f"{TINY} --train-iters 4 --save {tmp_path} --save-interval 2"
     with pytest.raises(WorkerError, match="disk full"):
         run_workers(_crash_during_second_save, 1, argv)
-    assert checkpointing.read_tracker(str(tmp_path)) == 2
+    assert files.read_tracker(str(tmp_path)) == 2
     assert not os.path.exists(tmp_path / "iter_0000004")
     # the previous checkpoint still loads and training goes on from it
     losses = run_workers(train_losses, 1, f"{TINY} --train-iters 4 --load {tmp_path}")[0]
@@ -88,7 +88,7 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
             proc.kill()
     assert proc.returncode == 0, out
     assert "received SIGTERM" in out
-    saved = checkpointing.read_tracker(str(tmp_path))
+    saved = files.read_tracker(str(tmp_path))
     assert saved is not None and saved >= 3
     assert os.path.exists(tmp_path / f"iter_{saved:07d}" / "mp_rank_00" / "model_optim_rng.pt")
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from dist_harness import run_workers
-from megatron_cp import arguments, checkpointing, training
+from megatron_cp import arguments, training
+from megatron_cp.checkpoint import files as checkpoint_files
 from megatron_cp.arguments import build_parser, parse_args
 from megatron_cp.megatron_flags import COMPAT_FLAGS, MAP, REFUSE, SAME, STORE, all_entries
 from megatron_cp.config_flags import arg_of, checkpoint_args, flag_of, setting
@@ -75,16 +76,16 @@ def test_every_field_has_help_a_flag_or_a_source_and_reaches_the_config():
 
 def test_shape_args_are_the_shaping_fields_and_never_the_layout():
     shaping = [arg_of(f) for f in dataclasses.fields(GPTConfig) if f.metadata.get("shapes")]
-    assert set(checkpointing.SHAPE_ARGS) == set(shaping) and "params_dtype" in shaping
+    assert set(checkpoint_files.SHAPE_ARGS) == set(shaping) and "params_dtype" in shaping
     # the names tools/checkpoint_convert.py and tools/hf_llama.py read from saved args
     for name in ("swiglu", "disable_bias_linear", "untie_embeddings_and_output_weights",
                  "num_query_groups", "kv_channels", "normalization", "position_embedding_type"):
-        assert name in checkpointing.SHAPE_ARGS, name
-    assert "rotary_base" not in checkpointing.SHAPE_ARGS  # does not shape a saved tensor
+        assert name in checkpoint_files.SHAPE_ARGS, name
+    assert "rotary_base" not in checkpoint_files.SHAPE_ARGS  # does not shape a saved tensor
     # a checkpoint loads into any layout: no layout argument is a shape argument
-    assert not set(checkpointing.SHAPE_ARGS) & set(checkpointing.RANK_LAYOUT_ARGS)
+    assert not set(checkpoint_files.SHAPE_ARGS) & set(checkpoint_files.RANK_LAYOUT_ARGS)
     args = _parse()
-    for name in checkpointing.SHAPE_ARGS + checkpointing.RANK_LAYOUT_ARGS:
+    for name in checkpoint_files.SHAPE_ARGS + checkpoint_files.RANK_LAYOUT_ARGS:
         assert hasattr(args, name), name
 
 

@@ -23,11 +23,11 @@ import pytest
 import torch
 
 from dist_harness import WorkerError, run_workers
-from megatron_cp import checkpointing
+from megatron_cp.checkpoint import files, load_save
 from megatron_cp.arguments import parse_args
-from megatron_cp.dist_checkpoint.canonical import param_spec
-from megatron_cp.dist_checkpoint.full import read_full
-from megatron_cp.dist_checkpoint.pieces import Pieces
+from megatron_cp.checkpoint.canonical import param_spec
+from megatron_cp.checkpoint.pieces import Pieces
+from megatron_cp.checkpoint.torch_dist_format import read_full
 from megatron_cp.training import Trainer, build_parallel_state
 from training_utils import TINY, max_rel_diff, train_losses
 
@@ -49,8 +49,8 @@ def _load_and_resave(rank, world, argv, target_dir):
     """Load the latest checkpoint into a fresh trainer and save it again, unchanged."""
     args = parse_args(argv.split(), world_size=world)
     trainer = Trainer(args, build_parallel_state(args, torch.device("cpu")))
-    trainer.iteration, trainer.consumed_samples = checkpointing.load_checkpoint(trainer, args.load)
-    checkpointing.save_checkpoint(trainer, target_dir)
+    trainer.iteration, trainer.consumed_samples = load_save.load_checkpoint(trainer, args.load)
+    load_save.save_checkpoint(trainer, target_dir)
     return trainer.iteration
 
 
@@ -107,7 +107,7 @@ def test_resume_with_the_distributed_optimizer_is_bit_exact(tmp_path):
     straight = results["straight"]
     for fmt in ("torch", "torch_dist", "async"):
         assert results[f"{fmt}:first"] + results[f"{fmt}:second"] == straight, fmt
-        assert checkpointing.read_tracker(str(tmp_path / fmt)) == 20
+        assert files.read_tracker(str(tmp_path / fmt)) == 20
     assert os.path.exists(tmp_path / "async" / "iter_0000008" / ".metadata")  # background saves
     # ZeRO's shards gathered into the plain format: the same optimizer without sharding
     assert max_rel_diff(results["no_zero:second"], straight[10:]) < 1e-6
@@ -115,7 +115,7 @@ def test_resume_with_the_distributed_optimizer_is_bit_exact(tmp_path):
 
 def _slow_save_then_train(argv):
     """Subprocess body: train with a writer that stops halfway through the second save."""
-    from megatron_cp.dist_checkpoint import pieces
+    from megatron_cp.checkpoint import pieces
     from megatron_cp.training import main
     real, planners = pieces.PiecesSavePlanner.resolve_data, []
 
@@ -162,7 +162,7 @@ def test_save_killed_while_writing_keeps_the_previous_checkpoint(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert checkpointing.read_tracker(str(tmp_path)) == 2
+    assert files.read_tracker(str(tmp_path)) == 2
     assert not os.path.exists(tmp_path / "iter_0000004")
     assert os.path.exists(tmp_path / "iter_0000004.tmp" / "rng")  # the partial save, ignored
     same = f"{run} --train-iters 1000 --exit-interval 3"  # the data order of the killed run
@@ -172,7 +172,7 @@ def test_save_killed_while_writing_keeps_the_previous_checkpoint(tmp_path):
 
 
 def _failing_writer(rank, world, argv):
-    from megatron_cp.dist_checkpoint import pieces
+    from megatron_cp.checkpoint import pieces
     real, planners = pieces.PiecesSavePlanner.resolve_data, []
 
     def flaky(self, item):
@@ -190,7 +190,7 @@ def test_save_failing_on_one_rank_keeps_the_previous_checkpoint(tmp_path):
     argv = f"{BASE} --ckpt-format torch_dist --train-iters 4 --save {tmp_path} --save-interval 2"
     with pytest.raises(WorkerError, match="disk full"):
         run_workers(_failing_writer, 2, argv + " --use-distributed-optimizer")
-    assert checkpointing.read_tracker(str(tmp_path)) == 2
+    assert files.read_tracker(str(tmp_path)) == 2
     assert not os.path.exists(tmp_path / "iter_0000004")
     losses = run_workers(train_losses, 2, f"{BASE} --train-iters 4 --load {tmp_path}")[0]
     assert len(losses) == 2

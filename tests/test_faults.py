@@ -332,7 +332,8 @@ CASES = {  # name: (format, file under the checkpoint, damage, message)
 def _load_errors(rank, world, roots):
     """Load each checkpoint under ``roots`` into a fresh trainer; returns {root: message}."""
     import torch
-    from megatron_cp import checkpointing, training
+    from megatron_cp import training
+    from megatron_cp.checkpoint import load_save
     from megatron_cp.arguments import parse_args
     messages, state = {}, None
     for root in roots:
@@ -340,7 +341,7 @@ def _load_errors(rank, world, roots):
         state = state or training.build_parallel_state(args, torch.device("cpu"))
         try:
             with contextlib.redirect_stdout(io.StringIO()):
-                checkpointing.load_checkpoint(training.Trainer(args, state), root)
+                load_save.load_checkpoint(training.Trainer(args, state), root)
             messages[root] = None
         except ValueError as error:
             messages[root] = str(error)

@@ -143,7 +143,7 @@ def test_resume_in_the_middle_of_the_schedule_continues_it(scheduled_reference, 
     """Stopped after iteration 3 (batch 4), resumed: the batch steps to 8 after 16 samples,
     a checkpoint is saved just before (Megatron's save on a new number of microbatches), and
     losses and learning rates are those of the uninterrupted run."""
-    from megatron_cp.checkpointing import saved_iterations
+    from megatron_cp.checkpoint.files import saved_iterations
     reference, rows, _ = scheduled_reference
     save = tmp_path / "ckpt"
     first = run_workers(_logged, 1, f"{SCHEDULED} --save {save} --exit-interval 3")[0]

@@ -92,7 +92,7 @@ def test_verify_integrity_hashes_every_file_and_names_a_changed_one(tmp_path):
 
 def test_verify_integrity_goes_with_torch_dist_and_a_manifest(tmp_path):
     from megatron_cp.arguments import ArgumentErrors, parse_args
-    from megatron_cp.dist_checkpoint import integrity
+    from megatron_cp.checkpoint import integrity
     with pytest.raises(ArgumentErrors, match=r"^--verify-integrity hashes --ckpt-format "
                                              r"torch_dist checkpoints \(Megatron-LM's rule\), "
                                              r"not torch; add --ckpt-format torch_dist$"):

@@ -154,7 +154,7 @@ def test_no_mmap_bin_files_trains_the_same_losses(tmp_path):
 # ----- --save-retain-interval ---------------------------------------------------------------
 
 def test_save_retain_interval_keeps_multiples_and_the_latest(tmp_path):
-    from megatron_cp.checkpointing import saved_iterations
+    from megatron_cp.checkpoint.files import saved_iterations
     base = TINY + " --train-iters 7 --save-interval 1"
     for name, extra, kept in (
             ("plain", "", [1, 2, 3, 4, 5, 6, 7]),

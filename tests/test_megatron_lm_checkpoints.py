@@ -15,7 +15,7 @@ import torch
 
 import megatron.core  # noqa: F401  (a test requirement: scripts/env.sh installs it)
 from dist_harness import run_workers  # noqa: E402
-from megatron_cp import checkpointing  # noqa: E402
+from megatron_cp.checkpoint import files, load_save  # noqa: E402
 from megatron_cp.arguments import parse_args  # noqa: E402
 from megatron_cp.training import Trainer, build_parallel_state, pretrain  # noqa: E402
 import megatron_core_utils as mcu  # noqa: E402
@@ -38,7 +38,7 @@ def _our_logits(rank, world, root, tokens, extra=""):
     args = parse_args(f"{RUN} --load {root} --tensor-model-parallel-size {world} {extra}".split(),
                       world_size=world)
     trainer = Trainer(args, build_parallel_state(args, torch.device("cpu")))
-    it, consumed = checkpointing.load_checkpoint(trainer, root)
+    it, consumed = load_save.load_checkpoint(trainer, root)
     model = trainer.model_chunks[0].module if hasattr(trainer.model_chunks[0], "module") \
         else trainer.model_chunks[0]
     model.eval()
@@ -96,7 +96,7 @@ def _refused(rank, world, root, tokens):
     args.openai_gelu = False
     trainer = Trainer(args, build_parallel_state(args, torch.device("cpu")))
     try:
-        checkpointing.load_checkpoint(trainer, root)
+        load_save.load_checkpoint(trainer, root)
     except ValueError as error:
         return str(error)
     return "loaded"
@@ -121,7 +121,7 @@ def test_to_megatron_loads_strictly_in_megatron_core(megatron_checkpoint, kind, 
                   "--target-ckpt-format", "torch_dist"])
     ours, _, _ = run_workers(_our_logits, 1, str(ours_dir), tokens)[0]
     convert.main(["--load-dir", str(ours_dir), "--to-megatron", str(out_dir)])
-    folder = checkpointing.iteration_dir(str(out_dir), mcu.ITERATION)
+    folder = files.iteration_dir(str(out_dir), mcu.ITERATION)
     theirs, args, iteration = run_workers(mcu.load_strict, 1, kind, folder, tokens)[0]
     assert iteration == mcu.ITERATION and args["padded_vocab_size"] == mcu.PADDED
     torch.testing.assert_close(theirs[..., :mcu.VOCAB], ours, rtol=TOL, atol=TOL)

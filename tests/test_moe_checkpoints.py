@@ -21,9 +21,9 @@ import torch
 
 from dist_harness import run_workers
 from test_dist_checkpoint import _jobs, _load_and_resave
-from megatron_cp import checkpointing
+from megatron_cp.checkpoint import torch_shards
 from megatron_cp.arguments import parse_args
-from megatron_cp.dist_checkpoint.full import read_full
+from megatron_cp.checkpoint.torch_dist_format import read_full
 from megatron_cp.initialize import ParallelState, rank_layout
 from megatron_cp.training import config_from_args
 from tools import checkpoint_convert as convert
@@ -142,17 +142,17 @@ def test_every_shard_is_written_by_exactly_one_rank(tp, pp, ep, etp, world, cp):
     layout = rank_layout(world, tp, cp, pp, ep, etp)
     sizes = {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "etp": etp}
     states = [ParallelState(world, rank, torch.device("cpu"), sizes, layout) for rank in range(world)]
-    written = [checkpointing.own_shard_name(s, args) for s in states
-               if checkpointing.is_shard_writer(s, args)]
-    expected = checkpointing.shard_names(tp, pp, ep, etp)
+    written = [torch_shards.own_shard_name(s, args) for s in states
+               if torch_shards.is_shard_writer(s, args)]
+    expected = torch_shards.shard_names(tp, pp, ep, etp)
     assert sorted(written) == sorted(expected.values())
-    assert {checkpointing.own_shard_name(s, args) for s in states} == set(written)
+    assert {torch_shards.own_shard_name(s, args) for s in states} == set(written)
     if etp > 1 and etp != tp:
         assert all("_etp" in name for name in written)
     dense = dict(args, num_experts=0)  # a dense model: TP x PP files only
-    assert sorted(checkpointing.own_shard_name(s, dense) for s in states
-                  if checkpointing.is_shard_writer(s, dense)) == \
-        sorted(checkpointing.shard_names(tp, pp).values())
+    assert sorted(torch_shards.own_shard_name(s, dense) for s in states
+                  if torch_shards.is_shard_writer(s, dense)) == \
+        sorted(torch_shards.shard_names(tp, pp).values())
 
 
 def test_torch_dist_loads_under_other_expert_layouts(runs):

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from dist_harness import run_workers
 from megatron_cp.arguments import parse_args
 from megatron_cp.context_parallel import zigzag_indices, zigzag_split
-from megatron_cp.dist_checkpoint.full import read_full
+from megatron_cp.checkpoint.torch_dist_format import read_full
 from megatron_cp.initialize import initialize_model_parallel
 from megatron_cp.model import GPTModel
 from megatron_cp.optimizer import finalize_model_grads, get_param_groups

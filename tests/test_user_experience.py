@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dist_harness import WorkerError, run_workers
-from megatron_cp import checkpointing
+from megatron_cp.checkpoint import files
 from megatron_cp.arguments import parse_args
 from megatron_cp.initialize import initialize_model_parallel
 from megatron_cp.training import pretrain
@@ -195,7 +195,7 @@ def test_extending_train_iters_names_the_flags_then_continues(tmp_path):
                      str(info.value))
     more = run_workers(train_losses, 1, f"{TINY} --train-iters 6 --load {tmp_path} --save {tmp_path} "
                                         f"--override-opt_param-scheduler")[0]
-    assert len(more) == 2 and checkpointing.read_tracker(str(tmp_path)) == 6
+    assert len(more) == 2 and files.read_tracker(str(tmp_path)) == 6
 
 
 def test_load_of_a_finished_run_says_so(tmp_path):
@@ -229,13 +229,13 @@ def test_example_script_resumes_and_extends(tmp_path):
     status, out = _run(["bash", SCRIPT], cwd=tmp_path, ITERS="2", **env)
     assert status == 0, out
     assert "training from iteration 0 to 2" in out
-    assert checkpointing.read_tracker(str(folder)) == 2
+    assert files.read_tracker(str(folder)) == 2
     status, out = _run(["bash", SCRIPT, "--override-opt_param-scheduler"], cwd=tmp_path,
                        ITERS="3", **env)
     assert status == 0, out
     assert "loaded checkpoint from runs/gpt_cpu/tp2_cp1_pp1_dp1/checkpoints at iteration 2" in out
     assert "training from iteration 2 to 3" in out and "iteration        1/" not in out
-    assert checkpointing.read_tracker(str(folder)) == 3
+    assert files.read_tracker(str(folder)) == 3
     status, out = _run(["bash", SCRIPT], cwd=tmp_path, ITERS="3", **env)
     assert status == 0 and "already reached --train-iters 3" in out, out
 
@@ -251,4 +251,4 @@ def test_example_script_keeps_one_folder_per_layout(tmp_path):
     runs = tmp_path / "runs" / "gpt_cpu"
     assert sorted(os.listdir(runs)) == ["tp1_cp1_pp1_dp2", "tp2_cp1_pp1_dp1"]
     for layout in os.listdir(runs):
-        assert checkpointing.read_tracker(str(runs / layout / "checkpoints")) == 2
+        assert files.read_tracker(str(runs / layout / "checkpoints")) == 2

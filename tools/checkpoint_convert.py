@@ -42,15 +42,15 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_cp import checkpointing  # noqa: E402
-from megatron_cp.dist_checkpoint import full as dist_full  # noqa: E402
-from megatron_cp.dist_checkpoint.canonical import full_from_canonical  # noqa: E402
-from megatron_cp.dist_checkpoint.megatron_lm import is_megatron_lm  # noqa: E402
-from megatron_cp.dist_checkpoint.torch_dist import is_torch_dist  # noqa: E402
-from megatron_cp.dist_checkpoint.torch_full import (LAYER, VOCAB_ROWS,  # noqa: E402
-                                                    canonical_tensors, common_state, global_name,
-                                                    is_expert, param_order, read_torch_full,
-                                                    saved_group_key, tp_spec)
+from megatron_cp.checkpoint import files, torch_shards  # noqa: E402
+from megatron_cp.checkpoint.canonical import (LAYER, VOCAB_PARAMS, canonical_name,  # noqa: E402
+                                              canonical_tensors, full_from_canonical, is_expert,
+                                              tp_spec)
+from megatron_cp.checkpoint.megatron_lm_format import is_megatron_lm  # noqa: E402
+from megatron_cp.checkpoint.torch_dist_format import (is_torch_dist, read_full,  # noqa: E402
+                                                      write_full)
+from megatron_cp.checkpoint.torch_full import (common_state, param_order,  # noqa: E402
+                                               read_torch_full, saved_group_key)
 from megatron_cp.optimizer.inner import ADAM_KINDS, MUON_KINDS  # noqa: E402
 from megatron_cp.tensor_parallel import split_full  # noqa: E402
 
@@ -70,7 +70,7 @@ def module_order(args, vocab_size):
 
 
 def _load_torch_dist(folder):
-    tensors, common = dist_full.read_full(folder)
+    tensors, common = read_full(folder)
     args = common["args"]
     full, moments = {}, {}
     for key, tensor in tensors.items():
@@ -92,10 +92,10 @@ def load_full(load_dir):
     dict, meta dict). The vocabulary rows are the real ones (``true_vocab_size``), without
     the TP padding; ``meta["optimizer"]`` holds the full Adam moments (and fp32 main
     params) in the same form, when the checkpoint has them."""
-    it = checkpointing.read_tracker(load_dir)
+    it = files.read_tracker(load_dir)
     if it is None:
-        raise ValueError(f"{load_dir} has no {checkpointing.TRACKER}: not a megatron_cp checkpoint")
-    folder = checkpointing.iteration_dir(load_dir, it)
+        raise ValueError(f"{load_dir} has no {files.TRACKER}: not a megatron_cp checkpoint")
+    folder = files.iteration_dir(load_dir, it)
     if is_megatron_lm(folder):  # written by Megatron-LM itself
         from tools.megatron_lm_convert import import_megatron
         return import_megatron(folder)
@@ -108,7 +108,7 @@ def pad_vocab_rows(full, args, tp):
     rows = args.get("true_vocab_size") or full["embedding.word_embeddings.weight"].shape[0]
     padded = pad_vocab_size(rows, args.get("make_vocab_size_divisible_by", 128), tp)
     out = dict(full)
-    for name in VOCAB_ROWS:
+    for name in VOCAB_PARAMS:
         if name in out:
             weight = out[name][:rows]
             out[name] = torch.cat([weight, weight.new_zeros(padded - weight.shape[0],
@@ -132,7 +132,7 @@ def _optimizer_payload(states, layer_numbers, optimizer, meta, args, sizes, coor
     tied = not args["untie_embeddings_and_output_weights"]
 
     def shard(kind, c, name):
-        canon = global_name(name, layer_numbers[c])
+        canon = canonical_name(name, layer_numbers[c])
         if tied and canon == "output_layer.weight":
             canon = "embedding.word_embeddings.weight"
         return _split(name, optimizer[kind][canon], args["swiglu"], sizes, coords)
@@ -203,13 +203,13 @@ def save_layout(full, args, meta, save_dir, tp, pp, split=None, with_optimizer=F
     layout = layout_from_args(new_args)
     vp = layout.vp_size
     new_args["virtual_pipeline_model_parallel_size"] = vp if vp > 1 else None
-    root = checkpointing.iteration_dir(save_dir, meta["iteration"])
-    same_layout = optimizer is not None and checkpointing.rank_grid(new_args) == \
-        checkpointing.rank_grid(meta.get("layout") or {})
-    sizes = checkpointing.file_layout(new_args)
+    root = files.iteration_dir(save_dir, meta["iteration"])
+    same_layout = optimizer is not None and files.rank_grid(new_args) == \
+        files.rank_grid(meta.get("layout") or {})
+    sizes = torch_shards.file_layout(new_args)
     place = module_order(args, args["true_vocab_size"])
     full = dict(sorted(full.items(), key=lambda item: place.get(item[0], len(place))))
-    for coords, shard_name in checkpointing.shard_names(*sizes).items():
+    for coords, shard_name in torch_shards.shard_names(*sizes).items():
         pp_rank = coords[1]
         chunks = layout.chunk_layer_numbers(pp_rank)
         states = []
@@ -245,12 +245,11 @@ def save_layout(full, args, meta, save_dir, tp, pp, split=None, with_optimizer=F
             payload.update({f"model{i}": s for i, s in enumerate(states)})
         shard = os.path.join(root, shard_name)
         os.makedirs(shard, exist_ok=True)
-        checkpointing._atomic_torch_save(payload, os.path.join(shard, "model_optim_rng.pt"))
+        files.atomic_torch_save(payload, os.path.join(shard, torch_shards.SHARD_FILE))
     rng = os.path.join(meta.get("rng_from") or "", "rng")
     if same_layout and os.path.isdir(rng):
         shutil.copytree(rng, os.path.join(root, "rng"), dirs_exist_ok=True)
-    checkpointing._atomic_write_text(os.path.join(save_dir, checkpointing.TRACKER),
-                                     str(meta["iteration"]))
+    files.atomic_write_text(os.path.join(save_dir, files.TRACKER), str(meta["iteration"]))
 
 
 def save_torch_dist(full, args, meta, save_dir):
@@ -261,10 +260,9 @@ def save_torch_dist(full, args, meta, save_dir):
     tensors = canonical_tensors(full, args, meta.get("optimizer"))
     common = common_state(args, meta)
     optimizer = common["has_optimizer"]
-    dist_full.write_full(checkpointing.iteration_dir(save_dir, meta["iteration"]), tensors, common,
-                         rng_from=meta.get("rng_from") if optimizer else None)
-    checkpointing._atomic_write_text(os.path.join(save_dir, checkpointing.TRACKER),
-                                     str(meta["iteration"]))
+    write_full(files.iteration_dir(save_dir, meta["iteration"]), tensors, common,
+               rng_from=meta.get("rng_from") if optimizer else None)
+    files.atomic_write_text(os.path.join(save_dir, files.TRACKER), str(meta["iteration"]))
 
 
 def main(argv=None):
@@ -312,7 +310,7 @@ def main(argv=None):
     source_dist = False
     if a.load_dir:
         full, args, meta = load_full(a.load_dir)
-        source_dist = is_torch_dist(checkpointing.iteration_dir(a.load_dir, meta["iteration"]))
+        source_dist = is_torch_dist(files.iteration_dir(a.load_dir, meta["iteration"]))
     else:
         from tools.hf_convert import import_hf
         full, args, meta = import_hf(a.from_hf, accept_tanh_gelu=a.hf_accept_tanh_gelu)

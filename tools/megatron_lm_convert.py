@@ -10,8 +10,8 @@ needed), and an export writes the model only (Megatron-LM resumes it with
 """
 import os
 
-from megatron_cp import checkpointing
-from megatron_cp.dist_checkpoint import megatron_lm
+from megatron_cp.checkpoint import files
+from megatron_cp.checkpoint import megatron_lm_format as megatron_lm
 from megatron_cp.megatron_flags import megatron_census
 
 
@@ -63,5 +63,5 @@ def export_megatron(full, args, meta, save_dir):
         common["opt_param_scheduler"] = megatron_lm.scheduler_to_megatron(
             meta["opt_param_scheduler"], args.get("global_batch_size") or 1,
             args.get("lr_counts_samples", False))
-    megatron_lm.write(checkpointing.iteration_dir(save_dir, it), full, args, common)
-    checkpointing._atomic_write_text(os.path.join(save_dir, checkpointing.TRACKER), str(it))
+    megatron_lm.write(files.iteration_dir(save_dir, it), full, args, common)
+    files.atomic_write_text(os.path.join(save_dir, files.TRACKER), str(it))

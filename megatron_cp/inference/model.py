@@ -3,13 +3,14 @@
 :class:`InferenceModel` builds the model chunks this rank holds in the parallel layout of the
 arguments (TP shards, the pipeline stage and its virtual stages) exactly as training builds
 them, in eval mode and without gradients, then loads their weights from ``--load`` with
-:func:`megatron_cp.checkpointing.load_checkpoint`: a torch or torch_dist checkpoint saved
+:func:`megatron_cp.checkpoint.load_save.load_checkpoint`: a torch or torch_dist checkpoint saved
 under any layout. Only the weights are read: no optimizer, schedule
 or RNG state, and no DDP wrapper or optimizer is built.
 """
 import torch
 
-from megatron_cp import checkpointing
+from megatron_cp.checkpoint import files as checkpoint_files
+from megatron_cp.checkpoint import load_save
 from megatron_cp.data import build_tokenizer
 from megatron_cp.model import GPTModel
 from megatron_cp.pipeline_parallel import build_model_chunks, layout_from_args
@@ -32,8 +33,8 @@ def check_checkpoint(args):
     if not args.load:
         raise ValueError("give --load DIR, the checkpoint to evaluate or generate from "
                          "(with --use-checkpoint-args for its model and tokenizer flags)")
-    if checkpointing.load_iteration(args.load, getattr(args, "ckpt_step", None)) is None:
-        raise ValueError(f"--load {args.load}: no checkpoint there (no {checkpointing.TRACKER}); "
+    if checkpoint_files.load_iteration(args.load, getattr(args, "ckpt_step", None)) is None:
+        raise ValueError(f"--load {args.load}: no checkpoint there (no {checkpoint_files.TRACKER}); "
                          f"give the --save folder of a training run")
     if args.tokenizer_type is None and args.vocab_size is None:
         raise ValueError("no tokenizer: add --use-checkpoint-args (the checkpoint names it) or "
@@ -43,11 +44,11 @@ def check_checkpoint(args):
 def _saved_vocab_size(root, step=None):
     """The real vocabulary size the latest checkpoint under ``root`` (``--ckpt-step``'s when
     given) was trained with (None if it does not say); its tensors are mapped, not read."""
-    path = checkpointing.latest_first_shard(root, step)
+    path = load_save.args_file(root, step)
     try:
         payload = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     except Exception:  # noqa: BLE001 - a damaged file: the checked read names it
-        payload = {"args": checkpointing.saved_args(root, step)}
+        payload = {"args": load_save.saved_args(root, step)}
     return payload["args"].get("true_vocab_size")
 
 
@@ -56,7 +57,7 @@ class InferenceModel:
 
     Attributes: ``args``, ``state``, ``device``, ``tokenizer``, ``config`` (the GPTConfig),
     ``model_chunks`` (one per virtual stage of this pipeline rank), ``iteration`` (of the
-    checkpoint). Also what :func:`~megatron_cp.checkpointing.load_checkpoint` reads from a
+    checkpoint). Also what :func:`~megatron_cp.checkpoint.load_save.load_checkpoint` reads from a
     trainer.
     """
 
@@ -84,8 +85,8 @@ class InferenceModel:
         # weights only: the optimizer, schedule and RNG of the run stay in the checkpoint
         args.finetune, args.no_load_optim, args.no_load_rng = True, True, True
         print_rank_0(f"> loading weights from {args.load} ...")
-        checkpointing.load_checkpoint(self, args.load)
-        self.iteration = checkpointing.load_iteration(args.load, getattr(args, "ckpt_step", None))
+        load_save.load_checkpoint(self, args.load)
+        self.iteration = checkpoint_files.load_iteration(args.load, getattr(args, "ckpt_step", None))
         print_rank_0(f" loaded the weights of iteration {self.iteration} "
                      f"(TP={state.size('tp')}, CP={state.size('cp')}, PP={state.size('pp')}, "
                      f"DP={state.size('dp')})")

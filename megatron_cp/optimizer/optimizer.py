@@ -21,7 +21,7 @@ AdamW (:mod:`megatron_cp.optimizer.inner`).
 
 :meth:`MixedPrecisionOptimizer.param_shards` describes the optimizer state per model param
 as flat ranges (the whole param here, a shard with the distributed optimizer), which is
-what the layout-free checkpoint (``megatron_cp/dist_checkpoint``) saves and loads.
+what the layout-free checkpoint (``megatron_cp/checkpoint``) saves and loads.
 """
 import math
 from dataclasses import dataclass

@@ -1,4 +1,5 @@
-"""Where this rank's piece of a parameter sits in the canonical (unsharded) tensor.
+"""The canonical form of a model's tensors, the one every format of ours reads and writes,
+and where this rank's piece of a parameter sits in it.
 
 A layout-free checkpoint stores every tensor under its canonical name (global layer
 numbers: ``decoder.layers.<global layer>.<...>``) and its global shape, and each rank
@@ -20,6 +21,9 @@ describes its piece as boxes (offsets, sizes) of that global tensor:
 * the distributed optimizer's shard of a param is a flat range ``[start, stop)`` of the
   local param; :func:`flat_range_boxes` cuts it into at most ``2 * ndim - 1`` boxes, each a
   contiguous run of the flat range, so every box is a view of the 1-D shard.
+
+:func:`tp_spec` says how each parameter name splits over TP / ETP (mirroring the layers' own
+split at init), which turns full (TP=1) weights into canonical tensors and back.
 """
 import dataclasses
 import math
@@ -27,7 +31,7 @@ import re
 from dataclasses import dataclass
 
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
-VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")  # [padded vocab, h]
 
 
 def canonical_name(local_name, layer_numbers):
@@ -145,3 +149,48 @@ def canonical_from_full(tensor, tp_split):
     dim, stride = tp_split
     n = tensor.shape[dim]
     return tensor.reshape(tensor.shape[:dim] + (stride, n // stride) + tensor.shape[dim + 1:])
+
+
+def is_expert(name):
+    """True for a routed expert's param (``mlp.experts.``; not the shared experts):
+    ``[E, ...]``, split over EP along dim 0 and over ETP by :func:`tp_spec`."""
+    return ".mlp.experts." in name or name.startswith("mlp.experts.")
+
+
+def is_buffer(name):
+    """True for a state-dict entry that is a buffer, not a param (no optimizer state)."""
+    return name.endswith("router.expert_bias")
+
+
+def tp_spec(name, swiglu):
+    """(partition_dim, stride) of a TP-sharded parameter name, or None when replicated.
+
+    Mirrors the layers: column-parallel weights split dim 0 (SwiGLU's fc1 stacks gate and up,
+    stride 2), row-parallel weights dim 1, the vocab-parallel embedding and output dim 0.
+    Expert params (``[E, ...]``) are split over ETP the same way one dim further in.
+    """
+    if is_expert(name):
+        if name.endswith(("linear_fc1.weight", "linear_fc1.bias")):
+            return 1, 2 if swiglu else 1
+        return (2, 1) if name.endswith("linear_fc2.weight") else None
+    if name.endswith(("word_embeddings.weight", "output_layer.weight")):
+        return 0, 1
+    if name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
+        return 0, 1
+    if name.endswith(("linear_fc1.weight", "linear_fc1.bias")):
+        return 0, 2 if swiglu else 1
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return 1, 1
+    return None
+
+
+def canonical_tensors(full, args, optimizer=None):
+    """``{key: canonical tensor}`` of a model held as full weights: ``model.<name>`` from
+    ``full`` and ``optimizer.<kind>.<name>`` from ``optimizer`` ({kind: {name: full
+    tensor}}); a strided split gets its ``[stride, n/stride]`` dims back."""
+    tensors = {f"model.{name}": canonical_from_full(t, tp_spec(name, args["swiglu"]))
+               for name, t in full.items()}
+    for kind, per in (optimizer or {}).items():
+        for name, t in per.items():
+            tensors[f"optimizer.{kind}.{name}"] = canonical_from_full(t, tp_spec(name, args["swiglu"]))
+    return tensors

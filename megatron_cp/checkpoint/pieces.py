@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, TensorWrit
                                                   WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from megatron_cp.dist_checkpoint.canonical import CanonicalSpec
+from megatron_cp.checkpoint.canonical import CanonicalSpec
 
 
 class Pieces:

@@ -10,7 +10,7 @@ What Megatron-LM (megatron-core's ``dist_checkpointing``) writes per iteration f
                                    checkpoint_version 3.0, iteration, optimizer param groups
                                    and step, opt_param_scheduler (counted in samples)
 
-Its tensors differ from ours (:mod:`megatron_cp.dist_checkpoint.canonical`) in four ways:
+Its tensors differ from ours (:mod:`megatron_cp.checkpoint.canonical`) in four ways:
 
 - every transformer-layer tensor is stacked over the layers, ``[num_layers, ...]`` under
   ``decoder.layers.<name>`` (no layer number in the key);
@@ -24,7 +24,8 @@ Its tensors differ from ours (:mod:`megatron_cp.dist_checkpoint.canonical`) in f
 
 The full weights here are plain (unsharded, TP=1) tensors under our names with global layer
 numbers (``decoder.layers.3.mlp.linear_fc1.weight``), the form tools/checkpoint_convert.py
-works in. This module knows nothing of our own formats.
+works in. This module knows nothing of our own formats; a trainer's load from it is
+:mod:`megatron_cp.checkpoint.megatron_lm_load`.
 """
 import argparse
 import enum

@@ -1,8 +1,8 @@
 """A trainer resumes from a checkpoint Megatron-LM wrote, in any layout.
 
-Each rank reads the whole model once (:func:`megatron_lm.read`: Megatron's stacked tensors
-as our full weights) and copies into its params the boxes it holds, the same boxes a
-torch_dist load of ours reads (:func:`torch_dist.sharded_state`), so every TP / PP / EP /
+Each rank reads the whole model once (:func:`megatron_lm_format.read`: Megatron's stacked
+tensors as our full weights) and copies into its params the boxes it holds, the same boxes a
+load of ours fills (:func:`megatron_cp.checkpoint.state.sharded_state`), so every TP / PP / EP /
 DP layout and the distributed optimizer load it alike. What carries over: the weights,
 the iteration, the consumed samples, the learning-rate schedule (its sample counts turned
 into our iterations) and, when Megatron saved them in a form read here, the Adam moments
@@ -11,9 +11,9 @@ vocabulary rows, an optimizer state it did not save).
 """
 import torch
 
-from megatron_cp import checkpointing as ckpt
-from megatron_cp.dist_checkpoint import megatron_lm
-from megatron_cp.dist_checkpoint.torch_dist import sharded_state
+from megatron_cp.checkpoint import files
+from megatron_cp.checkpoint import megatron_lm_format as megatron_lm
+from megatron_cp.checkpoint import state as training_state
 from megatron_cp.optimizer.inner import set_adam_step
 
 
@@ -31,15 +31,12 @@ def _copy_into(pieces_by_key, full_by_key, folder):
         if key not in full_by_key:
             raise ValueError(f"the Megatron-LM checkpoint {folder} has no tensor for our {key} "
                              f"(compare the model arguments, or --use-checkpoint-args)")
-        canon = _canonical(full_by_key[key], pieces.global_shape)
-        for offsets, tensor in pieces.boxes:
-            box = tuple(slice(o, o + n) for o, n in zip(offsets, tensor.shape))
-            tensor.copy_(canon[box])
+        pieces.fill_from(_canonical(full_by_key[key], pieces.global_shape))
 
 
 def check_args(saved, args, folder):
     """The model of ``args`` must be the checkpoint's (its arguments ``saved``, ours)."""
-    ckpt.check_args_match(saved, args)
+    files.check_args_match(saved, args)
     if bool(saved.get("openai_gelu")) != bool(getattr(args, "openai_gelu", False)):
         implied = "tanh (its bias-GELU fusion is on)" if saved.get("openai_gelu") else "exact"
         raise ValueError(f"the Megatron-LM checkpoint {folder} computes GELU {implied}; "
@@ -51,7 +48,7 @@ def load(trainer, root, it):
     """Load Megatron-LM's checkpoint of iteration ``it`` under ``root`` into ``trainer``;
     returns (iteration, consumed samples)."""
     st, args = trainer.state, trainer.args
-    folder = ckpt.iteration_dir(root, it)
+    folder = files.iteration_dir(root, it)
     vocab = trainer.config.vocab_size
     full, moments, saved, common = megatron_lm.read(folder, vocab_rows=vocab)
     check_args(saved, args, folder)
@@ -59,7 +56,7 @@ def load(trainer, root, it):
     step = megatron_lm.adam_step(common)
     with_optimizer = (bool(moments) and step is not None and not args.finetune
                       and not args.no_load_optim and args.optimizer == "adam")
-    state = sharded_state(trainer, with_optimizer, for_load=True)
+    state = training_state.sharded_state(trainer, with_optimizer, for_load=True)
     tensors = {f"model.{name}": t for name, t in full.items()}
     if with_optimizer:
         moments.setdefault("main_param", full)  # fp32 training: the weights are the main params
@@ -84,7 +81,7 @@ def load(trainer, root, it):
         trainer.scheduler.load_state_dict(megatron_lm.scheduler_state(
             common, saved["global_batch_size"], args.lr_counts_samples))
     elif not args.finetune:
-        ckpt.resume_schedule_only(trainer, root, it, iteration, consumed)
+        training_state.resume_schedule_only(trainer, root, it, iteration, consumed)
     if st.global_rank == 0:
         print(f" loaded Megatron-LM checkpoint {root} at iteration {iteration} (weights, "
               f"iteration, consumed samples {consumed}, learning-rate schedule"

@@ -1,0 +1,25 @@
+"""Checkpoints: what a training state is, and how each on-disk format holds it.
+
+Read top-down:
+
+- ``load_save``: the entry. ``save_checkpoint`` picks the format; ``load_checkpoint`` picks
+  the format and the layout of what ``--load`` holds (the one place to read how);
+  ``saved_args`` serves ``--use-checkpoint-args``. It imports the formats; none imports it.
+- ``state``: what a training state is -- model, optimizer, scheduler, RNG, progress, args --
+  collected from a trainer and restored into one, in the canonical form every layout reads.
+- ``files``: the on-disk basics every format shares -- tracker, iteration folders, atomic
+  writes and the commit, reading a file with one-line damage errors, the model-shape and
+  rank-grid rules. ``faults``: a failed save in one line, a damaged file named.
+- one module per format, none knowing another:
+  ``torch_format`` (ours, a file per model-parallel rank; names: ``torch_shards``, read
+  whole to reshard: ``torch_full``), ``torch_dist_format`` (ours, layout-free, on
+  torch.distributed.checkpoint; ``integrity``: ``--verify-integrity``'s hashes) and
+  ``megatron_lm_format`` (Megatron-LM's names and files; a trainer's load from them:
+  ``megatron_lm_load``).
+- below them: ``canonical`` (canonical names and shapes, where a rank's piece lies) and
+  ``pieces`` (a rank's boxes of one global tensor, and DCP's planners over them).
+- ``use_checkpoint_args``: the ``--use-checkpoint-args`` rule (the model from the checkpoint,
+  never its layout), applied by :func:`megatron_cp.arguments.parse_args`.
+
+This file imports nothing, so any of them can be imported alone.
+"""

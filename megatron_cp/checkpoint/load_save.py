@@ -1,0 +1,108 @@
+"""How a save picks its format, and how a load picks the format and the layout: the one place.
+
+A save writes ``--ckpt-format``: ``torch_dist`` (the default, as in Megatron-LM; with
+``--async-save`` in the background) or ``torch``.
+
+A load reads whatever ``--load`` holds, whatever ``--ckpt-format`` says, into the layout this
+run was started in:
+
+1. the iteration: ``--ckpt-step``, else the tracker's (none: start from scratch);
+2. the format, told by the iteration folder: Megatron-LM's own (its ``metadata.json``),
+   ours ``torch_dist`` (a DCP ``.metadata``), else ours ``torch`` (``mp_rank_*`` files);
+3. the layout: ``torch_dist`` and Megatron-LM's load into any layout (each rank reads its
+   boxes of the canonical tensors); a ``torch`` checkpoint saved in this run's layout is read
+   file by file, each rank its own (a bit-exact resume), and one of another layout is read
+   whole by every rank, which takes its own pieces (resharded on load).
+
+The formats live in their own modules and know nothing of each other or of this one.
+"""
+import os
+
+from megatron_cp.checkpoint import files, megatron_lm_format, megatron_lm_load
+from megatron_cp.checkpoint import torch_dist_format, torch_format
+from megatron_cp.checkpoint.state import wait_for_async_save  # noqa: F401 - the save's other half
+from megatron_cp.checkpoint.torch_shards import first_file
+
+
+def save_checkpoint(trainer, root):
+    """Save model, optimizer, scheduler, RNG, consumed samples and arguments atomically,
+    in ``--ckpt-format`` (with ``--async-save``, torch_dist, in the background: finish it
+    with :func:`wait_for_async_save`)."""
+    args = trainer.args
+    if getattr(args, "ckpt_format", "torch_dist") == "torch_dist":
+        return torch_dist_format.save(trainer, root, async_save=getattr(args, "async_save", False))
+    return torch_format.save(trainer, root)
+
+
+def load_checkpoint(trainer, root):
+    """Load the latest checkpoint under ``root`` (``--ckpt-step``'s when given) into
+    ``trainer``, whatever its format and parallel layout (the module docstring); returns
+    (iteration, consumed samples)."""
+    st, args = trainer.state, trainer.args
+    it = files.load_iteration(root, getattr(args, "ckpt_step", None))
+    if it is None:
+        if getattr(args, "exit_on_missing_checkpoint", False):
+            raise ValueError(f"--exit-on-missing-checkpoint: no checkpoint under --load {root} "
+                             f"(no {files.TRACKER}); check the path, or drop the flag to start "
+                             f"fresh")
+        if st.global_rank == 0:
+            print(f" no checkpoint under {root} (no {files.TRACKER}); starting from scratch",
+                  flush=True)
+        return 0, 0
+    folder = files.iteration_dir(root, it)
+    if megatron_lm_format.is_megatron_lm(folder):  # written by Megatron-LM itself
+        return megatron_lm_load.load(trainer, root, it)
+    if torch_dist_format.is_torch_dist(folder):
+        return torch_dist_format.load(trainer, root, it)
+    return _load_torch(trainer, root, it)
+
+
+def _load_torch(trainer, root, it):
+    """A ``torch`` checkpoint: each rank its own file when the saved layout spread the model
+    over the files as this run does, else every rank reads it whole and reshards."""
+    st, args = trainer.state, trainer.args
+    if getattr(args, "verify_integrity", False) and st.global_rank == 0:
+        print(f" --verify-integrity: the checkpoint under {root} is --ckpt-format torch, which "
+              f"has no integrity manifest (Megatron-LM hashes torch_dist checkpoints only); "
+              f"loading it unverified", flush=True)
+    payload = torch_format.read_own_file(trainer, root, it)  # or a namesake of another layout
+    saved = payload["args"] if payload is not None else torch_format.saved_args(root, it)
+    files.check_args_match(saved, args)
+    same_layout = files.same_model_layout(saved, args)
+    if payload is None and same_layout:
+        raise ValueError(f"checkpoint file {torch_format.own_file(trainer, root, it)} is missing "
+                         f"(the same layout saved it: the copy is incomplete); "
+                         f"{files.earlier(root, it)}")
+    if payload is None or not same_layout:
+        if st.global_rank == 0:
+            print(f" the torch checkpoint under {root} was saved under another parallel layout: "
+                  f"every rank reads it whole and takes its own shards", flush=True)
+        return torch_format.load_resharded(trainer, root, it)
+    return torch_format.load_own_file(trainer, root, it, payload)
+
+
+def args_file(root, step=None):
+    """Path of the file that holds the arguments of the latest checkpoint under ``root``
+    (of iteration ``step`` when given: ``--ckpt-step``): a torch_dist checkpoint's (ours or
+    Megatron-LM's) ``common.pt``, a torch one's (TP 0, PP 0) file; None if there is none."""
+    it = files.load_iteration(root, step)
+    if it is None:
+        return None
+    folder = files.iteration_dir(root, it)
+    if torch_dist_format.is_torch_dist(folder):
+        return os.path.join(folder, torch_dist_format.COMMON)
+    return first_file(folder)
+
+
+def saved_args(root, step=None):
+    """The arguments the latest checkpoint under ``root`` (iteration ``step`` when given) was
+    saved with (a dict; for one Megatron-LM wrote, its Namespace in our names)."""
+    it = files.load_iteration(root, step)
+    if it is not None and megatron_lm_format.is_megatron_lm(files.iteration_dir(root, it)):
+        return megatron_lm_format.our_args(
+            megatron_lm_format.read_common(files.iteration_dir(root, it))["args"])
+    path = args_file(root, step)
+    if path is None:
+        raise ValueError(f"no checkpoint under {root} (no {files.TRACKER}); train one first, or "
+                         f"drop --use-checkpoint-args and give the model flags")
+    return files.load_file(path, root, it, keys=("args",))["args"]

@@ -1,0 +1,264 @@
+"""What a training state is, collected from a trainer and restored into one, in no file format.
+
+A checkpoint holds a trainer's
+
+- model: each param under its canonical name and global shape, this rank holding boxes of it
+  (:func:`sharded_state`, :mod:`megatron_cp.checkpoint.canonical`), so any layout reads the
+  same full tensors back; the persistent buffers (an MoE router's ``expert_bias``) alike;
+- optimizer: the Adam moments (Muon's momentum) and fp32 main params in the same canonical
+  form as their weights (``optimizer.<kind>.<name>``), and the scalars of :func:`common`
+  (the step count, the param groups' hyper-parameters, the loss scale);
+- scheduler: the learning-rate schedule's state;
+- RNG: every rank's generators (:func:`rng_state`), restored only on the same rank grid;
+- progress: the iteration and the consumed samples;
+- args: the arguments it was saved with (:func:`saved_arguments`), whose model shape a load
+  must match (:func:`megatron_cp.checkpoint.files.check_args_match`).
+
+:func:`restore` puts a state back from the canonical record (``common``) and a ``read``
+that fills this rank's boxes, whichever format and layout the tensors come from.
+"""
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_cp import device as device_mod
+from megatron_cp.checkpoint import files
+from megatron_cp.checkpoint.canonical import canonical_name, expert_param_spec, param_spec
+from megatron_cp.checkpoint.pieces import Pieces
+from megatron_cp.optimizer.inner import adam_step, set_adam_step
+
+RNG_KEYS = ("python", "numpy", "torch", "device", "tracker")
+GROUP_SETTINGS = ("lr", "weight_decay", "betas", "eps", "momentum", "wd_mult", "lr_mult")
+# what tells one param group from another (get_param_groups' key)
+GROUP_KEY = ("optimizer", "wd_mult", "is_decoupled_lr")
+
+
+def model_chunks(trainer):
+    """The trainer's model chunks (one per virtual stage), without their DDP wrappers."""
+    return [c.module if hasattr(c, "module") else c for c in trainer.model_chunks]
+
+
+def _plain(value):
+    return isinstance(value, (int, float, str, bool, type(None), list, tuple))
+
+
+def saved_arguments(args):
+    """The arguments a checkpoint records: the plain values of ``args``, the dtype by name."""
+    saved = {k: v for k, v in vars(args).items() if _plain(v)}
+    saved["params_dtype"] = str(args.params_dtype)
+    return saved
+
+
+def wait_for_async_save(trainer):
+    """Block until the background save in flight (``--async-save``), if any, has written
+    and committed; it re-raises the save's error."""
+    pending, trainer.pending_save = getattr(trainer, "pending_save", None), None
+    if pending is not None:
+        pending.wait()
+
+
+# --- RNG ---------------------------------------------------------------------------------
+
+def rng_state(trainer):
+    """This rank's RNG states and, while a rerun is pending (the rerun state machine's exit
+    16), the machine's verdict so far: a rerun elsewhere needs both (the same dropout)."""
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(),
+           "torch": torch.get_rng_state(), "device": device_mod.rng_state(trainer.device),
+           "tracker": trainer.model_chunks[0].module.rng_tracker.get_states()}
+    pending = trainer.rerun.state_dict() if hasattr(trainer, "rerun") else None
+    if pending is not None:
+        rng["rerun"] = pending
+    return rng
+
+
+def restore_rng(trainer, rng):
+    """Set this rank's RNG states from :func:`rng_state`'s dict, and resume the pending
+    rerun it holds, if any."""
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    device_mod.set_rng_state(rng["device"], trainer.device)
+    first = trainer.model_chunks[0]
+    getattr(first, "module", first).rng_tracker.set_states(rng["tracker"])
+    if "rerun" in rng and hasattr(trainer, "rerun"):
+        trainer.rerun.load_state_dict(rng["rerun"])
+
+
+def rng_file(root, it, global_rank):
+    """Where our formats keep one rank's RNG states of iteration ``it`` under ``root``."""
+    return os.path.join(files.iteration_dir(root, it), "rng", f"rank_{global_rank:05d}.pt")
+
+
+def load_rng(trainer, root, it, saved_layout):
+    """Restore this rank's RNG states from iteration ``it`` under ``root`` when the
+    checkpoint was saved on the same rank grid (``saved_layout``: its
+    :func:`~megatron_cp.checkpoint.files.rank_grid`) and has them; otherwise say in one line
+    that the RNG streams start afresh: they are per global rank and cannot follow the ranks
+    into another layout."""
+    st = trainer.state
+    path = rng_file(root, it, st.global_rank)
+    if saved_layout is None or files.rank_grid(saved_layout) != files.rank_grid(trainer.args) \
+            or not os.path.exists(path):
+        if st.global_rank == 0:
+            print(" the checkpoint was saved under another parallel layout (or without RNG "
+                  "states): data order and optimizer resume exactly, the RNG streams (dropout) "
+                  "start afresh", flush=True)
+        return
+    restore_rng(trainer, files.load_file(path, root, it, keys=RNG_KEYS))
+
+
+# --- schedule and optimizer --------------------------------------------------------------
+
+def resume_schedule_only(trainer, root, it, iteration, consumed_samples):
+    """After loading weights only (a converted checkpoint, or one saved with
+    ``--no-save-optim``): the optimizer and RNG start fresh, but the learning-rate schedule
+    goes on at the saved iteration (one step per iteration, or per sample under a batch-size
+    schedule), as the iteration count does, instead of warming up again. Returns (iteration,
+    consumed samples)."""
+    trainer.scheduler.num_steps = 0
+    trainer.scheduler.step(consumed_samples if trainer.args.lr_counts_samples else iteration)
+    if trainer.state.global_rank == 0:
+        print(f" loaded weights only from {root} at iteration {it}: optimizer and RNG "
+              f"start fresh, the learning-rate schedule resumes at iteration {iteration}",
+              flush=True)
+    return iteration, consumed_samples
+
+
+def check_optimizer_matches(saved, args):
+    """Refuse to load optimizer state that another ``--optimizer`` saved (Adam's moments are
+    not Muon's momentum)."""
+    saved_optimizer = saved.get("optimizer", "adam")
+    if saved_optimizer != args.optimizer:
+        raise ValueError(f"the checkpoint holds the optimizer state of --optimizer "
+                         f"{saved_optimizer}, but this run uses --optimizer {args.optimizer}; "
+                         f"resume with --optimizer {saved_optimizer}, or pass --no-load-optim "
+                         f"to start the optimizer afresh")
+
+
+def _group_key(group):
+    return tuple(group.get(k, default) for k, default in zip(GROUP_KEY, ("adam", 1.0, False)))
+
+
+def _restore_optimizer(opt, common):
+    set_adam_step(opt.optimizer, common["adam_step"])
+    saved_groups = {_group_key(saved): saved for saved in common["param_groups"]}
+    for group in opt.optimizer.param_groups:  # by key: a stage may lack a group rank 0 has
+        saved = saved_groups.get(_group_key(group), {})
+        # the hyper-parameters only: kernel switches (fused, foreach) follow this run's device
+        group.update({k: v for k, v in saved.items() if k in GROUP_SETTINGS})
+    if opt.grad_scaler is not None and common.get("grad_scaler") is not None:
+        opt.grad_scaler.load_state_dict(common["grad_scaler"])
+    opt.num_skipped_iters = int(common.get("num_skipped_iters", 0))
+
+
+# --- the canonical state: tensors as boxes, the rest as one record -----------------------
+
+def _param_specs(trainer):
+    """{id(param): (CanonicalSpec, is the last stage's tied copy)} for this rank's params."""
+    st = trainer.state
+    out = {}
+    for chunk in model_chunks(trainer):
+        layers = list(chunk.decoder.layer_numbers)
+        for name, param in chunk.named_parameters():
+            tied_copy = name == "output_layer.weight" and getattr(param, "shared_embedding", False)
+            canon = "embedding.word_embeddings.weight" if tied_copy else canonical_name(name, layers)
+            if getattr(param, "is_expert", False):
+                spec = expert_param_spec(canon, param, st.size("ep"), st.rank("ep"),
+                                         st.size("etp"), st.rank("etp"))
+            else:
+                spec = param_spec(canon, param, st.size("tp"), st.rank("tp"),
+                                  trainer.config.vocab_size)
+            out[id(param)] = (spec, tied_copy)
+    return out
+
+
+def _persistent_buffers(chunk):
+    """``(canonical name, buffer)`` of the buffers a chunk's state dict holds (an MoE
+    router's ``expert_bias``): replicated state, saved whole like a norm weight."""
+    layers = list(chunk.decoder.layer_numbers)
+    saved = chunk.state_dict(keep_vars=True)
+    for name, buffer in chunk.named_buffers():
+        if name in saved:
+            yield canonical_name(name, layers), buffer
+
+
+def sharded_state(trainer, with_optimizer, for_load=False):
+    """``{key: Pieces}`` of this rank: live views of the model params and, with
+    ``with_optimizer``, of the optimizer shards. ``for_load`` includes the tied copy (it
+    reads the embedding's key); a save leaves it out."""
+    specs = _param_specs(trainer)
+    state = {}
+
+    def put(key, spec, flat, start, stop):
+        if key in state:
+            raise AssertionError(f"two pieces of {key} on one rank")
+        state[key] = Pieces.of_flat(spec, flat, start, stop)
+
+    for chunk in model_chunks(trainer):
+        for param in chunk.parameters():
+            spec, tied_copy = specs[id(param)]
+            if for_load or not tied_copy:
+                put(f"model.{spec.name}", spec, param.detach().view(-1), 0, param.numel())
+        for canon, buffer in _persistent_buffers(chunk):
+            put(f"model.{canon}", param_spec(canon, buffer, 1, 0), buffer.view(-1), 0,
+                buffer.numel())
+    if with_optimizer:
+        for shard in trainer.optimizer.param_shards():
+            spec, tied_copy = specs[id(shard.model_param)]
+            if tied_copy and not for_load:
+                continue
+            for kind, flat in {**shard.state, "main_param": shard.main}.items():
+                if flat is not None:
+                    put(f"optimizer.{kind}.{spec.name}", spec, flat, shard.start, shard.stop)
+    return state
+
+
+def common(trainer, with_optimizer):
+    """The record of everything but the tensors: progress, args, the rank grid, schedule
+    and the optimizer's scalars. A collective (the Adam step count is agreed by every rank)."""
+    opt = trainer.optimizer
+    step = torch.tensor([adam_step(opt.optimizer)], dtype=torch.float64)
+    dist.all_reduce(step, op=dist.ReduceOp.MAX)  # a distributed-optimizer rank may own nothing
+    record = {"iteration": trainer.iteration, "consumed_samples": trainer.consumed_samples,
+              "args": saved_arguments(trainer.args), "checkpoint_version": 3.0,
+              "layout": files.rank_grid(trainer.args), "has_optimizer": with_optimizer,
+              "opt_param_scheduler": trainer.scheduler.state_dict()}
+    if with_optimizer:
+        record.update(adam_step=step.item(), num_skipped_iters=opt.num_skipped_iters,
+                      grad_scaler=None if opt.grad_scaler is None else opt.grad_scaler.state_dict(),
+                      param_groups=[{k: v for k, v in g.items() if k != "params"}
+                                    for g in opt.optimizer.param_groups])
+    return record
+
+
+def restore(trainer, root, it, record, read):
+    """Restore ``trainer`` from a checkpoint held as canonical tensors: ``record`` is its
+    :func:`common` record, ``read(state)`` fills this rank's :func:`sharded_state`
+    (``{key: Pieces}``) from its tensors, whichever layout saved them. Returns (iteration,
+    consumed samples)."""
+    st, args = trainer.state, trainer.args
+    files.check_args_match(record["args"], args)
+    wait_for_async_save(trainer)
+    trainer.optimizer.finish_param_sync()
+    with_optimizer = record["has_optimizer"] and not args.finetune and not args.no_load_optim
+    if with_optimizer:
+        check_optimizer_matches(record["args"], args)
+    read(sharded_state(trainer, with_optimizer, for_load=True))
+    if not with_optimizer:
+        trainer.optimizer.reload_model_params()
+    if args.finetune:
+        return 0, 0
+    if not record["has_optimizer"]:
+        return resume_schedule_only(trainer, root, it, record["iteration"],
+                                    record["consumed_samples"])
+    if with_optimizer:
+        trainer.scheduler.load_state_dict(record["opt_param_scheduler"])
+        _restore_optimizer(trainer.optimizer, record)
+    if not args.no_load_rng:
+        load_rng(trainer, root, it, record.get("layout"))
+    if st.global_rank == 0:
+        print(f" loaded checkpoint from {root} at iteration {it}", flush=True)
+    return record["iteration"], record["consumed_samples"]
