@@ -7,9 +7,10 @@ tracker). :class:`SaveAttempt` runs each phase on every rank and then makes the 
 on its outcome (one collective), so no rank waits alone at the next barrier and none goes on
 training after another failed. A failure removes the partial files (the ``.tmp`` folder, a
 half-written tracker) and every rank raises the same :class:`SaveFailedError`, which global
-rank 0 prints as ``error: ...`` (megatron_cp.faults.report): the file, what the system said, and that the
-tracker still names the previous checkpoint. A lost rank breaks the agreement itself: the
-partial files go as well and the lost-contact error of ``training.pretrain`` is the line.
+rank 0 prints as ``error: ...`` (megatron_cp.faults.report): the file, what the system said,
+and that the tracker still names the previous checkpoint. A lost rank breaks the agreement
+itself: the partial files go as well and the lost-contact error of ``training.pretrain`` is
+the line.
 
 A failure that is not the file system's (no ``OSError`` in it: a bug) keeps its traceback on
 the rank that met it; the ranks still agree, so none hangs.

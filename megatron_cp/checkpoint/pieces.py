@@ -65,7 +65,7 @@ class Pieces:
 
     def fill_from(self, full):
         """Copy each box out of ``full``, the whole global tensor (a load from tensors
-        already in memory: a torch checkpoint read whole)."""
+        already in memory: a torch or Megatron-LM checkpoint read whole)."""
         for offsets, tensor in self.boxes:
             box = tuple(slice(o, o + n) for o, n in zip(offsets, tensor.shape))
             tensor.copy_(full[box])

@@ -19,7 +19,8 @@ import re
 import torch
 
 from megatron_cp.checkpoint import files, torch_shards
-from megatron_cp.checkpoint.canonical import VOCAB_PARAMS, canonical_name, is_buffer, is_expert, tp_spec
+from megatron_cp.checkpoint.canonical import (VOCAB_PARAMS, canonical_name, is_buffer, is_expert,
+                                              tp_spec)
 from megatron_cp.optimizer.optimizer import group_key, group_order
 from megatron_cp.tensor_parallel import merge_shards
 
