@@ -71,13 +71,13 @@ def cached_attention(attention, x, position_ids, cache):
     """``SelfAttention`` ``attention`` on the new tokens ``x`` [s, b, h] at ``position_ids``
     [b, s], through ``cache`` (a :class:`LayerCache`) -> [s, b, h]."""
     past = cache.length
-    q, k, v = attention.query_key_value(x, position_ids)  # [s, b, heads, d]
+    q, k, v, gate = attention.query_key_value(x, position_ids)  # [s, b, heads, d]
     s, b, d = q.shape[0], q.shape[1], attention.head_dim
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
     k, v = cache.append(k, v)  # [b, ng/tp, past + s, d]
     out = _attend(attention, q, k, v, past)  # [b, nh/tp, s, d]
     out = out.permute(2, 0, 1, 3).reshape(s, b, attention.local_heads * d)  # [s, b, nh/tp*d]
-    return attention.linear_proj(out)
+    return attention.project_out(out, gate)
 
 
 def cached_chunk_forward(chunk, tokens, position_ids, input_tensor, layer_caches):
