@@ -115,3 +115,9 @@ def test_conv_documents_and_tail():
     # a tail from another document is not seen by a sequence starting a new one
     _, last_tail = causal_conv1d(x[:, :21], weight, document_ids=docs[:, :21])
     assert (last_tail[0, :, :2] == 0).all()  # document 2 starts at 20: one token in the tail
+
+
+def test_output_keeps_the_value_dtype():
+    q, k, v, g, beta = _inputs(s=9)
+    out, state = chunk_gated_delta_rule(q, k, v.bfloat16(), g, beta, output_final_state=True)
+    assert out.dtype == torch.bfloat16 and state.dtype == torch.float32

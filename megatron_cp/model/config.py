@@ -381,10 +381,9 @@ class GPTConfig:
             raise ValueError(f"linear_num_value_heads ({self.linear_num_value_heads}) must be a "
                              f"multiple of linear_num_key_heads ({self.linear_num_key_heads})")
         if self.activation != "swiglu":
-            raise ValueError(f"Gated DeltaNet layers use the model's activation (SiLU with "
-                             f"--swiglu) in their conv and output gate, and Megatron-LM's GDN "
-                             f"kernels run SiLU only; the model has {self.activation!r}: add "
-                             f"--swiglu")
+            raise ValueError(f"Gated DeltaNet layers run SiLU in their conv and output gate "
+                             f"(Megatron-LM's GDN kernels: its activation with --swiglu), but "
+                             f"the MLP has {self.activation!r}: add --swiglu")
         self.linear_attention_pattern()  # raises on a malformed --linear-attention-freq
 
     def linear_attention_pattern(self):

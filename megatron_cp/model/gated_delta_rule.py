@@ -86,6 +86,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, output_fina
     [b, s, h, dv]; g, beta [b, s, h]; initial_state [b, h, dk, dv]. Returns (o [b, s, h, dv]
     in v's dtype, final state or None)."""
     dtype = torch.float32 if initial_state is None else initial_state.dtype
+    out_dtype = v.dtype
     q, k, v = (x.transpose(1, 2).to(dtype) for x in (q, k, v))  # [b, h, s, d]
     g, beta = (x.transpose(1, 2).to(dtype) for x in (g, beta))  # [b, h, s]
     b, h, s, dk = k.shape
@@ -101,7 +102,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, output_fina
         delta = (v[:, :, t] - torch.einsum("bhkv,bhk->bhv", state, k_t)) * beta[:, :, t, None]
         state = state + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
         outs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, :, t] * scale))
-    out = torch.stack(outs, dim=1).to(v.dtype) if s else v.new_zeros(v.shape)  # [b, s, h, dv]
+    out = torch.stack(outs, dim=1).to(out_dtype)  # [b, s, h, dv]
     return out, (state if output_final_state else None)
 
 
@@ -122,7 +123,7 @@ def torch_chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, output_fi
     Tokens padded onto the last chunk have k = v = beta = g = 0: they change nothing.
     """
     b, s, h, dk = k.shape
-    dv = v.shape[-1]
+    dv, out_dtype = v.shape[-1], v.dtype
     scale = dk ** -0.5 if scale is None else scale
     c = chunk_size
     n = (s + c - 1) // c
@@ -165,7 +166,7 @@ def torch_chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, output_fi
         outs.append(q_carry[:, :, i] @ state + inner[:, :, i] @ delta)
         state = end_decay[:, :, i] * state + k_end[:, :, i].transpose(-1, -2) @ delta
     out = torch.stack(outs, dim=2).reshape(b, h, n * c, dv)[:, :, :s]  # [b, h, s, dv]
-    return out.transpose(1, 2).to(v.dtype), (state if output_final_state else None)
+    return out.transpose(1, 2).to(out_dtype), (state if output_final_state else None)
 
 
 def _fla_chunk(q, k, v, g, beta, initial_state, output_final_state, document_ids, scale):
