@@ -89,6 +89,10 @@ def cached_chunk_forward(chunk, tokens, position_ids, input_tensor, layer_caches
             chunk.decoder.layers[0].self_attention.cp_size > 1:
         raise ValueError("incremental decoding runs without sequence or context parallelism; "
                          "drop --sequence-parallel and use --context-parallel-size 1")
+    if any(layer.is_linear_attention for layer in chunk.decoder.layers):
+        raise ValueError("incremental decoding of Gated DeltaNet layers (a recurrent cache of "
+                         "conv tail and state) is not built yet; generate without the "
+                         "key/value cache (--no-kv-cache)")
     h = chunk.embedding(tokens, position_ids) if chunk.pre_process else input_tensor  # [s, b, h]
     for layer, cache in zip(chunk.decoder.layers, layer_caches):
         attention_input = layer.input_layernorm(h)
