@@ -417,10 +417,9 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
      ("--mtp-standalone", "--mtp-num-layers", "--mtp-loss-scaling-factor",
       "--mtp-use-repeated-layer", "--mtp-detach-heads", "--mtp-hsm",
       "--mtp-hybrid-override-pattern", "--multi-latent-attention",)),
-    ("this attention variant (off-by-one/learnable softmax, QK L2 norm, QK clip, output "
-     "gate) is not built; drop it",
-     ("--softmax-type", "--qk-l2-norm", "--qk-clip", "--qk-clip-alpha", "--qk-clip-threshold",
-      "--attention-output-gate",)),
+    ("this attention variant (off-by-one/learnable softmax, QK L2 norm, QK clip) is not "
+     "built; drop it",
+     ("--softmax-type", "--qk-l2-norm", "--qk-clip", "--qk-clip-alpha", "--qk-clip-threshold",)),
     ("post-LN residual ordering is not built; layers are pre-LN; drop it",
      ("--apply-residual-connection-post-layernorm",)),
     ("a bias on QKV alone is not built; --disable-bias-linear switches all linear biases "
@@ -431,18 +430,16 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
      ("--glu-linear-offset", "--activation-func-clamp-value",)),
     ("multimodal rope sections are not built; drop it",
      ("--mrope-section",)),
-    ("experimental attention variants (Gated DeltaNet, DeepSeek sparse attention and its "
-     "indexer) are not built yet; drop them",
-     ("--experimental-attention-variant", "--dsa-indexer-n-heads", "--dsa-indexer-head-dim",
+    ("DeepSeek sparse attention and its indexer are not built yet; drop them",
+     ("--dsa-indexer-n-heads", "--dsa-indexer-head-dim",
       "--dsa-indexer-topk", "--dsa-indexer-topk-freq", "--dsa-indexer-skip-topk-offset",
       "--dsa-indexer-loss-coeff", "--dsa-indexer-use-sparse-loss", "--dsa-kernel-backend",
       "--dsa-indexer-rope-interleaved", "--no-dsa-indexer-rotate-activation",
       "--no-dsa-indexer-scoring-relu", "--dsa-indexer-k-norm-epsilon",
       "--dsa-indexer-k-norm-fp32",)),
-    ("Gated DeltaNet / Gated DeltaProduct / Mamba hybrid layers are not built yet; "
-     "megatron_cp is a pure transformer; drop them",
-     ("--linear-conv-kernel-dim", "--linear-key-head-dim", "--linear-value-head-dim",
-      "--linear-num-key-heads", "--linear-num-value-heads", "--is-hybrid-model",
+    ("Gated DeltaProduct / Mamba hybrid layers (Megatron-LM's hybrid model) are not built "
+     "yet; Gated DeltaNet layers come with --experimental-attention-variant gdn; drop them",
+     ("--is-hybrid-model",
       "--mamba-state-dim", "--mamba-head-dim", "--mamba-num-groups", "--mamba-num-heads",
       "--gdp-num-householder", "--disable-mamba-mem-eff-path", "--gdp-cutedsl-kernel",
       "--gdp-num-chunk-states-to-recompute",)),
@@ -652,8 +649,8 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
      ("--onnx-safe",)),
     ("heterogeneous per-layer architectures are not built; drop it",
      ("--heterogeneous-layers-config-path", "--heterogeneous-layers-config-encoded-json",)),
-    ("Gated DeltaNet / Mamba hybrid layers are not built yet; drop them",
-     ("--linear-attention-freq", "--mamba-training-ssm-states-dtype",)),
+    ("Mamba hybrid layers are not built yet; drop it",
+     ("--mamba-training-ssm-states-dtype",)),
     ("multi-latent attention and multi-token prediction are not built yet; drop them",
      ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
       "--v-head-dim", "--cache-mla-latents", "--mla-down-proj-fusion",)),

@@ -100,7 +100,7 @@ def test_qk_layernorm_normalises_every_head_before_rotary(normalization):
             p.copy_(torch.randn(p.shape, generator=gen))
     x = torch.randn(16, 2, config.hidden_size, generator=gen)  # [s, b, h]
     _, positions, _ = _batch(offset=30)
-    q, k, v = attention.query_key_value(x, positions)
+    q, k, v, _ = attention.query_key_value(x, positions)
     qkv = F.linear(x, attention.linear_qkv.weight, attention.linear_qkv.bias).view(16, 2, 2, 6, d)
 
     def norm(t, module):  # the formula, per head over its d channels
@@ -188,8 +188,8 @@ def test_yarn_scales_queries_and_keys_by_the_concentration_factor():
     assert factor == pytest.approx(1 + 0.1 * math.log(8.0))
     x = torch.randn(16, 2, 32, generator=torch.Generator().manual_seed(2))
     _, positions, _ = _batch(offset=100)
-    q_yarn, k_yarn, _ = yarn.decoder.layers[0].self_attention.query_key_value(x, positions)
-    q_rope, k_rope, _ = rope.decoder.layers[0].self_attention.query_key_value(x, positions)
+    q_yarn, k_yarn, _, _ = yarn.decoder.layers[0].self_attention.query_key_value(x, positions)
+    q_rope, k_rope, _, _ = rope.decoder.layers[0].self_attention.query_key_value(x, positions)
     close(q_yarn.norm(dim=-1), factor * q_rope.norm(dim=-1))
     close(k_yarn.norm(dim=-1), factor * k_rope.norm(dim=-1))
     batch = _batch(offset=100)

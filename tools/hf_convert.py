@@ -13,11 +13,12 @@ the plain weights 1 + w, which every layout here multiplies by. Settings none of
 express (QK norms, interleaved rotary pairs, squared ReLU; YaRN, which no layout picks) are
 refused, naming the flag.
 """
-from tools import hf_gpt2, hf_llama, hf_mixtral
+from tools import hf_gpt2, hf_llama, hf_mixtral, hf_qwen3_next
 from tools.hf_io import read_config
 
 LAYOUTS = {"mixtral": (hf_mixtral, "MixtralForCausalLM"), "llama": (hf_llama, "LlamaForCausalLM"),
-           "gpt2": (hf_gpt2, "GPT2LMHeadModel")}
+           "gpt2": (hf_gpt2, "GPT2LMHeadModel"),
+           "qwen3_next": (hf_qwen3_next, "Qwen3NextForCausalLM")}
 SIGNATURE = ("normalization", "swiglu", "disable_bias_linear", "position_embedding_type")
 
 
@@ -48,7 +49,10 @@ def plain_norm_weights(full, args):
 def pick_layout(args):
     """The Hugging Face layout (a key of LAYOUTS) the checkpoint's arguments describe. An MoE
     checkpoint maps onto Mixtral only (ValueError naming each setting Mixtral cannot express);
-    a dense one onto Llama or GPT-2. Settings no layout expresses are refused first."""
+    a dense one onto Llama or GPT-2; a Gated DeltaNet hybrid onto Qwen3-Next. Settings no
+    layout expresses are refused first."""
+    if args.get("experimental_attention_variant") in ("gdn", "gated_delta_net"):
+        return "qwen3_next"  # its own checks (tools/hf_qwen3_next.py); it has QK norms
     check_expressible(args)
     if args.get("num_experts"):
         hf_mixtral.check_args(args)
@@ -68,9 +72,12 @@ def export_hf(full, args, out_dir, tokenizer=True):
     files of the tokenizer ``args`` names; returns the architecture written."""
     from tools import hf_tokenizer
 
-    module, architecture = LAYOUTS[pick_layout(args)]
+    layout = pick_layout(args)
+    module, architecture = LAYOUTS[layout]
     ids = hf_tokenizer.token_ids(args) if tokenizer else {}  # checks the files before writing
-    module.to_hf(plain_norm_weights(full, args), args, out_dir, token_ids=ids)
+    if layout != "qwen3_next":  # Qwen3-Next's norms are zero-centred as ours
+        full = plain_norm_weights(full, args)
+    module.to_hf(full, args, out_dir, token_ids=ids)
     if tokenizer:
         hf_tokenizer.write_tokenizer(args, out_dir)
     return architecture
@@ -85,5 +92,7 @@ def import_hf(hf_dir, accept_tanh_gelu=False):
         return hf_llama.from_hf(hf_dir)
     if model_type == "mixtral":
         return hf_mixtral.from_hf(hf_dir)
+    if model_type == "qwen3_next":
+        return hf_qwen3_next.from_hf(hf_dir)
     raise ValueError(f"{hf_dir}: model_type {model_type!r} has no import; megatron_cp reads "
                      f"{', '.join(LAYOUTS)} folders")

@@ -165,7 +165,8 @@ def is_buffer(name):
 def tp_spec(name, swiglu):
     """(partition_dim, stride) of a TP-sharded parameter name, or None when replicated.
 
-    Mirrors the layers: column-parallel weights split dim 0 (SwiGLU's fc1 stacks gate and up,
+    Mirrors the layers: column-parallel weights (and the Gated DeltaNet's per-head
+    parameters) split dim 0 (SwiGLU's fc1 stacks gate and up,
     stride 2), row-parallel weights dim 1, the vocab-parallel embedding and output dim 0.
     Expert params (``[E, ...]``) are split over ETP the same way one dim further in.
     """
@@ -177,6 +178,11 @@ def tp_spec(name, swiglu):
         return 0, 1
     if name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
         return 0, 1
+    if name.endswith(("self_attention.in_proj.weight", "self_attention.conv1d.weight",
+                      "self_attention.A_log", "self_attention.dt_bias")):
+        return 0, 1  # Gated DeltaNet: grouped per key head (model/gated_delta_net.py)
+    if name.endswith("self_attention.out_proj.weight"):
+        return 1, 1
     if name.endswith(("linear_fc1.weight", "linear_fc1.bias")):
         return 0, 2 if swiglu else 1
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):

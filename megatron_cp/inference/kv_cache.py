@@ -71,13 +71,13 @@ def cached_attention(attention, x, position_ids, cache):
     """``SelfAttention`` ``attention`` on the new tokens ``x`` [s, b, h] at ``position_ids``
     [b, s], through ``cache`` (a :class:`LayerCache`) -> [s, b, h]."""
     past = cache.length
-    q, k, v = attention.query_key_value(x, position_ids)  # [s, b, heads, d]
+    q, k, v, gate = attention.query_key_value(x, position_ids)  # [s, b, heads, d]
     s, b, d = q.shape[0], q.shape[1], attention.head_dim
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
     k, v = cache.append(k, v)  # [b, ng/tp, past + s, d]
     out = _attend(attention, q, k, v, past)  # [b, nh/tp, s, d]
     out = out.permute(2, 0, 1, 3).reshape(s, b, attention.local_heads * d)  # [s, b, nh/tp*d]
-    return attention.linear_proj(out)
+    return attention.project_out(out, gate)
 
 
 def cached_chunk_forward(chunk, tokens, position_ids, input_tensor, layer_caches):
@@ -89,6 +89,10 @@ def cached_chunk_forward(chunk, tokens, position_ids, input_tensor, layer_caches
             chunk.decoder.layers[0].self_attention.cp_size > 1:
         raise ValueError("incremental decoding runs without sequence or context parallelism; "
                          "drop --sequence-parallel and use --context-parallel-size 1")
+    if any(layer.is_linear_attention for layer in chunk.decoder.layers):
+        raise ValueError("incremental decoding of Gated DeltaNet layers (a recurrent cache of "
+                         "conv tail and state) is not built yet; generate without the "
+                         "key/value cache (--no-kv-cache)")
     h = chunk.embedding(tokens, position_ids) if chunk.pre_process else input_tensor  # [s, b, h]
     for layer, cache in zip(chunk.decoder.layers, layer_caches):
         attention_input = layer.input_layernorm(h)

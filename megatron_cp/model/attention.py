@@ -40,7 +40,9 @@ class SelfAttention(torch.nn.Module):
     """Multi-head / grouped-query self-attention over the TP (and CP) groups.
 
     The fused QKV weight is laid out per query group: [q heads of the group | k | v], so a
-    contiguous TP split hands each rank whole groups.
+    contiguous TP split hands each rank whole groups. ``--attention-output-gate`` adds the
+    group's gate heads after its q heads, Megatron-LM's [q | gate | k | v]; the attention
+    output is multiplied by sigmoid(gate) (in fp32) before the output projection.
 
     ``--qk-layernorm`` (Megatron-LM's ``q_layernorm`` / ``k_layernorm``): the config's norm
     over each head's ``head_dim`` channels of q and of k, one weight shared by every head,
@@ -69,11 +71,15 @@ class SelfAttention(torch.nn.Module):
         common = dict(tp_group=tp_group, bias=config.add_bias_linear,
                       sequence_parallel=config.sequence_parallel,
                       params_dtype=config.params_dtype, device=device)
+        self.gated = config.attention_output_gate
+        q_rows = self.heads_per_group * d * (2 if self.gated else 1)  # q (and gate) heads
         self.linear_qkv = tpar.ColumnParallelLinear(
-            config.hidden_size, (nh + 2 * ng) * d, init_method=tpar.normal_init(std),
+            config.hidden_size, ng * (q_rows + 2 * d), init_method=tpar.normal_init(std),
             seed=tpar.init_seed(config.seed, prefix + ".linear_qkv"), **common)
-        # rows of one query group: its q heads, k, v (Muon orthogonalises Q, K and V apart)
-        self.linear_qkv.weight.qkv_split_shapes = (self.heads_per_group * d, d, d)
+        # rows of one query group: its q heads, (gate heads,) k, v (Muon orthogonalises each
+        # apart)
+        self.linear_qkv.weight.qkv_split_shapes = \
+            (self.heads_per_group * d,) * (2 if self.gated else 1) + (d, d)
         self.linear_proj = tpar.RowParallelLinear(
             nh * d, config.hidden_size,
             init_method=tpar.normal_init(tpar.scaled_init_std(std, config.num_layers)),
@@ -119,14 +125,17 @@ class SelfAttention(torch.nn.Module):
                                dropout=dropout)
 
     def query_key_value(self, x, position_ids):
-        """x [s(/tp), b, h] -> q [s, b, nh/tp, d], k and v [s, b, ng/tp, d]: projected, q and k
-        normalised (--qk-layernorm) and rotated by ``position_ids`` [b, s]."""
-        qkv = self.linear_qkv(x)  # [s, b, ng/tp * (hpg + 2) * d]
+        """x [s(/tp), b, h] -> q [s, b, nh/tp, d], k and v [s, b, ng/tp, d], gate [s, b,
+        nh/tp * d] or None: projected, q and k normalised (--qk-layernorm) and rotated by
+        ``position_ids`` [b, s]."""
+        qkv = self.linear_qkv(x)  # [s, b, ng/tp * (hpg (x2 gated) + 2) * d]
         s, b = qkv.shape[0], qkv.shape[1]
-        qkv = qkv.view(s, b, self.local_groups, self.heads_per_group + 2, self.head_dim)
-        q = qkv[:, :, :, :self.heads_per_group].reshape(s, b, self.local_heads, self.head_dim)
-        k = qkv[:, :, :, self.heads_per_group]  # [s, b, ng/tp, d]
-        v = qkv[:, :, :, self.heads_per_group + 1]
+        hpg, q_heads = self.heads_per_group, self.heads_per_group * (2 if self.gated else 1)
+        qkv = qkv.view(s, b, self.local_groups, q_heads + 2, self.head_dim)
+        q = qkv[:, :, :, :hpg].reshape(s, b, self.local_heads, self.head_dim)
+        gate = qkv[:, :, :, hpg:q_heads].reshape(s, b, -1) if self.gated else None  # [s, b, nh/tp*d]
+        k = qkv[:, :, :, q_heads]  # [s, b, ng/tp, d]
+        v = qkv[:, :, :, q_heads + 1]
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
             if self.replica_check_group is not None:
@@ -138,11 +147,11 @@ class SelfAttention(torch.nn.Module):
         if self.rotary is not None:
             cos, sin = self.rotary.cos_sin(position_ids)  # one cos/sin for q and k
             q, k = self.rotary.rotate(q, cos, sin), self.rotary.rotate(k, cos, sin)
-        return q, k, v
+        return q, k, v, gate
 
     def forward(self, x, position_ids, token_index=None, document_ids=None, dropout_ids=None):
         """x [s/tp with SP else s, b, h] -> same shape."""
-        q, k, v = self.query_key_value(x, position_ids)
+        q, k, v, gate = self.query_key_value(x, position_ids)
         s, b = q.shape[0], q.shape[1]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if self.config.recompute_granularity == "selective":
@@ -151,4 +160,11 @@ class SelfAttention(torch.nn.Module):
         else:
             out = self.core_attention(q, k, v, token_index, document_ids, dropout_ids)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)  # [s, b, nh/tp*d]
+        return self.project_out(out, gate)
+
+    def project_out(self, out, gate):
+        """The attention output [s, b, nh/tp*d], gated by sigmoid(gate) (fp32) when
+        --attention-output-gate gives one, through the output projection -> [s(/tp), b, h]."""
+        if gate is not None:
+            out = (out * torch.sigmoid(gate.float())).to(out.dtype)
         return self.linear_proj(out)

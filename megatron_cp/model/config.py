@@ -23,25 +23,27 @@ from megatron_cp.initialize import check_hierarchical_sizes
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
 
 
-def parse_layer_freq(freq, num_layers):
-    """``--moe-layer-freq`` as one 0/1 per layer: an integer k marks every k-th layer from
-    layer 0; a pattern is a Python list expression of 0/1 built from ``[..]``, ``+`` and ``*``
-    (e.g. ``([0]*2+[1]*6)``), one entry per layer."""
+def parse_layer_freq(freq, num_layers, name="moe_layer_freq", every_kth=None):
+    """A per-layer 0/1 pattern flag (``--moe-layer-freq``, ``--linear-attention-freq``) as one
+    0/1 per layer. An integer k gives ``every_kth(k, layer)`` (default: 1 on every k-th layer
+    from layer 0); a pattern is a Python list expression of 0/1 built from ``[..]``, ``+`` and
+    ``*`` (e.g. ``([0]*2+[1]*6)``), one entry per layer. ``name`` names the flag in errors."""
     text = str(freq).strip()
     if text.isdigit():
         k = int(text)
         if k < 1:
-            raise ValueError(f"moe_layer_freq ({freq}) must be >= 1 or a 0/1 pattern")
-        return [1 if i % k == 0 else 0 for i in range(num_layers)]
+            raise ValueError(f"{name} ({freq}) must be >= 1 or a 0/1 pattern")
+        rule = every_kth or (lambda k, i: 1 if i % k == 0 else 0)
+        return [rule(k, i) for i in range(num_layers)]
     try:
         pattern = _eval_pattern(ast.parse(text, mode="eval").body)
     except (SyntaxError, ValueError, TypeError):
         pattern = None
     if not isinstance(pattern, list) or any(x not in (0, 1) for x in pattern):
-        raise ValueError(f"moe_layer_freq ({freq}) must be an integer or a 0/1 list such as "
+        raise ValueError(f"{name} ({freq}) must be an integer or a 0/1 list such as "
                          f"'([0]*2+[1]*6)'")
     if len(pattern) != num_layers:
-        raise ValueError(f"moe_layer_freq ({freq}) has {len(pattern)} entries for num_layers "
+        raise ValueError(f"{name} ({freq}) has {len(pattern)} entries for num_layers "
                          f"({num_layers}); give one 0/1 per layer")
     return pattern
 
@@ -183,6 +185,29 @@ class GPTConfig:
     allow_dummy_heads: bool = setting(True, flag="--no-cp-dummy-heads", group="parallelism",
                                       help="Refuse Ulysses padding with dummy heads when "
                                            "heads % CP != 0.")
+    attention_output_gate: bool = setting(
+        False, shapes=True, help="Gate each full-attention head's output by sigmoid(x W_g) "
+        "before the output projection (Qwen3-Next); W_g's rows join each query group's rows "
+        "of the QKV projection: [q heads | gate heads | k | v].")
+    # Gated DeltaNet hybrids (model/gated_delta_net.py). Megatron-LM's flags and defaults.
+    experimental_attention_variant: str | None = setting(
+        None, choices=(None, "gdn", "gated_delta_net", "gdn2", "dsa"), shapes=True,
+        help="gdn (or its older name gated_delta_net): Gated DeltaNet linear-attention layers "
+             "where --linear-attention-freq puts them; the others are full attention. gdn2 "
+             "and dsa are not built.")
+    linear_attention_freq: str | None = setting(
+        None, shapes=True,
+        help="Which layers are Gated DeltaNet (1) and which full attention (0): an integer N "
+             "(N-1 GDN layers, then one attention layer, repeated) or a 0/1 pattern with one "
+             "entry per layer, e.g. '([1]*3+[0]*1)*2'.")
+    linear_conv_kernel_dim: int = setting(4, shapes=True,
+                                          help="GDN: width of the causal depthwise conv.")
+    linear_key_head_dim: int = setting(128, shapes=True, help="GDN: query/key head dim.")
+    linear_value_head_dim: int = setting(128, shapes=True, help="GDN: value head dim.")
+    linear_num_key_heads: int = setting(16, shapes=True, help="GDN: query/key heads.")
+    linear_num_value_heads: int = setting(
+        32, shapes=True, help="GDN: value heads (a multiple of the key heads; each key head "
+        "serves that many consecutive value heads).")
     # MoE (megatron_cp.moe; 0 experts = dense MLP everywhere). Megatron-LM's flags and defaults.
     num_moe_experts: int = setting(0, flag="--num-experts", cli_default=None, shapes=True,
                                    group="moe", help="Number of MoE experts (0: a dense model).")
@@ -300,6 +325,7 @@ class GPTConfig:
                              f"torch_compile_mode 'default' or 'max-autotune-no-cudagraphs'")
         if self.num_moe_experts:
             self._check_moe()
+        self._check_linear_attention()
         if self.recompute_granularity == "full" and self.recompute_method not in ("uniform", "block"):
             raise ValueError(f"recompute_granularity 'full' needs recompute_method uniform or block "
                              f"(got {self.recompute_method!r})")
@@ -329,6 +355,45 @@ class GPTConfig:
                      "yarn_beta_fast", "yarn_beta_slow"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be positive")
+
+    def _check_linear_attention(self):
+        """Gated DeltaNet settings (Megatron-LM's TransformerConfig checks)."""
+        variant = self.experimental_attention_variant
+        if variant in ("gdn2", "dsa"):
+            raise ValueError(f"experimental_attention_variant ({variant!r}) is not built; use "
+                             f"gdn (Gated DeltaNet) or drop it")
+        if variant == "gated_delta_net":  # Megatron-LM's deprecated spelling
+            self.experimental_attention_variant = variant = "gdn"
+        if variant is None:
+            if self.linear_attention_freq is not None:
+                raise ValueError(f"linear_attention_freq ({self.linear_attention_freq}) places "
+                                 f"Gated DeltaNet layers; add experimental_attention_variant "
+                                 f"gdn or drop it")
+            return
+        if self.linear_attention_freq is None:
+            raise ValueError("experimental_attention_variant gdn needs linear_attention_freq "
+                             "(e.g. 4: three GDN layers, then one attention layer)")
+        for name in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                     "linear_num_key_heads", "linear_num_value_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be positive")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(f"linear_num_value_heads ({self.linear_num_value_heads}) must be a "
+                             f"multiple of linear_num_key_heads ({self.linear_num_key_heads})")
+        if self.activation != "swiglu":
+            raise ValueError(f"Gated DeltaNet layers run SiLU in their conv and output gate "
+                             f"(Megatron-LM's GDN kernels: its activation with --swiglu), but "
+                             f"the MLP has {self.activation!r}: add --swiglu")
+        self.linear_attention_pattern()  # raises on a malformed --linear-attention-freq
+
+    def linear_attention_pattern(self):
+        """One bool per layer: is it a Gated DeltaNet layer (all False without gdn). An
+        integer N makes every N-th layer (layers N-1, 2N-1, ...) full attention."""
+        if self.experimental_attention_variant is None:
+            return [False] * self.num_layers
+        return [bool(x) for x in parse_layer_freq(
+            self.linear_attention_freq, self.num_layers, "linear_attention_freq",
+            every_kth=lambda k, i: 0 if (i + 1) % k == 0 else 1)]
 
     def _check_moe(self):
         """The MoE rules that need no parallel size (see :meth:`validate_experts`)."""
@@ -411,8 +476,18 @@ class GPTConfig:
             if getattr(self, name) % tp_size != 0:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be divisible by "
                                  f"tensor_model_parallel_size ({tp_size})")
+        if self.experimental_attention_variant is not None:
+            for name in ("linear_num_key_heads", "linear_num_value_heads"):
+                if getattr(self, name) % tp_size:
+                    raise ValueError(f"{name} ({getattr(self, name)}) must be divisible by "
+                                     f"tensor_model_parallel_size ({tp_size}): TP splits the "
+                                     f"Gated DeltaNet heads")
         if cp_size is None:
             return
+        if self.experimental_attention_variant is not None and cp_size > 1:
+            raise ValueError(f"Gated DeltaNet layers (experimental_attention_variant gdn) under "
+                             f"context_parallel_size ({cp_size}) are not built yet; use "
+                             f"context_parallel_size 1")
         if self.hierarchical_context_parallel_sizes is not None:
             check_hierarchical_sizes(self.hierarchical_context_parallel_sizes, cp_size)
         elif self.cp_comm_type == "a2a+p2p" and cp_size > 1:

@@ -1,4 +1,4 @@
-"""The one import point for optional accelerators (apex, Transformer Engine), and the norms
+"""The one import point for optional accelerators (apex, Transformer Engine, FLA), and the norms
 built on them (:func:`norm_for`: the config's norm, zero-centred or not).
 
 Each is used only when importable AND the tensors live on a CUDA device; otherwise the
@@ -17,6 +17,11 @@ try:  # apex fused Adam
     from apex.optimizers import FusedAdam as ApexFusedAdam  # type: ignore
 except Exception:  # noqa: BLE001
     ApexFusedAdam = None
+
+try:  # flash-linear-attention's gated delta rule (Triton kernels; Gated DeltaNet layers)
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule  # type: ignore
+except Exception:  # noqa: BLE001
+    fla_chunk_gated_delta_rule = None
 
 try:  # Transformer Engine norms
     import transformer_engine.pytorch as _te  # type: ignore
@@ -98,4 +103,5 @@ def norm_for(config, hidden_size, device=None):
 def accelerators():
     """Which optional accelerators were importable (for logs)."""
     return {"apex_norm": _ApexLayerNorm is not None, "apex_adam": ApexFusedAdam is not None,
-            "transformer_engine": _te is not None}
+            "transformer_engine": _te is not None,
+            "fla": fla_chunk_gated_delta_rule is not None}

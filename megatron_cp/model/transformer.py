@@ -13,6 +13,7 @@ from megatron_cp import tensor_parallel as tpar
 from megatron_cp.model.attention import SelfAttention
 from megatron_cp.model.compile_layers import compile_layer
 from megatron_cp.model.fused import norm_for
+from megatron_cp.model.gated_delta_net import GatedDeltaNet
 from megatron_cp.model.mlp import MLP
 # a module reference: megatron_cp.moe.layer imports the MLP from this package (import cycle)
 import megatron_cp.moe.layer as moe_layer
@@ -36,7 +37,9 @@ def mark_sequence_parallel(module, sequence_parallel):
 
 
 class TransformerLayer(torch.nn.Module):
-    """x [s(/tp), b, h] -> x + attn(norm(x)) -> x + mlp(norm(x))."""
+    """x [s(/tp), b, h] -> x + attn(norm(x)) -> x + mlp(norm(x)). The token mixer
+    ``self_attention`` is softmax attention, or Gated DeltaNet where the config's
+    linear-attention pattern marks the layer (Megatron-LM's name for either)."""
 
     def __init__(self, config, layer_number, tp_group, cp_group, rng_tracker, device=None,
                  ep_group=None, state=None):
@@ -47,8 +50,14 @@ class TransformerLayer(torch.nn.Module):
         hierarchical = None  # the a2a+p2p sub-groups, when the state was built with them
         if state is not None and state.group("hcp_inner") is not None:
             hierarchical = (state.group("hcp_inner"), state.group("hcp_outer"))
-        self.self_attention = SelfAttention(config, prefix + ".self_attention", tp_group, cp_group,
-                                            rng_tracker, device, hierarchical, layer_number)
+        self.is_linear_attention = config.linear_attention_pattern()[layer_number]
+        if self.is_linear_attention:
+            self.self_attention = GatedDeltaNet(config, prefix + ".self_attention", tp_group,
+                                                device)
+        else:
+            self.self_attention = SelfAttention(config, prefix + ".self_attention", tp_group,
+                                                cp_group, rng_tracker, device, hierarchical,
+                                                layer_number)
         self.pre_mlp_layernorm = norm_for(config, config.hidden_size, device)
         self.is_moe = config.moe_layer_pattern()[layer_number]
         if self.is_moe:

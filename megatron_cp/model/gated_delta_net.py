@@ -1,0 +1,140 @@
+"""The Gated DeltaNet token mixer (Megatron-LM's ``GatedDeltaNet``, Qwen3-Next's linear
+attention): a layer's ``self_attention`` where ``--linear-attention-freq`` marks it.
+
+    x -> in_proj -> q, k, v, z, b, a
+      -> causal depthwise conv1d + SiLU over [q | k | v]   (document restarts)
+      -> l2norm(q), l2norm(k); beta = sigmoid(b); g = -exp(A_log) softplus(a + dt_bias)
+      -> gated delta rule (fp32 state per value head; model/gated_delta_rule.py)
+      -> out_norm(o) * silu(z) per value head -> out_proj
+
+Parameters, as Megatron-LM names and shapes them (no biases, whatever --disable-bias-linear
+says, as in Megatron-LM): ``in_proj.weight`` [2 nk dk + 2 nv dv + 2 nv, h],
+``conv1d.weight`` [2 nk dk + nv dv, 1, w], ``A_log`` and ``dt_bias`` [nv], ``out_norm``
+over dv (the config's norm kind, zero-centred with --apply-layernorm-1p), ``out_proj.weight``
+[h, nv dv]. The rows of in_proj and the channels of conv1d are grouped per KEY head, as this
+codebase groups QKV per query group: key head j owns [q_j | k_j | v | z | b | a] of its
+r = nv/nk value heads (conv1d: [q_j | k_j | v]). A contiguous TP split then hands each rank
+whole key heads with their value heads, so TP needs nk % TP == 0 (Megatron-LM's rule too);
+Megatron-LM's own order ([q | k | v | z | b | a] over all heads) is a row permutation,
+applied by converters. Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` use the per-key-head
+grouping of this layout.
+
+Init (each full weight from its own seed, then split: identical under every layout):
+in_proj N(0, std), out_proj N(0, std / sqrt(2 L)), conv1d U(-1/sqrt(w), 1/sqrt(w))
+(nn.Conv1d's default, Megatron-LM's with no conv init), dt_bias 1, A_log log U(1, 16).
+
+A context-parallel wrapper goes around :func:`causal_conv1d` (incoming and outgoing tail)
+and :func:`chunk_gated_delta_rule` (incoming and outgoing state); GDN under CP is refused
+at argument validation until it exists (GPTConfig.validate_parallel).
+"""
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_cp import tensor_parallel as tpar
+from megatron_cp.model.fused import norm_for
+from megatron_cp.model.gated_delta_rule import causal_conv1d, chunk_gated_delta_rule, l2norm
+
+
+def _uniform_init(low, high):
+    """init_method(tensor, generator): U(low, high) drawn from ``generator``."""
+    def init(tensor, generator):
+        with torch.no_grad():
+            tensor.uniform_(low, high, generator=generator)
+    return init
+
+
+def _split_param(shape, init_method, seed, tp_size, tp_rank, dtype, device):
+    """A dim-0 TP-split parameter whose full tensor is drawn from ``seed`` (then this rank's
+    contiguous chunk)."""
+    full = torch.empty(shape, dtype=torch.float32)
+    init_method(full, torch.Generator().manual_seed(seed))
+    local = tpar.split_full(full, 0, 1, tp_size, tp_rank).to(dtype=dtype, device=device)
+    param = torch.nn.Parameter(local.contiguous())
+    param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, 0, 1
+    return param
+
+
+class GatedDeltaNet(torch.nn.Module):
+    """x [s(/tp with SP), b, h] -> [s(/tp), b, h]; heads split over TP. The forward takes
+    the attention's arguments (positions are unused: the conv and recurrence are causal by
+    construction); ``document_ids`` [b, s] restart conv and state at document boundaries."""
+
+    def __init__(self, config, prefix, tp_group, device=None):
+        super().__init__()
+        tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+        tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+        config.validate_parallel(tp_size)
+        self.config = config
+        nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
+        dk, dv, w = config.linear_key_head_dim, config.linear_value_head_dim, \
+            config.linear_conv_kernel_dim
+        self.dk, self.dv, self.ratio = dk, dv, nv // nk
+        self.local_key_heads, self.local_value_heads = nk // tp_size, nv // tp_size
+        # rows of one key head in in_proj: q, k, then its r value heads' v, z, b, a
+        self.group_rows = (dk, dk, self.ratio * dv, self.ratio * dv, self.ratio, self.ratio)
+        conv_channels = nk * (2 * dk + self.ratio * dv)
+        std = config.init_method_std
+        common = dict(tp_group=tp_group, bias=False, sequence_parallel=config.sequence_parallel,
+                      params_dtype=config.params_dtype, device=device)
+        self.in_proj = tpar.ColumnParallelLinear(
+            config.hidden_size, nk * sum(self.group_rows), init_method=tpar.normal_init(std),
+            seed=tpar.init_seed(config.seed, prefix + ".in_proj"), **common)
+        self.conv1d = torch.nn.Module()  # Megatron-LM's nn.Conv1d: only its weight is used
+        self.conv1d.weight = _split_param(
+            (conv_channels, 1, w), _uniform_init(-w ** -0.5, w ** -0.5),
+            tpar.init_seed(config.seed, prefix + ".conv1d.weight"), tp_size, tp_rank,
+            config.params_dtype, device)
+        self.A_log = _split_param(
+            (nv,), lambda t, gen: t.copy_(torch.empty(nv).uniform_(1, 16, generator=gen).log()),
+            tpar.init_seed(config.seed, prefix + ".A_log"), tp_size, tp_rank,
+            config.params_dtype, device)
+        self.dt_bias = _split_param((nv,), lambda t, gen: t.fill_(1.0), 0, tp_size, tp_rank,
+                                    config.params_dtype, device)
+        self.out_norm = norm_for(config, dv, device)
+        for p in self.out_norm.parameters():
+            p.sequence_parallel = tp_size > 1  # heads differ per TP rank: sum over TP
+        self.out_proj = tpar.RowParallelLinear(
+            nv * dv, config.hidden_size,
+            init_method=tpar.normal_init(tpar.scaled_init_std(std, config.num_layers)),
+            seed=tpar.init_seed(config.seed, prefix + ".out_proj"), **common)
+
+    def project(self, x):
+        """x [s(/tp), b, h] -> mixed [b, s, channels/tp] (conv input: per key head
+        [q | k | v]), z [b, s, nv/tp, dv], b and a [b, s, nv/tp]."""
+        proj = self.in_proj(x).transpose(0, 1)  # [b, s, nk/tp * group rows]
+        bsz, s = proj.shape[0], proj.shape[1]
+        proj = proj.reshape(bsz, s, self.local_key_heads, sum(self.group_rows))
+        q, k, v, z, b, a = proj.split(self.group_rows, dim=-1)  # each [b, s, nk/tp, rows]
+        mixed = torch.cat([q, k, v], dim=-1).reshape(bsz, s, -1)  # [b, s, channels/tp]
+        z = z.reshape(bsz, s, self.local_value_heads, self.dv)
+        return mixed, z, b.reshape(bsz, s, -1), a.reshape(bsz, s, -1)
+
+    def kernel_inputs(self, mixed):
+        """Conv output [b, s, channels/tp] -> q, k [b, s, nv/tp, dk] (unit norm, each key
+        head repeated for its value heads), v [b, s, nv/tp, dv]."""
+        bsz, s = mixed.shape[0], mixed.shape[1]
+        mixed = mixed.reshape(bsz, s, self.local_key_heads, -1)
+        q, k, v = mixed.split((self.dk, self.dk, self.ratio * self.dv), dim=-1)
+        q, k = (l2norm(t.float()).repeat_interleave(self.ratio, dim=2) for t in (q, k))
+        return q, k, v.reshape(bsz, s, self.local_value_heads, self.dv)
+
+    def gates(self, b, a):
+        """beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias) (fp32), each [b, s, nv/tp]."""
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        return g, torch.sigmoid(b.float())
+
+    def output(self, o, z):
+        """o [b, s, nv/tp, dv] -> out_norm(o) * silu(z) -> out_proj -> [s(/tp), b, h]."""
+        y = (self.out_norm(o) * F.silu(z.float())).to(z.dtype)  # [b, s, nv/tp, dv]
+        y = y.flatten(2).transpose(0, 1)  # [s, b, nv/tp * dv]
+        return self.out_proj(y)
+
+    def forward(self, x, position_ids=None, token_index=None, document_ids=None,
+                dropout_ids=None):
+        mixed, z, b, a = self.project(x)
+        mixed, _ = causal_conv1d(mixed, self.conv1d.weight, document_ids=document_ids)
+        q, k, v = self.kernel_inputs(mixed)
+        g, beta = self.gates(b, a)
+        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, document_ids=document_ids)
+        return self.output(o, z)

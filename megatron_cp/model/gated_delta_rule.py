@@ -1,0 +1,210 @@
+"""The Gated DeltaNet kernels as pure functions: the causal depthwise conv1d and the gated
+delta rule (chunked, and token by token), with document boundaries of packed sequences.
+
+Per value head, with a state S [dk, dv] (fp32), gate g_t <= 0 (log decay), write strength
+beta_t in (0, 1), unit-norm key k_t, query q_t (scaled by 1/sqrt(dk) here):
+
+    S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T,     o_t = S_t^T q_t
+
+A packed sequence restarts at every document boundary: the state before a document's first
+token is zero and the conv sees no token of another document. Boundaries come as
+``document_ids`` [b, s] (a token starts a document where its id differs from the previous
+token's) or, for one packed row, as FLA's ``cu_seqlens`` (:func:`documents_from_cu_seqlens`).
+A sequence's first token continues ``initial_state`` / the conv's incoming tail: that is what
+a context-parallel wrapper passes from the rank before, and what a generation cache holds.
+
+:func:`chunk_gated_delta_rule` is the chunked form (WY representation: per chunk of C tokens
+one triangular solve and matrix products, then one state step per chunk); on CUDA it hands
+over to FLA's kernel when flash-linear-attention is importable (fused.py). Its reference is
+:func:`recurrent_gated_delta_rule`, the recurrence above run token by token.
+"""
+import torch
+import torch.nn.functional as F
+
+from megatron_cp.model import fused
+
+CHUNK_SIZE = 64  # FLA's and Megatron-LM's chunk
+
+
+def documents_from_cu_seqlens(cu_seqlens, length):
+    """FLA's ``cu_seqlens`` [n + 1] (document starts of one packed row, ending at
+    ``length``) -> document ids [1, length]."""
+    positions = torch.arange(length, device=cu_seqlens.device)
+    return (torch.bucketize(positions, cu_seqlens[1:], right=True)).unsqueeze(0)  # [1, s]
+
+
+def l2norm(x, eps=1e-6):
+    """x / sqrt(sum(x^2) + eps) over the last dim (FLA's and Qwen3-Next's q/k normalisation)."""
+    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
+
+
+def causal_conv1d(x, weight, bias=None, activation="silu", initial_tail=None, document_ids=None):
+    """Causal depthwise conv over the sequence, restarted at every document boundary.
+
+    x [b, s, c]; weight [c, 1, w] (nn.Conv1d's depthwise layout; tap w-1 is the current
+    token); ``initial_tail`` [b, c, w-1]: the w-1 inputs before x (None: zeros), seen only by
+    the first document; ``document_ids`` [b, s] or None. Returns (y [b, s, c], tail
+    [b, c, w-1]): the last w-1 inputs of the last document (zeros before its start), the
+    tail a continuation of that document needs.
+    """
+    b, s, c = x.shape
+    w = weight.shape[-1]
+    tail = x.new_zeros(b, w - 1, c) if initial_tail is None else initial_tail.transpose(1, 2)
+    xp = torch.cat([tail.to(x.dtype), x], dim=1)  # [b, w-1+s, c]
+    keep = None
+    if document_ids is not None:  # the tail belongs to the first token's document
+        docs = torch.cat([document_ids[:, :1].expand(b, w - 1), document_ids], dim=1)  # [b, w-1+s]
+    taps = weight.reshape(c, w)
+    y = torch.zeros_like(x) if bias is None else bias.to(x.dtype).expand(b, s, c).clone()
+    for i in range(w):  # output t sees input t-(w-1)+i, which sits at xp[t+i]
+        term = xp[:, i:i + s] * taps[:, i]
+        if document_ids is not None:
+            keep = (docs[:, i:i + s] == docs[:, w - 1:]).unsqueeze(-1)  # [b, s, 1]
+            term = term * keep
+        y = y + term
+    if activation == "silu":
+        y = F.silu(y)
+    elif activation is not None:
+        raise ValueError(f"activation ({activation!r}) of the GDN conv must be 'silu' or None")
+    out_tail = xp[:, s:]  # [b, w-1, c]
+    if document_ids is not None:
+        out_tail = out_tail * (docs[:, s:] == docs[:, -1:]).unsqueeze(-1)
+    return y, out_tail.transpose(1, 2)  # [b, s, c], [b, c, w-1]
+
+
+def _as_heads(x):
+    """[b, s, h, d] -> fp32 [b, h, s, d]."""
+    return x.transpose(1, 2).to(torch.float32)
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_state=False,
+                               document_ids=None, scale=None):
+    """The recurrence of the module docstring, one token at a time, in the dtype of
+    ``initial_state`` or fp32 (fp64 in the kernel tests; also one decode step).
+
+    q, k [b, s, h, dk] (l2-normalised by the caller, heads already matching v's); v
+    [b, s, h, dv]; g, beta [b, s, h]; initial_state [b, h, dk, dv]. Returns (o [b, s, h, dv]
+    in v's dtype, final state or None)."""
+    dtype = torch.float32 if initial_state is None else initial_state.dtype
+    out_dtype = v.dtype
+    q, k, v = (x.transpose(1, 2).to(dtype) for x in (q, k, v))  # [b, h, s, d]
+    g, beta = (x.transpose(1, 2).to(dtype) for x in (g, beta))  # [b, h, s]
+    b, h, s, dk = k.shape
+    scale = dk ** -0.5 if scale is None else scale
+    state = q.new_zeros(b, h, dk, v.shape[-1]) if initial_state is None else initial_state
+    outs = []
+    for t in range(s):
+        if document_ids is not None and t > 0:
+            new_doc = (document_ids[:, t] != document_ids[:, t - 1]).to(dtype)  # [b]
+            state = state * (1 - new_doc)[:, None, None, None]
+        state = state * g[:, :, t].exp()[..., None, None]
+        k_t = k[:, :, t]  # [b, h, dk]
+        delta = (v[:, :, t] - torch.einsum("bhkv,bhk->bhv", state, k_t)) * beta[:, :, t, None]
+        state = state + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
+        outs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, :, t] * scale))
+    out = torch.stack(outs, dim=1).to(out_dtype)  # [b, s, h, dv]
+    return out, (state if output_final_state else None)
+
+
+def _chunks(x, n, c):
+    """[b, h, n*c, ...] -> [b, h, n, c, ...]."""
+    return x.reshape(x.shape[0], x.shape[1], n, c, *x.shape[3:])
+
+
+def torch_chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_state=False,
+                                 document_ids=None, scale=None, chunk_size=CHUNK_SIZE):
+    """:func:`recurrent_gated_delta_rule` computed chunk by chunk in fp32, plain PyTorch.
+
+    Within a chunk, with G the cumulative log decay, D_tj = exp(G_t - G_j) (j <= t, same
+    document: M_tj) and c_t = 1 while no document has started in the chunk up to t:
+        (I + A) U = beta V,  (I + A) W = beta exp(G) c K,  A_tj = beta_t D_tj M_tj k_t.k_j (j < t)
+        delta = U - W S0;  O = exp(G) c (Q S0) + (Q K^T * D * M) delta
+        S_end = exp(G_C) c_C S0 + (K * exp(G_C - G) * M_C)^T delta.
+    Tokens padded onto the last chunk have k = v = beta = g = 0: they change nothing.
+    """
+    b, s, h, dk = k.shape
+    dv, out_dtype = v.shape[-1], v.dtype
+    scale = dk ** -0.5 if scale is None else scale
+    c = chunk_size
+    n = (s + c - 1) // c
+    pad = n * c - s
+    q, k, v = (F.pad(_as_heads(x), (0, 0, 0, pad)) for x in (q, k, v))  # [b, h, n*c, d]
+    g, beta = (F.pad(x.transpose(1, 2).to(torch.float32), (0, pad)) for x in (g, beta))
+    if document_ids is None:
+        docs = torch.zeros(b, n * c, dtype=torch.long, device=k.device)
+    else:  # padded tokens join the last document
+        docs = F.pad(document_ids, (0, pad), mode="replicate") if pad else document_ids
+    q = q * scale
+    q, k, v = (_chunks(x, n, c) for x in (q, k, v))  # [b, h, n, c, d]
+    g, beta = _chunks(g, n, c), _chunks(beta, n, c)  # [b, h, n, c]
+    docs = docs.view(b, 1, n, c)  # [b, 1, n, c]
+    # the token before each chunk (for chunk 0: the first token, which continues the state)
+    before = torch.cat([docs[:, :, :1, :1], docs[:, :, :-1, -1:]], dim=2)  # [b, 1, n, 1]
+    carry = (docs == before).float()  # [b, 1, n, c]: c_t
+    same = (docs.unsqueeze(-1) == docs.unsqueeze(-2))  # [b, 1, n, c, c]: M_tj
+    causal = torch.ones(c, c, dtype=torch.bool, device=k.device).tril()
+    G = g.cumsum(-1)  # [b, h, n, c]
+    diff = (G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~causal, float("-inf"))
+    decay = diff.exp() * same  # [b, h, n, c, c]: D * M, zero above the diagonal
+    strict = decay.masked_fill(causal.logical_not().logical_or(torch.eye(
+        c, dtype=torch.bool, device=k.device)), 0.0)
+    a = (k @ k.transpose(-1, -2)) * strict * beta.unsqueeze(-1)  # [b, h, n, c, c]
+    lower = a + torch.eye(c, device=k.device)
+    rhs = torch.cat([v * beta.unsqueeze(-1),
+                     k * (beta * G.exp() * carry).unsqueeze(-1)], dim=-1)  # [.., c, dv+dk]
+    solved = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
+    u, w = solved[..., :dv], solved[..., dv:]  # [b, h, n, c, dv], [b, h, n, c, dk]
+    inner = (q @ k.transpose(-1, -2)) * decay  # [b, h, n, c, c]
+    q_carry = q * (G.exp() * carry).unsqueeze(-1)  # [b, h, n, c, dk]
+    last_same = same[..., -1, :].float()  # [b, 1, n, c]: M_{C, j}
+    k_end = k * ((G[..., -1:] - G).exp() * last_same).unsqueeze(-1)  # [b, h, n, c, dk]
+    end_decay = (G[..., -1].exp() * carry[..., -1]).unsqueeze(-1).unsqueeze(-1)  # [b, h, n, 1, 1]
+    state = k.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.float()
+    outs = []
+    for i in range(n):
+        delta = u[:, :, i] - w[:, :, i] @ state  # [b, h, c, dv]
+        outs.append(q_carry[:, :, i] @ state + inner[:, :, i] @ delta)
+        state = end_decay[:, :, i] * state + k_end[:, :, i].transpose(-1, -2) @ delta
+    out = torch.stack(outs, dim=2).reshape(b, h, n * c, dv)[:, :, :s]  # [b, h, s, dv]
+    return out.transpose(1, 2).to(out_dtype), (state if output_final_state else None)
+
+
+def _fla_chunk(q, k, v, g, beta, initial_state, output_final_state, document_ids, scale):
+    """FLA's CUDA kernel: documents become one packed row with cu_seqlens (sample starts
+    included), so it is used without an incoming or outgoing state under packing."""
+    b, s = k.shape[:2]
+    if document_ids is None:
+        return fused.fla_chunk_gated_delta_rule(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state)
+    flat = document_ids + torch.arange(b, device=k.device).unsqueeze(1) * (s + 1)  # distinct per sample
+    flat = flat.reshape(-1)
+    starts = torch.nonzero(torch.cat([flat.new_ones(1, dtype=torch.bool), flat[1:] != flat[:-1]]))
+    cu = torch.cat([starts.reshape(-1), flat.new_tensor([b * s])]).to(torch.int32)
+    out, _ = fused.fla_chunk_gated_delta_rule(
+        *(x.reshape(1, b * s, *x.shape[2:]) for x in (q, k, v, g, beta)), scale=scale,
+        cu_seqlens=cu)
+    return out.reshape(b, s, *out.shape[2:]), None
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_state=False,
+                           document_ids=None, cu_seqlens=None, scale=None):
+    """The gated delta rule over a (packed) sequence: q, k [b, s, h, dk], v [b, s, h, dv],
+    g (log decay, fp32) and beta [b, s, h]; ``initial_state`` [b, h, dk, dv] fp32; document
+    boundaries from ``document_ids`` [b, s] or ``cu_seqlens`` (b == 1). Returns
+    (o [b, s, h, dv] in v's dtype, final fp32 state [b, h, dk, dv] or None).
+
+    On CUDA with flash-linear-attention importable, FLA's kernel runs (not where a packed
+    sequence also carries a state in or out); otherwise :func:`torch_chunk_gated_delta_rule`.
+    """
+    if cu_seqlens is not None:
+        if document_ids is not None or k.shape[0] != 1:
+            raise ValueError("cu_seqlens describes one packed row (batch 1) and replaces "
+                             "document_ids; give one of them")
+        document_ids = documents_from_cu_seqlens(cu_seqlens, k.shape[1])
+    packed_state = document_ids is not None and (initial_state is not None or output_final_state)
+    if k.is_cuda and fused.fla_chunk_gated_delta_rule is not None and not packed_state:
+        return _fla_chunk(q, k, v, g, beta, initial_state, output_final_state, document_ids,
+                          scale)
+    return torch_chunk_gated_delta_rule(q, k, v, g, beta, initial_state, output_final_state,
+                                        document_ids, scale)
