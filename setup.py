@@ -22,7 +22,7 @@ setup(
         "tensorboard",
     ],
     extras_require={
-        "dev": ["pytest", "pytest-timeout", "tokenizers", "safetensors", "transformers",
+        "dev": ["pytest", "pytest-timeout", "pytest-xdist", "tokenizers", "safetensors", "transformers",
                 "wandb"],
         "bench": ["transformers"],
         "wandb": ["wandb"],  # --wandb-project
