@@ -125,3 +125,30 @@ def test_to_megatron_loads_strictly_in_megatron_core(megatron_checkpoint, kind, 
     theirs, args, iteration = run_workers(mcu.load_strict, 1, kind, folder, tokens)[0]
     assert iteration == mcu.ITERATION and args["padded_vocab_size"] == mcu.PADDED
     torch.testing.assert_close(theirs[..., :mcu.VOCAB], ours, rtol=TOL, atol=TOL)
+
+
+def _task_loss(rank, world, root, text):
+    """Worker: tasks/main.py's WIKITEXT103 total loss (nats) on ``text`` from ``root``."""
+    from megatron_cp.inference.launch import parse_inference_args
+    from tasks.main import check_task_args, get_tasks_args, run_task
+    args = parse_inference_args(["--task", "WIKITEXT103", "--valid-data", text, "--load", root,
+                                 "--use-checkpoint-args"], world, get_tasks_args, check_task_args)
+    return run_task(args, build_parallel_state(args, torch.device("cpu")))["total_loss"]
+
+
+def test_wikitext_task_on_a_megatron_checkpoint_gives_megatron_cores_loss(megatron_checkpoint,
+                                                                         tmp_path):
+    """The WIKITEXT103 task on the Megatron-LM checkpoint, over a text whose two windows of
+    --seq-length 16 are the two rows megatron-core computed its logits of (then one more
+    token): the task's summed loss is megatron-core's cross entropy of those windows (fp32
+    logits, 32 tokens: relative 1e-5)."""
+    _, root, tokens, theirs = megatron_checkpoint("gpt")  # [2, s], [2, s, v]
+    last = torch.tensor([7])
+    ids = torch.cat([tokens[0], tokens[1], last])  # [2 s + 1]: windows are the rows
+    text = tmp_path / "heldout.txt"
+    text.write_text(" ".join(map(str, ids.tolist())))
+    ours = run_workers(_task_loss, 1, root, str(text))[0]
+    labels = torch.cat([ids[1:mcu.SEQ + 1], ids[mcu.SEQ + 1:]])  # [2 s]
+    loss = torch.nn.functional.cross_entropy(theirs.reshape(-1, mcu.VOCAB).double(), labels,
+                                             reduction="sum")
+    assert abs(ours - loss.item()) <= 1e-5 * loss.item(), (ours, loss.item())

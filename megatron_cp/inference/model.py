@@ -10,7 +10,7 @@ or RNG state, and no DDP wrapper or optimizer is built.
 import torch
 
 from megatron_cp.checkpoint import files as checkpoint_files
-from megatron_cp.checkpoint import load_save
+from megatron_cp.checkpoint import load_save, megatron_lm_format
 from megatron_cp.data import build_tokenizer
 from megatron_cp.model import GPTModel
 from megatron_cp.pipeline_parallel import build_model_chunks, layout_from_args
@@ -44,6 +44,9 @@ def check_checkpoint(args):
 def _saved_vocab_size(root, step=None):
     """The real vocabulary size the latest checkpoint under ``root`` (``--ckpt-step``'s when
     given) was trained with (None if it does not say); its tensors are mapped, not read."""
+    it = checkpoint_files.load_iteration(root, step)
+    if megatron_lm_format.is_megatron_lm(checkpoint_files.iteration_dir(root, it)):
+        return load_save.saved_args(root, step).get("true_vocab_size")  # a pickled Namespace
     path = load_save.args_file(root, step)
     try:
         payload = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
