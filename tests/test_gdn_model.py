@@ -105,9 +105,6 @@ def test_layer_pattern_follows_linear_attention_freq():
     ("--experimental-attention-variant gdn --linear-attention-freq 2 --linear-num-key-heads 3 "
      "--linear-num-value-heads 6 --tensor-model-parallel-size 2",
      "--linear-num-key-heads (3) must be divisible by --tensor-model-parallel-size (2)"),
-    ("--experimental-attention-variant gdn --linear-attention-freq 2 "
-     "--context-parallel-size 2", "Gated DeltaNet layers (--experimental-attention-variant "
-                                  "gdn) under --context-parallel-size (2) are not built yet"),
     ("--experimental-attention-variant gdn --linear-attention-freq '[1,0,1]'",
      "--linear-attention-freq ([1,0,1]) has 3 entries for --num-layers (2)"),
 ])

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_cp.config_flags import check_choices, setting
-from megatron_cp.context_parallel.attention import COMM_TYPES
+from megatron_cp.context_parallel.attention import COMM_TYPES, resolve_comm_type
 from megatron_cp.context_parallel.kernels import KERNEL_NAMES
 from megatron_cp.initialize import check_hierarchical_sizes
 
@@ -484,15 +484,30 @@ class GPTConfig:
                                      f"Gated DeltaNet heads")
         if cp_size is None:
             return
-        if self.experimental_attention_variant is not None and cp_size > 1:
-            raise ValueError(f"Gated DeltaNet layers (experimental_attention_variant gdn) under "
-                             f"context_parallel_size ({cp_size}) are not built yet; use "
-                             f"context_parallel_size 1")
         if self.hierarchical_context_parallel_sizes is not None:
             check_hierarchical_sizes(self.hierarchical_context_parallel_sizes, cp_size)
         elif self.cp_comm_type == "a2a+p2p" and cp_size > 1:
             raise ValueError(f"cp_comm_type a2a+p2p needs hierarchical_context_parallel_sizes U R "
                              f"with U x R = context_parallel_size ({cp_size})")
+        if self.experimental_attention_variant is not None and cp_size > 1:
+            self.gdn_cp_comm_type(tp_size, cp_size)
+
+    def gdn_cp_comm_type(self, tp_size, cp_size):
+        """The CP communication of the Gated DeltaNet layers (context_parallel/gated_delta.py):
+        the attention layers' (``cp_comm_type``, "auto" resolved as they resolve it). Its
+        all-to-all (a2a: over CP; a2a+p2p: over the inner U ranks) hands every rank whole
+        key heads with their value heads, so both head counts must split over TP x U."""
+        method, sizes = resolve_comm_type(self.cp_comm_type, self.num_query_groups // tp_size,
+                                          cp_size, self.hierarchical_context_parallel_sizes)
+        inner = {"a2a": cp_size, "a2a+p2p": sizes[0] if sizes else 1}.get(method, 1)
+        for name in ("linear_num_key_heads", "linear_num_value_heads"):
+            if getattr(self, name) % (tp_size * inner):
+                raise ValueError(
+                    f"{name} ({getattr(self, name)}) must be divisible by tensor_model_parallel_"
+                    f"size x the all-to-all size of cp_comm_type {method} ({tp_size} x {inner}): "
+                    f"the Gated DeltaNet all-to-all splits whole heads; use cp_comm_type p2p "
+                    f"(state passing) or a head count divisible by {tp_size * inner}")
+        return method
 
     def check_positions(self, length, length_name="seq_length"):
         """Raise ValueError if learned absolute positions have no row for a ``length``-token

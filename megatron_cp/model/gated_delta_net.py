@@ -23,15 +23,16 @@ Init (each full weight from its own seed, then split: identical under every layo
 in_proj N(0, std), out_proj N(0, std / sqrt(2 L)), conv1d U(-1/sqrt(w), 1/sqrt(w))
 (nn.Conv1d's default, Megatron-LM's with no conv init), dt_bias 1, A_log log U(1, 16).
 
-A context-parallel wrapper goes around :func:`causal_conv1d` (incoming and outgoing tail)
-and :func:`chunk_gated_delta_rule` (incoming and outgoing state); GDN under CP is refused
-at argument validation until it exists (GPTConfig.validate_parallel).
+Under context parallelism the layer hands its in_proj rows to
+context_parallel/gated_delta.py (head all-to-all, or conv-tail and state passing, by
+--cp-comm-type), which calls back :meth:`mix` or the pieces it is made of.
 """
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_cp import tensor_parallel as tpar
+from megatron_cp.context_parallel.gated_delta import GatedDeltaContextParallel
 from megatron_cp.model.fused import norm_for
 from megatron_cp.model.gated_delta_rule import causal_conv1d, chunk_gated_delta_rule, l2norm
 
@@ -60,11 +61,15 @@ class GatedDeltaNet(torch.nn.Module):
     the attention's arguments (positions are unused: the conv and recurrence are causal by
     construction); ``document_ids`` [b, s] restart conv and state at document boundaries."""
 
-    def __init__(self, config, prefix, tp_group, device=None):
+    def __init__(self, config, prefix, tp_group, device=None, cp_group=None,
+                 hierarchical_groups=None):
         super().__init__()
         tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
         tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
-        config.validate_parallel(tp_size)
+        cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
+        config.validate_parallel(tp_size, cp_size)
+        self.context_parallel = None if cp_size == 1 else GatedDeltaContextParallel(
+            cp_group, config.gdn_cp_comm_type(tp_size, cp_size), hierarchical_groups)
         self.config = config
         nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
         dk, dv, w = config.linear_key_head_dim, config.linear_value_head_dim, \
@@ -100,41 +105,65 @@ class GatedDeltaNet(torch.nn.Module):
             seed=tpar.init_seed(config.seed, prefix + ".out_proj"), **common)
 
     def project(self, x):
-        """x [s(/tp), b, h] -> mixed [b, s, channels/tp] (conv input: per key head
-        [q | k | v]), z [b, s, nv/tp, dv], b and a [b, s, nv/tp]."""
+        """x [s(/tp), b, h] -> in_proj rows per local key head [b, s, nk/tp, rows] (what a
+        context-parallel all-to-all moves: whole key heads with their value heads)."""
         proj = self.in_proj(x).transpose(0, 1)  # [b, s, nk/tp * group rows]
-        bsz, s = proj.shape[0], proj.shape[1]
-        proj = proj.reshape(bsz, s, self.local_key_heads, sum(self.group_rows))
-        q, k, v, z, b, a = proj.split(self.group_rows, dim=-1)  # each [b, s, nk/tp, rows]
-        mixed = torch.cat([q, k, v], dim=-1).reshape(bsz, s, -1)  # [b, s, channels/tp]
-        z = z.reshape(bsz, s, self.local_value_heads, self.dv)
-        return mixed, z, b.reshape(bsz, s, -1), a.reshape(bsz, s, -1)
+        return proj.reshape(proj.shape[0], proj.shape[1], self.local_key_heads, -1)
+
+    def split(self, proj):
+        """proj [b, s, n_k, rows] (n_k key heads) -> mixed [b, s, n_k (2 dk + r dv)] (conv
+        input: per key head [q | k | v]), z [b, s, r n_k, dv], b and a [b, s, r n_k]."""
+        bsz, s, heads = proj.shape[:3]
+        q, k, v, z, b, a = proj.split(self.group_rows, dim=-1)  # each [b, s, n_k, rows]
+        mixed = torch.cat([q, k, v], dim=-1).reshape(bsz, s, -1)  # [b, s, channels]
+        return (mixed, z.reshape(bsz, s, heads * self.ratio, self.dv),
+                b.reshape(bsz, s, -1), a.reshape(bsz, s, -1))
+
+    def conv(self, mixed, first_key_head=0, document_ids=None, initial_tail=None):
+        """The causal conv + SiLU of ``mixed`` [b, s, n_k channels] whose key heads start at
+        local key head ``first_key_head`` -> (y [b, s, channels], tail [b, channels, w-1])."""
+        per_head = 2 * self.dk + self.ratio * self.dv
+        start = first_key_head * per_head
+        weight = self.conv1d.weight[start:start + mixed.shape[-1]]  # [channels, 1, w]
+        return causal_conv1d(mixed, weight, initial_tail=initial_tail, document_ids=document_ids)
 
     def kernel_inputs(self, mixed):
-        """Conv output [b, s, channels/tp] -> q, k [b, s, nv/tp, dk] (unit norm, each key
-        head repeated for its value heads), v [b, s, nv/tp, dv]."""
+        """Conv output [b, s, n_k channels] -> q, k [b, s, r n_k, dk] (unit norm, each key
+        head repeated for its value heads), v [b, s, r n_k, dv]."""
         bsz, s = mixed.shape[0], mixed.shape[1]
-        mixed = mixed.reshape(bsz, s, self.local_key_heads, -1)
+        mixed = mixed.reshape(bsz, s, -1, 2 * self.dk + self.ratio * self.dv)  # [b, s, n_k, .]
         q, k, v = mixed.split((self.dk, self.dk, self.ratio * self.dv), dim=-1)
         q, k = (l2norm(t.float()).repeat_interleave(self.ratio, dim=2) for t in (q, k))
-        return q, k, v.reshape(bsz, s, self.local_value_heads, self.dv)
+        return q, k, v.reshape(bsz, s, -1, self.dv)
 
-    def gates(self, b, a):
-        """beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias) (fp32), each [b, s, nv/tp]."""
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+    def gates(self, b, a, first_key_head=0):
+        """beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias) (fp32), each
+        [b, s, r n_k], for the value heads of the key heads from ``first_key_head``."""
+        start = first_key_head * self.ratio
+        heads = slice(start, start + a.shape[-1])
+        g = -self.A_log[heads].float().exp() * F.softplus(a.float() + self.dt_bias[heads].float())
         return g, torch.sigmoid(b.float())
 
-    def output(self, o, z):
-        """o [b, s, nv/tp, dv] -> out_norm(o) * silu(z) -> out_proj -> [s(/tp), b, h]."""
-        y = (self.out_norm(o) * F.silu(z.float())).to(z.dtype)  # [b, s, nv/tp, dv]
-        y = y.flatten(2).transpose(0, 1)  # [s, b, nv/tp * dv]
-        return self.out_proj(y)
+    def gate_output(self, o, z):
+        """o [b, s, n_v, dv] -> out_norm(o) * silu(z), in z's dtype [b, s, n_v, dv]."""
+        return (self.out_norm(o) * F.silu(z.float())).to(z.dtype)
+
+    def mix(self, proj, document_ids=None, first_key_head=0):
+        """The whole sequence in token order: proj [b, s, n_k, rows] -> gated output
+        [b, s, r n_k, dv] (conv and state restart at every document of ``document_ids``)."""
+        mixed, z, b, a = self.split(proj)
+        mixed, _ = self.conv(mixed, first_key_head, document_ids)
+        q, k, v = self.kernel_inputs(mixed)
+        g, beta = self.gates(b, a, first_key_head)
+        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, document_ids=document_ids)
+        return self.gate_output(o, z)
 
     def forward(self, x, position_ids=None, token_index=None, document_ids=None,
                 dropout_ids=None):
-        mixed, z, b, a = self.project(x)
-        mixed, _ = causal_conv1d(mixed, self.conv1d.weight, document_ids=document_ids)
-        q, k, v = self.kernel_inputs(mixed)
-        g, beta = self.gates(b, a)
-        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, document_ids=document_ids)
-        return self.output(o, z)
+        proj = self.project(x)  # [b, s(/cp), nk/tp, rows]
+        if self.context_parallel is None:
+            y = self.mix(proj, document_ids)
+        else:
+            y = self.context_parallel(self, proj, token_index, document_ids)
+        y = y.flatten(2).transpose(0, 1)  # [s(/cp), b, nv/tp * dv]
+        return self.out_proj(y)

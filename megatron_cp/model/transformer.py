@@ -53,7 +53,7 @@ class TransformerLayer(torch.nn.Module):
         self.is_linear_attention = config.linear_attention_pattern()[layer_number]
         if self.is_linear_attention:
             self.self_attention = GatedDeltaNet(config, prefix + ".self_attention", tp_group,
-                                                device)
+                                                device, cp_group, hierarchical)
         else:
             self.self_attention = SelfAttention(config, prefix + ".self_attention", tp_group,
                                                 cp_group, rng_tracker, device, hierarchical,
