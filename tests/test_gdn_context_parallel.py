@@ -49,9 +49,11 @@ def _check(losses, reference, label):
         assert diff < TOLERANCE
 
 
+# plain sequences at CP = 2; packed documents (the harder chain: resets at global document
+# boundaries inside shards) everywhere
 @pytest.mark.parametrize("layout,packed", [
     (layout, packed) for layout in LAYOUTS for packed in (False, True)
-    if not layout.startswith(("tp2", "pp2")) or packed],
+    if layout.startswith("cp2") or packed],
     ids=lambda v: v if isinstance(v, str) else ("packed" if v else "plain"))
 def test_gdn_hybrid_under_context_parallelism_matches_single_process(references, layout, packed):
     argv = f"{GDN} {LAYOUTS[layout]} {PACKED if packed else ''}"

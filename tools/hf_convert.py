@@ -57,7 +57,7 @@ def pick_layout(args):
     if args.get("num_experts"):
         hf_mixtral.check_args(args)
         return "mixtral"
-    dense = {name: entry for name, entry in LAYOUTS.items() if name != "mixtral"}
+    dense = {name: entry for name, entry in LAYOUTS.items() if name in ("llama", "gpt2")}
     for name, (module, _) in dense.items():
         if all(args.get(key) == value for key, value in module.REQUIRED.items()):
             return name

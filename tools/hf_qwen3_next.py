@@ -165,12 +165,15 @@ def from_hf(hf_dir):
     return full, args, {"iteration": 0, "consumed_samples": 0}
 
 
+# The settings every Qwen3NextForCausalLM has (its norms store w of 1 + w: zero-centred)
+REQUIRED = {"normalization": "RMSNorm", "swiglu": True, "disable_bias_linear": True,
+            "apply_layernorm_1p": True, "qk_layernorm": True, "attention_output_gate": True,
+            "experimental_attention_variant": "gdn"}
+
+
 def to_hf(full, args, out_dir, token_ids=None):
     """Write ``config.json`` + ``model.safetensors`` loadable by Qwen3NextForCausalLM."""
-    needed = {"normalization": "RMSNorm", "swiglu": True, "disable_bias_linear": True,
-              "apply_layernorm_1p": True, "qk_layernorm": True, "attention_output_gate": True,
-              "experimental_attention_variant": "gdn"}
-    wrong = [f"{k}={args.get(k)!r} (needs {v!r})" for k, v in needed.items() if args.get(k) != v]
+    wrong = [f"{k}={args.get(k)!r} (needs {v!r})" for k, v in REQUIRED.items() if args.get(k) != v]
     if args.get("num_experts") and not (args.get("moe_shared_expert_intermediate_size")
                                         and args.get("moe_shared_expert_gate")):
         wrong.append("every Qwen3-Next MoE block has a gated shared expert (needs "
