@@ -31,11 +31,11 @@ def _tokens():
     return torch.randint(0, mcu.VOCAB, (2, mcu.SEQ), generator=torch.Generator().manual_seed(3))
 
 
-def _our_logits(rank, world, root, tokens, extra=""):
+def _our_logits(rank, world, root, tokens):
     """Worker: our trainer loads ``root`` (at TP=world); full real-vocabulary logits, and the
     iteration and consumed samples it resumes at."""
     import torch.distributed as dist
-    args = parse_args(f"{RUN} --load {root} --tensor-model-parallel-size {world} {extra}".split(),
+    args = parse_args(f"{RUN} --load {root} --tensor-model-parallel-size {world}".split(),
                       world_size=world)
     trainer = Trainer(args, build_parallel_state(args, torch.device("cpu")))
     it, consumed = load_save.load_checkpoint(trainer, root)
