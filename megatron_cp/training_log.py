@@ -66,6 +66,7 @@ class TrainingLogger:
 
     def _reset(self):
         self.time, self.loss, self.count = 0.0, 0.0, 0
+        self.mtp_losses = None  # per MTP depth, summed over the interval's iterations
         self.samples = 0  # of the interval's iterations (their batch sizes may differ)
 
     def print(self, line):
@@ -82,6 +83,12 @@ class TrainingLogger:
         scale = scale.item() if torch.is_tensor(scale) else float(scale)
         grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
         lr = trainer.scheduler.get_lr()
+        mtp_losses = getattr(trainer, "mtp_losses", None) or []
+        if mtp_losses:
+            self.mtp_losses = [x + (self.mtp_losses[k] if self.mtp_losses else 0.0)
+                               for k, x in enumerate(mtp_losses)]
+        for k, value in enumerate(mtp_losses):  # Megatron-LM writes them every iteration
+            self._scalar(f"mtp_{k + 1} loss", value, it)
         if self.sinks and it % a.tensorboard_log_interval == 0:
             w = self._scalar
             w("lm loss", loss, it)
@@ -122,7 +129,7 @@ class TrainingLogger:
             f" throughput per GPU (TFLOP/s/GPU): {tflops:.4f} |"
             f" tokens per second: {tokens_per_s:.1f} |"
             f" learning rate: {lr:.6E} | global batch size: {trainer.global_batch_size:5d} |"
-            f" lm loss: {self.loss / self.count:.6E} | loss scale: {scale:.1f} |"
+            f" lm loss: {self.loss / self.count:.6E} |{self._mtp_line()} loss scale: {scale:.1f} |"
             f" grad norm: {grad_norm:.4f} |{zeros}{params_norm}{moe_line}"
             f" number of skipped iterations: {trainer.optimizer.num_skipped_iters:3d} |")
         if not self.memory_reported:  # Megatron's one memory report, after the first interval
@@ -141,6 +148,12 @@ class TrainingLogger:
         self._flush()
         self._reset()
 
+    def _mtp_line(self):
+        """Megatron-LM's "mtp_k loss" entries of the log line: each depth's token-mean cross
+        entropy (before --mtp-loss-scaling-factor), averaged over the interval."""
+        return "".join(f" mtp_{k + 1} loss: {total / self.count:.6E} |"
+                       for k, total in enumerate(self.mtp_losses or []))
+
     def _moe_stats(self, trainer, it):
         """The MoE part of the log line (empty for a dense model): balancing and z-loss, mean
         over MoE layers and over the interval's microbatches, and the tokens per iteration of
@@ -149,9 +162,13 @@ class TrainingLogger:
         config = trainer.config
         if not config.num_moe_experts:
             return ""
-        aux, z, tokens = moe.take_stats(trainer.model_chunks, self.state, config.num_layers,
+        # MTP layers are numbered after the decoder's and take its last layer's kind
+        built_mtp = 1 if config.mtp_use_repeated_layer else config.mtp_depths()
+        pattern = config.moe_layer_pattern()
+        pattern = pattern + pattern[-1:] * (built_mtp if config.mtp_depths() else 0)
+        aux, z, tokens = moe.take_stats(trainer.model_chunks, self.state, len(pattern),
                                         config.num_moe_experts)
-        layers = [n for n, is_moe in enumerate(config.moe_layer_pattern()) if is_moe]
+        layers = [n for n, is_moe in enumerate(pattern) if is_moe]
         microbatches = self.samples // self.args.micro_batch_size  # over every DP rank
         aux, z = aux[layers] / microbatches, z[layers] / microbatches  # [moe layers]
         tokens = tokens[layers] / self.count  # [moe layers, E] per iteration
