@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from dist_harness import run_workers
 from model_utils import tiny_config
-from training_utils import TINY, max_rel_diff, train_losses
+from training_utils import TINY, max_rel_diff, train_losses, train_runs
 from megatron_cp.data.batch import add_mtp_targets, get_ltor_batch, mtp_targets
 from megatron_cp.model import GPTModel
 
@@ -167,11 +167,17 @@ CASES = {  # world size -> (depths, packed, layout flags)
 }
 
 
+NO_MTP_LOSS = "--mtp-loss-scaling-factor 0"
+
+
 @pytest.fixture(scope="module")
 def references():
+    """One-process runs of every (depths, packed) the layouts use, and one without the MTP
+    loss's weight."""
     keys = sorted({(d, p) for cases in CASES.values() for d, p, _ in cases})
-    runs = run_workers(_train_recording, 1, [_argv(d, p) for d, p in keys])[0]
-    return dict(zip(keys, runs))
+    runs = run_workers(_train_recording, 1, [_argv(d, p) for d, p in keys]
+                       + [_argv(1, False, NO_MTP_LOSS)])[0]
+    return {**dict(zip(keys, runs)), NO_MTP_LOSS: runs[-1]}
 
 
 def _check(results, cases, references):
@@ -200,8 +206,8 @@ def test_tp_cp_pp_packed_on_eight_ranks_matches_one_process(references):
 
 def test_mtp_changes_the_training(references):
     """The MTP loss reaches the shared weights: the LM loss curve moves with it."""
-    plain = run_workers(train_losses, 1, _argv(1, False, "--mtp-loss-scaling-factor 0"))[0]
-    assert max_rel_diff(plain, [it[0] for it in references[(1, False)]]) > 1e-4
+    weightless = [it[0] for it in references[NO_MTP_LOSS]]
+    assert max_rel_diff(weightless, [it[0] for it in references[(1, False)]]) > 1e-4
 
 
 # ----- log line, tensorboard, checkpoints --------------------------------------------------
@@ -214,16 +220,16 @@ def _train_capturing(rank, world, argv):
 
 def test_log_line_and_tensorboard(tmp_path):
     argv = (TINY.replace("--log-interval 100", "--log-interval 2") +
-            f" --train-iters 2 --mtp-num-layers 2 --tensorboard-dir {tmp_path}")
+            f" --train-iters 4 --mtp-num-layers 2 --tensorboard-dir {tmp_path}")
     out, _ = run_workers(_train_capturing, 1, argv)[0]
-    line = next(line for line in out.splitlines() if "iteration        2/       2" in line)
+    line = next(line for line in out.splitlines() if "iteration        4/       4" in line)
     assert "| lm loss: " in line and "| mtp_1 loss: " in line and "| mtp_2 loss: " in line
     assert line.index("lm loss:") < line.index("mtp_1 loss:") < line.index("loss scale:")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(str(tmp_path))
     acc.Reload()
-    assert [e.step for e in acc.Scalars("mtp_1 loss")] == [1, 2]
-    assert [e.step for e in acc.Scalars("mtp_2 loss")] == [1, 2]
+    assert [e.step for e in acc.Scalars("mtp_1 loss")] == [1, 2, 3, 4]
+    assert [e.step for e in acc.Scalars("mtp_2 loss")] == [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
@@ -231,7 +237,6 @@ def test_checkpoint_resume_keeps_the_mtp_weights(tmp_path, fmt):
     """6 straight iterations == 3 + save + load (PP=2: the MTP layers on the last stage) + 3."""
     base = (_argv(1, False, f"--pipeline-model-parallel-size 2 --ckpt-format {fmt}")
             .replace("--train-iters 10", "--train-iters 6"))
-    straight = run_workers(train_losses, 2, base)[0]
-    run_workers(train_losses, 2, f"{base} --exit-interval 3 --save {tmp_path}")
-    resumed = run_workers(train_losses, 2, f"{base} --load {tmp_path}")[0]
+    straight, _, resumed = run_workers(train_runs, 2, [
+        base, f"{base} --exit-interval 3 --save {tmp_path}", f"{base} --load {tmp_path}"])[0]
     assert resumed == straight[3:]
