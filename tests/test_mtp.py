@@ -240,3 +240,58 @@ def test_checkpoint_resume_keeps_the_mtp_weights(tmp_path, fmt):
     straight, _, resumed = run_workers(train_runs, 2, [
         base, f"{base} --exit-interval 3 --save {tmp_path}", f"{base} --load {tmp_path}"])[0]
     assert resumed == straight[3:]
+
+
+# ----- megatron-core's own MTP -------------------------------------------------------------
+def _our_mtp_losses(rank, world, root, tokens, labels):
+    """Worker: our trainer loads ``root`` (TP=world); (per-token LM loss [b, s] and the MTP
+    depth means [D]) on one microbatch, in training mode, no update."""
+    import torch.distributed as dist
+    from megatron_cp.arguments import parse_args
+    from megatron_cp.checkpoint import load_save
+    from megatron_cp.training import Trainer, build_parallel_state
+    args = parse_args(f"{MCORE_RUN} --load {root} --tensor-model-parallel-size {world}".split(),
+                      world_size=world)
+    trainer = Trainer(args, build_parallel_state(args, torch.device("cpu")))
+    load_save.load_checkpoint(trainer, root)
+    model = trainer.model_chunks[0].module
+    model.train()
+    batch = add_mtp_targets({"tokens": tokens, "labels": labels,
+                             "loss_mask": torch.ones(labels.shape)}, args.mtp_num_layers)
+    with torch.no_grad():
+        lm = model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), labels=labels,
+                   mtp_targets=mtp_targets(batch))
+    counts = torch.stack([t[2].sum() for t in mtp_targets(batch)])
+    assert dist.get_world_size() == world
+    return lm, model.mtp.loss_sums / counts
+
+
+MCORE_RUN = ("--micro-batch-size 4 --global-batch-size 4 --lr 3e-3 --min-lr 3e-4 "
+             "--lr-warmup-iters 2 --lr-decay-iters 20 --lr-decay-style cosine --train-iters 20 "
+             "--mock-data --eval-iters 0 --log-interval 100 --use-checkpoint-args "
+             "--hidden-dropout 0 --attention-dropout 0")  # training mode: no dropout
+
+
+def test_megatron_core_mtp_checkpoint_in_and_out(tmp_path):
+    """megatron-core 0.16.1's GPTModel with an MTP depth trains and saves; our --load gives
+    its LM and MTP losses (TP=1 and TP=2), and --to-megatron writes it back in a form
+    megatron-core loads strictly, with the same losses."""
+    import megatron_core_utils as mcu
+    from megatron_cp.checkpoint import files
+    from tools import checkpoint_convert as convert
+    text = torch.randint(1, mcu.PADDED, (2, mcu.SEQ + 1), generator=torch.Generator().manual_seed(4))
+    tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
+    root = tmp_path / "theirs"
+    lm, mtp = run_workers(mcu.mtp_train_and_save, 1, str(root), tokens, labels)[0]
+    for tp in (1, 2):
+        ours_lm, ours_mtp = run_workers(_our_mtp_losses, tp, str(root), tokens, labels)[0]
+        torch.testing.assert_close(ours_lm, lm, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ours_mtp, mtp, rtol=1e-5, atol=0)
+    ours_dir, back = tmp_path / "ours", tmp_path / "back"
+    convert.main(["--load-dir", str(root), "--save-dir", str(ours_dir),
+                  "--target-ckpt-format", "torch_dist"])
+    convert.main(["--load-dir", str(ours_dir), "--to-megatron", str(back)])
+    folder = files.iteration_dir(str(back), mcu.ITERATION)
+    again_lm, again_mtp = run_workers(mcu.mtp_load_strict, 1, folder, tokens, labels)[0]
+    torch.testing.assert_close(again_lm, lm, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(again_mtp, mtp, rtol=1e-5, atol=0)
