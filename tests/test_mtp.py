@@ -78,19 +78,22 @@ def _reference_objective(model, config, tokens, labels, loss_mask, documents, fa
     total, mtp_means = mean_ce(h, labels, loss_mask), []
     for depth in range(config.mtp_num_layers):
         tokens, labels, loss_mask = shift(tokens), shift(labels), shift(loss_mask)
-        prefix = f"mtp.layers.{depth}"
+        layer = depth % len(model.mtp.layers)  # --mtp-use-repeated-layer: one for all depths
+        prefix = f"mtp.layers.{layer}"
         e = F.embedding(tokens, table).transpose(0, 1)  # [s, b, h]
         x = torch.cat([norm(e, prefix + ".enorm"), norm(h, prefix + ".hnorm")], dim=-1)
         x = x @ params[prefix + ".eh_proj.weight"].t()  # [s, b, h]
-        x = model.mtp.layers[depth].mtp_model_layer(x, position_ids, None, documents, None)
+        x = model.mtp.layers[layer].mtp_model_layer(x, position_ids, None, documents, None)
         h = norm(x, prefix + ".final_layernorm")
         mtp_means.append(mean_ce(h, labels, loss_mask))
     return total + factor / config.mtp_num_layers * sum(mtp_means), mtp_means
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
-def test_loss_and_grads_match_the_reference(packed):
-    config = tiny_config(num_layers=2, mtp_num_layers=2, mtp_loss_scaling_factor=0.3)
+@pytest.mark.parametrize("packed,repeated", [(False, False), (True, False), (True, True)],
+                         ids=["plain", "packed", "packed-repeated-layer"])
+def test_loss_and_grads_match_the_reference(packed, repeated):
+    config = tiny_config(num_layers=2, mtp_num_layers=2, mtp_loss_scaling_factor=0.3,
+                         mtp_use_repeated_layer=repeated)
     model = GPTModel(config)
     torch.manual_seed(0)
     text = torch.randint(1, config.vocab_size, (2, 17))
@@ -110,12 +113,14 @@ def test_loss_and_grads_match_the_reference(packed):
                                             mask, documents, 0.3)
     want.backward()
     torch.testing.assert_close(got_means, torch.stack(want_means).detach(), rtol=1e-5, atol=0)
-    assert {n for n in grads if n.startswith("mtp.")}, "no MTP parameters"
+    built = {n.split(".")[2] for n in grads if n.startswith("mtp.")}
+    assert built == ({"0"} if repeated else {"0", "1"}), built
     for name, p in model.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-7, msg=name)
     # the factor matters: without the MTP loss the embedding gradient differs
     model.zero_grad()
-    lm_only = GPTModel(tiny_config(num_layers=2, mtp_num_layers=2, mtp_loss_scaling_factor=0.0))
+    lm_only = GPTModel(tiny_config(num_layers=2, mtp_num_layers=2, mtp_loss_scaling_factor=0.0,
+                                   mtp_use_repeated_layer=repeated))
     lm_only.load_state_dict(model.state_dict())
     out = lm_only(batch["tokens"], batch["position_ids"], labels=batch["labels"],
                   document_ids=documents, loss_mask=mask, mtp_targets=mtp_targets(batch))
@@ -150,20 +155,29 @@ def _argv(depths, packed, extra=""):
     return f"{STEPS} --mtp-num-layers {depths} {PACKED if packed else ''} {extra}"
 
 
-CASES = {  # world size -> (depths, packed, layout flags)
-    4: [(1, False, "--tensor-model-parallel-size 2 --sequence-parallel"),
-        (1, False, "--context-parallel-size 2 --cp-comm-type p2p"),
-        (1, True, "--context-parallel-size 2 --cp-comm-type p2p"),
-        (2, False, "--context-parallel-size 2 --cp-comm-type a2a"),
-        (1, True, "--context-parallel-size 2 --cp-comm-type a2a"),
-        (1, False, "--tensor-model-parallel-size 2 --sequence-parallel --context-parallel-size 2 "
-                   "--cp-comm-type all_gather"),
-        (1, True, "--context-parallel-size 4 --cp-comm-type a2a+p2p "
-                  "--hierarchical-context-parallel-sizes 2 2"),
-        (2, False, "--pipeline-model-parallel-size 2"),
-        (1, True, "--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Ett|ttmL")],
-    8: [(2, True, "--tensor-model-parallel-size 2 --sequence-parallel --context-parallel-size 2 "
-                  "--cp-comm-type p2p --pipeline-model-parallel-size 2")],
+# DeepSeek-V3's MoE: a dense first layer, a sigmoid router with expert bias, a shared expert;
+# the MTP layer takes the last decoder layer's kind (MoE)
+MOE = ("--num-experts 4 --moe-layer-freq ([0]+[1]*3) --moe-router-topk 2 "
+       "--moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+       "--moe-shared-expert-intermediate-size 32 --moe-aux-loss-coeff 0.01")
+CASES = {  # world size -> (depths, packed, model flags, layout flags)
+    4: [(1, False, MOE, "--expert-model-parallel-size 2 --context-parallel-size 2 "
+                        "--cp-comm-type p2p"),
+        (1, False, "", "--tensor-model-parallel-size 2 --sequence-parallel"),
+        (1, False, "", "--context-parallel-size 2 --cp-comm-type p2p"),
+        (1, True, "", "--context-parallel-size 2 --cp-comm-type p2p"),
+        (2, False, "", "--context-parallel-size 2 --cp-comm-type a2a"),
+        (1, True, "", "--context-parallel-size 2 --cp-comm-type a2a"),
+        (1, False, "", "--tensor-model-parallel-size 2 --sequence-parallel "
+                       "--context-parallel-size 2 --cp-comm-type all_gather"),
+        (1, True, "", "--context-parallel-size 4 --cp-comm-type a2a+p2p "
+                      "--hierarchical-context-parallel-sizes 2 2"),
+        (2, False, "", "--pipeline-model-parallel-size 2"),
+        (1, True, "", "--pipeline-model-parallel-size 2 "
+                      "--pipeline-model-parallel-layout Ett|ttmL")],
+    8: [(2, True, "", "--tensor-model-parallel-size 2 --sequence-parallel "
+                      "--context-parallel-size 2 --cp-comm-type p2p "
+                      "--pipeline-model-parallel-size 2")],
 }
 
 
@@ -172,18 +186,18 @@ NO_MTP_LOSS = "--mtp-loss-scaling-factor 0"
 
 @pytest.fixture(scope="module")
 def references():
-    """One-process runs of every (depths, packed) the layouts use, and one without the MTP
-    loss's weight."""
-    keys = sorted({(d, p) for cases in CASES.values() for d, p, _ in cases})
-    runs = run_workers(_train_recording, 1, [_argv(d, p) for d, p in keys]
+    """One-process runs of every (depths, packed, model flags) the layouts use, and one
+    without the MTP loss's weight."""
+    keys = sorted({case[:3] for cases in CASES.values() for case in cases})
+    runs = run_workers(_train_recording, 1, [_argv(*key) for key in keys]
                        + [_argv(1, False, NO_MTP_LOSS)])[0]
     return {**dict(zip(keys, runs)), NO_MTP_LOSS: runs[-1]}
 
 
 def _check(results, cases, references):
     for runs in results:  # every rank logs the same values
-        for (depths, packed, extra), run in zip(cases, runs):
-            reference = references[(depths, packed)]
+        for (depths, packed, model, extra), run in zip(cases, runs):
+            reference = references[(depths, packed, model)]
             assert len(run[0]) == 1 + depths
             for k in range(1 + depths):
                 diff = max_rel_diff([it[k] for it in run], [it[k] for it in reference])
@@ -194,20 +208,20 @@ def _check(results, cases, references):
 
 def test_layouts_of_four_ranks_match_one_process(references):
     cases = CASES[4]
-    _check(run_workers(_train_recording, 4, [_argv(*case[:2], case[2]) for case in cases],
+    _check(run_workers(_train_recording, 4, [_argv(*case[:2], " ".join(case[2:])) for case in cases],
                        timeout=600), cases, references)
 
 
 def test_tp_cp_pp_packed_on_eight_ranks_matches_one_process(references):
     cases = CASES[8]
-    _check(run_workers(_train_recording, 8, [_argv(*case[:2], case[2]) for case in cases],
+    _check(run_workers(_train_recording, 8, [_argv(*case[:2], " ".join(case[2:])) for case in cases],
                        timeout=600), cases, references)
 
 
 def test_mtp_changes_the_training(references):
     """The MTP loss reaches the shared weights: the LM loss curve moves with it."""
     weightless = [it[0] for it in references[NO_MTP_LOSS]]
-    assert max_rel_diff(weightless, [it[0] for it in references[(1, False)]]) > 1e-4
+    assert max_rel_diff(weightless, [it[0] for it in references[(1, False, "")]]) > 1e-4
 
 
 # ----- log line, tensorboard, checkpoints --------------------------------------------------
