@@ -898,11 +898,6 @@ def _validate_pipeline(args, check_microbatches=True):
     and the buffer length."""
     pp = args.pipeline_model_parallel_size
     layout = layout_from_args(args)
-    if pp > 1 and args.mtp_num_layers and args.untie_embeddings_and_output_weights:
-        raise ValueError(f"--mtp-num-layers {args.mtp_num_layers} with "
-                         f"--untie-embeddings-and-output-weights under PP ({pp}): the MTP layers "
-                         f"on the last stage embed with the word embedding, which is there only "
-                         f"when tied (an untied copy is not built); tie the embeddings or use PP=1")
     args.virtual_pipeline_model_parallel_size = layout.vp_size if layout.vp_size > 1 else None
     if check_microbatches:
         evaluation = [args.eval_num_microbatches] if args.eval_iters > 0 and getattr(

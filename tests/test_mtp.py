@@ -160,6 +160,7 @@ def _argv(depths, packed, extra=""):
 MOE = ("--num-experts 4 --moe-layer-freq ([0]+[1]*3) --moe-router-topk 2 "
        "--moe-router-score-function sigmoid --moe-router-enable-expert-bias "
        "--moe-shared-expert-intermediate-size 32 --moe-aux-loss-coeff 0.01")
+UNTIED = "--untie-embeddings-and-output-weights"  # PP: the last stage keeps a table for MTP
 CASES = {  # world size -> (depths, packed, model flags, layout flags)
     4: [(1, False, MOE, "--expert-model-parallel-size 2 --context-parallel-size 2 "
                         "--cp-comm-type p2p"),
@@ -173,8 +174,8 @@ CASES = {  # world size -> (depths, packed, model flags, layout flags)
         (1, True, "", "--context-parallel-size 4 --cp-comm-type a2a+p2p "
                       "--hierarchical-context-parallel-sizes 2 2"),
         (2, False, "", "--pipeline-model-parallel-size 2"),
-        (1, True, "", "--pipeline-model-parallel-size 2 "
-                      "--pipeline-model-parallel-layout Ett|ttmL")],
+        (1, True, UNTIED, "--pipeline-model-parallel-size 2 "
+                          "--pipeline-model-parallel-layout Ett|ttmL")],
     8: [(2, True, "", "--tensor-model-parallel-size 2 --sequence-parallel "
                       "--context-parallel-size 2 --cp-comm-type p2p "
                       "--pipeline-model-parallel-size 2")],
@@ -248,12 +249,17 @@ def test_log_line_and_tensorboard(tmp_path):
 
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
 def test_checkpoint_resume_keeps_the_mtp_weights(tmp_path, fmt):
-    """6 straight iterations == 3 + save + load (PP=2: the MTP layers on the last stage) + 3."""
-    base = (_argv(1, False, f"--pipeline-model-parallel-size 2 --ckpt-format {fmt}")
+    """6 straight iterations == 3 + save + load (PP=2: the MTP layers on the last stage, with
+    their copy of the untied word embedding) + 3, and the checkpoint loads at PP=1 (where the
+    copy is the embedding itself) with the same next loss."""
+    base = (_argv(1, False, f"--pipeline-model-parallel-size 2 --ckpt-format {fmt} {UNTIED}")
             .replace("--train-iters 10", "--train-iters 6"))
     straight, _, resumed = run_workers(train_runs, 2, [
         base, f"{base} --exit-interval 3 --save {tmp_path}", f"{base} --load {tmp_path}"])[0]
     assert resumed == straight[3:]
+    one_stage = base.replace("--pipeline-model-parallel-size 2", "")
+    resharded = run_workers(train_losses, 1, f"{one_stage} --load {tmp_path}")[0]
+    assert max_rel_diff(resharded, straight[3:]) < 1e-5
 
 
 # ----- megatron-core's own MTP -------------------------------------------------------------

@@ -68,8 +68,7 @@ LAYOUT, PP2 = "--pipeline-model-parallel-layout", "--pipeline-model-parallel-siz
                                                         "last stage"),
     (f"{PP2} {LAYOUT} Ett|ttL --mtp-num-layers 1", 2, "holds 0 MTP layers (m) but "
                                                       "--mtp-num-layers is 1"),
-    (f"{PP2} --mtp-num-layers 1 --untie-embeddings-and-output-weights", 2,
-     "--mtp-num-layers 1 with --untie-embeddings-and-output-weights under PP (2)"),
+
     (f"{PP2} {LAYOUT} Et|tt|tL", 2, "has 3 stages, not a multiple of "
                                     "--pipeline-model-parallel-size (2)"),
     (f"{PP2} {LAYOUT} Et|tL", 2, "holds 2 transformer layers (t) but --num-layers is 4"),

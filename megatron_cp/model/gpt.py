@@ -6,7 +6,9 @@ tied embeddings on a last stage that lacks the embedding, the output layer holds
 initialized identically and marked ``shared_embedding`` (its gradient is all-reduced with
 the first stage's over the embedding group). With ``--mtp-num-layers`` the last stage also
 holds the multi-token-prediction depths (multi_token_prediction.py), which share the word
-embedding (there: the tied output weight) and the output layer. The word embedding and the
+embedding and the output layer; a last stage without the embedding embeds through its copy
+(the tied output weight, or with untied embeddings ``mtp_word_embeddings``, a
+``shared_embedding`` copy as Megatron-LM keeps one there). The word embedding and the
 output layer weight
 (either copy) are marked ``is_embedding_or_output_parameter``, Megatron-LM's mark: the
 optimizer gives them --decoupled-lr and keeps them from Muon.
@@ -23,6 +25,17 @@ from megatron_cp.model.transformer import TransformerBlock, dropout, mark_sequen
 WORD_EMBEDDING_KEY = "embedding.word_embeddings"
 
 
+def word_embedding(config, padded_vocab, tp_group, device=None):
+    """The vocab-parallel word embedding (the same weights wherever it is built)."""
+    return tpar.VocabParallelEmbedding(
+        padded_vocab, config.hidden_size, tp_group=tp_group,
+        init_method=tpar.real_rows_init(tpar.normal_init(config.init_method_std),
+                                        config.vocab_size),
+        seed=tpar.init_seed(config.seed, WORD_EMBEDDING_KEY),
+        reduce_scatter_output=config.sequence_parallel, params_dtype=config.params_dtype,
+        device=device)
+
+
 class Embedding(torch.nn.Module):
     """tokens [b, s] (+ position ids) -> [s, b, h], or [s/tp, b, h] under SP."""
 
@@ -33,12 +46,7 @@ class Embedding(torch.nn.Module):
             torch.distributed.get_world_size(tp_group) > 1
         self.tp_group = tp_group
         std = config.init_method_std
-        self.word_embeddings = tpar.VocabParallelEmbedding(
-            padded_vocab, config.hidden_size, tp_group=tp_group,
-            init_method=tpar.real_rows_init(tpar.normal_init(std), config.vocab_size),
-            seed=tpar.init_seed(config.seed, WORD_EMBEDDING_KEY),
-            reduce_scatter_output=config.sequence_parallel, params_dtype=config.params_dtype,
-            device=device)
+        self.word_embeddings = word_embedding(config, padded_vocab, tp_group, device)
         self.position_embeddings = None
         if config.position_embedding_type == "learned_absolute":
             weight = torch.empty(config.max_position_embeddings, config.hidden_size)
@@ -96,7 +104,9 @@ class GPTModel(torch.nn.Module):
         tied = not config.untie_embeddings_and_output_weights
         if pre_process:
             self.embedding = Embedding(config, self.padded_vocab_size, tp_group, rng_tracker, device)
-            self.embedding.word_embeddings.weight.shared_embedding = tied and not post_process
+            # a last stage without it holds a copy: the tied output layer, or MTP's table
+            self.embedding.word_embeddings.weight.shared_embedding = \
+                (tied or bool(config.mtp_num_layers)) and not post_process
             self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
         layer_numbers = range(config.num_layers) if layer_numbers is None else layer_numbers
         self.decoder = TransformerBlock(config, layer_numbers, tp_group, cp_group, rng_tracker,
@@ -116,11 +126,13 @@ class GPTModel(torch.nn.Module):
                     device=device)
                 self.output_layer.weight.shared_embedding = tied
                 self.output_layer.weight.is_embedding_or_output_parameter = True
-        self.mtp = None
+        self.mtp, self.mtp_word_embeddings = None, None
         if post_process and config.mtp_num_layers:
-            # the MTP layers embed with the word embedding: here, or tied as the output layer
-            # (arguments.py refuses untied embeddings under PP)
-            assert pre_process or tied, "MTP on a stage without the word embedding"
+            if not (pre_process or tied):  # MTP embeds here: a copy of the first stage's table
+                self.mtp_word_embeddings = word_embedding(config, self.padded_vocab_size,
+                                                          tp_group, device)
+                self.mtp_word_embeddings.weight.shared_embedding = True
+                self.mtp_word_embeddings.weight.is_embedding_or_output_parameter = True
             self.mtp = MultiTokenPrediction(config, tp_group, cp_group, rng_tracker, device,
                                             state)
 
@@ -155,11 +167,13 @@ class GPTModel(torch.nn.Module):
 
     def _embed(self, tokens):
         """tokens [b, s] -> [s(/tp), b, h] through the word embedding (for MTP; a last stage
-        without the embedding looks them up in the tied output weight, the same table)."""
+        without the embedding looks them up in its copy of the table: the tied output weight,
+        or with untied embeddings ``mtp_word_embeddings``)."""
         if self.pre_process:
             return self.embedding(tokens, None)
-        h = tpar.vocab_parallel_embedding(tokens, self.output_layer.weight, self.tp_group,
-                                          self.sequence_parallel)
+        table = self.output_layer.weight if self.mtp_word_embeddings is None \
+            else self.mtp_word_embeddings.weight
+        h = tpar.vocab_parallel_embedding(tokens, table, self.tp_group, self.sequence_parallel)
         return dropout(h, self.config.hidden_dropout, self.training, self.sequence_parallel,
                        self.rng_tracker)
 
