@@ -16,6 +16,7 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from multiprocessing import reduction
 
 
 class WorkerError(AssertionError):
@@ -24,9 +25,9 @@ class WorkerError(AssertionError):
 
 # Workers fork from one forkserver per test process, started once with torch and the
 # package already imported: a worker then starts in milliseconds instead of importing torch
-# anew (about 2.5 s of CPU a rank under "spawn", which summed over the suite's thousands of
-# ranks was most of its time on two cores). The server itself has run no torch op, so no
-# thread pool is forked half-initialised.
+# anew (about 2.5 s of CPU a rank under "spawn"; tests/test_context_parallel.py went from
+# 26 s to 6 s). The server itself has run no torch op, so no thread pool is forked
+# half-initialised.
 _PRELOAD = ["torch", "torch.distributed", "megatron_cp.training", "megatron_cp.model.gpt",
             "dist_harness"]
 
@@ -37,11 +38,33 @@ def _context():
     return ctx
 
 
-def _worker(rank, world_size, store_path, fn, args, results, timeout, environ):
+class _InheritedFd:
+    """The parent's file descriptor as it points now, handed to a forkserver child.
+
+    The forkserver's own stdout and stderr are whatever they were when it started (perhaps an
+    earlier test's capture); a worker writes where the test's are now, as a spawned process
+    would, so pytest's capture and the terminal see its output.
+    """
+
+    def __init__(self, fd):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _attach_fd, (reduction.DupFd(self.fd),)
+
+
+def _attach_fd(dup):
+    return dup.detach()
+
+
+def _worker(rank, world_size, store_path, fn, args, results, timeout, environ, stdio):
     # The forkserver's environment is the one it started with; a worker takes the test's own
     # (a test may have set variables since), as a spawned process would.
     os.environ.clear()
     os.environ.update(environ)
+    for fd, inherited in zip((1, 2), stdio):
+        os.dup2(inherited, fd)
+        os.close(inherited)
     os.environ["MEGATRON_CP_TEST_WORKER"] = "1"
     torch.set_num_threads(1)
     try:
@@ -81,7 +104,8 @@ def run_workers(fn, world_size, *args, timeout=240):
         store = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_worker,
                              args=(r, world_size, store, fn, args, results, timeout,
-                                   dict(os.environ)), daemon=True)
+                                   dict(os.environ), (_InheritedFd(1), _InheritedFd(2))),
+                             daemon=True)
                  for r in range(world_size)]
         for p in procs:
             p.start()
