@@ -183,6 +183,7 @@ def _layer_parity(rank, world, comm_type, packed):
     weight = torch.randn(s, b, 32, generator=gen)
     docs = torch.repeat_interleave(torch.arange(4), torch.tensor(lengths)).expand(b, s) \
         if packed else None
+    terms = _record_gate_terms(reference)
     y_ref = reference(x, document_ids=docs)
     (y_ref * weight).sum().backward()
     tokens = torch.arange(s).expand(b, s)
@@ -201,7 +202,35 @@ def _layer_parity(rank, world, comm_type, packed):
     for key, (mine, _) in out.items():
         if key != "y":
             dist.all_reduce(mine, group=cp_group)
-    return {key: max_rel(*pair) for key, pair in out.items()}
+    return {key: max_rel(*pair) for key, pair in out.items()}, terms()
+
+
+def _record_gate_terms(layer):
+    """Wrap ``layer.gates`` to keep g and a; returns a function giving, after the backward,
+    the cancellation of the A_log and dt_bias gradients: per parameter, max over heads of the
+    sum over tokens of |term| divided by the largest |gradient| (the sum of the terms).
+    dL/dA_log_h = sum_t dL/dg_t g_t and dL/ddt_bias_h = sum_t dL/dg_t dg_t/da_t with
+    dg/da = -exp(A_log) sigmoid(a + dt_bias): fp32 rounding of each term (~1e-6 relative, as
+    for the other gradients) adds up over sum |term|, not over |sum|."""
+    import torch
+    gates, kept = layer.gates, {}
+
+    def recording(b, a, first_key_head=0):
+        g, beta = gates(b, a, first_key_head)
+        g.retain_grad()
+        kept.update(g=g, a=a)
+        return g, beta
+
+    layer.gates = recording
+
+    def cancellation():
+        g, a = kept["g"], kept["a"].float()  # [b, s, heads]
+        slope = -layer.A_log.float().exp() * torch.sigmoid(a + layer.dt_bias.float())
+        out = {}
+        for name, terms in (("A_log", g.grad * g), ("dt_bias", g.grad * slope)):
+            out[name] = float(terms.abs().sum((0, 1)).max() / terms.sum((0, 1)).abs().max())
+        return out
+    return cancellation
 
 
 def max_rel(a, b):
@@ -213,11 +242,12 @@ def max_rel(a, b):
     ("p2p", 2, False), ("p2p", 2, True), ("a2a", 2, True), ("all_gather", 2, True),
     ("p2p", 4, True), ("a2a+p2p", 4, True)])
 def test_gdn_layer_under_context_parallelism_matches_whole_sequence(comm_type, world, packed):
-    diffs = run_workers(_layer_parity, world, comm_type, packed)[0]
-    print(comm_type, world, packed, diffs)
+    diffs, cancellation = run_workers(_layer_parity, world, comm_type, packed)[0]
+    print(comm_type, world, packed, diffs, cancellation)
     # fp32, chunks cut at other places than one process's 64-token chunks: outputs and
-    # weight gradients ~1e-6; A_log and dt_bias gradients are, per head, sums over all
-    # b x s tokens of terms that cancel (measured ~1e-5 relative to their largest entry)
-    gates = {key: diffs.pop(key) for key in ("A_log", "dt_bias")}
+    # weight gradients ~1e-6 relative, 1e-5 with room. A_log and dt_bias gradients are, per
+    # head, sums over all b x s tokens of terms of both signs: the same per-term precision
+    # scaled by how much they cancel (sum |term| / |sum|, measured ~5-20 here)
+    for key in ("A_log", "dt_bias"):
+        assert diffs.pop(key) < 1e-5 * cancellation[key], (key, cancellation)
     assert max(diffs.values()) < 1e-5, diffs
-    assert max(gates.values()) < 1e-4, gates
