@@ -7,13 +7,16 @@ as it is. Each attention layer projects the new tokens to q, k, v with the layer
 their positions, as in training), appends k and v to the layer's cache and lets the new
 queries attend to every cached key. The first call (the prompt) runs the layer's own
 ``core_attention``, so its outputs are those of the full forward; later calls attend with one
-query row per new token.
+query row per new token. A Gated DeltaNet layer keeps its conv tail and recurrent state
+instead (:mod:`.gdn_cache`).
 
 Tensor parallelism works as in training (heads and MLP split, the same collectives);
 sequence parallelism and context parallelism do not apply to a few new tokens and are off.
 """
 import torch
 import torch.nn.functional as F
+
+from megatron_cp.inference.gdn_cache import GatedDeltaLayerCache
 
 
 class LayerCache:
@@ -41,12 +44,15 @@ class LayerCache:
 
 
 class KVCache:
-    """One :class:`LayerCache` per layer of every model chunk on this rank, for up to
-    ``capacity`` tokens per sequence. ``length``: tokens seen (the next token's position)."""
+    """One :class:`LayerCache` per attention layer (a
+    :class:`~megatron_cp.inference.gdn_cache.GatedDeltaLayerCache` per Gated DeltaNet layer)
+    of every model chunk on this rank, for up to ``capacity`` tokens per sequence.
+    ``length``: tokens seen (the next token's position)."""
 
     def __init__(self, model_chunks, capacity):
         self.capacity = capacity
-        self.layers = [[LayerCache(capacity) for _ in chunk.decoder.layers]
+        self.layers = [[GatedDeltaLayerCache() if layer.is_linear_attention
+                        else LayerCache(capacity) for layer in chunk.decoder.layers]
                        for chunk in model_chunks]
 
     @property
@@ -89,14 +95,13 @@ def cached_chunk_forward(chunk, tokens, position_ids, input_tensor, layer_caches
             chunk.decoder.layers[0].self_attention.cp_size > 1:
         raise ValueError("incremental decoding runs without sequence or context parallelism; "
                          "drop --sequence-parallel and use --context-parallel-size 1")
-    if any(layer.is_linear_attention for layer in chunk.decoder.layers):
-        raise ValueError("incremental decoding of Gated DeltaNet layers (a recurrent cache of "
-                         "conv tail and state) is not built yet; generate without the "
-                         "key/value cache (--no-kv-cache)")
     h = chunk.embedding(tokens, position_ids) if chunk.pre_process else input_tensor  # [s, b, h]
     for layer, cache in zip(chunk.decoder.layers, layer_caches):
         attention_input = layer.input_layernorm(h)
-        h = h + cached_attention(layer.self_attention, attention_input, position_ids, cache)
+        if layer.is_linear_attention:
+            h = h + cache.continue_sequence(layer.self_attention, attention_input)
+        else:
+            h = h + cached_attention(layer.self_attention, attention_input, position_ids, cache)
         h = h + layer.mlp(layer.pre_mlp_layernorm(h))
     if not chunk.post_process:
         return h
