@@ -35,6 +35,7 @@ def _args(load, world, extra, get_args, check_args):
 def _generate(rank, world, load, prompt):
     """Worker: greedy generation with and without the cache (tokens, per step full logits),
     and a cached prefix continued by several tokens at once against the whole forward."""
+    from megatron_cp.inference.gdn_cache import GatedDeltaLayerCache
     from megatron_cp.inference.generation import generate
     from megatron_cp.inference.kv_cache import KVCache, cached_chunk_forward
     from megatron_cp.inference.model import InferenceModel
@@ -51,9 +52,18 @@ def _generate(rank, world, load, prompt):
     cache = KVCache(model.model_chunks, s)
     cached_chunk_forward(chunk, tokens[:, :5], positions[:, :5], None, cache.layers[0])
     pieces = cached_chunk_forward(chunk, tokens[:, 5:], positions[:, 5:], None, cache.layers[0])
+    # the control: the same continuation after the GDN layers forgot the prefix (tails and
+    # states dropped), which is what a cache that lost its state would compute
+    forgetful = KVCache(model.model_chunks, s)
+    cached_chunk_forward(chunk, tokens[:, :5], positions[:, :5], None, forgetful.layers[0])
+    for layer in forgetful.layers[0]:
+        if isinstance(layer, GatedDeltaLayerCache):
+            layer.conv_tail = layer.state = None
+    forgot = cached_chunk_forward(chunk, tokens[:, 5:], positions[:, 5:], None,
+                                  forgetful.layers[0])
     logits = chunk(tokens, positions)  # [s, b, v/tp]
     return [(run.tokens, torch.stack(run.logits)) for run in runs] + [
-        (pieces, logits[-1:]), _rounding_scale(chunk, tokens, positions, logits)]
+        (pieces, logits[-1:]), _rounding_scale(chunk, tokens, positions, logits), forgot]
 
 
 def _rounding_scale(chunk, tokens, positions, logits):
@@ -79,12 +89,14 @@ def _rounding_scale(chunk, tokens, positions, logits):
 def test_cached_greedy_generation_equals_recomputation_and_transformers(imported, world):
     hf, load = imported
     prompt = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
-    (cached, cached_logits), (full, full_logits), (pieces, whole), scale = run_workers(
+    (cached, cached_logits), (full, full_logits), (pieces, whole), scale, forgot = run_workers(
         _generate, world, load, prompt)[0]
     assert cached.shape == (2, 6 + NEW_TOKENS) and torch.equal(cached, full)
     assert 0 < scale < 1e-2, scale  # rounding-level, far from a broken cache's O(1)
     torch.testing.assert_close(cached_logits, full_logits, rtol=0, atol=scale)
     torch.testing.assert_close(pieces, whole, rtol=0, atol=scale)
+    finite = torch.isfinite(whole)
+    assert (forgot - whole)[finite].abs().max() > 100 * scale  # the state is what it keeps
     with torch.no_grad():  # every token is real: no padding mask from a pad id
         theirs = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
                              max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
