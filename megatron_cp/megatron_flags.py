@@ -651,8 +651,9 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
      ("--heterogeneous-layers-config-path", "--heterogeneous-layers-config-encoded-json",)),
     ("Mamba hybrid layers are not built yet; drop it",
      ("--mamba-training-ssm-states-dtype",)),
-    ("caching MLA's latents for Megatron-LM's dynamic inference engine (flash MLA decode) "
-     "is not built; drop it",
+    ("caching MLA's latents is for Megatron-LM's dynamic inference engine (flash MLA decode; "
+     "Megatron-LM refuses it in training); generation here always caches MLA's latents "
+     "(inference/mla_cache.py); drop it",
      ("--cache-mla-latents",)),
     ("upcycling a dense checkpoint into MoE is not built; drop it",
      ("--moe-use-upcycling", "--moe-upcycling-granularity",)),

@@ -256,3 +256,34 @@ def test_model_flops_count_mla_projections_and_head_dims():
     standard = 2 * h * 3 * nh * 8 + 2 * nh * 8 * h + 4 * s * nh * 8
     assert model_flops_per_token(config, s) - model_flops_per_token(plain, s) == \
         3 * (attention - standard)
+
+
+def test_latent_cache_generation_equals_recomputation():
+    """Greedy decoding through the latent cache (kv_lora_rank + qk_pos_emb_head_dim numbers
+    per token and layer, not the heads' keys and values) gives the logits and tokens of
+    recomputing the whole sequence; several new tokens after a cached prefix too."""
+    from megatron_cp.inference.kv_cache import KVCache, cached_chunk_forward
+    from megatron_cp.inference.mla_cache import LatentCache
+    from megatron_cp.model import GPTModel
+    torch.manual_seed(5)
+    model = GPTModel(tiny_config(**MLA)).eval()
+    tokens = torch.randint(0, 120, (2, 4))
+    cache = KVCache([model], 14)
+    with torch.no_grad():
+        for _ in range(10):
+            start = cache.length
+            positions = torch.arange(start, tokens.shape[1]).expand(2, -1)
+            cached = cached_chunk_forward(model, tokens[:, start:], positions, None,
+                                          cache.layers[0])[0, :, :120]  # [b, v]
+            whole = model(tokens, torch.arange(tokens.shape[1]).expand(2, -1))[-1, :, :120]
+            torch.testing.assert_close(cached, whole, rtol=1e-5, atol=1e-5)
+            tokens = torch.cat([tokens, cached.argmax(-1, keepdim=True)], dim=1)
+        layer_cache = cache.layers[0][0]
+        assert isinstance(layer_cache, LatentCache)
+        assert tuple(layer_cache.latents.shape) == (14, 2, 16 + 4)
+        prefix = KVCache([model], 14)
+        positions = torch.arange(14).expand(2, -1)
+        cached_chunk_forward(model, tokens[:, :6], positions[:, :6], None, prefix.layers[0])
+        pieces = cached_chunk_forward(model, tokens[:, 6:], positions[:, 6:], None,
+                                      prefix.layers[0])
+        torch.testing.assert_close(pieces, model(tokens, positions)[-1:], rtol=1e-5, atol=1e-5)
