@@ -287,3 +287,14 @@ def test_latent_cache_generation_equals_recomputation():
         pieces = cached_chunk_forward(model, tokens[:, 6:], positions[:, 6:], None,
                                       prefix.layers[0])
         torch.testing.assert_close(pieces, model(tokens, positions)[-1:], rtol=1e-5, atol=1e-5)
+
+
+def test_tp2_checkpoint_resumes_at_tp1(tmp_path, references):
+    """A --ckpt-format torch checkpoint of the DeepSeek-shaped MLA model saved at TP2+SP
+    (up projections split by heads, down projections replicated) resumes at TP=1 and
+    continues the straight run's losses."""
+    first = f"{DEEPSEEK} --tensor-model-parallel-size 2 --sequence-parallel --exit-interval 5 " \
+            f"--save {tmp_path} --ckpt-format torch"
+    run_workers(train_losses, 2, first)
+    resumed = run_workers(train_losses, 1, f"{DEEPSEEK} --load {tmp_path}")[0]
+    assert max_rel_diff(resumed, references[False][5:]) < 1e-5
