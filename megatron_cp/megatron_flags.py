@@ -193,12 +193,12 @@ COMPAT_FLAGS = (
                       "is Megatron-LM's deprecated spelling, accepted only beside "
                       "--position-embedding-type rope (no learned table to turn off); choose "
                       "the positions with --position-embedding-type and drop it")),
-    CompatFlag("--rope-type", SAME, "GPT attention's rotary embedding is rope (Megatron-LM's "
-               "non-MLA attention takes no other)", group="model",
-               argparse=dict(choices=["rope", "yarn"], default=None),
-               refuse={"yarn": "it picks multi-latent attention's rotary embedding, and MLA is "
-                               "not built (Megatron-LM's GPT attention refuses it too); for "
-                               "YaRN use --position-embedding-type yarn"}),
+    CompatFlag("--mla-down-proj-fusion", SAME, "the query and key/value down projections "
+               "of multi-latent attention run as two plain matmuls (the same values)",
+               group="model",
+               needs=("multi_latent_attention", (True,),
+                      "fuses multi-latent attention's down projections; add "
+                      "--multi-latent-attention or drop it")),
     CompatFlag("--yarn-correction-range-round-to-int", SAME, "YaRN's ramp ends are rounded to "
                "whole channel pairs by default (--no-yarn-correction-range-round-to-int turns "
                "it off)", group="model", argparse=dict(action="store_true", default=None),
@@ -413,8 +413,6 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
     ("skipping weight initialization is not built; weights are always initialised (and "
      "overwritten by --load); drop it",
      ("--no-initialization",)),
-    ("multi-latent attention (MLA) is not built yet; drop it",
-     ("--multi-latent-attention",)),
     ("MTP layers live on the last pipeline stage, with the output layer they share; an MTP "
      "stage of its own is not built: put the layout's m's in the last stage, drop the flag",
      ("--mtp-standalone",)),
@@ -658,9 +656,10 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
      ("--heterogeneous-layers-config-path", "--heterogeneous-layers-config-encoded-json",)),
     ("Mamba hybrid layers are not built yet; drop it",
      ("--mamba-training-ssm-states-dtype",)),
-    ("multi-latent attention and multi-token prediction are not built yet; drop them",
-     ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
-      "--v-head-dim", "--cache-mla-latents", "--mla-down-proj-fusion",)),
+    ("caching MLA's latents is for Megatron-LM's dynamic inference engine (flash MLA decode; "
+     "Megatron-LM refuses it in training); generation here always caches MLA's latents "
+     "(inference/mla_cache.py); drop it",
+     ("--cache-mla-latents",)),
     ("upcycling a dense checkpoint into MoE is not built; drop it",
      ("--moe-use-upcycling", "--moe-upcycling-granularity",)),
     ("writing progress.txt into the checkpoint directory is not built; drop it",

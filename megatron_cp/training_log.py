@@ -25,8 +25,11 @@ def model_flops_per_token(config, seq_length):
     every matmul counts 2 FLOPs per multiply-add and attention counts the full s x s."""
     h, d = config.hidden_size, config.kv_channels
     nh, ng, ffn = config.num_attention_heads, config.num_query_groups, config.ffn_hidden_size
-    per_layer = 2 * h * (nh + 2 * ng) * d + 2 * nh * d * h  # qkv + output projections
-    per_layer += 2 * 2 * seq_length * nh * d  # q k^T and p v
+    if config.multi_latent_attention:
+        per_layer = _mla_flops_per_token(config, seq_length)
+    else:
+        per_layer = 2 * h * (nh + 2 * ng) * d + 2 * nh * d * h  # qkv + output projections
+        per_layer += 2 * 2 * seq_length * nh * d  # q k^T and p v
     mlp_matrices = 3 if config.activation == "swiglu" else 2
     dense_mlp = 2 * h * ffn * mlp_matrices
     moe_mlp = 2 * h * config.num_moe_experts  # router
@@ -36,6 +39,20 @@ def model_flops_per_token(config, seq_length):
     mlps = sum(moe_mlp if is_moe else dense_mlp for is_moe in config.moe_layer_pattern())
     logits = 2 * h * config.padded_vocab_size(1)
     return 3 * (config.num_layers * per_layer + mlps + logits)
+
+
+def _mla_flops_per_token(config, seq_length):
+    """Forward FLOPs per token of one multi-latent attention layer: its projections (query
+    down + up or one query projection, key/value down + up, output) and q k^T (key head
+    dim qk_head_dim + qk_pos_emb_head_dim) and p v (v_head_dim) over the full s x s."""
+    h, nh = config.hidden_size, config.num_attention_heads
+    qk = config.qk_head_dim + config.qk_pos_emb_head_dim
+    rank = config.q_lora_rank
+    query = h * nh * qk if rank is None else rank * (h + nh * qk)
+    kv = h * (config.kv_lora_rank + config.qk_pos_emb_head_dim) + \
+        config.kv_lora_rank * nh * (config.qk_head_dim + config.v_head_dim)
+    projections = 2 * (query + kv + nh * config.v_head_dim * h)
+    return projections + 2 * seq_length * nh * (qk + config.v_head_dim)
 
 
 class TrainingLogger:

@@ -1,6 +1,6 @@
 """Run a function on N gloo worker processes from a test, and never hang.
 
-``run_workers(fn, world_size, *args)`` spawns ``world_size`` processes, initializes a gloo
+``run_workers(fn, world_size, *args)`` starts ``world_size`` processes, initializes a gloo
 process group in each (a FileStore in a fresh temp dir), calls ``fn(rank, world_size,
 *args)`` and returns the list of per-rank return values. If any worker raises, the test
 fails with that worker's traceback; if the workers do not finish within ``timeout``
@@ -16,13 +16,55 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from multiprocessing import reduction
 
 
 class WorkerError(AssertionError):
     """A worker process failed; the message carries its traceback."""
 
 
-def _worker(rank, world_size, store_path, fn, args, results, timeout):
+# Workers fork from one forkserver per test process, started once with torch and the
+# package already imported: a worker then starts in milliseconds instead of importing torch
+# anew (about 2.5 s of CPU a rank under "spawn"; tests/test_context_parallel.py went from
+# 26 s to 6 s). The server itself has run no torch op, so no thread pool is forked
+# half-initialised.
+_PRELOAD = ["torch", "torch.distributed", "megatron_cp.training", "megatron_cp.model.gpt",
+            "dist_harness"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+class _InheritedFd:
+    """The parent's file descriptor as it points now, handed to a forkserver child.
+
+    The forkserver's own stdout and stderr are whatever they were when it started (perhaps an
+    earlier test's capture); a worker writes where the test's are now, as a spawned process
+    would, so pytest's capture and the terminal see its output.
+    """
+
+    def __init__(self, fd):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _attach_fd, (reduction.DupFd(self.fd),)
+
+
+def _attach_fd(dup):
+    return dup.detach()
+
+
+def _worker(rank, world_size, store_path, fn, args, results, timeout, environ, stdio):
+    # The forkserver's environment is the one it started with; a worker takes the test's own
+    # (a test may have set variables since), as a spawned process would.
+    os.environ.clear()
+    os.environ.update(environ)
+    for fd, inherited in zip((1, 2), stdio):
+        os.dup2(inherited, fd)
+        os.close(inherited)
     os.environ["MEGATRON_CP_TEST_WORKER"] = "1"
     torch.set_num_threads(1)
     try:
@@ -56,12 +98,14 @@ def _from_bytes(data):
 
 def run_workers(fn, world_size, *args, timeout=240):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo workers; return their results."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_worker,
-                             args=(r, world_size, store, fn, args, results, timeout), daemon=True)
+                             args=(r, world_size, store, fn, args, results, timeout,
+                                   dict(os.environ), (_InheritedFd(1), _InheritedFd(2))),
+                             daemon=True)
                  for r in range(world_size)]
         for p in procs:
             p.start()

@@ -1,8 +1,9 @@
 """Gated DeltaNet hybrids under context parallelism (context_parallel/gated_delta.py): 10
 training steps at CP = 2 and 4 with every --cp-comm-type (a2a: head all-to-all; p2p and
 all_gather: conv-tail and state passing; a2a+p2p: both), plain and packed (every document is
-zigzagged over 2 x CP chunks, so each crosses shard boundaries), and TP2 x CP2 / PP2 x CP2,
-give the one-process losses. A broken chain (state or conv tail not passed, or passed across
+zigzagged over 2 x CP chunks, so each crosses shard boundaries), TP2 x CP2 / PP2 x CP2,
+EP2 x CP2 (Qwen3-Next's MoE) and CP2 x DP2 with the distributed optimizer, give the
+one-process losses. A broken chain (state or conv tail not passed, or passed across
 a document boundary) moves the loss far beyond that tolerance."""
 import pytest
 
@@ -40,25 +41,62 @@ def references():
             for packed in (False, True)}
 
 
-def _check(losses, reference, label):
+@pytest.fixture(scope="module")
+def plain_tolerance(references):
+    """The tolerance of plain (unpacked) 160-token sequences: 4x the drift of the same single
+    process with only its fp32 summation order changed (micro-batches of 1 instead of 2).
+
+    The losses of a parallel layout agree with one process to ~1e-7 (fp32 rounding) for the
+    first steps, then the training amplifies that rounding ~2.5x per step (init std 0.1, lr
+    3e-3): at step 9 TP2+SP alone (no CP) is off by ~9e-6, one process with micro-batches of
+    1 (or 4) by ~4e-6 (~6e-6), TP2+SP x CP2 p2p by ~1.1e-5 (measured). A layout reorders several reductions
+    at once (TP's split matmuls, SP, CP's chunk cuts, the gradient all-reduce), each drifting
+    like one reordering; 4x covers that. A real bug is off from the first steps and by far
+    more (the broken-chain tests: > 1e-4)."""
+    reordered = run_workers(train_losses, 1, GDN.replace("--micro-batch-size 2",
+                                                         "--micro-batch-size 1"))[0]
+    spread = max_rel_diff(reordered, references[False])
+    print(f"single-process reordering drift {spread:.2e}")
+    return max(TOLERANCE, 4 * spread)
+
+
+def _check(losses, reference, label, tolerance=TOLERANCE):
     reported = [rank_losses for rank_losses in losses if rank_losses]  # PP: the last stage
     assert reported
     for rank_losses in reported:
         diff = max_rel_diff(rank_losses, reference)
-        print(f"{label}: max relative loss difference {diff:.2e}")
-        assert diff < TOLERANCE
+        print(f"{label}: max relative loss difference {diff:.2e} (tolerance {tolerance:.1e})")
+        assert diff < tolerance
 
 
-# plain sequences at CP = 2; packed documents (the harder chain: resets at global document
-# boundaries inside shards) everywhere
+# plain sequences at CP = 2 and TP2 x CP2 p2p; packed documents (the harder chain: resets at
+# global document boundaries inside shards) everywhere
 @pytest.mark.parametrize("layout,packed", [
     (layout, packed) for layout in LAYOUTS for packed in (False, True)
-    if layout.startswith("cp2") or packed],
+    if layout.startswith("cp2") or layout == "tp2-sp-cp2-p2p" or packed],
     ids=lambda v: v if isinstance(v, str) else ("packed" if v else "plain"))
-def test_gdn_hybrid_under_context_parallelism_matches_single_process(references, layout, packed):
+def test_gdn_hybrid_under_context_parallelism_matches_single_process(request, references, layout,
+                                                                     packed):
     argv = f"{GDN} {LAYOUTS[layout]} {PACKED if packed else ''}"
+    tolerance = TOLERANCE if packed else request.getfixturevalue("plain_tolerance")
     _check(run_workers(train_losses, _world(LAYOUTS[layout]), argv), references[packed],
-           f"{layout} packed={packed}")
+           f"{layout} packed={packed}", tolerance)
+
+
+# Qwen3-Next's MoE: top-2 of 4 experts and a gated shared expert
+MOE = ("--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 16 "
+       "--moe-shared-expert-intermediate-size 24 --moe-shared-expert-gate")
+
+
+@pytest.mark.parametrize("world,model,layout", [
+    (2, MOE, f"--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall {CP2} p2p"),
+    (4, "", f"{CP2} a2a --use-distributed-optimizer"),  # DP = 4 / CP = 2
+], ids=["ep2-cp2-p2p-moe", "cp2-dp2-a2a-distributed-optimizer"])
+def test_gdn_under_context_parallelism_with_experts_or_distributed_optimizer(
+        references, plain_tolerance, world, model, layout):
+    reference = run_workers(train_losses, 1, f"{GDN} {model}")[0] if model else references[False]
+    _check(run_workers(train_losses, world, f"{GDN} {model} {layout}"), reference, layout,
+           plain_tolerance)
 
 
 def _broken_losses(rank, world, argv, broken):
@@ -145,6 +183,7 @@ def _layer_parity(rank, world, comm_type, packed):
     weight = torch.randn(s, b, 32, generator=gen)
     docs = torch.repeat_interleave(torch.arange(4), torch.tensor(lengths)).expand(b, s) \
         if packed else None
+    terms = _record_gate_terms(reference)
     y_ref = reference(x, document_ids=docs)
     (y_ref * weight).sum().backward()
     tokens = torch.arange(s).expand(b, s)
@@ -163,7 +202,35 @@ def _layer_parity(rank, world, comm_type, packed):
     for key, (mine, _) in out.items():
         if key != "y":
             dist.all_reduce(mine, group=cp_group)
-    return {key: max_rel(*pair) for key, pair in out.items()}
+    return {key: max_rel(*pair) for key, pair in out.items()}, terms()
+
+
+def _record_gate_terms(layer):
+    """Wrap ``layer.gates`` to keep g and a; returns a function giving, after the backward,
+    the cancellation of the A_log and dt_bias gradients: per parameter, max over heads of the
+    sum over tokens of |term| divided by the largest |gradient| (the sum of the terms).
+    dL/dA_log_h = sum_t dL/dg_t g_t and dL/ddt_bias_h = sum_t dL/dg_t dg_t/da_t with
+    dg/da = -exp(A_log) sigmoid(a + dt_bias): fp32 rounding of each term (~1e-6 relative, as
+    for the other gradients) adds up over sum |term|, not over |sum|."""
+    import torch
+    gates, kept = layer.gates, {}
+
+    def recording(b, a, first_key_head=0):
+        g, beta = gates(b, a, first_key_head)
+        g.retain_grad()
+        kept.update(g=g, a=a)
+        return g, beta
+
+    layer.gates = recording
+
+    def cancellation():
+        g, a = kept["g"], kept["a"].float()  # [b, s, heads]
+        slope = -layer.A_log.float().exp() * torch.sigmoid(a + layer.dt_bias.float())
+        out = {}
+        for name, terms in (("A_log", g.grad * g), ("dt_bias", g.grad * slope)):
+            out[name] = float(terms.abs().sum((0, 1)).max() / terms.sum((0, 1)).abs().max())
+        return out
+    return cancellation
 
 
 def max_rel(a, b):
@@ -175,11 +242,12 @@ def max_rel(a, b):
     ("p2p", 2, False), ("p2p", 2, True), ("a2a", 2, True), ("all_gather", 2, True),
     ("p2p", 4, True), ("a2a+p2p", 4, True)])
 def test_gdn_layer_under_context_parallelism_matches_whole_sequence(comm_type, world, packed):
-    diffs = run_workers(_layer_parity, world, comm_type, packed)[0]
-    print(comm_type, world, packed, diffs)
+    diffs, cancellation = run_workers(_layer_parity, world, comm_type, packed)[0]
+    print(comm_type, world, packed, diffs, cancellation)
     # fp32, chunks cut at other places than one process's 64-token chunks: outputs and
-    # weight gradients ~1e-6; A_log and dt_bias gradients are, per head, sums over all
-    # b x s tokens of terms that cancel (measured ~1e-5 relative to their largest entry)
-    gates = {key: diffs.pop(key) for key in ("A_log", "dt_bias")}
+    # weight gradients ~1e-6 relative, 1e-5 with room. A_log and dt_bias gradients are, per
+    # head, sums over all b x s tokens of terms of both signs: the same per-term precision
+    # scaled by how much they cancel (sum |term| / |sum|, measured ~5-20 here)
+    for key in ("A_log", "dt_bias"):
+        assert diffs.pop(key) < 1e-5 * cancellation[key], (key, cancellation)
     assert max(diffs.values()) < 1e-5, diffs
-    assert max(gates.values()) < 1e-4, gates

@@ -6,28 +6,9 @@ import ast
 import torch
 
 from megatron_cp.model import GPTConfig, GPTModel
+from model_utils import qwen3_next_hf_model
 from tools import checkpoint_convert as convert
 from tools import hf_convert
-
-
-def _hf_model(tmp_path):
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-    config = Qwen3NextConfig(
-        vocab_size=120, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-        partial_rotary_factor=0.5, layer_types=["linear_attention"] * 3 + ["full_attention"],
-        linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
-        linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=16, shared_expert_intermediate_size=24, decoder_sparse_step=1,
-        mlp_only_layers=[1], tie_word_embeddings=False, rms_norm_eps=1e-6)
-    torch.manual_seed(0)
-    model = Qwen3NextForCausalLM(config).eval()
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # away from init: norms not at 1, gates not at 1/2
-        for p in model.parameters():
-            p.add_(0.2 * torch.randn(p.shape, generator=gen))
-    model.save_pretrained(tmp_path / "hf")
-    return model
 
 
 def _our_model(args, full):
@@ -51,7 +32,7 @@ def _our_model(args, full):
 
 
 def test_qwen3_next_import_logits_and_export_round_trip(tmp_path):
-    hf = _hf_model(tmp_path)
+    hf = qwen3_next_hf_model(tmp_path / "hf")
     full, args, _ = hf_convert.import_hf(str(tmp_path / "hf"))
     assert args["linear_attention_freq"] == "[1, 1, 1, 0]"
     assert args["moe_layer_freq"] == "[1, 0, 1, 1]"

@@ -308,8 +308,7 @@ def test_the_flags_set_the_config():
             config.yarn_beta_fast, config.yarn_beta_slow,
             config.yarn_correction_range_round_to_int) == ("yarn", 4.0, 0.8, 0.5, 16, 8.0, 2.0,
                                                            False)
-    assert args.compat_notes == ["--rope-type rope: GPT attention's rotary embedding is rope "
-                                 "(Megatron-LM's non-MLA attention takes no other)"]
+    assert config.rope_type == "rope"  # accepted: the only rotary GPT attention takes
     rounded = _parse("--position-embedding-type yarn --yarn-correction-range-round-to-int")
     assert config_from_args(rounded, 200).yarn_correction_range_round_to_int
     defaults = config_from_args(_parse("--position-embedding-type yarn"), 200)
@@ -331,7 +330,7 @@ def test_the_flags_set_the_config():
      "--position-embedding-type yarn rotates every channel of a head in halves, as "
      "Megatron-LM's YaRN does: drop --rotary-interleaved (True)"),
     ("--position-embedding-type yarn --yarn-beta-slow 0", "--yarn-beta-slow (0.0) must be positive"),
-    ("--rope-type yarn", "--rope-type yarn: it picks multi-latent attention's rotary embedding"),
+    ("--rope-type yarn", "--rope-type ('yarn') applies to --multi-latent-attention only"),
     ("--position-embedding-type yarn --yarn-correction-range-round-to-int "
      "--no-yarn-correction-range-round-to-int", "--yarn-correction-range-round-to-int: "
                                                 "contradicts --no-yarn-correction-range-round-"

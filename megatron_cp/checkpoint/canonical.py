@@ -178,6 +178,9 @@ def tp_spec(name, swiglu):
         return 0, 1  # eh_proj: an MTP depth's column-parallel projection
     if name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
         return 0, 1
+    if name.endswith(("linear_q_proj.weight", "linear_q_up_proj.weight",
+                      "linear_kv_up_proj.weight")):
+        return 0, 1  # MLA: whole heads per rank (its down projections are replicated)
     if name.endswith(("self_attention.in_proj.weight", "self_attention.conv1d.weight",
                       "self_attention.A_log", "self_attention.dt_bias")):
         return 0, 1  # Gated DeltaNet: grouped per key head (model/gated_delta_net.py)

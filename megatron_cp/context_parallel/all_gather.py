@@ -1,6 +1,7 @@
 """All-gather attention (--cp-comm-type all_gather): the simple baseline, no overlap.
 
-Forward: all-gather the KV (k and v stacked, KV heads only) and the token metadata of every
+Forward: all-gather the KV (k and v side by side on the last axis, so their head dims may
+differ: multi-latent attention; KV heads only) and the token metadata of every
 CP rank at once, then attend the local queries to each rank's KV block with the ring's
 block plan (zigzag: one causal diagonal block and half-size unmasked blocks; otherwise a
 per-block classification, empty blocks skipped, document-masked ones as segment plans)
@@ -30,10 +31,11 @@ class _AllGatherAttention(torch.autograd.Function):
         layout = RingLayout.from_metadata(token_all, doc_all)
         if dropout is not None:
             dropout = RingDropout(dropout, token_all, doc_all, group)
-        kv_all = comm.all_gather_stack(torch.stack([k, v]), group)  # [P, 2, b, nkv, s/P, d]
-        acc = Accumulator(q)
+        kv_all = comm.all_gather_stack(torch.cat([k, v], dim=-1), group)  # [P, b, nkv, s/P, dk+dv]
+        k_all, v_all = kv_all.split([k.shape[-1], v.shape[-1]], dim=-1)
+        acc = Accumulator(q, v.shape[-1])
         for src in range(size):
-            forward_blocks(q, kv_all[src, 0], kv_all[src, 1], layout, rank, src, softmax_scale,
+            forward_blocks(q, k_all[src], v_all[src], layout, rank, src, softmax_scale,
                            acc, kernel, dropout)
         out_acc, lse_acc = acc.result()
         out = out_acc.to(q.dtype)
@@ -47,19 +49,22 @@ class _AllGatherAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         size, rank = comm.group_size(ctx.group), comm.group_rank(ctx.group)
         layout = ctx.layout
-        kv_all = comm.all_gather_stack(torch.stack([k, v]), ctx.group)  # [P, 2, b, nkv, s/P, d]
+        kv_all = comm.all_gather_stack(torch.cat([k, v], dim=-1), ctx.group)
+        k_all, v_all = kv_all.split([k.shape[-1], v.shape[-1]], dim=-1)  # [P, b, nkv, s/P, d*]
         dout = dout.contiguous()
         dq, dkv_all = None, []
         for src in range(size):
-            dq, kv_grads = backward_blocks(dout, q, kv_all[src, 0], kv_all[src, 1], out, lse,
+            dq, kv_grads = backward_blocks(dout, q, k_all[src], v_all[src], out, lse,
                                            layout, rank, src, ctx.softmax_scale, dq, ctx.kernel,
                                            ctx.dropout)
-            dkv_all.append(torch.stack(add_kv_grads(None, kv_grads, k.shape, q.device)))
+            dkv_all.append(torch.cat(add_kv_grads(None, kv_grads, k.shape, v.shape, q.device),
+                                     dim=-1))
         if dq is None:
             dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dkv_all = torch.stack(dkv_all)  # [P, 2, b, nkv, s/P, d]: every rank's KV gradient
-        dkv = comm.reduce_scatter_stack(dkv_all, ctx.group)  # [2, b, nkv, s/P, d]
-        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None,
+        dkv_all = torch.stack(dkv_all)  # [P, b, nkv, s/P, dk+dv]: every rank's KV gradient
+        dkv = comm.reduce_scatter_stack(dkv_all, ctx.group)  # [b, nkv, s/P, dk+dv]
+        dk, dv = dkv.split([k.shape[-1], v.shape[-1]], dim=-1)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None,
                 None, None)
 
 
@@ -67,8 +72,8 @@ def all_gather_attention(q, k, v, token_index, document_ids, group, softmax_scal
                          kernel=None, dropout=None):
     """All-gather context-parallel attention over ``group``; differentiable wrt q, k, v.
 
-    q: [b, nh, s/P, d]; k, v: [b, nkv, s/P, d]; token_index / document_ids: [b, s/P].
-    Returns [b, nh, s/P, d] in q's dtype. ``kernel``: AttentionKernel or name (None: "auto").
+    q: [b, nh, s/P, d]; k, v: [b, nkv, s/P, d] (v may have its own head dim);
+    token_index / document_ids: [b, s/P]. Returns [b, nh, s/P, dv] in q's dtype. ``kernel``: AttentionKernel or name (None: "auto").
     ``dropout``: an AttentionDropout (plain dropout blocks, see dropout.py) or None.
     """
     scale = softmax_scale_for(q, softmax_scale)

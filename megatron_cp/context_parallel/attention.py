@@ -112,9 +112,9 @@ def _check_inputs(q, k, v, token_index, document_ids, dropout):
         raise ValueError(f"q, k, v must be [b, heads, s_local, d]; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     b, nh, s, d = q.shape
-    if k.shape != v.shape or k.shape[0] != b or k.shape[2:] != (s, d):
+    if k.shape[:3] != v.shape[:3] or k.shape[0] != b or k.shape[2:] != (s, d):
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [b={b}, nkv, s={s}, "
-                         f"d={d}] to match q {tuple(q.shape)}")
+                         f"d={d}] and [b, nkv, s, dv] to match q {tuple(q.shape)}")
     if nh % k.shape[1] != 0:
         raise ValueError(f"query heads ({nh}) must be a multiple of KV heads ({k.shape[1]})")
     positions = None if dropout is None else dropout.positions

@@ -71,8 +71,8 @@ def segments_forward(q, k, v, plan, scale, backend):
     """Attention of a segment plan: q [b, nh, sq, d], k/v [b, nkv, sk, d] -> (out fp32
     [b, nh, sq, d], lse [b, nh, sq]); rows that see no key give (0, -inf). A plan of one
     call over every query row in order returns the kernel's out as it is (q's dtype)."""
-    b, nh, sq, d = q.shape
-    q_rows, k_rows, v_rows = _rows(q), _rows(k), _rows(v)  # [b*sq, nh, d], [b*sk, nkv, d]
+    b, nh, sq, d = q.shape[0], q.shape[1], q.shape[2], v.shape[-1]  # d: the value head dim
+    q_rows, k_rows, v_rows = _rows(q), _rows(k), _rows(v)  # [b*sq, nh, dk], [b*sk, nkv, d*]
     if len(plan.calls) == 1 and plan.calls[0].q_identity:  # every row once, in order (the
         call = plan.calls[0]  # no-CP packed path): the kernel's out (its dtype) and lse
         _, cols, _, _ = call.on(q.device)
@@ -105,7 +105,7 @@ def segments_backward(dout, q, k, v, out, lse, plan, scale, backend, keep_dtype=
     keep_dtype = keep_dtype and len(plan.calls) == 1
     b, nh, sq, d = q.shape
     nkv, sk = k.shape[1], k.shape[2]
-    q_rows, k_rows, v_rows = _rows(q), _rows(k), _rows(v)
+    q_rows, k_rows, v_rows = _rows(q), _rows(k), _rows(v)  # v may have its own head dim
     dout_rows, out_rows = _rows(dout), _rows(out.to(q.dtype))
     lse_rows = lse.transpose(0, 1).reshape(nh, b * sq)  # [nh, b*sq]
     dq = dk = dv = None  # fp32 [b*sq, nh, d], [b*sk, nkv, d]
@@ -120,11 +120,12 @@ def segments_backward(dout, q, k, v, out, lse, plan, scale, backend, keep_dtype=
         dk = _accumulate(dk, cols, gk, call.k_identity, b * sk, keep_dtype)
         dv = _accumulate(dv, cols, gv, call.k_identity, b * sk, keep_dtype)
     return (dq.view(b, sq, nh, d).transpose(1, 2), dk.view(b, sk, nkv, d).transpose(1, 2),
-            dv.view(b, sk, nkv, d).transpose(1, 2))
+            dv.view(b, sk, nkv, v.shape[-1]).transpose(1, 2))
 
 
 def block_forward(q, k, v, softmax_scale, kind="full", segments=None, kernel=None):
-    """Attention of q [b, nh, sq, d] over k, v [b, nkv, sk, d]; returns (out, lse).
+    """Attention of q [b, nh, sq, d] over k, v [b, nkv, sk, d]; returns (out, lse). v may
+    have a head dim of its own (out then has it).
 
     kind: "causal" (the kernel's top-left causal flag; sq == sk diagonal blocks), "full"
     (no mask), "segments" (``segments``: a SegmentPlan) or "empty". out: [b, nh, sq, d]
@@ -138,7 +139,7 @@ def block_forward(q, k, v, softmax_scale, kind="full", segments=None, kernel=Non
     if kind == "segments":
         return segments_forward(q, k, v, segments, softmax_scale, backend)
     if kind == "empty":
-        return (torch.zeros(q.shape, dtype=torch.float32, device=q.device),
+        return (torch.zeros(*q.shape[:3], v.shape[-1], dtype=torch.float32, device=q.device),
                 torch.full(q.shape[:3], NEG_INF, dtype=torch.float32, device=q.device))
     raise ValueError(f"block kind {kind!r} is unknown; use causal, full, segments or empty")
 

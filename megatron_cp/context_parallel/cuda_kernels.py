@@ -34,6 +34,7 @@ def flash_eligible(q, k, v):
     """True when the flash kernels accept q, k, v (device, dtype, head_dim)."""
     return (q.device.type == "cuda" and q.dtype in _FLASH_DTYPES and k.dtype == q.dtype
             and v.dtype == q.dtype and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+            and k.shape[-1] == q.shape[-1] and v.shape[-1] == q.shape[-1]
             and device_mod.flash_attention_supported(q.device))
 
 
@@ -45,9 +46,10 @@ def cudnn_eligible(q, k, v):
             and device_mod.cudnn_attention_supported(q.device))
 
 
-def efficient_eligible(q):
-    """True when the memory-efficient kernel is used for a dense causal / full block."""
-    return q.device.type == "cuda" and q.shape[-1] % 8 == 0
+def efficient_eligible(q, v):
+    """True when the memory-efficient kernel is used for a dense causal / full block (it
+    takes a value head dim of its own: multi-latent attention's blocks run here on CUDA)."""
+    return q.device.type == "cuda" and q.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0
 
 
 def _zero_rng(device):

@@ -152,7 +152,7 @@ def dropout_block_forward(q, k, v, scale, dropout, q_side, k_side):
     [b, nh, sq, d], lse fp32 [b, nh, sq]); out holds the dropped numerator over the
     undropped normaliser (module docstring), lse is the no-dropout one; rows that see no
     key give (0, -inf)."""
-    b, nh, sq, d = q.shape
+    b, nh, sq, d = q.shape[0], q.shape[1], q.shape[2], v.shape[-1]  # d: the value head dim
     num_kv = k.shape[1]
     out = torch.empty(b, nh, sq, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, nh, sq, dtype=torch.float32, device=q.device)
@@ -171,9 +171,9 @@ def dropout_block_forward(q, k, v, scale, dropout, q_side, k_side):
 def dropout_block_backward(dout, q, k, v, out, lse, scale, dropout, q_side, k_side):
     """Gradients (dq [b, nh, sq, d], dk, dv [b, nkv, sk, d], fp32) of one dropout block given
     the FINAL out and lse of its rows (the whole row's, merged over every block)."""
-    b, nh, sq, d = q.shape
+    b, nh, sq, d = q.shape[0], q.shape[1], q.shape[2], v.shape[-1]  # d: the value head dim
     num_kv, group = k.shape[1], nh // k.shape[1]
-    dq = torch.empty(b, nh, sq, d, dtype=torch.float32, device=q.device)
+    dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
     kf, vf = k.float(), v.float()
@@ -189,7 +189,7 @@ def dropout_block_backward(dout, q, k, v, out, lse, scale, dropout, q_side, k_si
         delta = (dof * outf).sum(-1, keepdim=True)  # D = dO . out (out holds the dropout)
         dscores = probs * (dprobs - delta)
         dq_tile = torch.einsum("bkgqs,bksd->bkgqd", dscores, kf)  # [b, nkv, g, t, d]
-        dq[:, :, lo:hi] = dq_tile.reshape(b, nh, t, d) * scale
+        dq[:, :, lo:hi] = dq_tile.reshape(b, nh, t, q.shape[-1]) * scale
         dk += torch.einsum("bkgqs,bkgqd->bksd", dscores, qf) * scale
     return dq, dk, dv
 

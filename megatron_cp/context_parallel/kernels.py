@@ -20,6 +20,12 @@ devices keeps working). Every backend answers the same four calls:
 Forward returns (out, lse) with lse the fp32 log-sum-exp of the scaled scores of each row
 ([b, nh, sq] dense, [nh, Tq] packed); backward takes the FINAL out and lse of the rows.
 
+Value heads may be narrower or wider than query/key heads (multi-latent attention: dv !=
+d); out then has v's head dim. No backend pads V: PyTorch's CPU flash kernel and the CUDA
+flash and cuDNN kernels want one head dim for q, k and v, so such blocks run the plain
+PyTorch path on CPU and, on CUDA, the memory-efficient kernel (which takes a separate value
+head dim) or the plain path, and packed calls their segment loop (never flash varlen).
+
 ==============  ===============================================  ==============================
 backend         dense causal / full                              variable-length segments
 ==============  ===============================================  ==============================
@@ -64,35 +70,35 @@ class TorchBackend:
         return qf, scores
 
     def dense_forward(self, q, k, v, scale, causal):
-        """Plain attention -> (out [b, nh, sq, d] in q's dtype, lse [b, nh, sq] fp32)."""
-        b, nh, sq, d = q.shape
+        """Plain attention -> (out [b, nh, sq, dv] in q's dtype, lse [b, nh, sq] fp32)."""
+        b, nh, sq, dv = q.shape[0], q.shape[1], q.shape[2], v.shape[-1]
         _, scores = self._scores(q, k, scale, causal)
         lse = scores.logsumexp(-1)  # [b, nkv, g, sq]; every row sees a key (diagonal / full)
         probs = torch.exp(scores - lse[..., None])
-        out = torch.einsum("bkgqs,bksd->bkgqd", probs, v.float())  # [b, nkv, g, sq, d]
-        return out.reshape(b, nh, sq, d).to(q.dtype), lse.reshape(b, nh, sq)
+        out = torch.einsum("bkgqs,bksd->bkgqd", probs, v.float())  # [b, nkv, g, sq, dv]
+        return out.reshape(b, nh, sq, dv).to(q.dtype), lse.reshape(b, nh, sq)
 
     def dense_backward(self, dout, q, k, v, out, lse, scale, causal):
         """Flash-attention backward with the final out / lse: P = exp(S - lse), dV = P^T dO,
         dP = dO V^T, D = rowsum(dO * O), dS = P (dP - D), dQ = scale dS K, dK = scale dS^T Q.
-        Returns fp32 (dq [b, nh, sq, d], dk, dv [b, nkv, sk, d])."""
-        b, nh, sq, d = q.shape
-        nkv = k.shape[1]
+        Returns fp32 (dq [b, nh, sq, d], dk [b, nkv, sk, d], dv [b, nkv, sk, dv])."""
+        b, nh, sq, _ = q.shape
+        nkv, dv_dim = k.shape[1], v.shape[-1]
         qf, scores = self._scores(q, k, scale, causal)
         lse = lse.reshape(b, nkv, nh // nkv, sq, 1)
         probs = torch.exp(scores - lse)  # [b, nkv, g, sq, sk]
-        dof = dout.float().view(b, nkv, nh // nkv, sq, d)  # [b, nkv, g, sq, d]
+        dof = dout.float().view(b, nkv, nh // nkv, sq, dv_dim)  # [b, nkv, g, sq, dv]
         dv = torch.einsum("bkgqs,bkgqd->bksd", probs, dof)  # [b, nkv, sk, d]
         dprobs = torch.einsum("bkgqd,bksd->bkgqs", dof, v.float())
-        delta = (dof * out.float().view(b, nkv, nh // nkv, sq, d)).sum(-1, keepdim=True)
+        delta = (dof * out.float().view(b, nkv, nh // nkv, sq, dv_dim)).sum(-1, keepdim=True)
         dscores = probs * (dprobs - delta)  # [b, nkv, g, sq, sk]
-        dq = torch.einsum("bkgqs,bksd->bkgqd", dscores, k.float()).reshape(b, nh, sq, d) * scale
+        dq = torch.einsum("bkgqs,bksd->bkgqd", dscores, k.float()).reshape(q.shape) * scale
         dk = torch.einsum("bkgqs,bkgqd->bksd", dscores, qf) * scale  # [b, nkv, sk, d]
         return dq, dk, dv
 
     def varlen_forward(self, q, k, v, call, scale):
-        """Segment by segment through ``dense_forward`` -> (out [Tq, nh, d], lse [nh, Tq])."""
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        """Segment by segment through ``dense_forward`` -> (out [Tq, nh, dv], lse [nh, Tq])."""
+        out = torch.empty(*q.shape[:2], v.shape[-1], dtype=q.dtype, device=q.device)
         lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
         for (q0, q1), (k0, k1) in call.bounds():
             o, l = self.dense_forward(_one_batch(q[q0:q1]), _one_batch(k[k0:k1]),
@@ -122,13 +128,18 @@ class CpuBackend(TorchBackend):
     name = "cpu"
 
     def dense_forward(self, q, k, v, scale, causal):
-        """aten._scaled_dot_product_flash_attention_for_cpu, no mask."""
+        """aten._scaled_dot_product_flash_attention_for_cpu, no mask (one head dim for q, k
+        and v: the plain path otherwise)."""
+        if v.shape[-1] != q.shape[-1]:
+            return super().dense_forward(q, k, v, scale, causal)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=None, scale=scale)
         return out, lse.float()
 
     def dense_backward(self, dout, q, k, v, out, lse, scale, causal):
         """aten._scaled_dot_product_flash_attention_for_cpu_backward, no mask."""
+        if v.shape[-1] != q.shape[-1]:
+            return super().dense_backward(dout, q, k, v, out, lse, scale, causal)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, attn_mask=None, scale=scale)
 
@@ -148,7 +159,7 @@ class CudaBackend(TorchBackend):
             return cuda_kernels.cudnn_forward(q, k, v, scale, causal)
         if self.flash_ok(q, k, v):
             return cuda_kernels.flash_forward(q, k, v, scale, causal)
-        if cuda_kernels.efficient_eligible(q):
+        if cuda_kernels.efficient_eligible(q, v):
             return cuda_kernels.efficient_forward(q, k, v, scale, causal)
         return super().dense_forward(q, k, v, scale, causal)
 
@@ -157,7 +168,7 @@ class CudaBackend(TorchBackend):
             return cuda_kernels.cudnn_backward(dout, q, k, v, out, lse, scale, causal)
         if self.flash_ok(q, k, v):
             return cuda_kernels.flash_backward(dout, q, k, v, out, lse, scale, causal)
-        if cuda_kernels.efficient_eligible(q):
+        if cuda_kernels.efficient_eligible(q, v):
             return cuda_kernels.efficient_backward(dout, q, k, v, out, lse, scale, causal)
         return super().dense_backward(dout, q, k, v, out, lse, scale, causal)
 

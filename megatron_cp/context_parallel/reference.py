@@ -31,7 +31,7 @@ def attention_mask(tq, tk, dq=None, dk=None):
 def reference_attention(q, k, v, token_index=None, document_ids=None, softmax_scale=None):
     """Plain masked softmax attention, the single-process reference (autograd does backward).
 
-    q: [b, nh, s, d]; k, v: [b, nkv, s, d] (GQA: query head h uses KV head h // (nh/nkv));
+    q: [b, nh, s, d]; k, v: [b, nkv, s, d] (v may have its own head dim; GQA: query head h uses KV head h // (nh/nkv));
     token_index / document_ids: [b, s] or None (None: arange / one document). Computed in
     fp32, returned in q's dtype. Rows that see no key give 0 and no NaN.
     """
@@ -49,5 +49,5 @@ def reference_attention(q, k, v, token_index=None, document_ids=None, softmax_sc
     expo = torch.exp(scores - row_max)
     denom = expo.sum(-1, keepdim=True)
     probs = expo / torch.where(denom > 0, denom, torch.ones_like(denom))  # empty rows -> 0
-    out = torch.einsum("bkgqs,bksd->bkgqd", probs, v.float())  # [b, nkv, g, s, d]
-    return out.reshape(b, nh, s, d).to(q.dtype)
+    out = torch.einsum("bkgqs,bksd->bkgqd", probs, v.float())  # [b, nkv, g, s, dv]
+    return out.reshape(b, nh, s, v.shape[-1]).to(q.dtype)

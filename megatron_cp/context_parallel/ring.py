@@ -92,14 +92,16 @@ class RingLayout:
 
 
 class Accumulator:
-    """fp32 accumulators of one rank's attention: ``out`` [b, nh, s/P, d], ``lse`` [b, nh, s/P].
+    """fp32 accumulators of one rank's attention: ``out`` [b, nh, s/P, dv], ``lse``
+    [b, nh, s/P] (dv: the value head dim, ``value_dim``, default q's).
 
     They start unset: the first block covering every query row becomes the accumulator as
     is (no zero fill, no merge); any other block is merged with the log-sum-exp rule.
     """
 
-    def __init__(self, q):
+    def __init__(self, q, value_dim=None):
         self.q, self.out, self.lse = q, None, None
+        self.shape = (*q.shape[:3], q.shape[-1] if value_dim is None else value_dim)
 
     def add(self, q_sl, out_blk, lse_blk):
         if self.out is None and q_sl == slice(None):
@@ -110,12 +112,12 @@ class Accumulator:
         merge_partial(self.out[:, :, q_sl], self.lse[:, :, q_sl], out_blk, lse_blk)
 
     def _start_empty(self):  # (0, -inf): the neutral element of the merge
-        self.out = torch.zeros(self.q.shape, dtype=torch.float32, device=self.q.device)
+        self.out = torch.zeros(self.shape, dtype=torch.float32, device=self.q.device)
         self.lse = torch.full(self.q.shape[:3], float("-inf"), dtype=torch.float32,
                               device=self.q.device)
 
     def result(self):
-        """(out fp32 [b, nh, s/P, d], lse fp32 [b, nh, s/P]); rows that saw no key: (0, -inf)."""
+        """(out fp32 [b, nh, s/P, dv], lse fp32 [b, nh, s/P]); rows that saw no key: (0, -inf)."""
         if self.out is None:
             self._start_empty()
         return self.out, self.lse
@@ -165,14 +167,15 @@ def backward_blocks(dout, q, k, v, out, lse, layout, rank, src, softmax_scale, d
     return dq, kv_grads
 
 
-def add_kv_grads(dkv, kv_grads, shape, device):
-    """Add per-block (slice, dk, dv) into the pair dkv = [dk, dv] (fp32, created if None)."""
+def add_kv_grads(dkv, kv_grads, k_shape, v_shape, device):
+    """Add per-block (slice, dk, dv) into the pair dkv = [dk, dv] (fp32, created if None;
+    ``k_shape`` / ``v_shape``: the full shapes, whose head dims may differ)."""
     dk, dv = (None, None) if dkv is None else dkv
     for kv_sl, dk_blk, dv_blk in kv_grads:
-        dk, dv = _add_into(dk, kv_sl, dk_blk, shape), _add_into(dv, kv_sl, dv_blk, shape)
+        dk, dv = _add_into(dk, kv_sl, dk_blk, k_shape), _add_into(dv, kv_sl, dv_blk, v_shape)
     if dk is None:
-        dk = torch.zeros(shape, dtype=torch.float32, device=device)
-        dv = torch.zeros(shape, dtype=torch.float32, device=device)
+        dk = torch.zeros(k_shape, dtype=torch.float32, device=device)
+        dv = torch.zeros(v_shape, dtype=torch.float32, device=device)
     return [dk, dv]
 
 
@@ -189,8 +192,8 @@ class _RingAttention(torch.autograd.Function):
         if dropout is not None:
             dropout = RingDropout(dropout, token_all, doc_all, group)
 
-        acc = Accumulator(q)
-        kv = [k, v]  # [b, nkv, s/P, d] each: the only tensors that travel
+        acc = Accumulator(q, v.shape[-1])
+        kv = [k, v]  # [b, nkv, s/P, dk], [.., dv]: the only tensors that travel
         ring = comm.RingExchange(group, q.device, _KV_TAG) if size > 1 else None
         for step in range(size):
             if step + 1 < size:
@@ -223,7 +226,7 @@ class _RingAttention(torch.autograd.Function):
                                            (rank - step) % size, scale, dq, kernel, ctx.dropout)
             # Block src's dK/dV so far arrived from rank-1 during the compute; add ours.
             incoming = dkv_ring.wait() if step > 0 else None
-            dkv = add_kv_grads(incoming, kv_grads, k.shape, q.device)  # [dk, dv] fp32
+            dkv = add_kv_grads(incoming, kv_grads, k.shape, v.shape, q.device)  # [dk, dv] fp32
             if size > 1:
                 dkv_ring.post(dkv)  # on to rank+1; arrives home after the last hop
             if step + 1 < size:
@@ -240,7 +243,8 @@ def ring_attention(q, k, v, token_index, document_ids, group, softmax_scale=None
                    dropout=None):
     """Ring (p2p) context-parallel attention over ``group``; differentiable wrt q, k, v.
 
-    q: [b, nh, s/P, d]; k, v: [b, nkv, s/P, d] (GQA: only the KV heads travel);
+    q: [b, nh, s/P, d]; k, v: [b, nkv, s/P, d] (GQA: only the KV heads travel; v may have
+    a head dim of its own, as the output then has);
     token_index / document_ids: [b, s/P] int64 (document_ids may be None). Returns
     [b, nh, s/P, d] in q's dtype. All ranks must pass the same local length. ``kernel``:
     an AttentionKernel or its name (None: "auto"). ``dropout``: an AttentionDropout (every

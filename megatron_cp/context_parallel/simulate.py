@@ -52,7 +52,7 @@ def ring_forward(qs, ks, vs, layout, softmax_scale, kernel):
     size = layout.size
     outs, lses = [], []
     for rank, q in enumerate(qs):
-        acc = Accumulator(q)
+        acc = Accumulator(q, vs[rank].shape[-1])
         for step in range(size):
             src = (rank - step) % size
             forward_blocks(q, _as_received(ks[src], step), _as_received(vs[src], step), layout,
@@ -79,7 +79,8 @@ def ring_backward(douts, qs, ks, vs, outs, lses, layout, softmax_scale, kernel):
             dqs[rank], kv_grads = backward_blocks(
                 douts[rank], qs[rank], _as_received(ks[src], step), _as_received(vs[src], step),
                 outs[rank], lses[rank], layout, rank, src, softmax_scale, dqs[rank], kernel)
-            dkv = add_kv_grads(dkvs[src], kv_grads, ks[src].shape, qs[rank].device)
+            dkv = add_kv_grads(dkvs[src], kv_grads, ks[src].shape, vs[src].shape,
+                               qs[rank].device)
             dkvs[src] = [t.contiguous() for t in dkv]  # [dk, dv] fp32, on to rank + 1
     dqs = [torch.zeros(q.shape, dtype=torch.float32, device=q.device) if dq is None else dq
            for q, dq in zip(qs, dqs)]

@@ -139,21 +139,23 @@ def ulysses_attention(q, k, v, token_index, document_ids, group, softmax_scale=N
             return _local_inner(q, k, v, tokens, docs, scale, kernel=kernel, dropout=dropout)
 
     q = _select_heads(q, plan.q_index)  # [b, H, s/U, d]
-    kv = torch.stack([_select_heads(k, plan.kv_index), _select_heads(v, plan.kv_index)])
-    # kv: [2, b, K, s/U, d]
+    # k and v side by side on the last axis (their head dims may differ: MLA)
+    kv = torch.cat([_select_heads(k, plan.kv_index), _select_heads(v, plan.kv_index)], dim=-1)
+    # kv: [b, K, s/U, dk + dv]
     tokens = comm.gather_sequence(token_index, group)  # [b, s]
     docs = comm.gather_sequence(document_ids, group)  # [b, s] or None
     q = comm.seq_to_heads(q, group)  # [b, H/U, s, d]
-    kv = comm.seq_to_heads(kv, group)  # [2, b, K/U, s, d]
+    kv = comm.seq_to_heads(kv, group)  # [b, K/U, s, dk + dv]
     perm = _token_order(tokens)
     if perm is not None:
         q = _permute(q, perm, 2)  # [b, H/U, s, d] in token order
-        kv = _permute(kv, perm, 3)  # [2, b, K/U, s, d]
+        kv = _permute(kv, perm, 2)  # [b, K/U, s, dk + dv]
         tokens = tokens.gather(1, perm)
         docs = None if docs is None else docs.gather(1, perm)
     if dropout is not None:
         dropout = _inner_dropout(dropout, plan, group, perm)
-    out = inner_attention(q, kv[0], kv[1], tokens, docs, scale, dropout)  # [b, H/U, s, d]
+    k, v = kv.split([k.shape[-1], v.shape[-1]], dim=-1)  # [b, K/U, s, dk], [.., dv]
+    out = inner_attention(q, k, v, tokens, docs, scale, dropout)  # [b, H/U, s, dv]
     if perm is not None:
         out = _permute(out, torch.argsort(perm, dim=1), 2)  # back to the all-to-all order
     out = comm.heads_to_seq(out, group)  # [b, H, s/U, d]

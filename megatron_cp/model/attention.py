@@ -36,7 +36,58 @@ def _fresh_samples(b, device):
     return torch.arange(start, start + b, device=device)
 
 
-class SelfAttention(torch.nn.Module):
+class AttentionCore(torch.nn.Module):
+    """What every softmax-attention layer shares after its projections: the core attention
+    (local, or over the CP group with the configured comm type), attention dropout drawn
+    from each element's place in the run, and the kernel choice. A layer calls
+    :meth:`build_core` once its head counts are known; MLA passes its own softmax scale and
+    its key and value head dims may differ."""
+
+    def build_core(self, config, cp_group, rng_tracker, local_heads, local_kv_heads, first_head,
+                   hierarchical_cp_groups=None, layer_number=0, softmax_scale=None):
+        self.config, self.cp_group, self.rng_tracker = config, cp_group, rng_tracker
+        self.local_heads, self.first_head = local_heads, first_head
+        self.layer_number, self.softmax_scale = layer_number, softmax_scale
+        self.dropout_key = dropout_key(config.seed, layer_number)
+        self.cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
+        # chosen once per layer: "auto" (the device's fused kernels) or "torch" (plain PyTorch)
+        self.attention_kernel = attention_kernel(config.attention_kernel)
+        self.cp_attention = None  # built once: the comm type and head plan are checked here
+        if self.cp_size > 1:
+            self.cp_attention = ContextParallelAttention(
+                cp_group, config.cp_comm_type, local_heads, local_kv_heads,
+                hierarchical_cp_groups, config.allow_dummy_heads, softmax_scale,
+                kernel=self.attention_kernel)
+
+    def _dropout(self, q, ids):
+        """This call's AttentionDropout: None in eval mode or with attention_dropout 0."""
+        p = self.config.attention_dropout
+        if not self.training or p == 0.0:
+            return None
+        if ids is None:
+            ids = DropoutIds(None, None)
+        samples = _fresh_samples(q.shape[0], q.device) if ids.samples is None else ids.samples
+        heads = torch.arange(self.local_heads, device=q.device) + self.first_head  # [nh/tp]
+        return AttentionDropout(p, self.dropout_key, samples, heads, ids.positions)
+
+    def core_attention(self, q, k, v, token_index, document_ids, dropout_ids=None):
+        """q [b, nh/tp, s, dk], k [b, nkv/tp, s, dk], v [b, nkv/tp, s, dv] -> [b, nh/tp, s, dv];
+        ``dropout_ids``: a DropoutIds or None."""
+        dropout = self._dropout(q, dropout_ids)
+        if self.cp_attention is not None:
+            return self.cp_attention(q, k, v, token_index, document_ids, dropout)
+        return local_attention(q, k, v, token_index, document_ids, self.softmax_scale,
+                               kernel=self.attention_kernel, dropout=dropout)
+
+    def attend(self, q, k, v, token_index, document_ids, dropout_ids):
+        """:meth:`core_attention`, checkpointed with --recompute-granularity selective."""
+        if self.config.recompute_granularity == "selective":
+            return tpar.checkpoint(self.core_attention, self.rng_tracker, q, k, v, token_index,
+                                   document_ids, dropout_ids)
+        return self.core_attention(q, k, v, token_index, document_ids, dropout_ids)
+
+
+class SelfAttention(AttentionCore):
     """Multi-head / grouped-query self-attention over the TP (and CP) groups.
 
     The fused QKV weight is laid out per query group: [q heads of the group | k | v], so a
@@ -56,17 +107,16 @@ class SelfAttention(torch.nn.Module):
                  hierarchical_cp_groups=None, layer_number=0):
         super().__init__()
         tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
-        self.config, self.tp_group, self.cp_group, self.rng_tracker = config, tp_group, cp_group, rng_tracker
-        self.cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
-        config.validate_parallel(tp_size, self.cp_size)
+        self.tp_group = tp_group
+        cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
+        config.validate_parallel(tp_size, cp_size)
         d, nh, ng = config.kv_channels, config.num_attention_heads, config.num_query_groups
         self.head_dim, self.heads_per_group = d, nh // ng
         self.local_groups = ng // tp_size
-        self.local_heads = nh // tp_size
         tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
-        self.first_head = tp_rank * self.local_heads  # the global index of local head 0
-        self.layer_number = layer_number
-        self.dropout_key = dropout_key(config.seed, layer_number)
+        # the global index of local head 0 is tp_rank * nh/tp
+        self.build_core(config, cp_group, rng_tracker, nh // tp_size, self.local_groups,
+                        tp_rank * (nh // tp_size), hierarchical_cp_groups, layer_number)
         std = config.init_method_std
         common = dict(tp_group=tp_group, bias=config.add_bias_linear,
                       sequence_parallel=config.sequence_parallel,
@@ -96,33 +146,6 @@ class SelfAttention(torch.nn.Module):
         self.rotary = None
         if config.position_embedding_type in ("rope", "yarn"):
             self.rotary = RotaryEmbedding(config, d)
-        # chosen once per layer: "auto" (the device's fused kernels) or "torch" (plain PyTorch)
-        self.attention_kernel = attention_kernel(config.attention_kernel)
-        self.cp_attention = None  # built once: the comm type and head plan are checked here
-        if self.cp_size > 1:
-            self.cp_attention = ContextParallelAttention(
-                cp_group, config.cp_comm_type, self.local_heads, self.local_groups,
-                hierarchical_cp_groups, config.allow_dummy_heads, kernel=self.attention_kernel)
-
-    def _dropout(self, q, ids):
-        """This call's AttentionDropout: None in eval mode or with attention_dropout 0."""
-        p = self.config.attention_dropout
-        if not self.training or p == 0.0:
-            return None
-        if ids is None:
-            ids = DropoutIds(None, None)
-        samples = _fresh_samples(q.shape[0], q.device) if ids.samples is None else ids.samples
-        heads = torch.arange(self.local_heads, device=q.device) + self.first_head  # [nh/tp]
-        return AttentionDropout(p, self.dropout_key, samples, heads, ids.positions)
-
-    def core_attention(self, q, k, v, token_index, document_ids, dropout_ids=None):
-        """q [b, nh/tp, s, d], k/v [b, ng/tp, s, d] -> [b, nh/tp, s, d]; ``dropout_ids``: a
-        DropoutIds or None."""
-        dropout = self._dropout(q, dropout_ids)
-        if self.cp_attention is not None:
-            return self.cp_attention(q, k, v, token_index, document_ids, dropout)
-        return local_attention(q, k, v, token_index, document_ids, kernel=self.attention_kernel,
-                               dropout=dropout)
 
     def query_key_value(self, x, position_ids):
         """x [s(/tp), b, h] -> q [s, b, nh/tp, d], k and v [s, b, ng/tp, d], gate [s, b,
@@ -154,11 +177,7 @@ class SelfAttention(torch.nn.Module):
         q, k, v, gate = self.query_key_value(x, position_ids)
         s, b = q.shape[0], q.shape[1]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
-        if self.config.recompute_granularity == "selective":
-            out = tpar.checkpoint(self.core_attention, self.rng_tracker, q, k, v, token_index,
-                                  document_ids, dropout_ids)
-        else:
-            out = self.core_attention(q, k, v, token_index, document_ids, dropout_ids)
+        out = self.attend(q, k, v, token_index, document_ids, dropout_ids)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)  # [s, b, nh/tp*d]
         return self.project_out(out, gate)
 

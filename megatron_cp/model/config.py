@@ -189,6 +189,31 @@ class GPTConfig:
         False, shapes=True, help="Gate each full-attention head's output by sigmoid(x W_g) "
         "before the output projection (Qwen3-Next); W_g's rows join each query group's rows "
         "of the QKV projection: [q heads | gate heads | k | v].")
+    # Multi-head latent attention (model/multi_latent_attention.py, DeepSeek-V2/V3).
+    # Megatron-LM's flags and defaults.
+    multi_latent_attention: bool = setting(
+        False, shapes=True,
+        help="Multi-head latent attention (DeepSeek-V2/V3): keys and values come from one "
+             "compressed latent per token (--kv-lora-rank) plus one shared rotary key "
+             "(--qk-pos-emb-head-dim); queries from a compressed latent (--q-lora-rank) or "
+             "straight from the hidden states.")
+    q_lora_rank: int | None = setting(
+        None, shapes=True, help="MLA: rank of the query latent (linear_q_down_proj, then "
+        "linear_q_up_proj); none: one linear_q_proj from the hidden states.")
+    kv_lora_rank: int = setting(32, shapes=True, help="MLA: rank of the key/value latent.")
+    qk_head_dim: int = setting(
+        128, shapes=True, help="MLA: per-head query/key channels without position; the "
+        "attention head dim of q and k is qk_head_dim + qk_pos_emb_head_dim.")
+    qk_pos_emb_head_dim: int = setting(
+        64, shapes=True, help="MLA: per-head rotary channels of q, and of the one rotary key "
+        "every head shares.")
+    v_head_dim: int = setting(128, shapes=True, help="MLA: per-head value channels.")
+    rope_type: str | None = setting(
+        None, choices=(None, "rope", "yarn"),
+        help="MLA's rotary embedding: rope, or yarn (the default with "
+             "--multi-latent-attention, using --rotary-scaling-factor, --mscale and "
+             "--mscale-all-dim). Other attention takes rope only (choose YaRN there with "
+             "--position-embedding-type yarn).")
     # Gated DeltaNet hybrids (model/gated_delta_net.py). Megatron-LM's flags and defaults.
     experimental_attention_variant: str | None = setting(
         None, choices=(None, "gdn", "gated_delta_net", "gdn2", "dsa"), shapes=True,
@@ -311,6 +336,7 @@ class GPTConfig:
                                  f"{self.activation!r}; drop --openai-gelu or --swiglu / "
                                  f"--squared-relu")
             self.activation = "gelu_tanh"
+        self._check_mla()
         self._check_rotary()
         if self.moe_token_dispatcher_type == "flex":
             raise ValueError("moe_token_dispatcher_type ('flex') runs on the DeepEP / HybridEP "
@@ -343,12 +369,62 @@ class GPTConfig:
             raise ValueError(f"recompute_granularity 'full' needs recompute_method uniform or block "
                              f"(got {self.recompute_method!r})")
 
+    def _check_mla(self):
+        """Multi-latent attention's rules (Megatron-LM's MLATransformerConfig and argument
+        checks); fills rope_type's MLA default, yarn."""
+        if not self.multi_latent_attention:
+            given = [f"{name} ({getattr(self, name)})" for name in ("q_lora_rank",)
+                     if getattr(self, name) is not None]
+            if self.rope_type == "yarn":
+                given.append("rope_type ('yarn')")
+            if given:
+                raise ValueError(f"{', '.join(given)} applies to multi_latent_attention only; "
+                                 f"add multi_latent_attention or drop it (for YaRN in standard "
+                                 f"attention use position_embedding_type yarn)")
+            return
+        if self.rope_type is None:
+            self.rope_type = "yarn"
+        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be positive")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ValueError(f"q_lora_rank ({self.q_lora_rank}) must be positive, or left out "
+                             f"for no query compression")
+        if self.qk_pos_emb_head_dim % 2:
+            raise ValueError(f"qk_pos_emb_head_dim ({self.qk_pos_emb_head_dim}) must be even: "
+                             f"rotary turns channel pairs")
+        refused = [
+            (self.num_query_groups not in (None, self.num_attention_heads),
+             f"num_query_groups ({self.num_query_groups}): every MLA head has its own key and "
+             f"value (Megatron-LM refuses --group-query-attention with MLA); drop it"),
+            (self.attention_output_gate, "attention_output_gate (True) is not built for MLA "
+             "(nor in Megatron-LM); drop it"),
+            (self.experimental_attention_variant is not None,
+             f"experimental_attention_variant ({self.experimental_attention_variant!r}) layers "
+             f"are not built beside MLA; drop one"),
+            (self.position_embedding_type == "yarn",
+             "position_embedding_type ('yarn') would rotate the hidden states a second time: "
+             "MLA rotates its own rotary channels; use position_embedding_type rope with "
+             "rope_type yarn"),
+            (self.rotary_interleaved, "rotary_interleaved (True): MLA already pairs the "
+             "rotary channels (2i, 2i+1) as DeepSeek does; drop it"),
+        ]
+        for bad, why in refused:
+            if bad:
+                raise ValueError(why)
+        if self.rope_type == "yarn" and self.rotary_percent != 1.0:
+            raise ValueError(f"rotary_percent ({self.rotary_percent}): MLA's YaRN rotates every "
+                             f"rotary channel; drop it or use rope_type rope")
+
     def _check_rotary(self):
         """YaRN's settings mean something with position_embedding_type yarn only, and YaRN
         rotates whole heads in halves (Megatron-LM's YarnRotaryEmbedding)."""
         yarn = ("rotary_scaling_factor", "yarn_original_max_position_embeddings",
                 "yarn_beta_fast", "yarn_beta_slow", "yarn_correction_range_round_to_int",
                 "mscale", "mscale_all_dim")
+        if self.multi_latent_attention:  # MLA's own YaRN takes these three (_check_mla)
+            yarn = tuple(n for n in yarn if n not in ("rotary_scaling_factor", "mscale",
+                                                      "mscale_all_dim"))
         if self.position_embedding_type != "yarn":
             given = [f"{f.name} ({getattr(self, f.name)})" for f in dataclasses.fields(self)
                      if f.name in yarn and getattr(self, f.name) != f.default]

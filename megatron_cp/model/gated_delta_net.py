@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from megatron_cp import tensor_parallel as tpar
 from megatron_cp.context_parallel.gated_delta import GatedDeltaContextParallel
 from megatron_cp.model.fused import norm_for
-from megatron_cp.model.gated_delta_rule import causal_conv1d, chunk_gated_delta_rule, l2norm
+from megatron_cp.model.gated_delta_rule import (causal_conv1d, chunk_gated_delta_rule, l2norm,
+                                                recurrent_gated_delta_rule)
 
 
 def _uniform_init(low, high):
@@ -68,6 +69,7 @@ class GatedDeltaNet(torch.nn.Module):
         tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
         cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
         config.validate_parallel(tp_size, cp_size)
+        self.cp_size = cp_size  # as SelfAttention's: generation checks it of either mixer
         self.context_parallel = None if cp_size == 1 else GatedDeltaContextParallel(
             cp_group, config.gdn_cp_comm_type(tp_size, cp_size), hierarchical_groups)
         self.config = config
@@ -151,12 +153,32 @@ class GatedDeltaNet(torch.nn.Module):
     def mix(self, proj, document_ids=None, first_key_head=0):
         """The whole sequence in token order: proj [b, s, n_k, rows] -> gated output
         [b, s, r n_k, dv] (conv and state restart at every document of ``document_ids``)."""
+        return self._mix(proj, document_ids, first_key_head)[0]
+
+    def _mix(self, proj, document_ids=None, first_key_head=0, conv_tail=None, state=None,
+             output_final_state=False):
+        """:meth:`mix` continuing ``conv_tail`` [b, channels, w-1] and the fp32 ``state``
+        [b, r n_k, dk, dv] (None: a fresh start) -> (gated output, tail, state or None)."""
         mixed, z, b, a = self.split(proj)
-        mixed, _ = self.conv(mixed, first_key_head, document_ids)
+        mixed, tail = self.conv(mixed, first_key_head, document_ids, conv_tail)
         q, k, v = self.kernel_inputs(mixed)
         g, beta = self.gates(b, a, first_key_head)
-        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, document_ids=document_ids)
-        return self.gate_output(o, z)
+        if proj.shape[1] == 1 and state is not None:  # one decode step: the recurrence itself
+            o, state = recurrent_gated_delta_rule(q, k, v, g, beta, state, output_final_state)
+        else:
+            o, state = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state,
+                                              output_final_state=output_final_state,
+                                              document_ids=document_ids)
+        return self.gate_output(o, z), tail, state
+
+    def continue_sequence(self, x, conv_tail=None, state=None):
+        """Inference on new tokens x [s, b, h] that continue a sequence whose conv tail
+        [b, channels/tp, w-1] (its last w-1 conv inputs) and fp32 recurrent state
+        [b, nv/tp, dk, dv] are given (None: the sequence starts here; no SP or CP).
+        Returns (out [s, b, h], the tail and the state after the new tokens)."""
+        y, tail, state = self._mix(self.project(x), conv_tail=conv_tail, state=state,
+                                   output_final_state=True)  # y [b, s, nv/tp, dv]
+        return self.out_proj(y.flatten(2).transpose(0, 1)), tail, state  # [s, b, h]
 
     def forward(self, x, position_ids=None, token_index=None, document_ids=None,
                 dropout_ids=None):

@@ -63,14 +63,18 @@ def yarn_frequencies(dim, base, scaling_factor, original_max_positions, beta_fas
     return 1.0 / (scaling_factor * powers) * (1 - kept) + 1.0 / powers * kept
 
 
-def yarn_concentration_factor(scaling_factor, mscale=1.0, mscale_all_dim=0.0):
-    """YaRN's factor on cos and sin (Megatron's "mscale", Hugging Face's "attention_factor"):
-    m(mscale) / m(mscale_all_dim) with m(k) = 0.1 k ln(scaling_factor) + 1, and 1 when the
-    factor does not stretch the context (<= 1)."""
+def yarn_mscale(scaling_factor, mscale=1.0):
+    """YaRN's m(k) = 0.1 k ln(scaling_factor) + 1 for k = ``mscale``, and 1 when the factor
+    does not stretch the context (<= 1)."""
     if scaling_factor <= 1:
         return 1.0
-    return (0.1 * mscale * math.log(scaling_factor) + 1.0) / \
-        (0.1 * mscale_all_dim * math.log(scaling_factor) + 1.0)
+    return 0.1 * mscale * math.log(scaling_factor) + 1.0
+
+
+def yarn_concentration_factor(scaling_factor, mscale=1.0, mscale_all_dim=0.0):
+    """YaRN's factor on cos and sin (Megatron's "mscale", Hugging Face's "attention_factor"):
+    m(mscale) / m(mscale_all_dim) with :func:`yarn_mscale`'s m."""
+    return yarn_mscale(scaling_factor, mscale) / yarn_mscale(scaling_factor, mscale_all_dim)
 
 
 def rotary_cos_sin(position_ids, rotary_dim, base, inv_freq=None, scale=1.0):
@@ -87,15 +91,18 @@ def rotary_cos_sin(position_ids, rotary_dim, base, inv_freq=None, scale=1.0):
 
 class RotaryEmbedding:
     """The rotary embedding a config describes (``position_embedding_type`` rope or yarn,
-    ``rotary_percent``, ``rotary_interleaved``, the YaRN settings) for heads of ``head_dim``.
+    ``rotary_percent``, ``rotary_interleaved``, the YaRN settings) for heads of ``head_dim``;
+    ``yarn`` / ``interleaved`` (None: from the config) let MLA choose its own.
 
     :meth:`cos_sin` builds the angles' cos and sin of a batch's positions (YaRN's concentration
     factor included), :meth:`rotate` turns q or k by them."""
 
-    def __init__(self, config, head_dim):
+    def __init__(self, config, head_dim, yarn=None, interleaved=None):
         self.config, self.dim = config, int(head_dim * config.rotary_percent)
-        self.base, self.interleaved = config.rotary_base, config.rotary_interleaved
-        self.yarn = config.position_embedding_type == "yarn"
+        self.base = config.rotary_base
+        # MLA passes its own choice (--rope-type, interleaved pairs); others follow the config
+        self.interleaved = config.rotary_interleaved if interleaved is None else interleaved
+        self.yarn = config.position_embedding_type == "yarn" if yarn is None else yarn
         self.scale = yarn_concentration_factor(config.rotary_scaling_factor, config.mscale,
                                                config.mscale_all_dim) if self.yarn else 1.0
 

@@ -15,6 +15,7 @@ from megatron_cp.model.compile_layers import compile_layer
 from megatron_cp.model.fused import norm_for
 from megatron_cp.model.gated_delta_net import GatedDeltaNet
 from megatron_cp.model.mlp import MLP
+from megatron_cp.model.multi_latent_attention import MultiLatentAttention
 # a module reference: megatron_cp.moe.layer imports the MLP from this package (import cycle)
 import megatron_cp.moe.layer as moe_layer
 
@@ -38,8 +39,9 @@ def mark_sequence_parallel(module, sequence_parallel):
 
 class TransformerLayer(torch.nn.Module):
     """x [s(/tp), b, h] -> x + attn(norm(x)) -> x + mlp(norm(x)). The token mixer
-    ``self_attention`` is softmax attention, or Gated DeltaNet where the config's
-    linear-attention pattern marks the layer (Megatron-LM's name for either)."""
+    ``self_attention`` is softmax attention (multi-latent attention with
+    --multi-latent-attention), or Gated DeltaNet where the config's linear-attention pattern
+    marks the layer (Megatron-LM's name for each)."""
 
     def __init__(self, config, layer_number, tp_group, cp_group, rng_tracker, device=None,
                  ep_group=None, state=None, prefix=None, kind_of=None):
@@ -58,9 +60,10 @@ class TransformerLayer(torch.nn.Module):
             self.self_attention = GatedDeltaNet(config, prefix + ".self_attention", tp_group,
                                                 device, cp_group, hierarchical)
         else:
-            self.self_attention = SelfAttention(config, prefix + ".self_attention", tp_group,
-                                                cp_group, rng_tracker, device, hierarchical,
-                                                layer_number)
+            attention = MultiLatentAttention if config.multi_latent_attention else SelfAttention
+            self.self_attention = attention(config, prefix + ".self_attention", tp_group,
+                                            cp_group, rng_tracker, device, hierarchical,
+                                            layer_number)
         self.pre_mlp_layernorm = norm_for(config, config.hidden_size, device)
         self.is_moe = config.moe_layer_pattern()[kind_of]
         if self.is_moe:

@@ -1,0 +1,124 @@
+"""Gated DeltaNet against full attention on the CPU, and the CP scaling of its two paths.
+
+1. Forward + backward of one token mixer of width h = 256 over a sequence of s tokens
+   (batch 1): a GDN layer (2 key / 4 value heads of 64, conv 4, the chunked gated delta rule
+   of megatron_cp/model/gated_delta_rule.py) against causal softmax attention (4 heads of
+   64, SDPA). Goal: GDN's time grows linearly in s (time(s_max) / time(s_min) <= 1.5 x
+   s_max / s_min) and attention's faster (its ratio above GDN's).
+2. The per-rank compute of GDN under CP = 1, 2, 4 at s = --cp-seq (ranks simulated in one
+   process; the exchanges are O(state) and O(w) per rank, not timed): state passing runs
+   s / CP tokens of every head per rank, the a2a path all s tokens of 1 / CP of the key
+   heads (4 key heads here, so CP = 4 works). Goal: both at CP = 4 take <= 0.4 x the CP = 1
+   time (linear scaling: 0.25).
+
+Time is the calling thread's CPU time, one thread, min over repeats (the machine is shared).
+s = 32k and 64k are left out by default (--max-seq 16384): attention's s^2 work takes
+minutes per repeat on a shared 2-core box.
+
+Run: python benchmarks/gdn.py [--max-seq 16384] [--cp-seq 8192] [--repeats 2] [--output PATH]
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from bench_common import add_output_argument, min_thread_time, verdict, write_json  # noqa: E402
+from megatron_cp.model import GPTConfig  # noqa: E402
+from megatron_cp.model.attention import SelfAttention  # noqa: E402
+from megatron_cp.model.gated_delta_net import GatedDeltaNet  # noqa: E402
+from megatron_cp.tensor_parallel import model_parallel_seed  # noqa: E402
+
+SEQUENCES = (4096, 8192, 16384, 32768, 65536)
+HIDDEN = 256
+
+
+def _config(key_heads=2):
+    return GPTConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, vocab_size=128,
+                     ffn_hidden_size=512, max_position_embeddings=65536, hidden_dropout=0.0,
+                     attention_dropout=0.0, activation="swiglu", add_bias_linear=False,
+                     experimental_attention_variant="gdn", linear_attention_freq="2",
+                     linear_num_key_heads=key_heads, linear_num_value_heads=2 * key_heads,
+                     linear_key_head_dim=64, linear_value_head_dim=64)
+
+
+def _time(mixer, s, repeats):
+    """Seconds of forward + backward of ``mixer`` on s tokens."""
+    x = torch.randn(s, 1, HIDDEN, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    positions = torch.arange(s)[None]
+
+    def step():
+        mixer.zero_grad(set_to_none=True)
+        mixer(x, positions).sum().backward()
+    return min_thread_time(step, repeats, warmup=1)
+
+
+def layer_times(max_seq, repeats):
+    """[{s, gdn_s, attention_s}] for the sizes up to ``max_seq``."""
+    gdn = GatedDeltaNet(_config(), "gdn", None)
+    attention = SelfAttention(_config(), "attention", None, None,
+                              model_parallel_seed(7, 0, torch.device("cpu")))
+    rows = []
+    for s in (n for n in SEQUENCES if n <= max_seq):
+        rows.append({"s": s, "gdn_s": _time(gdn, s, repeats),
+                     "attention_s": _time(attention, s, repeats)})
+        print(f"s={s:>6}: GDN {rows[-1]['gdn_s']:.3f} s, attention {rows[-1]['attention_s']:.3f} s",
+              flush=True)
+    return rows
+
+
+def cp_times(s, repeats):
+    """{cp: {state_passing_s, a2a_s}}: one rank's GDN compute at CP = 1, 2, 4."""
+    out = {}
+    for cp in (1, 2, 4):
+        whole_heads = GatedDeltaNet(_config(4), "gdn", None)  # s / cp tokens, every head
+        head_slice = GatedDeltaNet(_config(4 // cp), "gdn", None)  # all s tokens, 1 / cp heads
+        out[cp] = {"state_passing_s": _time(whole_heads, s // cp, repeats),
+                   "a2a_s": _time(head_slice, s, repeats)}
+        print(f"CP={cp}: state passing {out[cp]['state_passing_s']:.3f} s, "
+              f"a2a {out[cp]['a2a_s']:.3f} s per rank", flush=True)
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--max-seq", type=int, default=16384,
+                   help="largest s of the layer comparison (of 4k, 8k, 16k, 32k, 64k)")
+    p.add_argument("--cp-seq", type=int, default=8192, help="s of the CP scaling")
+    p.add_argument("--repeats", type=int, default=2)
+    add_output_argument(p, "gdn")
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    rows = layer_times(a.max_seq, a.repeats)
+    if len(rows) < 2:
+        raise ValueError(f"--max-seq {a.max_seq} leaves fewer than two sizes; give >= 8192")
+    first, last = rows[0], rows[-1]
+    growth = last["s"] / first["s"]
+    gdn_ratio = last["gdn_s"] / first["gdn_s"]
+    attention_ratio = last["attention_s"] / first["attention_s"]
+    layer_pass = gdn_ratio <= 1.5 * growth and attention_ratio > gdn_ratio
+    cp = cp_times(a.cp_seq, a.repeats)
+    scaling = {path: cp[4][path] / cp[1][path] for path in ("state_passing_s", "a2a_s")}
+    cp_pass = all(v <= 0.4 for v in scaling.values())
+    print(f"\n| s | GDN fwd+bwd (s) | attention fwd+bwd (s) | attention / GDN |\n|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['s']} | {r['gdn_s']:.3f} | {r['attention_s']:.3f} | "
+              f"{r['attention_s'] / r['gdn_s']:.2f} |")
+    print(f"s x{growth:.0f}: GDN x{gdn_ratio:.2f}, attention x{attention_ratio:.2f} -> "
+          f"{verdict(layer_pass)} (GDN <= x{1.5 * growth:.0f}, attention above GDN)")
+    print(f"\n| CP | state passing per rank (s) | a2a per rank (s) |\n|---|---|---|")
+    for n, t in cp.items():
+        print(f"| {n} | {t['state_passing_s']:.3f} | {t['a2a_s']:.3f} |")
+    print(f"CP=4 / CP=1 at s={a.cp_seq}: state passing {scaling['state_passing_s']:.2f}, a2a "
+          f"{scaling['a2a_s']:.2f} -> {verdict(cp_pass)} (both <= 0.40)")
+    write_json(a.output, {"layer": rows, "cp_seq": a.cp_seq, "cp": cp, "cp_scaling": scaling,
+                          "layer_goal": verdict(layer_pass), "cp_goal": verdict(cp_pass)})
+    return 0 if layer_pass and cp_pass else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
