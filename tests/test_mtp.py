@@ -1,7 +1,7 @@
 """Multi-token prediction: its loss and gradients against a reference written here, targets
-that never leave a document, 10 training steps under TP+SP, every CP type, PP, DP and packed
-documents giving the one-process `lm loss` and `mtp_k loss`, the log line, tensorboard and a
-checkpoint resume."""
+that never leave a document, 10 training steps under TP+SP, every CP type, PP, DP, EP and packed
+documents giving the one-process `lm loss` and `mtp_k loss` (with DeepSeek-V3's MLA and MoE
+too), the log line, tensorboard, checkpoint resume and megatron-core's own MTP model."""
 import contextlib
 import io
 
@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from dist_harness import run_workers
 from model_utils import tiny_config
+from test_mla import DEEPSEEK as MLA_DEEPSEEK
 from training_utils import TINY, max_rel_diff, train_losses, train_runs
 from megatron_cp.data.batch import add_mtp_targets, get_ltor_batch, mtp_targets
 from megatron_cp.model import GPTModel
@@ -155,15 +156,15 @@ def _argv(depths, packed, extra=""):
     return f"{STEPS} --mtp-num-layers {depths} {PACKED if packed else ''} {extra}"
 
 
-# DeepSeek-V3's MoE: a dense first layer, a sigmoid router with expert bias, a shared expert;
-# the MTP layer takes the last decoder layer's kind (MoE)
-MOE = ("--num-experts 4 --moe-layer-freq ([0]+[1]*3) --moe-router-topk 2 "
-       "--moe-router-score-function sigmoid --moe-router-enable-expert-bias "
-       "--moe-shared-expert-intermediate-size 32 --moe-aux-loss-coeff 0.01")
+# DeepSeek-V3: Megatron-LM's test flags as tests/test_mla.py shrinks them (MLA with q-LoRA
+# and YaRN, a dense first layer, then MoE layers with a grouped sigmoid router, expert bias and
+# a shared expert, untied embeddings); the MTP layer takes the last decoder layer's kind (MoE)
+DEEPSEEK = MLA_DEEPSEEK.split("--train-iters 10 ", 1)[1]
 UNTIED = "--untie-embeddings-and-output-weights"  # PP: the last stage keeps a table for MTP
 CASES = {  # world size -> (depths, packed, model flags, layout flags)
-    4: [(1, False, MOE, "--expert-model-parallel-size 2 --context-parallel-size 2 "
-                        "--cp-comm-type p2p"),
+    4: [(1, False, DEEPSEEK, "--expert-model-parallel-size 2 --context-parallel-size 2 "
+                             "--cp-comm-type p2p"),
+        (1, True, DEEPSEEK, "--context-parallel-size 2 --cp-comm-type a2a"),
         (1, False, "", "--tensor-model-parallel-size 2 --sequence-parallel"),
         (1, False, "", "--context-parallel-size 2 --cp-comm-type p2p"),
         (1, True, "", "--context-parallel-size 2 --cp-comm-type p2p"),
@@ -176,9 +177,9 @@ CASES = {  # world size -> (depths, packed, model flags, layout flags)
         (2, False, "", "--pipeline-model-parallel-size 2"),
         (1, True, UNTIED, "--pipeline-model-parallel-size 2 "
                           "--pipeline-model-parallel-layout Ett|ttmL")],
-    8: [(2, True, "", "--tensor-model-parallel-size 2 --sequence-parallel "
-                      "--context-parallel-size 2 --cp-comm-type p2p "
-                      "--pipeline-model-parallel-size 2")],
+    8: [(2, True, DEEPSEEK, "--tensor-model-parallel-size 2 --sequence-parallel "
+                            "--context-parallel-size 2 --cp-comm-type p2p "
+                            "--pipeline-model-parallel-size 2")],
 }
 
 
