@@ -196,6 +196,11 @@ def references():
     return {**dict(zip(keys, runs)), NO_MTP_LOSS: runs[-1]}
 
 
+def _layout_argv(case):
+    depths, packed, model, layout = case
+    return _argv(depths, packed, f"{model} {layout}")
+
+
 def _check(results, cases, references):
     for runs in results:  # every rank logs the same values
         for (depths, packed, model, extra), run in zip(cases, runs):
@@ -210,14 +215,14 @@ def _check(results, cases, references):
 
 def test_layouts_of_four_ranks_match_one_process(references):
     cases = CASES[4]
-    _check(run_workers(_train_recording, 4, [_argv(*case[:2], " ".join(case[2:])) for case in cases],
-                       timeout=600), cases, references)
+    _check(run_workers(_train_recording, 4, [_layout_argv(c) for c in cases], timeout=600),
+           cases, references)
 
 
 def test_tp_cp_pp_packed_on_eight_ranks_matches_one_process(references):
     cases = CASES[8]
-    _check(run_workers(_train_recording, 8, [_argv(*case[:2], " ".join(case[2:])) for case in cases],
-                       timeout=600), cases, references)
+    _check(run_workers(_train_recording, 8, [_layout_argv(c) for c in cases], timeout=600),
+           cases, references)
 
 
 def test_mtp_changes_the_training(references):
@@ -300,7 +305,8 @@ def test_megatron_core_mtp_checkpoint_in_and_out(tmp_path):
     import megatron_core_utils as mcu
     from megatron_cp.checkpoint import files
     from tools import checkpoint_convert as convert
-    text = torch.randint(1, mcu.PADDED, (2, mcu.SEQ + 1), generator=torch.Generator().manual_seed(4))
+    text = torch.randint(1, mcu.PADDED, (2, mcu.SEQ + 1),
+                         generator=torch.Generator().manual_seed(4))
     tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
     root = tmp_path / "theirs"
     lm, mtp = run_workers(mcu.mtp_train_and_save, 1, str(root), tokens, labels)[0]

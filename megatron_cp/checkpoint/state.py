@@ -167,7 +167,8 @@ def _param_specs(trainer):
     for chunk in model_chunks(trainer):
         layers = list(chunk.decoder.layer_numbers)
         for name, param in chunk.named_parameters():
-            tied_copy = name in COPIES_OF_THE_EMBEDDING and getattr(param, "shared_embedding", False)
+            tied_copy = name in COPIES_OF_THE_EMBEDDING and getattr(param, "shared_embedding",
+                                                                    False)
             canon = "embedding.word_embeddings.weight" if tied_copy else canonical_name(name, layers)
             if getattr(param, "is_expert", False):
                 spec = expert_param_spec(canon, param, st.size("ep"), st.rank("ep"),

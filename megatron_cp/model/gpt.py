@@ -9,9 +9,8 @@ holds the multi-token-prediction depths (multi_token_prediction.py), which share
 embedding and the output layer; a last stage without the embedding embeds through its copy
 (the tied output weight, or with untied embeddings ``mtp_word_embeddings``, a
 ``shared_embedding`` copy as Megatron-LM keeps one there). The word embedding and the
-output layer weight
-(either copy) are marked ``is_embedding_or_output_parameter``, Megatron-LM's mark: the
-optimizer gives them --decoupled-lr and keeps them from Muon.
+output layer weight (any copy) are marked ``is_embedding_or_output_parameter``, Megatron-LM's
+mark: the optimizer gives them --decoupled-lr and keeps them from Muon.
 """
 import torch
 import torch.nn.functional as F

@@ -121,7 +121,8 @@ def set_loss_scale(model_chunks, loss_scale, token_counts):
     loss scale) and ``token_counts`` [D], each depth's loss-masked tokens over the global batch
     (the divisor of its mean); the loss sums the step will report start from zero."""
     for block in mtp_blocks(model_chunks):
-        block.loss_scale, block.token_counts, block.loss_sums = float(loss_scale), token_counts, None
+        block.loss_scale, block.token_counts = float(loss_scale), token_counts
+        block.loss_sums = None
 
 
 def local_loss_sums(model_chunks, num_depths, device):

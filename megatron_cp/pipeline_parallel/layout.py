@@ -119,8 +119,8 @@ def check_layout(stages, text, pp_size, num_layers, mtp_num_layers=None):
     """A :class:`PipelineLayout` from parsed ``stages`` (of the string ``text``), or a
     ValueError naming the rule broken and the fix: Megatron-LM's rules (a multiple of PP
     stages, E first and L last exactly once each, ``--num-layers`` t's, ``--mtp-num-layers``
-    m's right before L), and the embedding in the first stage and the loss in the last one, where the
-    model builds them (an empty stage may not come before E or after L)."""
+    m's right before L), and the embedding in the first stage and the loss in the last one,
+    where the model builds them (an empty stage may not come before E or after L)."""
     said = f"{FLAG} {text!r}"
     if len(stages) % pp_size != 0:
         raise ValueError(f"{said} has {len(stages)} stages, not a multiple of "
