@@ -36,9 +36,12 @@ def model_flops_per_token(config, seq_length):
     if config.num_moe_experts:  # each token runs top-k routed experts and the shared one
         moe_mlp += 2 * h * mlp_matrices * (config.moe_router_topk * config.moe_ffn_hidden_size
                                            + (config.moe_shared_expert_intermediate_size or 0))
-    mlps = sum(moe_mlp if is_moe else dense_mlp for is_moe in config.moe_layer_pattern())
-    logits = 2 * h * config.padded_vocab_size(1)
-    return 3 * (config.num_layers * per_layer + mlps + logits)
+    pattern = config.moe_layer_pattern()
+    depths = config.mtp_depths()  # each MTP depth: a layer of the last layer's kind (Megatron's)
+    mlps = sum(moe_mlp if is_moe else dense_mlp for is_moe in pattern + pattern[-1:] * depths)
+    mtp = depths * 2 * (3 * h + 2 * h * h)  # Megatron's count of the MTP norms and eh_proj
+    logits = 2 * h * config.padded_vocab_size(1) * (1 + depths)
+    return 3 * ((config.num_layers + depths) * per_layer + mlps + mtp + logits)
 
 
 def _mla_flops_per_token(config, seq_length):

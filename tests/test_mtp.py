@@ -322,3 +322,15 @@ def test_megatron_core_mtp_checkpoint_in_and_out(tmp_path):
     again_lm, again_mtp = run_workers(mcu.mtp_load_strict, 1, folder, tokens, labels)[0]
     torch.testing.assert_close(again_lm, lm, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(again_mtp, mtp, rtol=1e-5, atol=0)
+
+
+def test_throughput_counts_the_mtp_depths():
+    """Megatron-LM's FLOPs count: each depth adds a transformer layer, its norms and eh_proj,
+    and one more output layer."""
+    from megatron_cp.training_log import model_flops_per_token
+    plain, mtp = tiny_config(num_layers=2), tiny_config(num_layers=2, mtp_num_layers=2)
+    s, h = 64, plain.hidden_size
+    layer = (model_flops_per_token(tiny_config(num_layers=3), s)
+             - model_flops_per_token(plain, s))
+    extra = 2 * (layer + 3 * 2 * (3 * h + 2 * h * h) + 3 * 2 * h * plain.padded_vocab_size(1))
+    assert model_flops_per_token(mtp, s) - model_flops_per_token(plain, s) == extra
