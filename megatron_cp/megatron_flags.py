@@ -446,10 +446,6 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
     ("a separate embedding init std (and its weight-decay exemption) is not built; all "
      "weights use --init-method-std; drop it",
      ("--embedding-init-method-std",)),
-    ("Maximal Update Parameterization (MuP) scaling of init, lr, embeddings, logits and "
-     "attention is not built; drop it",
-     ("--use-mup", "--mup-width-mult", "--mup-base-hidden-size", "--mup-embedding-mult",
-      "--mup-output-mult", "--mup-base-head-dim", "--mup-attn-scale-power",)),
     ("turning off reduced-precision bf16 matmul accumulation is not built; PyTorch's default "
      "is kept; drop it",
      ("--disable-bf16-reduced-precision-matmul",)),

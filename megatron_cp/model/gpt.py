@@ -54,6 +54,8 @@ class Embedding(torch.nn.Module):
                 chunk = pos.shape[0] // tp_size
                 pos = pos[tp_rank * chunk:(tp_rank + 1) * chunk]  # [s/tp, b, h]
             h = h + pos
+        if self.config.use_mup and self.config.mup_embedding_mult != 1.0:
+            h = h * self.config.mup_embedding_mult  # muP's input multiplier, before dropout
         return dropout(h, self.config.hidden_dropout, self.training, self.sequence_parallel,
                        self.rng_tracker)
 
@@ -93,6 +95,8 @@ class GPTModel(torch.nn.Module):
             self.embedding = Embedding(config, self.padded_vocab_size, tp_group, rng_tracker, device)
             self.embedding.word_embeddings.weight.shared_embedding = tied and not post_process
             self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
+            for param in self.embedding.parameters():  # muP: base lr and eps (not hidden)
+                param.is_embedding_parameter = True
         layer_numbers = range(config.num_layers) if layer_numbers is None else layer_numbers
         self.decoder = TransformerBlock(config, layer_numbers, tp_group, cp_group, rng_tracker,
                                         device, state=state)
@@ -111,6 +115,7 @@ class GPTModel(torch.nn.Module):
                     device=device)
                 self.output_layer.weight.shared_embedding = tied
                 self.output_layer.weight.is_embedding_or_output_parameter = True
+                self.output_layer.weight.is_embedding_parameter = True
 
     def set_input_tensor(self, tensor):
         """The activation received from the previous pipeline stage."""
@@ -132,6 +137,8 @@ class GPTModel(torch.nn.Module):
             else:
                 h = tpar.copy_to_tensor_model_parallel_region(h, self.tp_group)
             logits = F.linear(h, self.embedding.word_embeddings.weight)  # [s, b, v/tp]
+        if self.config.use_mup and self.config.mup_output_mult != 1.0:
+            logits = logits * self.config.mup_output_mult  # muP's output multiplier
         return tpar.mask_padded_vocab(logits, self.config.vocab_size, self.tp_group)
 
     def forward(self, tokens, position_ids, labels=None, token_index=None, document_ids=None,
