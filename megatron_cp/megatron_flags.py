@@ -628,10 +628,6 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
      ("--mid-level-dataset-surplus",)),
     ("pad tokens are not handled this way (changes the loss mask); drop it",
      ("--allow-ambiguous-pad-tokens",)),
-    ("fill-in-the-middle (FIM) datasets are not built; drop these flags",
-     ("--fim-data", "--fim-rate", "--fim-spm-rate", "--fim-split-sample",
-      "--fim-fragment-rate", "--fim-no-prefix", "--fim-prefix-token", "--fim-middle-token",
-      "--fim-suffix-token", "--fim-pad-token", "--fim-eod-token",)),
     ("sliding-window attention is not built; drop it",
      ("--window-size", "--window-attn-skip-freq",)),
     ("llama3 rope scaling, position interpolation and per-layer RoPE skipping are not built; "

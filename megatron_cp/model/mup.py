@@ -53,7 +53,8 @@ def resolve_mup(config):
         raise ValueError(f"mup_base_head_dim ({config.mup_base_head_dim}) must be positive")
     config.mup_base_hidden_size, config.mup_width_mult = base, width_mult
     if config.softmax_scale is None:
-        base_scale = 1.0 if config.mup_base_head_dim is None else math.sqrt(config.mup_base_head_dim)
+        base_dim = config.mup_base_head_dim
+        base_scale = 1.0 if base_dim is None else math.sqrt(base_dim)
         config.softmax_scale = base_scale / config.kv_channels ** config.mup_attn_scale_power
     if config.mup_output_mult == 1.0 and width_mult != 1.0:
         config.mup_output_mult = 1.0 / width_mult
