@@ -164,3 +164,12 @@ def test_training_curve_tp2_and_dp2_distributed_match_one_process():
     assert max_rel_diff(plain, ref) > 1e-3
     for losses in two:
         assert max_rel_diff(losses, ref) <= 1e-5, (losses, ref)
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
+def test_resume_keeps_the_mup_groups(tmp_path, ckpt_format):
+    """A resumed muP run (its scaled groups saved and matched by key) continues the curve."""
+    base = MUP_RUN.replace("--train-iters 4", "--train-iters 6") + f" --ckpt-format {ckpt_format}"
+    straight, first, second = run_workers(train_runs, 1, [
+        base, f"{base} --exit-interval 3 --save {tmp_path}", f"{base} --load {tmp_path}"])[0]
+    assert first + second == straight

@@ -7,6 +7,8 @@ default FIM tokens; no merges) and a few hundred short code-like documents, toke
 tools/preprocess_data.py into ``.bin``/``.idx``, and returns the data and tokenizer flags that
 replace the mock data of a flag set (tools/flag_set_runs.py).
 """
+import contextlib
+import io
 import json
 import os
 
@@ -60,8 +62,10 @@ def fim_corpus_flags(folder):
     with open(corpus, "w", encoding="utf-8") as file:
         for i in range(NUM_DOCUMENTS):
             file.write(json.dumps({"text": _document(i)}) + "\n")
-    preprocess_data.main(["--input", corpus, "--output-prefix", prefix, "--tokenizer-type",
-                          "GPT2BPETokenizer", "--vocab-file", vocab_file, "--merge-file",
-                          merge_file, "--append-eod", "--workers", "1",
-                          "--log-interval", str(10 * NUM_DOCUMENTS)])
+    report = io.StringIO()  # the tool's progress lines: not part of a census table
+    with contextlib.redirect_stdout(report), contextlib.redirect_stderr(report):
+        preprocess_data.main(["--input", corpus, "--output-prefix", prefix, "--tokenizer-type",
+                              "GPT2BPETokenizer", "--vocab-file", vocab_file, "--merge-file",
+                              merge_file, "--append-eod", "--workers", "1",
+                              "--log-interval", str(10 * NUM_DOCUMENTS)])
     return flags

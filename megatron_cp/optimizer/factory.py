@@ -26,7 +26,7 @@ def build_optimizer(args, models, model_chunks, state, check_for_nan_in_grad=Tru
     """The optimizer over ``models``' params (``model_chunks``: their DDP wrappers)."""
     config = build_config(OptimizerConfig, args)
     mup = mup_group_overrides(args.mup_width_mult, args.lr, args.min_lr, args.adam_eps,
-                              args.optimizer) if args.use_mup else None
+                              args.optimizer) if getattr(args, "use_mup", False) else None
     groups = get_param_groups(models, args.weight_decay, config.decoupled_lr is not None,
                               config.uses_muon, getattr(args, "apply_wd_to_qk_layernorm", False),
                               mup)
