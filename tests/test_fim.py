@@ -3,10 +3,9 @@
 The transformation is checked against hand-computed samples, with the random draws scripted
 (FIM or not, the two cut points, SPM or not, in Megatron-LM's order) on a one-letter-per-token
 tokenizer; then determinism over a real corpus, the pipeline (a training run changes with the
-flag), the refused inputs, and Megatron-LM's FIM flag set through tools/flag_set_runs.run."""
-import json
-import os
-
+flag) and the refused inputs. Megatron-LM's FIM flag set trains through tools/flag_set_runs.run
+in tests/test_megatron_flag_set_runs.py (gpt3_mcore_te_tp1_pp1_dist_optimizer_fim_dataset, on
+the small corpus of tools/fim_corpus.py), as does its muP set (gpt3_mcore_te_tp1_pp1_mup)."""
 import numpy as np
 import pytest
 
@@ -15,7 +14,6 @@ from megatron_cp.arguments import parse_args
 from megatron_cp.data.builder import build_train_valid_test_datasets
 from megatron_cp.data.fim import FimDataset, FimSettings, FimTransform, fim_settings
 from megatron_cp.data.tokenizers import build_tokenizer
-from tools import flag_set_runs
 from tools.fim_corpus import fim_corpus_flags
 from training_utils import assert_refused, max_rel_diff, train_runs
 
@@ -196,12 +194,3 @@ def test_refused_inputs(corpus, tmp_path):
                                          "--fim-pad-token '<nothing>'"):
         fim_settings(args, tok)
 
-
-def test_megatron_lm_fim_flag_set_trains(tmp_path):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(root, "tests", "data", "megatron_flag_sets.json")) as file:
-        argv = json.load(file)["train"]["gpt/gpt3_mcore_te_tp1_pp1_dist_optimizer_fim_dataset"]
-    assert "--fim-data" in argv and "--mock-data" in argv  # as the census writes it
-    result = flag_set_runs.run(argv, str(tmp_path))
-    assert result["ok"], "\n".join(result["tail"])
-    assert len(result["losses"]) == flag_set_runs.ITERATIONS
