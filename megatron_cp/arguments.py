@@ -35,6 +35,7 @@ from megatron_cp.config_flags import (add_config_flags, build_config, config_fla
                                       fill_args, name_flags)
 from megatron_cp.data.batch_schedule import (SIZE_NAME, BatchSchedule, check_divisible,
                                               parse_schedule)
+from megatron_cp.data.fim import add_fim_args, validate_fim_args
 from megatron_cp.data.tokenizers import TOKENIZER_TYPES
 from megatron_cp.data.utils import parse_and_normalize_split
 from megatron_cp.initialize import check_instances, rank_order, validate_sizes
@@ -258,6 +259,7 @@ def _data_args(g):
     g.add_argument("--reset-attention-mask", action="store_true", help="Keep attention inside documents.")
     g.add_argument("--eod-mask-loss", action="store_true", help="No loss on EOD tokens.")
     g.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes.")
+    add_fim_args(g)
 
 
 def _io_args(g):
@@ -531,6 +533,7 @@ def validate_args(args, world_size, inference=False, problems=()):
     checks.run(_validate_split, args)
     checks.run(_validate_data, args, need_data=not inference)
     checks.run(_validate_tokenizer, args)
+    checks.run(validate_fim_args, args)
     checks.run(_validate_optimizer, args, names)
     checks.run(_validate_optimizer_and_checkpoint, args)
     checks.run(_validate_rerun_and_wandb, args)

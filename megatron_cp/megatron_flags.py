@@ -451,10 +451,6 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
     ("a separate embedding init std (and its weight-decay exemption) is not built; all "
      "weights use --init-method-std; drop it",
      ("--embedding-init-method-std",)),
-    ("Maximal Update Parameterization (MuP) scaling of init, lr, embeddings, logits and "
-     "attention is not built; drop it",
-     ("--use-mup", "--mup-width-mult", "--mup-base-hidden-size", "--mup-embedding-mult",
-      "--mup-output-mult", "--mup-base-head-dim", "--mup-attn-scale-power",)),
     ("turning off reduced-precision bf16 matmul accumulation is not built; PyTorch's default "
      "is kept; drop it",
      ("--disable-bf16-reduced-precision-matmul",)),
@@ -637,10 +633,6 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
      ("--mid-level-dataset-surplus",)),
     ("pad tokens are not handled this way (changes the loss mask); drop it",
      ("--allow-ambiguous-pad-tokens",)),
-    ("fill-in-the-middle (FIM) datasets are not built; drop these flags",
-     ("--fim-data", "--fim-rate", "--fim-spm-rate", "--fim-split-sample",
-      "--fim-fragment-rate", "--fim-no-prefix", "--fim-prefix-token", "--fim-middle-token",
-      "--fim-suffix-token", "--fim-pad-token", "--fim-eod-token",)),
     ("sliding-window attention is not built; drop it",
      ("--window-size", "--window-attn-skip-freq",)),
     ("llama3 rope scaling, position interpolation and per-layer RoPE skipping are not built; "

@@ -5,7 +5,8 @@
 everything that decides *what* is computed stays as the set wrote it: layer counts and patterns,
 head and group counts up to 8, expert counts, top-k, parallel sizes, precision, schedules,
 recompute, checkpoint format. ``run`` launches pretrain_gpt.py under torchrun (gloo) with mock
-data and a fresh --save/--load/--tensorboard-dir (and gloo for a set that names NCCL, on a
+data (a small real corpus for FIM sets: ``with_data``) and a fresh --save/--load/
+--tensorboard-dir (and gloo for a set that names NCCL, on a
 machine without CUDA), and says whether the iterations ran.
 
 Used by tools/megatron_flag_sets.py (--run) and tests/test_megatron_flag_set_runs.py.
@@ -19,6 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_cp.device import accelerator_available  # noqa: E402
+from tools.fim_corpus import fim_corpus_flags  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ITERATIONS = 3
@@ -116,6 +118,17 @@ def path_flags(workdir):
             "--tensorboard-dir", os.path.join(workdir, "tensorboard")]
 
 
+def with_data(argv, workdir):
+    """``argv`` with the data it can train on: a set with --fim-data (which rewrites real
+    text, and which Megatron-LM refuses on mock data) gets a small corpus and a GPT-2
+    vocabulary with the FIM tokens, built under ``workdir`` (tools/fim_corpus.py), in place of
+    the mock data; other sets keep the mock data."""
+    if "--fim-data" not in argv:
+        return argv
+    argv = _drop(_drop(_drop(argv, "--mock-data", 0), "--tokenizer-type"), "--vocab-size")
+    return argv + fim_corpus_flags(os.path.join(workdir, "fim_corpus"))
+
+
 def command(argv, workdir, gpus=None):
     """The torchrun command line that trains shrunk ``argv`` on ``gpus`` ranks (None: as
     :func:`parallel_sizes` says), writing under ``workdir``."""
@@ -123,7 +136,7 @@ def command(argv, workdir, gpus=None):
     paths = path_flags(workdir)
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             "--nproc-per-node", str(world), os.path.join(REPO, "pretrain_gpt.py"),
-            *on_this_machine(shrink(argv, gpus)), *paths]
+            *on_this_machine(shrink(with_data(argv, workdir), gpus)), *paths]
 
 
 def run(argv, workdir, timeout=900, gpus=None):

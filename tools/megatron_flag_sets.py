@@ -9,7 +9,8 @@ RL ones run other entry points) and the flags of its GPT launch examples (EXAMPL
 runs under bash with ``torchrun`` replaced by a function that prints its arguments), and parses
 each
 set with megatron_cp's arguments, as a user switching over would run it: the data mocked
-(``--mock-data``, NullTokenizer), the paths dropped, the world size the one the set's parallel
+(``--mock-data``, NullTokenizer; a set with ``--fim-data`` gets a small real corpus instead,
+tools/fim_corpus.py), the paths dropped, the world size the one the set's parallel
 sizes need. Prints how many sets are accepted, how many problems of each kind the others
 meet, and writes the details as JSON when asked.
 
@@ -33,7 +34,7 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_cp.arguments import build_parser, parse_args  # noqa: E402
-from tools.flag_set_runs import parallel_sizes, path_flags, run  # noqa: E402
+from tools.flag_set_runs import parallel_sizes, path_flags, run, with_data  # noqa: E402
 
 GOAL = 200  # sets that must train unchanged (the bar, of 224 here)
 # what tests/test_megatron_flag_set_runs.py trains (spread over examples, GPT and MoE tests, and
@@ -47,7 +48,8 @@ SAMPLE_TRAIN = (
     "gpt/gpt3_mcore_te_tp1_pp1_resume_torch_dist_uniform_full_recompute",
     "gpt/gpt3_mcore_te_tp2_pp1_cp2_nondeterministic", "gpt/gpt3_mcore_te_tp1_pp2_rope_embeddings",
     "moe/gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_resume_torch_dist_dist_optimizer",
-    "moe/gpt3_mcore_te_tp2_pp1_te_a2a_ovlp_8experts_etp1_ep4")
+    "moe/gpt3_mcore_te_tp2_pp1_te_a2a_ovlp_8experts_etp1_ep4",
+    "gpt/gpt3_mcore_te_tp1_pp1_mup", "gpt/gpt3_mcore_te_tp1_pp1_dist_optimizer_fim_dataset")
 SAMPLE_REFUSE = ("moe/deepseek_proxy_fsdp_ep2_fsdp2", "gpt/gpt3_mcore_te_tp2_zp_z3_resume_fsdp_dtensor",
                  "moe/gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph")
 
@@ -158,7 +160,8 @@ def check(sets):
     for name, argv in sets.items():
         try:
             # with the paths a run gets (tools/flag_set_runs.py): --save, --load, tensorboard
-            parse_args(argv + path_flags(os.path.join(tempfile.gettempdir(), "flag_set_check")),
+            folder = os.path.join(tempfile.gettempdir(), "flag_set_check")
+            parse_args(with_data(argv, folder) + path_flags(folder),
                        world_size=parallel_sizes(argv, GPUS.get(name))[3])
             results[name] = []
         except ValueError as error:

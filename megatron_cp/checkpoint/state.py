@@ -33,7 +33,7 @@ from megatron_cp.optimizer.inner import adam_step, set_adam_step
 RNG_KEYS = ("python", "numpy", "torch", "device", "tracker")
 GROUP_SETTINGS = ("lr", "weight_decay", "betas", "eps", "momentum", "wd_mult", "lr_mult")
 # what tells one param group from another (get_param_groups' key)
-GROUP_KEY = ("optimizer", "wd_mult", "is_decoupled_lr")
+GROUP_KEY = ("optimizer", "wd_mult", "is_decoupled_lr", "is_mup_hidden")
 
 
 def model_chunks(trainer):
@@ -139,7 +139,7 @@ def check_optimizer_matches(saved, args):
 
 
 def _group_key(group):
-    return tuple(group.get(k, default) for k, default in zip(GROUP_KEY, ("adam", 1.0, False)))
+    return tuple(group.get(k, default) for k, default in zip(GROUP_KEY, ("adam", 1.0, False, False)))
 
 
 def _restore_optimizer(opt, common):

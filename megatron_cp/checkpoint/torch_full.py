@@ -43,16 +43,24 @@ def param_order(states, args):
                 key = group_key(name, tensor.dim(), is_expert(name), name in VOCAB_PARAMS,
                                 args.get("decoupled_lr") is not None,
                                 args.get("optimizer") == "muon",
-                                args.get("apply_wd_to_qk_layernorm", False))
+                                args.get("apply_wd_to_qk_layernorm", False),
+                                _mup_hidden(name, args))
                 by_key.setdefault(key, []).append((c, name))
     keys = sorted(by_key, key=group_order)
     return [item for key in keys for item in by_key[key]], [(key, len(by_key[key])) for key in keys]
 
 
+def _mup_hidden(name, args):
+    """Whether muP scales param ``name``'s group if it is Adam's matrix: a muP run with
+    width_mult != 1, and not the embedding class (the embeddings, the output layer)."""
+    return bool(args.get("use_mup")) and args.get("mup_width_mult", 1.0) != 1.0 and \
+        not (name in VOCAB_PARAMS or name.startswith("embedding."))
+
+
 def saved_group_key(group):
-    """A saved param group's key (older checkpoints: Adam, no decoupled rate)."""
-    return group.get("optimizer", "adam"), group.get("wd_mult", 1.0), group.get("is_decoupled_lr",
-                                                                                False)
+    """A saved param group's key (older checkpoints: Adam, no decoupled rate, no muP)."""
+    return (group.get("optimizer", "adam"), group.get("wd_mult", 1.0),
+            group.get("is_decoupled_lr", False), group.get("is_mup_hidden", False))
 
 
 def _merge(shards, args, sizes):

@@ -13,6 +13,7 @@ ranks that includes global rank 0 (e.g. TP rank 0 of every group).
 import logging
 
 from megatron_cp.data.blended_dataset import BlendedDataset, blend_num_samples
+from megatron_cp.data.fim import FimDataset
 from megatron_cp.data.gpt_dataset import GPTDataset, MockGPTDataset, default_cache_dir
 from megatron_cp.data.indexed_dataset import IndexedDataset
 from megatron_cp.data.utils import SPLIT_NAMES, get_split_ranges, global_rank, parse_data_path
@@ -40,7 +41,7 @@ def _split_datasets(make, num_documents, split, num_samples, where):
 
 def build_train_valid_test_datasets(data_path, split, train_valid_test_num_samples, seq_length,
                                     seed, tokenizer, mock=False, data_cache_path=None,
-                                    mmap_bin=True):
+                                    mmap_bin=True, fim=None):
     """(train, valid, test) datasets, each None when its split is empty.
 
     ``data_path``: list of prefixes, optionally with weights (``["0.3", "A", "0.7", "B"]``);
@@ -49,7 +50,8 @@ def build_train_valid_test_datasets(data_path, split, train_valid_test_num_sampl
     ``mock``: synthetic tokens from ``tokenizer`` instead of files; ``data_cache_path``:
     where the index arrays go (default ``<data dir>/cache/GPTDataset_indices``);
     ``mmap_bin``: map the .bin files (False: read each sample from the file, Megatron's
-    ``--no-mmap-bin-files``).
+    ``--no-mmap-bin-files``); ``fim``: a :class:`~megatron_cp.data.fim.FimTransform` each
+    prefix's samples go through (``--fim-data``), before any blending.
     """
     num_samples = [int(n or 0) for n in train_valid_test_num_samples]
     if len(num_samples) != 3:
@@ -74,8 +76,9 @@ def build_train_valid_test_datasets(data_path, split, train_valid_test_num_sampl
         wanted = [blend_num_samples([weight], n)[0] if blended else n for n in num_samples]
 
         def make(name, doc_range, n, indexed=indexed, prefix=prefix, cache_dir=cache_dir):
-            return GPTDataset(indexed, doc_range, n, seq_length, seed, split_name=name,
-                              path_prefix=prefix, cache_dir=cache_dir)
+            dataset = GPTDataset(indexed, doc_range, n, seq_length, seed, split_name=name,
+                                 path_prefix=prefix, cache_dir=cache_dir)
+            return dataset if fim is None else FimDataset(dataset, fim, seed)
         per_prefix.append(_split_datasets(make, len(indexed), split, wanted, prefix))
     if not blended:
         return tuple(per_prefix[0])

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from megatron_cp.data.batch import add_mtp_targets, build_data_iterator, get_ltor_batch
 from megatron_cp.data.builder import build_train_valid_test_datasets
+from megatron_cp.data.fim import FimTransform, fim_settings
 from megatron_cp.data.microbatch import prepare_microbatch, required_length, split_multiple, step_length
 
 
@@ -25,6 +26,9 @@ class DataFeed:
         self.device = state.device
         self.reads = state.rank("tp") == 0  # TP peers receive their batch by broadcast
         self.datasets, self.train_iter, self.valid_dataset = {}, None, None
+        # checked on every rank at start-up: the tokenizer has the FIM tokens
+        self.fim = FimTransform(fim_settings(args, tokenizer), tokenizer) if args.fim_data \
+            else None
 
     def build(self, consumed_samples):
         """Build the datasets and the training iterator, which resumes after
@@ -37,7 +41,7 @@ class DataFeed:
         train, valid, test = build_train_valid_test_datasets(
             a.data_path, a.split, num_samples, a.seq_length, a.seed, self.tokenizer,
             mock=a.mock_data, data_cache_path=a.data_cache_path,
-            mmap_bin=a.mmap_bin_files) if self.reads else (None,) * 3
+            mmap_bin=a.mmap_bin_files, fim=self.fim) if self.reads else (None,) * 3
         self.datasets = {"train": train, "validation": valid, "test": test}  # for the banner
         self.train_iter = build_data_iterator(train, self.batches.global_batch_size,
                                               a.micro_batch_size,

@@ -1,7 +1,8 @@
 """Tokenizers, selected by Megatron's ``--tokenizer-type`` names.
 
-Each tokenizer exposes ``vocab_size``, ``eod``, ``tokenize(text) -> list[int]`` and
-``detokenize(ids) -> str``:
+Each tokenizer exposes ``vocab_size``, ``eod``, ``tokenize(text) -> list[int]``,
+``detokenize(ids) -> str`` and ``token_to_id(token) -> int | None`` (the id of one vocabulary
+entry, None when there is none: FIM's special tokens, data/fim.py):
 
 - ``SentencePieceTokenizer`` (alias ``GPTSentencePieceTokenizer``): a sentencepiece
   model (``--tokenizer-model``); ``eod`` is the model's eos id (``</s>``;
@@ -54,6 +55,11 @@ class SentencePieceTokenizer:
         """Text of ``ids``."""
         return self._sp.decode([int(i) for i in ids])
 
+    def token_to_id(self, token):
+        """The id of piece ``token`` (None: not a piece of the model)."""
+        piece_id = self._sp.piece_to_id(token)
+        return piece_id if self._sp.id_to_piece(piece_id) == token else None
+
 
 class _SizedTokenizer:
     """``vocab_size`` and ``eod`` read from what the subclass's constructor found."""
@@ -84,6 +90,7 @@ class GPT2BPETokenizer(_SizedTokenizer):
             raise ValueError(f"{vocab_file} has no {self.EOD_TOKEN} entry, which "
                              "GPT2BPETokenizer uses as eod; add it to the vocabulary")
         self._eod = int(vocab[self.EOD_TOKEN])
+        self._vocab = {token: int(i) for token, i in vocab.items()}
         self._vocab_size = max(len(vocab), max(int(v) for v in vocab.values()) + 1)
         model = models.BPE.from_file(vocab_file, merge_file)
         self._tok = Tokenizer(model)
@@ -98,6 +105,10 @@ class GPT2BPETokenizer(_SizedTokenizer):
     def detokenize(self, ids):
         """Text of ``ids``."""
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def token_to_id(self, token):
+        """The id of vocabulary entry ``token`` (None: not in vocab.json)."""
+        return self._vocab.get(token)
 
 
 class HuggingFaceTokenizer(_SizedTokenizer):
@@ -144,6 +155,12 @@ class HuggingFaceTokenizer(_SizedTokenizer):
             return self._hf.decode(ids, clean_up_tokenization_spaces=False)
         return self._tok.decode(ids, skip_special_tokens=False)
 
+    def token_to_id(self, token):
+        """The id of vocabulary entry ``token``, added tokens included (None: not there)."""
+        if self._hf is not None:
+            return self._hf.get_vocab().get(token)
+        return self._tok.token_to_id(token)
+
 
 def _auto_tokenizer(folder):
     """``transformers.AutoTokenizer`` of a local folder, or None without transformers."""
@@ -187,6 +204,10 @@ class NullTokenizer:
     def detokenize(self, ids):
         """``[3, 1, 4]`` -> ``"3 1 4"``."""
         return " ".join(str(int(i)) for i in ids)
+
+    def token_to_id(self, token):
+        """None: ids have no names here."""
+        return None
 
 
 def build_tokenizer(tokenizer_type, tokenizer_model=None, vocab_file=None, merge_file=None,

@@ -116,8 +116,9 @@ class SelfAttention(AttentionCore):
         tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
         # the global index of local head 0 is tp_rank * nh/tp
         self.build_core(config, cp_group, rng_tracker, nh // tp_size, self.local_groups,
-                        tp_rank * (nh // tp_size), hierarchical_cp_groups, layer_number)
-        std = config.init_method_std
+                        tp_rank * (nh // tp_size), hierarchical_cp_groups, layer_number,
+                        config.softmax_scale)  # None: 1 / sqrt(d); muP sets its own
+        std = config.hidden_init_std
         common = dict(tp_group=tp_group, bias=config.add_bias_linear,
                       sequence_parallel=config.sequence_parallel,
                       params_dtype=config.params_dtype, device=device)

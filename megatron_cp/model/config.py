@@ -17,6 +17,7 @@ from megatron_cp.config_flags import check_choices, setting
 from megatron_cp.context_parallel.attention import COMM_TYPES, resolve_comm_type
 from megatron_cp.context_parallel.kernels import KERNEL_NAMES
 from megatron_cp.initialize import check_hierarchical_sizes
+from megatron_cp.model.mup import resolve_mup
 
 
 # torch.compile's modes; the last two capture CUDA graphs (refused in GPTConfig.__post_init__)
@@ -148,6 +149,31 @@ class GPTConfig:
     make_vocab_size_divisible_by: int = setting(
         128, shapes=True, help="Pad the vocab to a multiple of this times the TP size.")
     init_method_std: float = setting(0.02, help="Std of the normal weight init.")
+    # Maximal Update Parameterization (model/mup.py). Megatron-LM's flags and defaults.
+    use_mup: bool = setting(
+        False, help="Maximal Update Parameterization: hidden weights start at std / "
+        "sqrt(width_mult) (output projections also / sqrt(2 num_layers)), Adam's hidden "
+        "matrices get lr, min_lr and eps / width_mult, the embedding output is multiplied by "
+        "--mup-embedding-mult, the logits by --mup-output-mult, and attention scores by "
+        "sqrt(--mup-base-head-dim) / kv_channels^--mup-attn-scale-power.")
+    mup_width_mult: float = setting(
+        1.0, fill_arg=True, help="muP width multiplier; --use-mup computes it as hidden_size / "
+        "--mup-base-hidden-size (a given value must agree).")
+    mup_base_hidden_size: int | None = setting(
+        None, help="muP: the base (proxy) model's hidden size (default: hidden_size, "
+        "width_mult 1).")
+    mup_embedding_mult: float = setting(1.0, help="muP: multiplier of the embedding output.")
+    mup_output_mult: float = setting(
+        1.0, help="muP: multiplier of the logits; left at 1 it becomes 1 / width_mult.")
+    mup_base_head_dim: float | None = setting(
+        None, help="muP: the base head dim; the attention scale is sqrt(this) / "
+        "kv_channels^power (default: 1 / kv_channels^power).")
+    mup_attn_scale_power: float = setting(
+        1.0, help="muP: the power of kv_channels in the attention scale (1: 1/d, 0.5: the "
+        "standard 1/sqrt(d)).")
+    softmax_scale: float | None = setting(
+        None, flag=None, help="Attention score scale (None: 1 / sqrt(kv_channels)); --use-mup "
+        "sets it.")
     seed: int = setting(1234, group="training", help="Random seed (init, data, dropout).")
     params_dtype: torch.dtype = setting(torch.float32, flag=None, arg="params_dtype", shapes=True,
                                         help="Parameter dtype (from --fp16 / --bf16).")
@@ -362,12 +388,21 @@ class GPTConfig:
                              f"fixed buffers while pipeline schedules keep several microbatches "
                              f"in flight and recomputation reruns layers in backward; use "
                              f"torch_compile_mode 'default' or 'max-autotune-no-cudagraphs'")
+        resolve_mup(self)
         if self.num_moe_experts:
             self._check_moe()
         self._check_linear_attention()
         if self.recompute_granularity == "full" and self.recompute_method not in ("uniform", "block"):
             raise ValueError(f"recompute_granularity 'full' needs recompute_method uniform or block "
                              f"(got {self.recompute_method!r})")
+
+    @property
+    def hidden_init_std(self):
+        """The init std of hidden weights: init_method_std, divided by sqrt(mup_width_mult)
+        under muP (model/mup.py); the embeddings and an untied output layer keep
+        init_method_std."""
+        return self.init_method_std / math.sqrt(self.mup_width_mult) if self.use_mup \
+            else self.init_method_std
 
     def _check_mla(self):
         """Multi-latent attention's rules (Megatron-LM's MLATransformerConfig and argument

@@ -81,7 +81,7 @@ class GatedDeltaNet(torch.nn.Module):
         # rows of one key head in in_proj: q, k, then its r value heads' v, z, b, a
         self.group_rows = (dk, dk, self.ratio * dv, self.ratio * dv, self.ratio, self.ratio)
         conv_channels = nk * (2 * dk + self.ratio * dv)
-        std = config.init_method_std
+        std = config.hidden_init_std
         common = dict(tp_group=tp_group, bias=False, sequence_parallel=config.sequence_parallel,
                       params_dtype=config.params_dtype, device=device)
         self.in_proj = tpar.ColumnParallelLinear(

@@ -65,8 +65,16 @@ class Embedding(torch.nn.Module):
                 chunk = pos.shape[0] // tp_size
                 pos = pos[tp_rank * chunk:(tp_rank + 1) * chunk]  # [s/tp, b, h]
             h = h + pos
-        return dropout(h, self.config.hidden_dropout, self.training, self.sequence_parallel,
-                       self.rng_tracker)
+        return finish_embedding(h, self.config, self.training, self.sequence_parallel,
+                                self.rng_tracker)
+
+
+def finish_embedding(h, config, training, sequence_parallel, rng_tracker):
+    """Embedded tokens [s(/tp), b, h] -> what the first layer gets: muP's input multiplier,
+    then hidden dropout (also for MTP's lookups on a last stage without the embedding)."""
+    if config.use_mup and config.mup_embedding_mult != 1.0:
+        h = h * config.mup_embedding_mult
+    return dropout(h, config.hidden_dropout, training, sequence_parallel, rng_tracker)
 
 
 class GPTModel(torch.nn.Module):
@@ -107,6 +115,8 @@ class GPTModel(torch.nn.Module):
             self.embedding.word_embeddings.weight.shared_embedding = \
                 (tied or bool(config.mtp_num_layers)) and not post_process
             self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
+            for param in self.embedding.parameters():  # muP: base lr and eps (not hidden)
+                param.is_embedding_parameter = True
         layer_numbers = range(config.num_layers) if layer_numbers is None else layer_numbers
         self.decoder = TransformerBlock(config, layer_numbers, tp_group, cp_group, rng_tracker,
                                         device, state=state)
@@ -125,6 +135,7 @@ class GPTModel(torch.nn.Module):
                     device=device)
                 self.output_layer.weight.shared_embedding = tied
                 self.output_layer.weight.is_embedding_or_output_parameter = True
+                self.output_layer.weight.is_embedding_parameter = True
         self.mtp, self.mtp_word_embeddings = None, None
         if post_process and config.mtp_num_layers:
             if not (pre_process or tied):  # MTP embeds here: a copy of the first stage's table
@@ -132,6 +143,7 @@ class GPTModel(torch.nn.Module):
                                                           tp_group, device)
                 self.mtp_word_embeddings.weight.shared_embedding = True
                 self.mtp_word_embeddings.weight.is_embedding_or_output_parameter = True
+                self.mtp_word_embeddings.weight.is_embedding_parameter = True
             self.mtp = MultiTokenPrediction(config, tp_group, cp_group, rng_tracker, device,
                                             state)
 
@@ -155,6 +167,8 @@ class GPTModel(torch.nn.Module):
             else:
                 h = tpar.copy_to_tensor_model_parallel_region(h, self.tp_group)
             logits = F.linear(h, self.embedding.word_embeddings.weight)  # [s, b, v/tp]
+        if self.config.use_mup and self.config.mup_output_mult != 1.0:
+            logits = logits * self.config.mup_output_mult  # muP's output multiplier
         return tpar.mask_padded_vocab(logits, self.config.vocab_size, self.tp_group)
 
     def _loss(self, h, labels):
@@ -173,8 +187,8 @@ class GPTModel(torch.nn.Module):
         table = self.output_layer.weight if self.mtp_word_embeddings is None \
             else self.mtp_word_embeddings.weight
         h = tpar.vocab_parallel_embedding(tokens, table, self.tp_group, self.sequence_parallel)
-        return dropout(h, self.config.hidden_dropout, self.training, self.sequence_parallel,
-                       self.rng_tracker)
+        return finish_embedding(h, self.config, self.training, self.sequence_parallel,
+                                self.rng_tracker)
 
     def forward(self, tokens, position_ids, labels=None, token_index=None, document_ids=None,
                 loss_mask=None, sample_ids=None, unpadded_index=None, mtp_targets=None):

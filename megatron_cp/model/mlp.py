@@ -60,7 +60,7 @@ class MLP(torch.nn.Module):
         super().__init__()
         self.activation = config.activation
         self.swiglu = config.activation == "swiglu"
-        ffn, std = ffn_hidden_size or config.ffn_hidden_size, config.init_method_std
+        ffn, std = ffn_hidden_size or config.ffn_hidden_size, config.hidden_init_std
         common = dict(tp_group=tp_group, bias=config.add_bias_linear,
                       sequence_parallel=config.sequence_parallel,
                       params_dtype=config.params_dtype, device=device)

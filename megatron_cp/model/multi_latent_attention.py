@@ -93,7 +93,7 @@ class MultiLatentAttention(AttentionCore):
         self.build_core(config, cp_group, rng_tracker, nh // tp_size, nh // tp_size,
                         tp_rank * (nh // tp_size), hierarchical_cp_groups, layer_number,
                         mla_softmax_scale(config))
-        std, seed = config.init_method_std, config.seed
+        std, seed = config.hidden_init_std, config.seed
 
         def column(name, in_size, out_size):
             return tpar.ColumnParallelLinear(

@@ -72,7 +72,7 @@ class GroupedExperts(torch.nn.Module):
         self.etp_rank = etp_rank
         self.num_local = config.num_moe_experts // ep_size
         first = ep_rank * self.num_local
-        ffn, h, std = config.moe_ffn_hidden_size, config.hidden_size, config.init_method_std
+        ffn, h, std = config.moe_ffn_hidden_size, config.hidden_size, config.hidden_init_std
         stride = 2 if self.swiglu else 1
         dtype, bias = config.params_dtype, config.add_bias_linear
 

@@ -56,7 +56,7 @@ class MoELayer(torch.nn.Module):
                                       ffn_hidden_size=config.moe_shared_expert_intermediate_size)
             if config.moe_shared_expert_gate:
                 gate = torch.empty(1, config.hidden_size)
-                tpar.normal_init(config.init_method_std)(gate, torch.Generator().manual_seed(
+                tpar.normal_init(config.hidden_init_std)(gate, torch.Generator().manual_seed(
                     tpar.init_seed(config.seed, prefix + ".shared_experts.gate_weight")))
                 self.shared_experts.gate_weight = torch.nn.Parameter(
                     gate.to(dtype=config.params_dtype, device=device))

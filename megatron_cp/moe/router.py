@@ -29,7 +29,7 @@ class TopKRouter(torch.nn.Module):
         self.token_groups, self.dp_group = token_groups, dp_group
         experts = config.num_moe_experts
         weight = torch.empty(experts, config.hidden_size)
-        tpar.normal_init(config.init_method_std)(
+        tpar.normal_init(config.hidden_init_std)(
             weight, torch.Generator().manual_seed(tpar.init_seed(config.seed, prefix + ".weight")))
         self.weight = torch.nn.Parameter(weight.to(dtype=config.params_dtype, device=device))
         self.weight.sequence_parallel = tp_size > 1  # each TP rank routes its own tokens

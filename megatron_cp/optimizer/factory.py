@@ -7,7 +7,8 @@ from megatron_cp.optimizer.config import OptimizerConfig
 from megatron_cp.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron_cp.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron_cp.optimizer.lr_scheduler import OptimizerParamScheduler
-from megatron_cp.optimizer.optimizer import MixedPrecisionOptimizer, get_param_groups
+from megatron_cp.optimizer.optimizer import (MixedPrecisionOptimizer, get_param_groups,
+                                             mup_group_overrides)
 
 
 def grad_scaler(args):
@@ -24,8 +25,11 @@ def grad_scaler(args):
 def build_optimizer(args, models, model_chunks, state, check_for_nan_in_grad=True):
     """The optimizer over ``models``' params (``model_chunks``: their DDP wrappers)."""
     config = build_config(OptimizerConfig, args)
+    mup = mup_group_overrides(args.mup_width_mult, args.lr, args.min_lr, args.adam_eps,
+                              args.optimizer) if getattr(args, "use_mup", False) else None
     groups = get_param_groups(models, args.weight_decay, config.decoupled_lr is not None,
-                              config.uses_muon, getattr(args, "apply_wd_to_qk_layernorm", False))
+                              config.uses_muon, getattr(args, "apply_wd_to_qk_layernorm", False),
+                              mup)
     settings = dict(lr=args.lr, weight_decay=args.weight_decay,
                     betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
                     clip_grad=args.clip_grad, params_dtype=args.params_dtype,

@@ -94,6 +94,9 @@ class OptimizerParamScheduler:
     def get_lr(self, param_group=None):
         """The learning rate of ``param_group`` at the current step (None: the main rate)."""
         max_lr, min_lr = self.max_lr, self.min_lr
+        if param_group is not None:  # a group's own ends (muP's hidden groups)
+            max_lr = param_group.get("max_lr", max_lr)
+            min_lr = param_group.get("min_lr", min_lr)
         if param_group is not None and param_group.get("is_decoupled_lr") and \
                 self.decoupled_lr is not None:
             max_lr = self.decoupled_lr

@@ -95,18 +95,36 @@ class ParamShard:
 
 
 def group_key(name, ndim, expert=False, embedding_or_output=False, decoupled_lr=False,
-              muon=False, apply_wd_to_qk_layernorm=False):
+              muon=False, apply_wd_to_qk_layernorm=False, mup_hidden=False):
     """The param group of param ``name`` (``ndim`` dims; a routed ``expert``'s stacked
-    weights; the word embedding or output layer): ``(optimizer, wd_mult, is_decoupled_lr)``.
+    weights; the word embedding or output layer): ``(optimizer, wd_mult, is_decoupled_lr,
+    is_mup_hidden)``. ``mup_hidden``: muP scales this run's hidden params and this one is
+    not of the embedding class; Adam's matrices among them are ``is_mup_hidden``
+    (:func:`mup_group_overrides`).
 
     Muon takes Megatron-LM's 2-D weights (a routed expert's own ``[out, in]``, its weights
     being stacked ``[E, out, in]``) but not the embedding or output layer; no weight decay
     for 1-D params, names ending in ``bias`` and modules whose name ends in ``norm``, except
     the QK norms' with ``apply_wd_to_qk_layernorm`` (:func:`no_weight_decay`)."""
     matrix = ndim - (1 if expert else 0) == 2 and not embedding_or_output
-    return ("muon" if muon and matrix else "adam",
-            0.0 if no_weight_decay(name, ndim, apply_wd_to_qk_layernorm) else 1.0,
-            bool(decoupled_lr and embedding_or_output))
+    optimizer = "muon" if muon and matrix else "adam"
+    return (optimizer, 0.0 if no_weight_decay(name, ndim, apply_wd_to_qk_layernorm) else 1.0,
+            bool(decoupled_lr and embedding_or_output),
+            bool(mup_hidden and optimizer == "adam" and ndim >= 2))
+
+
+def mup_group_overrides(width_mult, lr, min_lr, adam_eps, optimizer="adam"):
+    """Megatron-LM's muP settings of the ``is_mup_hidden`` groups: ``max_lr`` and ``min_lr``
+    (the ends of their schedule) divided by ``width_mult``, and Adam's ``eps`` too (not
+    with Muon, whose matrices are its own); None when ``width_mult`` is 1 (nothing
+    scales). Vector-like params (1-D, the embeddings, the output layer) keep the base
+    values."""
+    if width_mult == 1.0:
+        return None
+    overrides = {"max_lr": lr / width_mult, "min_lr": min_lr / width_mult}
+    if "adam" in optimizer:
+        overrides["eps"] = adam_eps / width_mult
+    return overrides
 
 
 def group_order(key):
@@ -115,7 +133,7 @@ def group_order(key):
 
 
 def get_param_groups(model, weight_decay, decoupled_lr=False, muon=False,
-                     apply_wd_to_qk_layernorm=False):
+                     apply_wd_to_qk_layernorm=False, mup=None):
     """Split trainable params into groups by optimizer, weight decay and learning rate
     (:func:`group_key`, in :func:`group_order`).
 
@@ -123,7 +141,9 @@ def get_param_groups(model, weight_decay, decoupled_lr=False, muon=False,
     of their own (``is_decoupled_lr``: the LR scheduler gives them --decoupled-lr); with
     ``muon`` the matrices form ``optimizer: "muon"`` groups. ``model`` is a module or a list
     of model chunks. Groups carry ``wd_mult`` (1 or 0) and ``lr_mult`` for the LR scheduler;
-    empty groups are left out.
+    empty groups are left out. ``mup``: the overrides of :func:`mup_group_overrides` (None:
+    no muP scaling), which the ``is_mup_hidden`` groups take: Adam's matrices that are not
+    marked ``is_embedding_parameter`` (the embeddings and output layer, Megatron-LM's mark).
     """
     by_key, seen = {}, set()
     for chunk in _as_chunks(model):
@@ -133,11 +153,20 @@ def get_param_groups(model, weight_decay, decoupled_lr=False, muon=False,
             seen.add(id(param))
             key = group_key(name, param.dim(), getattr(param, "is_expert", False),
                             getattr(param, "is_embedding_or_output_parameter", False),
-                            decoupled_lr, muon, apply_wd_to_qk_layernorm)
+                            decoupled_lr, muon, apply_wd_to_qk_layernorm,
+                            mup is not None and not _embedding_class(param))
             by_key.setdefault(key, []).append(param)
     return [{"params": by_key[key], "weight_decay": weight_decay * key[1], "wd_mult": key[1],
-             "lr_mult": 1.0, "optimizer": key[0], "is_decoupled_lr": key[2]}
+             "lr_mult": 1.0, "optimizer": key[0], "is_decoupled_lr": key[2],
+             "is_mup_hidden": key[3], **(mup if key[3] else {})}
             for key in sorted(by_key, key=group_order)]
+
+
+def _embedding_class(param):
+    """Megatron-LM's muP embedding class: the embedding's and output layer's params (and the
+    last stage's copy of a tied embedding)."""
+    return getattr(param, "is_embedding_parameter", False) or \
+        getattr(param, "shared_embedding", False)
 
 
 class MixedPrecisionOptimizer:
