@@ -115,8 +115,6 @@ def test_import_logits_and_greedy_generation_match_transformers(imported, world)
 def test_import_is_not_blind_and_exports_back_tensor_equal(imported, tmp_path):
     """Dropping the expert bias, the group limit or the scaling factor moves the logits far
     beyond the 1e-4 above; the import exports back to the same tensors and config."""
-    from megatron_cp.model import GPTModel
-    from megatron_cp.training import config_from_args
     hf, folder, _ = imported
     full, args, _ = hf_convert.import_hf(str(folder))
     assert args["moe_layer_freq"] == "[0, 1]" and args["mtp_num_layers"] is None
@@ -127,13 +125,7 @@ def test_import_is_not_blind_and_exports_back_tensor_equal(imported, tmp_path):
         expected = hf(input_ids=tokens).logits
 
     def max_diff(state, **changes):
-        import argparse
-        namespace = argparse.Namespace(**{**_defaults(), **args, **changes})
-        model = GPTModel(config_from_args(namespace, VOCAB)).eval()
-        model.load_state_dict(convert.pad_vocab_rows(state, args, 1))
-        with torch.no_grad():
-            ours = model(tokens, torch.arange(32).expand(2, 32)).transpose(0, 1)[..., :VOCAB]
-        return (ours - expected).abs().max().item()
+        return (_our_logits(state, {**args, **changes}, tokens) - expected).abs().max().item()
 
     assert max_diff(full) <= 1e-4
     unbiased = dict(full, **{"decoder.layers.1.mlp.router.expert_bias": torch.zeros(8)})
@@ -153,6 +145,22 @@ def test_import_is_not_blind_and_exports_back_tensor_equal(imported, tmp_path):
                 "q_lora_rank", "kv_lora_rank", "rope_interleave", "n_shared_experts"):
         assert after[key] == before[key], key
     assert after["rope_parameters"] == {**before["rope_parameters"], "truncate": True}
+
+
+def _our_logits(full, args, tokens):
+    """[b, s, true vocab] logits of a one-process fp32 megatron_cp model of ``args`` holding
+    ``full`` (every other argument at the command line's default)."""
+    import argparse
+
+    from megatron_cp.model import GPTModel
+    from megatron_cp.training import config_from_args
+    vocab = args["true_vocab_size"]
+    namespace = argparse.Namespace(**{**_defaults(), **args, "params_dtype": torch.float32})
+    model = GPTModel(config_from_args(namespace, vocab)).eval()
+    model.load_state_dict(convert.pad_vocab_rows(full, args, 1))
+    b, s = tokens.shape
+    with torch.no_grad():
+        return model(tokens, torch.arange(s).expand(b, s)).transpose(0, 1)[..., :vocab]
 
 
 def _defaults():
@@ -188,17 +196,12 @@ def test_mtp_depths_import_and_export_under_deepseek_names(imported, tmp_path):
 def test_rope_interleave_false_is_permuted_on_import(tmp_path):
     """A DeepseekV3 pairing rope channels (i, i + d/2) imports with its logits: the rope rows
     are permuted into megatron_cp's interleaved pairs."""
-    from megatron_cp.model import GPTModel
-    from megatron_cp.training import config_from_args
-    import argparse
     hf = deepseek_hf_model(tmp_path / "hf", rope_interleave=False)
     full, args, _ = hf_convert.import_hf(str(tmp_path / "hf"))
-    model = GPTModel(config_from_args(argparse.Namespace(**{**_defaults(), **args}), VOCAB)).eval()
-    model.load_state_dict(convert.pad_vocab_rows(full, args, 1))
     tokens = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        ours = model(tokens, torch.arange(32).expand(2, 32)).transpose(0, 1)[..., :VOCAB]
-        assert (ours - hf(input_ids=tokens).logits).abs().max() <= 1e-4
+        expected = hf(input_ids=tokens).logits
+    assert (_our_logits(full, args, tokens) - expected).abs().max() <= 1e-4
 
 
 @pytest.mark.parametrize("change,named", [
@@ -230,3 +233,28 @@ def test_import_refusals_name_the_setting(tmp_path, change, named):
                                                       **change}))
     with pytest.raises(ValueError, match="maps onto no megatron_cp model: .*" + named):
         hf_convert.import_hf(str(tmp_path))
+
+
+def test_our_trained_checkpoint_exports_to_transformers_with_equal_logits(tmp_path):
+    """A few steps of pretraining (MLA with q-LoRA and YaRN, a dense layer then MoE layers
+    with the grouped sigmoid router, expert bias, scaling factor and a shared expert: test_mla's
+    DeepSeek flags) at TP2 + SP, exported by the CLI: DeepseekV3ForCausalLM loads it (no
+    missing or unexpected weights) and gives our logits."""
+    from test_mla import DEEPSEEK
+    from training_utils import train_losses
+    from transformers import DeepseekV3ForCausalLM
+    ck, out = tmp_path / "ck", tmp_path / "hf"
+    run_workers(train_losses, 2, f"{DEEPSEEK} --train-iters 2 --tensor-model-parallel-size 2 "
+                f"--sequence-parallel --save {ck} --ckpt-format torch")
+    convert.main(["--load-dir", str(ck), "--to-hf", str(out), "--hf-skip-tokenizer"])
+    full, args, _ = convert.load_full(str(ck))
+    assert any(full[f"decoder.layers.{i}.mlp.router.expert_bias"].abs().max() > 0
+               for i in (1, 2, 3))  # the balancing moved it
+    hf, info = DeepseekV3ForCausalLM.from_pretrained(str(out), dtype=torch.float32,
+                                                     attn_implementation="eager",
+                                                     output_loading_info=True)
+    assert not any(info.values()), info
+    tokens = torch.randint(0, 200, (2, 32), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = hf.eval()(input_ids=tokens).logits
+    assert (_our_logits(full, args, tokens) - expected).abs().max() <= 1e-4

@@ -124,10 +124,10 @@ def check_args(args):
 def _router_wrong(args):
     wrong = []
     topk, groups = args["moe_router_topk"], args.get("moe_router_num_groups")
-    if args.get("moe_router_score_function") != "sigmoid" or args.get("moe_router_pre_softmax"):
+    if args.get("moe_router_score_function") != "sigmoid":  # (--moe-router-pre-softmax is
+        # a softmax router's setting: a sigmoid router ignores it)
         wrong.append(f"moe_router_score_function={args.get('moe_router_score_function')!r} "
-                     f"(DeepseekV3's router: --moe-router-score-function sigmoid, no "
-                     f"--moe-router-pre-softmax)")
+                     f"(DeepseekV3's router: --moe-router-score-function sigmoid)")
     if groups and topk != 2 * args.get("moe_router_group_topk", 0):
         wrong.append(f"moe_router_topk={topk} with moe_router_group_topk="
                      f"{args.get('moe_router_group_topk')!r} (transformers scores a group by its "
@@ -148,8 +148,8 @@ def _yarn_parameters(args):
     mscale, all_dim = args.get("mscale", 1.0), args.get("mscale_all_dim", 0.0)
     params = {"rope_type": "yarn", "rope_theta": args.get("rotary_base", 1e4), "factor": factor,
               "mscale": mscale, "mscale_all_dim": all_dim}
-    for hf_key, (key, default) in YARN_DEFAULTS.items():
-        params[hf_key] = args.get(key, default)
+    for hf_key, (key, default) in YARN_DEFAULTS.items():  # None: the command line's default
+        params[hf_key] = default if args.get(key) is None else args[key]
     ours = yarn_concentration_factor(factor, mscale, all_dim)
     if not (mscale and all_dim) and ours != yarn_mscale(factor):
         params["attention_factor"] = ours
@@ -198,7 +198,7 @@ def to_hf(full, args, out_dir, token_ids=None):
         _layer_to_hf(full, f"decoder.layers.{i}.", f"model.layers.{i}.", pattern[i], out)
     _mtp_to_hf(full, args, out, n, pattern[-1])
     nh, embed = args["num_attention_heads"], out["model.embed_tokens.weight"]
-    rope = (_yarn_parameters(args) if args.get("rope_type", "yarn") == "yarn" else
+    rope = (_yarn_parameters(args) if (args.get("rope_type") or "yarn") == "yarn" else
             {"rope_type": "default", "rope_theta": args.get("rotary_base", 1e4)})
     experts = args.get("num_experts") or 0
     config = {
