@@ -195,7 +195,8 @@ def _parallel_args(g):
                         "(none: a loss-only stage).")
     g.add_argument("--pipeline-model-parallel-layout", type=str, default=None,
                    help="Write out what every (virtual) stage holds: E embedding, t "
-                        "transformer layer, L loss (m, an MTP layer, is not built), '|' between "
+                        "transformer layer, m MTP layer (one per --mtp-num-layers depth, in the last "
+                        "stage right before L), L loss, '|' between "
                         "stages, X*N and (...)*N repeat, commas are cosmetic; e.g. "
                         "\"Et|(tt|)*2,tL\". PP x N stages give N virtual stages per rank, stage i "
                         "being virtual stage i // PP of rank i %% PP.")

@@ -413,10 +413,15 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
     ("skipping weight initialization is not built; weights are always initialised (and "
      "overwritten by --load); drop it",
      ("--no-initialization",)),
-    ("multi-token prediction is not built yet; drop them",
-     ("--mtp-standalone", "--mtp-num-layers", "--mtp-loss-scaling-factor",
-      "--mtp-use-repeated-layer", "--mtp-detach-heads", "--mtp-hsm",
-      "--mtp-hybrid-override-pattern",)),
+    ("MTP layers live on the last pipeline stage, with the output layer they share; an MTP "
+     "stage of its own is not built: put the layout's m's in the last stage, drop the flag",
+     ("--mtp-standalone",)),
+    ("detached MTP heads and MTP hidden-state mixing are not built; drop them (MTP trains "
+     "with gradients through the shared embedding, output layer and decoder)",
+     ("--mtp-detach-heads", "--mtp-hsm",)),
+    ("--mtp-hybrid-override-pattern is for Megatron-LM's hybrid (Mamba) models, which are not "
+     "built; GPT's MTP layer takes the last decoder layer's kind: drop it",
+     ("--mtp-hybrid-override-pattern",)),
     ("this attention variant (off-by-one/learnable softmax, QK L2 norm, QK clip) is not "
      "built; drop it",
      ("--softmax-type", "--qk-l2-norm", "--qk-clip", "--qk-clip-alpha", "--qk-clip-threshold",)),

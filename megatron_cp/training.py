@@ -34,10 +34,12 @@ from megatron_cp import rerun
 from megatron_cp.config_flags import build_config
 from megatron_cp.context_parallel import resolve_comm_type
 from megatron_cp.data import build_tokenizer
+from megatron_cp.data.batch import mtp_targets
 from megatron_cp.data.batch_schedule import BatchSchedule
 from megatron_cp.data.feed import DataFeed
 from megatron_cp.initialize import initialize_distributed, initialize_model_parallel
 from megatron_cp.model import GPTConfig, GPTModel
+from megatron_cp.model import multi_token_prediction as mtp
 from megatron_cp.optimizer import (DistributedDataParallel, GradNormNotFinite, build_optimizer,
                                    build_scheduler, finalize_model_grads)
 from megatron_cp.pipeline_parallel import (build_model_chunks, get_forward_backward_func,
@@ -131,11 +133,15 @@ class Trainer:
     # ----- one step -------------------------------------------------------------------
     def _run_batches(self, microbatches, forward_only):
         st = self.state
-        local_tokens = sum(b["loss_mask"].sum() for b in microbatches).float()
-        totals = torch.stack([local_tokens, torch.zeros((), device=self.device)])
+        depths = self.config.mtp_depths()
+        # the LM's loss-masked tokens, then each MTP depth's, over the global batch
+        masks = ["loss_mask"] + [f"mtp_loss_mask_{d}" for d in range(1, depths + 1)]
+        totals = torch.stack([sum(b[key].sum() for b in microbatches).float() for key in masks]
+                             + [torch.zeros((), device=self.device)])
         dist.all_reduce(totals, group=st.group("dp_cp"))
         num_tokens = totals[0].clamp(min=1.0)  # a batch of only masked tokens must not divide by 0
         scale = 1.0 if forward_only else self.optimizer.get_loss_scale()
+        mtp.set_loss_scale(self.model_chunks, scale, totals[1:1 + depths].clamp(min=1.0))
 
         def loss_func(output, batch):
             loss_sum = (output.float() * batch["loss_mask"]).sum()
@@ -154,10 +160,15 @@ class Trainer:
                                        forward_only=forward_only, tensor_shape=shape)
         loss_sum = torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
         self._loss_finite_here = torch.isfinite(loss_sum)  # read only if the sum is not finite
-        dist.all_reduce(loss_sum, group=st.group("dp_cp"))
+        # with the MTP depths' masked cross-entropy sums: [1 + D]
+        sums = torch.cat([loss_sum.reshape(1).float(),
+                          mtp.local_loss_sums(self.model_chunks, depths, self.device)])
+        dist.all_reduce(sums, group=st.group("dp_cp"))
         if st.size("pp") > 1:  # only the last stage holds the loss; share it with every stage
-            dist.all_reduce(loss_sum, group=st.group("pp"))
-        return (loss_sum / num_tokens).item(), int(totals[0].item())
+            dist.all_reduce(sums, group=st.group("pp"))
+        # Megatron-LM's "mtp_k loss": each depth's token mean (not weighted by the factor)
+        self.mtp_losses = (sums[1:] / totals[1:1 + depths].clamp(min=1.0)).tolist()
+        return (sums[0] / num_tokens).item(), int(totals[0].item())
 
     def train_step(self):
         """One iteration; with ``--check-for-nan-in-loss-and-grad`` a NaN/inf loss or gradient
@@ -276,7 +287,7 @@ def forward_step(model, batch):
     return model(batch["tokens"], batch["position_ids"], labels=batch["labels"],
                  token_index=batch.get("token_index"), document_ids=batch.get("document_ids"),
                  loss_mask=batch.get("loss_mask"), sample_ids=batch.get("sample_ids"),
-                 unpadded_index=batch.get("unpadded_index"))
+                 unpadded_index=batch.get("unpadded_index"), mtp_targets=mtp_targets(batch))
 
 
 class _SigtermFlag:

@@ -36,9 +36,12 @@ def model_flops_per_token(config, seq_length):
     if config.num_moe_experts:  # each token runs top-k routed experts and the shared one
         moe_mlp += 2 * h * mlp_matrices * (config.moe_router_topk * config.moe_ffn_hidden_size
                                            + (config.moe_shared_expert_intermediate_size or 0))
-    mlps = sum(moe_mlp if is_moe else dense_mlp for is_moe in config.moe_layer_pattern())
-    logits = 2 * h * config.padded_vocab_size(1)
-    return 3 * (config.num_layers * per_layer + mlps + logits)
+    pattern = config.moe_layer_pattern()
+    depths = config.mtp_depths()  # each MTP depth: a layer of the last layer's kind (Megatron's)
+    mlps = sum(moe_mlp if is_moe else dense_mlp for is_moe in pattern + pattern[-1:] * depths)
+    mtp = depths * 2 * (3 * h + 2 * h * h)  # Megatron's count of the MTP norms and eh_proj
+    logits = 2 * h * config.padded_vocab_size(1) * (1 + depths)
+    return 3 * ((config.num_layers + depths) * per_layer + mlps + mtp + logits)
 
 
 def _mla_flops_per_token(config, seq_length):
@@ -83,6 +86,7 @@ class TrainingLogger:
 
     def _reset(self):
         self.time, self.loss, self.count = 0.0, 0.0, 0
+        self.mtp_losses = None  # per MTP depth, summed over the interval's iterations
         self.samples = 0  # of the interval's iterations (their batch sizes may differ)
 
     def print(self, line):
@@ -99,6 +103,12 @@ class TrainingLogger:
         scale = scale.item() if torch.is_tensor(scale) else float(scale)
         grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
         lr = trainer.scheduler.get_lr()
+        mtp_losses = getattr(trainer, "mtp_losses", None) or []
+        if mtp_losses:
+            self.mtp_losses = [x + (self.mtp_losses[k] if self.mtp_losses else 0.0)
+                               for k, x in enumerate(mtp_losses)]
+        for k, value in enumerate(mtp_losses):  # Megatron-LM writes them every iteration
+            self._scalar(f"mtp_{k + 1} loss", value, it)
         if self.sinks and it % a.tensorboard_log_interval == 0:
             w = self._scalar
             w("lm loss", loss, it)
@@ -139,7 +149,7 @@ class TrainingLogger:
             f" throughput per GPU (TFLOP/s/GPU): {tflops:.4f} |"
             f" tokens per second: {tokens_per_s:.1f} |"
             f" learning rate: {lr:.6E} | global batch size: {trainer.global_batch_size:5d} |"
-            f" lm loss: {self.loss / self.count:.6E} | loss scale: {scale:.1f} |"
+            f" lm loss: {self.loss / self.count:.6E} |{self._mtp_line()} loss scale: {scale:.1f} |"
             f" grad norm: {grad_norm:.4f} |{zeros}{params_norm}{moe_line}"
             f" number of skipped iterations: {trainer.optimizer.num_skipped_iters:3d} |")
         if not self.memory_reported:  # Megatron's one memory report, after the first interval
@@ -158,6 +168,12 @@ class TrainingLogger:
         self._flush()
         self._reset()
 
+    def _mtp_line(self):
+        """Megatron-LM's "mtp_k loss" entries of the log line: each depth's token-mean cross
+        entropy (before --mtp-loss-scaling-factor), averaged over the interval."""
+        return "".join(f" mtp_{k + 1} loss: {total / self.count:.6E} |"
+                       for k, total in enumerate(self.mtp_losses or []))
+
     def _moe_stats(self, trainer, it):
         """The MoE part of the log line (empty for a dense model): balancing and z-loss, mean
         over MoE layers and over the interval's microbatches, and the tokens per iteration of
@@ -166,9 +182,13 @@ class TrainingLogger:
         config = trainer.config
         if not config.num_moe_experts:
             return ""
-        aux, z, tokens = moe.take_stats(trainer.model_chunks, self.state, config.num_layers,
+        # MTP layers are numbered after the decoder's and take its last layer's kind
+        built_mtp = 1 if config.mtp_use_repeated_layer else config.mtp_depths()
+        pattern = config.moe_layer_pattern()
+        pattern = pattern + pattern[-1:] * (built_mtp if config.mtp_depths() else 0)
+        aux, z, tokens = moe.take_stats(trainer.model_chunks, self.state, len(pattern),
                                         config.num_moe_experts)
-        layers = [n for n, is_moe in enumerate(config.moe_layer_pattern()) if is_moe]
+        layers = [n for n, is_moe in enumerate(pattern) if is_moe]
         microbatches = self.samples // self.args.micro_batch_size  # over every DP rank
         aux, z = aux[layers] / microbatches, z[layers] / microbatches  # [moe layers]
         tokens = tokens[layers] / self.count  # [moe layers, E] per iteration

@@ -38,6 +38,13 @@ KINDS = {
                           position_embedding_type="rope", num_experts=4, moe_router_topk=2,
                           moe_ffn_hidden_size=16, moe_layer_freq=1, moe_aux_loss_coeff=0.0)),
 }
+# DeepSeek-V3's multi-token prediction on the Llama-style model: one MTP depth. Its losses
+# are compared, and megatron-core's softmax runs over the padded vocabulary: none here.
+KINDS["mtp"] = dict(config={**KINDS["llama"]["config"], "mtp_num_layers": 1,
+                            "mtp_loss_scaling_factor": 0.1},
+                    position="rope", tied=False,
+                    args={**KINDS["llama"]["args"], "mtp_num_layers": 1,
+                          "mtp_loss_scaling_factor": 0.1, "vocab_size": PADDED - 1})
 TRAIN_FLAGS = dict(lr=3e-3, min_lr=3e-4, lr_warmup_iters=2, lr_decay_iters=20, train_iters=20,
                    lr_decay_style="cosine", global_batch_size=GBS, micro_batch_size=GBS,
                    seq_length=SEQ, max_position_embeddings=SEQ, weight_decay=0.01)
@@ -89,10 +96,14 @@ def build(kind):
     layer_spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts,
                                           moe_grouped_gemm=False,
                                           normalization=config.normalization)
+    mtp_spec = None
+    if config.mtp_num_layers:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+        mtp_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False)
     torch.manual_seed(5)
     return GPTModel(config, layer_spec, vocab_size=PADDED, max_sequence_length=SEQ,
                     position_embedding_type=spec["position"],
-                    share_embeddings_and_output_weights=spec["tied"])
+                    share_embeddings_and_output_weights=spec["tied"], mtp_block_spec=mtp_spec)
 
 
 def logits(model, tokens):
@@ -101,6 +112,41 @@ def logits(model, tokens):
     mask = torch.triu(torch.ones(SEQ, SEQ), diagonal=1).bool()[None, None]
     with torch.no_grad():
         return model(tokens, positions, mask).float()
+
+
+def mtp_losses(model, tokens, labels):
+    """(per-token LM loss [b, s], the depths' mean MTP losses [D]) of megatron-core's MTP
+    model in training mode (its MTPLossLoggingHelper records the latter), no update."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+    MTPLossLoggingHelper.tracker.clear()
+    model.train()
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    mask = torch.triu(torch.ones(SEQ, SEQ), diagonal=1).bool()[None, None]
+    with torch.no_grad():
+        lm = model(tokens, positions, mask, labels=labels).float()
+    return lm, MTPLossLoggingHelper.tracker["values"].clone()
+
+
+def mtp_train_and_save(rank, world, root, tokens, labels):
+    """Worker: megatron-core's MTP model trains two Adam steps on its own objective (mean LM
+    loss, the MTP loss through its MTPLossAutoScaler) and is saved as Megatron-LM saves;
+    its losses after."""
+    model = build("mtp")
+    adam = torch.optim.Adam(model.parameters(), lr=1e-2)
+    positions = torch.arange(SEQ).expand_as(tokens)
+    mask = torch.triu(torch.ones(SEQ, SEQ), diagonal=1).bool()[None, None]
+    for _ in range(2):
+        adam.zero_grad()
+        model(tokens, positions, mask, labels=labels).float().mean().backward()
+        adam.step()
+    _save(model, adam, "mtp", root)
+    return mtp_losses(model, tokens, labels)
+
+
+def mtp_load_strict(rank, world, folder, tokens, labels):
+    """Worker: megatron-core's MTP model loads ``folder`` strictly; its losses."""
+    model = _load_strict_model("mtp", folder)[0]
+    return mtp_losses(model, tokens, labels)
 
 
 def megatron_args(kind):
@@ -133,9 +179,6 @@ def scheduler_state():
 
 def train_and_save(rank, world, kind, root, tokens):
     """Worker: build, train two Adam steps, save as Megatron-LM does; its logits after."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer
     model = build(kind)
     adam = torch.optim.Adam(model.parameters(), lr=1e-2)
     for _ in range(2):
@@ -145,6 +188,15 @@ def train_and_save(rank, world, kind, root, tokens):
         out = model(tokens, positions, mask)  # [b, s, v]
         F.cross_entropy(out[:, :-1].reshape(-1, PADDED), tokens[:, 1:].reshape(-1)).backward()
         adam.step()
+    _save(model, adam, kind, root)
+    return logits(model, tokens)
+
+
+def _save(model, adam, kind, root):
+    """Save ``model`` and its Adam as Megatron-LM's training saves at ITERATION."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer
     # its FP32Optimizer around the torch Adam (built by hand: its __init__ puts a tensor on CUDA)
     optimizer = FP32Optimizer.__new__(FP32Optimizer)
     MegatronOptimizer.__init__(optimizer, adam, OptimizerConfig(clip_grad=0.0, lr=1e-2), None)
@@ -159,11 +211,15 @@ def train_and_save(rank, world, kind, root, tokens):
     dist_checkpointing.save(state, folder)
     with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as file:
         file.write(str(ITERATION))
-    return logits(model, tokens)
 
 
 def load_strict(rank, world, kind, folder, tokens):
     """Worker: megatron-core's GPTModel loads ``folder`` strictly; its logits."""
+    model, loaded = _load_strict_model(kind, folder)
+    return logits(model, tokens), vars(loaded["args"]), loaded["iteration"]
+
+
+def _load_strict_model(kind, folder):
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
     model = build(kind)
@@ -174,4 +230,4 @@ def load_strict(rank, world, kind, folder, tokens):
     loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, folder,
                                      strict=StrictHandling.RAISE_ALL)
     model.load_state_dict(loaded["model"], strict=True)
-    return logits(model, tokens), vars(loaded["args"]), loaded["iteration"]
+    return model, loaded

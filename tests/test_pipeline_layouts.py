@@ -56,14 +56,19 @@ def test_layer_numbers_follow_megatron_lms_offsets():
     assert spread.has_loss(3, 1) and not spread.has_loss(3, 0) and spread.has_embedding(0, 0)
 
 
-MTP_REFUSED = "holds MTP layers (m); multi-token prediction is not built yet"
+MTP_UNASKED = "holds 1 MTP layers (m) but --mtp-num-layers is None"
 
 
 LAYOUT, PP2 = "--pipeline-model-parallel-layout", "--pipeline-model-parallel-size 2"
 
 
 @pytest.mark.parametrize("extra,world,message", [
-    (f"{PP2} {LAYOUT} Et|tmL", 2, MTP_REFUSED),
+    (f"{PP2} {LAYOUT} Et|tmL", 2, MTP_UNASKED),
+    (f"{PP2} {LAYOUT} Ettm|ttL --mtp-num-layers 1", 2, "the MTP layers (m) must all sit in the "
+                                                        "last stage"),
+    (f"{PP2} {LAYOUT} Ett|ttL --mtp-num-layers 1", 2, "holds 0 MTP layers (m) but "
+                                                      "--mtp-num-layers is 1"),
+
     (f"{PP2} {LAYOUT} Et|tt|tL", 2, "has 3 stages, not a multiple of "
                                     "--pipeline-model-parallel-size (2)"),
     (f"{PP2} {LAYOUT} Et|tL", 2, "holds 2 transformer layers (t) but --num-layers is 4"),

@@ -174,8 +174,8 @@ def tp_spec(name, swiglu):
         if name.endswith(("linear_fc1.weight", "linear_fc1.bias")):
             return 1, 2 if swiglu else 1
         return (2, 1) if name.endswith("linear_fc2.weight") else None
-    if name.endswith(("word_embeddings.weight", "output_layer.weight")):
-        return 0, 1
+    if name.endswith(("word_embeddings.weight", "output_layer.weight", "eh_proj.weight")):
+        return 0, 1  # eh_proj: an MTP depth's column-parallel projection
     if name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
         return 0, 1
     if name.endswith(("linear_q_proj.weight", "linear_q_up_proj.weight",

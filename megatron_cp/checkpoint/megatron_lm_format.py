@@ -10,7 +10,8 @@ What Megatron-LM (megatron-core's ``dist_checkpointing``) writes per iteration f
                                    checkpoint_version 3.0, iteration, optimizer param groups
                                    and step, opt_param_scheduler (counted in samples)
 
-Its tensors differ from ours (:mod:`megatron_cp.checkpoint.canonical`) in four ways:
+Its tensors differ from ours (:mod:`megatron_cp.checkpoint.canonical`) in four ways (MTP
+depths are not stacked: ``mtp.layers.<k>.transformer_layer.<layer name>`` per depth):
 
 - every transformer-layer tensor is stacked over the layers, ``[num_layers, ...]`` under
   ``decoder.layers.<name>`` (no layer number in the key);
@@ -63,6 +64,8 @@ TOP_NAMES = {"final_layernorm.weight": "decoder.final_layernorm.weight",
              "final_layernorm.bias": "decoder.final_layernorm.bias",
              "embedding.position_embeddings": "embedding.position_embeddings.weight"}
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+# megatron-core saves a GPT MTP depth's transformer layer under this name (not stacked)
+MTP_LAYER = "transformer_layer"
 # Megatron's optimizer state kinds -> ours
 OPTIMIZER_KINDS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "fp32_param": "main_param"}
 # linear layers that carry an _extra_state per layer (routed experts: per layer and expert)
@@ -215,8 +218,29 @@ def megatron_layer_name(local):
 
 
 def megatron_name(name):
-    """Megatron's key of our non-layer name (embedding, final norm, output layer)."""
+    """Megatron's key of our non-layer name (embedding, final norm, output layer, MTP)."""
+    mtp = _split_mtp_layer(name)
+    if mtp is not None:  # one unstacked layer per depth, under megatron-core's GPT name
+        return f"mtp.layers.{mtp[0]}.{MTP_LAYER}.{LAYER_NAMES.get(mtp[1], (mtp[1],))[0]}"
     return TOP_NAMES.get(name, name)
+
+
+def _our_name(key):
+    """Our name of Megatron's non-stacked key (the inverse of :func:`megatron_name`)."""
+    parts = key.split(".", 4)
+    if len(parts) == 5 and parts[:2] == ["mtp", "layers"] and parts[3] in (MTP_LAYER,
+                                                                           "mtp_model_layer"):
+        aliases = {alias: local for local, names in LAYER_NAMES.items() for alias in names}
+        return f"mtp.layers.{parts[2]}.mtp_model_layer.{aliases.get(parts[4], parts[4])}"
+    return {v: k for k, v in TOP_NAMES.items()}.get(key, key)
+
+
+def _split_mtp_layer(name):
+    """(depth, layer-local name) of ``mtp.layers.<k>.mtp_model_layer.<local>``, else None."""
+    parts = name.split(".", 4)
+    if len(parts) == 5 and parts[:2] == ["mtp", "layers"] and parts[3] == "mtp_model_layer":
+        return int(parts[2]), parts[4]
+    return None
 
 
 def _split_layer(name):
@@ -247,7 +271,6 @@ def _read_tensors(folder):
 def _unstack(stacked, prefix, num_layers, vocab_rows):
     """Our full weights from Megatron's keys under ``prefix`` ('' or 'optimizer.state.<kind>.')."""
     aliases = {alias: local for local, names in LAYER_NAMES.items() for alias in names}
-    tops = {v: k for k, v in TOP_NAMES.items()}
     full = {}
     for key, tensor in stacked.items():
         if not key.startswith(prefix):
@@ -260,7 +283,7 @@ def _unstack(stacked, prefix, num_layers, vocab_rows):
             for layer in range(num_layers):
                 full[f"decoder.layers.{layer}.{local}"] = tensor[layer]
         else:
-            name = tops.get(name, name)
+            name = _our_name(name)
             full[name] = tensor[:vocab_rows] if name in VOCAB_PARAMS and vocab_rows else tensor
     return full
 
@@ -374,6 +397,16 @@ def megatron_tensors(full, args):
                 out[f"decoder.layers.{module}._extra_state/shard_{layer}_{num_layers}"] = \
                     _extra_state_bytes()
     experts = args.get("num_experts") or 0
+    for depth in range(args.get("mtp_num_layers") or 0):  # unstacked: one shard of shape (1,)
+        mtp = f"mtp.layers.{depth}"
+        for module in ("eh_proj",) + tuple(f"{MTP_LAYER}.{m}" for m in EXTRA_STATE_LAYERS):
+            if f"{mtp}.{module}.weight" in out:
+                out[f"{mtp}.{module}._extra_state/shard_0_1"] = _extra_state_bytes()
+        for module in EXPERT_EXTRA_STATE:
+            if f"{mtp}.{MTP_LAYER}.{module}.weight" in out:
+                for e in range(experts):
+                    out[f"{mtp}.{MTP_LAYER}.{module}._extra_state/shard_{e}_{experts}"] = \
+                        _extra_state_bytes()
     for module in EXPERT_EXTRA_STATE:
         if f"decoder.layers.{module}.weight" in present:
             for layer in range(num_layers):

@@ -156,6 +156,10 @@ def _restore_optimizer(opt, common):
 
 # --- the canonical state: tensors as boxes, the rest as one record -----------------------
 
+# a last stage's copies of the first stage's word embedding (tied output layer, MTP's table)
+COPIES_OF_THE_EMBEDDING = ("output_layer.weight", "mtp_word_embeddings.weight")
+
+
 def _param_specs(trainer):
     """{id(param): (CanonicalSpec, is the last stage's tied copy)} for this rank's params."""
     st = trainer.state
@@ -163,7 +167,8 @@ def _param_specs(trainer):
     for chunk in model_chunks(trainer):
         layers = list(chunk.decoder.layer_numbers)
         for name, param in chunk.named_parameters():
-            tied_copy = name == "output_layer.weight" and getattr(param, "shared_embedding", False)
+            tied_copy = name in COPIES_OF_THE_EMBEDDING and getattr(param, "shared_embedding",
+                                                                    False)
             canon = "embedding.word_embeddings.weight" if tied_copy else canonical_name(name, layers)
             if getattr(param, "is_expert", False):
                 spec = expert_param_spec(canon, param, st.size("ep"), st.rank("ep"),

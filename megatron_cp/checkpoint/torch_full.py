@@ -63,8 +63,8 @@ def _merge(shards, args, sizes):
     tp, _, ep, etp = sizes
     full = {}
     for name, per_rank in shards.items():
-        if tied and name == "output_layer.weight":
-            continue  # the last stage's copy of the tied embedding
+        if name == "mtp_word_embeddings.weight" or (tied and name == "output_layer.weight"):
+            continue  # the last stage's copy of the embedding (tied output layer, MTP's table)
         spec = tp_spec(name, args["swiglu"])
         if is_expert(name):  # [E/ep, ...] per EP rank, each split over ETP
             parts = [[per_rank[(e, t)] for t in range(etp)] for e in range(ep)]

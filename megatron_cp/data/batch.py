@@ -51,6 +51,45 @@ def get_ltor_batch(text, eod_token, reset_position_ids=False, reset_attention_ma
             "position_ids": position_ids, "document_ids": document_ids}
 
 
+MTP_KEYS = ("mtp_tokens", "mtp_labels", "mtp_loss_mask")  # + f"_{depth}", depth 1..D
+
+
+def shift_left_within_documents(x, document_ids=None):
+    """``x`` [b, s] moved one position left inside each document (a run of equal
+    ``document_ids``; None: the whole row): ``out[i] = x[i+1]``, and 0 at each document's
+    last position, whose successor belongs to the next document or lies past the sample
+    (Megatron-LM's roll_tensor on packed sequences)."""
+    out = torch.zeros_like(x)
+    out[:, :-1] = x[:, 1:]
+    if document_ids is not None:
+        out[:, :-1] *= (document_ids[:, 1:] == document_ids[:, :-1]).to(x.dtype)
+    return out
+
+
+def add_mtp_targets(batch, num_depths):
+    """Adds, for each multi-token-prediction depth k = 1..``num_depths``, the tokens, labels
+    and loss mask moved k positions left inside each document (``mtp_tokens_k``,
+    ``mtp_labels_k``, ``mtp_loss_mask_k`` [b, s]): depth k embeds the token k ahead and
+    predicts the label k ahead, and positions whose shift would leave the document carry token
+    0, label 0 and loss mask 0. Made before padding and the CP split, in the sample's own
+    order, so every layout sees the same targets. Returns ``batch``."""
+    current = [batch["tokens"], batch["labels"], batch["loss_mask"]]
+    for depth in range(1, num_depths + 1):
+        current = [shift_left_within_documents(x, batch.get("document_ids")) for x in current]
+        for key, value in zip(MTP_KEYS, current):
+            batch[f"{key}_{depth}"] = value
+    return batch
+
+
+def mtp_targets(batch):
+    """The (tokens, labels, loss mask) of every MTP depth a (prepared) microbatch holds, as
+    the model takes them; None when it holds none."""
+    targets = []
+    while f"{MTP_KEYS[0]}_{len(targets) + 1}" in batch:
+        targets.append(tuple(batch[f"{key}_{len(targets) + 1}"] for key in MTP_KEYS))
+    return targets or None
+
+
 class DataParallelBatchSampler:
     """Yields, for one DP rank, the sample indices of each of its microbatches.
 

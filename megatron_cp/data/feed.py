@@ -8,7 +8,7 @@ microbatch is padded to the step's length and, for CP, partitioned
 import torch
 import torch.distributed as dist
 
-from megatron_cp.data.batch import build_data_iterator, get_ltor_batch
+from megatron_cp.data.batch import add_mtp_targets, build_data_iterator, get_ltor_batch
 from megatron_cp.data.builder import build_train_valid_test_datasets
 from megatron_cp.data.microbatch import prepare_microbatch, required_length, split_multiple, step_length
 
@@ -72,9 +72,10 @@ class DataFeed:
                     text = torch.empty(micro_batch_size, a.seq_length + 1, dtype=torch.long)
                 text = text.to(self.device)
                 dist.broadcast(text, src=st.group_ranks("tp")[0], group=st.group("tp"))
-            batches.append(get_ltor_batch(text.to(self.device), self.tokenizer.eod,
-                                          a.reset_position_ids, a.reset_attention_mask,
-                                          a.eod_mask_loss))
+            batches.append(add_mtp_targets(
+                get_ltor_batch(text.to(self.device), self.tokenizer.eod, a.reset_position_ids,
+                               a.reset_attention_mask, a.eod_mask_loss),
+                getattr(a, "mtp_num_layers", None) or 0))
         length = self._step_length(batches)
         first = first_sample + st.rank("dp") * count * micro_batch_size  # G/DP samples a rank
         prepared = []

@@ -4,9 +4,13 @@ Stage-aware from the start: ``pre_process`` builds the embedding, ``post_process
 norm, output layer and loss, and ``layer_numbers`` the global layers this chunk owns. With
 tied embeddings on a last stage that lacks the embedding, the output layer holds a copy
 initialized identically and marked ``shared_embedding`` (its gradient is all-reduced with
-the first stage's over the embedding group). The word embedding and the output layer weight
-(either copy) are marked ``is_embedding_or_output_parameter``, Megatron-LM's mark: the
-optimizer gives them --decoupled-lr and keeps them from Muon.
+the first stage's over the embedding group). With ``--mtp-num-layers`` the last stage also
+holds the multi-token-prediction depths (multi_token_prediction.py), which share the word
+embedding and the output layer; a last stage without the embedding embeds through its copy
+(the tied output weight, or with untied embeddings ``mtp_word_embeddings``, a
+``shared_embedding`` copy as Megatron-LM keeps one there). The word embedding and the
+output layer weight (any copy) are marked ``is_embedding_or_output_parameter``, Megatron-LM's
+mark: the optimizer gives them --decoupled-lr and keeps them from Muon.
 """
 import torch
 import torch.nn.functional as F
@@ -14,9 +18,21 @@ import torch.nn.functional as F
 from megatron_cp import tensor_parallel as tpar
 from megatron_cp.model.attention import DropoutIds
 from megatron_cp.model.fused import norm_for
+from megatron_cp.model.multi_token_prediction import MultiTokenPrediction
 from megatron_cp.model.transformer import TransformerBlock, dropout, mark_sequence_parallel
 
 WORD_EMBEDDING_KEY = "embedding.word_embeddings"
+
+
+def word_embedding(config, padded_vocab, tp_group, device=None):
+    """The vocab-parallel word embedding (the same weights wherever it is built)."""
+    return tpar.VocabParallelEmbedding(
+        padded_vocab, config.hidden_size, tp_group=tp_group,
+        init_method=tpar.real_rows_init(tpar.normal_init(config.init_method_std),
+                                        config.vocab_size),
+        seed=tpar.init_seed(config.seed, WORD_EMBEDDING_KEY),
+        reduce_scatter_output=config.sequence_parallel, params_dtype=config.params_dtype,
+        device=device)
 
 
 class Embedding(torch.nn.Module):
@@ -29,12 +45,7 @@ class Embedding(torch.nn.Module):
             torch.distributed.get_world_size(tp_group) > 1
         self.tp_group = tp_group
         std = config.init_method_std
-        self.word_embeddings = tpar.VocabParallelEmbedding(
-            padded_vocab, config.hidden_size, tp_group=tp_group,
-            init_method=tpar.real_rows_init(tpar.normal_init(std), config.vocab_size),
-            seed=tpar.init_seed(config.seed, WORD_EMBEDDING_KEY),
-            reduce_scatter_output=config.sequence_parallel, params_dtype=config.params_dtype,
-            device=device)
+        self.word_embeddings = word_embedding(config, padded_vocab, tp_group, device)
         self.position_embeddings = None
         if config.position_embedding_type == "learned_absolute":
             weight = torch.empty(config.max_position_embeddings, config.hidden_size)
@@ -65,7 +76,8 @@ class GPTModel(torch.nn.Module):
     loss_mask [b, s] or None (the tokens MoE balancing losses count; None: all), sample_ids
     [b] and unpadded_index [b, s] (where the tokens sit in the run, which attention dropout's
     mask follows: see attention.DropoutIds; the batch gives both)):
-    - post_process with labels -> per-token loss [b, s] (fp32)
+    - post_process with labels -> per-token loss [b, s] (fp32); with ``mtp_targets`` (one
+      (tokens, labels, loss mask) [b, s] per MTP depth) the MTP losses ride on it to backward
     - post_process without labels -> vocab-parallel logits [s, b, v/tp]
     - otherwise -> hidden states [s(/tp), b, h] for the next pipeline stage.
     A non-first stage takes its input from :meth:`set_input_tensor`.
@@ -91,7 +103,9 @@ class GPTModel(torch.nn.Module):
         tied = not config.untie_embeddings_and_output_weights
         if pre_process:
             self.embedding = Embedding(config, self.padded_vocab_size, tp_group, rng_tracker, device)
-            self.embedding.word_embeddings.weight.shared_embedding = tied and not post_process
+            # a last stage without it holds a copy: the tied output layer, or MTP's table
+            self.embedding.word_embeddings.weight.shared_embedding = \
+                (tied or bool(config.mtp_num_layers)) and not post_process
             self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
         layer_numbers = range(config.num_layers) if layer_numbers is None else layer_numbers
         self.decoder = TransformerBlock(config, layer_numbers, tp_group, cp_group, rng_tracker,
@@ -111,6 +125,15 @@ class GPTModel(torch.nn.Module):
                     device=device)
                 self.output_layer.weight.shared_embedding = tied
                 self.output_layer.weight.is_embedding_or_output_parameter = True
+        self.mtp, self.mtp_word_embeddings = None, None
+        if post_process and config.mtp_num_layers:
+            if not (pre_process or tied):  # MTP embeds here: a copy of the first stage's table
+                self.mtp_word_embeddings = word_embedding(config, self.padded_vocab_size,
+                                                          tp_group, device)
+                self.mtp_word_embeddings.weight.shared_embedding = True
+                self.mtp_word_embeddings.weight.is_embedding_or_output_parameter = True
+            self.mtp = MultiTokenPrediction(config, tp_group, cp_group, rng_tracker, device,
+                                            state)
 
     def set_input_tensor(self, tensor):
         """The activation received from the previous pipeline stage."""
@@ -134,8 +157,27 @@ class GPTModel(torch.nn.Module):
             logits = F.linear(h, self.embedding.word_embeddings.weight)  # [s, b, v/tp]
         return tpar.mask_padded_vocab(logits, self.config.vocab_size, self.tp_group)
 
+    def _loss(self, h, labels):
+        """Per-token loss [b, s] (fp32) of normed hidden states [s(/tp), b, h]: the output
+        layer and vocab-parallel cross entropy, for the LM head and every MTP depth."""
+        logits = self._logits(h)  # [s, b, v/tp]
+        loss = tpar.vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group)  # [s, b]
+        return loss.t().contiguous()  # [b, s]
+
+    def _embed(self, tokens):
+        """tokens [b, s] -> [s(/tp), b, h] through the word embedding (for MTP; a last stage
+        without the embedding looks them up in its copy of the table: the tied output weight,
+        or with untied embeddings ``mtp_word_embeddings``)."""
+        if self.pre_process:
+            return self.embedding(tokens, None)
+        table = self.output_layer.weight if self.mtp_word_embeddings is None \
+            else self.mtp_word_embeddings.weight
+        h = tpar.vocab_parallel_embedding(tokens, table, self.tp_group, self.sequence_parallel)
+        return dropout(h, self.config.hidden_dropout, self.training, self.sequence_parallel,
+                       self.rng_tracker)
+
     def forward(self, tokens, position_ids, labels=None, token_index=None, document_ids=None,
-                loss_mask=None, sample_ids=None, unpadded_index=None):
+                loss_mask=None, sample_ids=None, unpadded_index=None, mtp_targets=None):
         if self.pre_process:
             h = self.embedding(tokens, position_ids)  # [s(/tp), b, h]
         else:
@@ -147,8 +189,10 @@ class GPTModel(torch.nn.Module):
             # frees and differentiates its own output, not the received tensor.
             return h.view_as(h) if h is self.input_tensor else h
         h = self.final_layernorm(h)
-        logits = self._logits(h)  # [s, b, v/tp]
         if labels is None:
-            return logits
-        loss = tpar.vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group)  # [s, b]
-        return loss.t().contiguous()  # [b, s]
+            return self._logits(h)  # [s, b, v/tp]
+        loss = self._loss(h, labels)  # [b, s]
+        if self.mtp is not None and mtp_targets is not None:
+            loss = self.mtp(loss, h, self._embed, self._loss, mtp_targets, position_ids,
+                            token_index, document_ids, loss_mask, dropout_ids)
+        return loss

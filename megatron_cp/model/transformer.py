@@ -44,15 +44,18 @@ class TransformerLayer(torch.nn.Module):
     marks the layer (Megatron-LM's name for each)."""
 
     def __init__(self, config, layer_number, tp_group, cp_group, rng_tracker, device=None,
-                 ep_group=None, state=None):
+                 ep_group=None, state=None, prefix=None, kind_of=None):
         super().__init__()
-        prefix = f"decoder.layers.{layer_number}"
+        # An MTP layer (multi_token_prediction.py) has its own name (its weights' seeds) and
+        # number, and takes the kind (token mixer, dense or MoE) of decoder layer ``kind_of``.
+        prefix = prefix or f"decoder.layers.{layer_number}"
+        kind_of = layer_number if kind_of is None else kind_of
         self.config, self.rng_tracker, self.layer_number = config, rng_tracker, layer_number
         self.input_layernorm = norm_for(config, config.hidden_size, device)
         hierarchical = None  # the a2a+p2p sub-groups, when the state was built with them
         if state is not None and state.group("hcp_inner") is not None:
             hierarchical = (state.group("hcp_inner"), state.group("hcp_outer"))
-        self.is_linear_attention = config.linear_attention_pattern()[layer_number]
+        self.is_linear_attention = config.linear_attention_pattern()[kind_of]
         if self.is_linear_attention:
             self.self_attention = GatedDeltaNet(config, prefix + ".self_attention", tp_group,
                                                 device, cp_group, hierarchical)
@@ -62,7 +65,7 @@ class TransformerLayer(torch.nn.Module):
                                             cp_group, rng_tracker, device, hierarchical,
                                             layer_number)
         self.pre_mlp_layernorm = norm_for(config, config.hidden_size, device)
-        self.is_moe = config.moe_layer_pattern()[layer_number]
+        self.is_moe = config.moe_layer_pattern()[kind_of]
         if self.is_moe:
             self.mlp = moe_layer.MoELayer(config, prefix + ".mlp", state, rng_tracker, device)
         else:

@@ -93,26 +93,42 @@ def _describe_stage(pieces, layers):
     parts = ["embedding"] if EMBEDDING in pieces else []
     if layers:
         parts.append(f"layers {layers[0]}-{layers[-1]}" if len(layers) > 1 else f"layer {layers[0]}")
+    if MTP in pieces:
+        parts.append(f"{pieces.count(MTP)} MTP layer(s)")
     if LOSS in pieces:
         parts.append("loss")
     return ", ".join(parts) or "(empty stage)"
 
 
-def check_layout(stages, text, pp_size, num_layers):
+def _check_mtp_pieces(stages, said, mtp_num_layers):
+    """Megatron-LM's MTP rules for a layout: one m per --mtp-num-layers depth, all in the
+    last stage after its transformer layers, before L. (Megatron-LM may also put them on an
+    earlier stage of their own, "MTP standalone"; here they live with the output layer and
+    loss they share, on the last stage, so that is refused.)"""
+    count = "".join(stages).count(MTP)
+    if count != (mtp_num_layers or 0):
+        raise ValueError(f"{said} holds {count} MTP layers (m) but --mtp-num-layers is "
+                         f"{mtp_num_layers}; give one m per MTP depth, in the last stage")
+    if count and not stages[-1].endswith(MTP * count + LOSS):
+        raise ValueError(f"{said}: the MTP layers (m) must all sit in the last stage, after "
+                         f"its transformer layers and right before the loss (L), e.g. "
+                         f"'...|tt{MTP * count}L' (an MTP stage of its own is not built)")
+
+
+def check_layout(stages, text, pp_size, num_layers, mtp_num_layers=None):
     """A :class:`PipelineLayout` from parsed ``stages`` (of the string ``text``), or a
     ValueError naming the rule broken and the fix: Megatron-LM's rules (a multiple of PP
-    stages, E first and L last exactly once each, ``--num-layers`` t's), MTP refused (not
-    built), and the embedding in the first stage and the loss in the last one, where the
-    model builds them (an empty stage may not come before E or after L)."""
+    stages, E first and L last exactly once each, ``--num-layers`` t's, ``--mtp-num-layers``
+    m's right before L), and the embedding in the first stage and the loss in the last one,
+    where the model builds them (an empty stage may not come before E or after L)."""
     said = f"{FLAG} {text!r}"
     if len(stages) % pp_size != 0:
         raise ValueError(f"{said} has {len(stages)} stages, not a multiple of "
                          f"--pipeline-model-parallel-size ({pp_size}); give PP x (virtual "
                          f"stages per rank) stages separated by '|'")
     pieces = "".join(stages)
-    if MTP in pieces:
-        raise ValueError(f"{said} holds MTP layers (m); multi-token prediction is not built "
-                         f"yet (--mtp-num-layers is refused): drop the m's")
+    _check_mtp_pieces(stages, said, mtp_num_layers)
+    pieces = pieces.replace(MTP, "")
     if pieces.count(EMBEDDING) != 1 or pieces.count(LOSS) != 1:
         raise ValueError(f"{said} must hold the embedding (E) and the loss (L) once each; it "
                          f"holds {pieces.count(EMBEDDING)} E and {pieces.count(LOSS)} L")

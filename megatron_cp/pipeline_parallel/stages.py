@@ -35,8 +35,10 @@ PER_VIRTUAL, VIRTUAL = ("--num-layers-per-virtual-pipeline-stage",
 
 def pipeline_layout(num_layers, pp_size, *, layout=None, num_layers_per_virtual_stage=None,
                     num_virtual_stages=None, first=None, last=None,
-                    account_for_embedding=False, account_for_loss=False):
-    """The :class:`PipelineLayout` the split flags describe (see the module docstring)."""
+                    account_for_embedding=False, account_for_loss=False, mtp_num_layers=None):
+    """The :class:`PipelineLayout` the split flags describe (see the module docstring).
+    ``mtp_num_layers``: the m's a layout string must hold (the MTP layers are built on the
+    last stage with the loss whether or not a layout names them)."""
     if pp_size < 1:
         raise ValueError(f"--pipeline-model-parallel-size ({pp_size}) must be >= 1")
     virtual = {PER_VIRTUAL: num_layers_per_virtual_stage, VIRTUAL: num_virtual_stages,
@@ -52,7 +54,7 @@ def pipeline_layout(num_layers, pp_size, *, layout=None, num_layers_per_virtual_
         if uneven or accounted:
             raise ValueError(f"{FLAG} places every layer itself; drop "
                              f"{', '.join(uneven + accounted)}")
-        return check_layout(parse_layout(layout), layout, pp_size, num_layers)
+        return check_layout(parse_layout(layout), layout, pp_size, num_layers, mtp_num_layers)
     if uneven and accounted:
         raise ValueError(f"{' / '.join(uneven)} and {' / '.join(accounted)} are two ways to "
                          f"balance the stages; give one")
@@ -151,7 +153,8 @@ def layout_from_args(args):
         first=values.get("decoder_first_pipeline_num_layers"),
         last=values.get("decoder_last_pipeline_num_layers"),
         account_for_embedding=bool(values.get("account_for_embedding_in_pipeline_split")),
-        account_for_loss=bool(values.get("account_for_loss_in_pipeline_split")))
+        account_for_loss=bool(values.get("account_for_loss_in_pipeline_split")),
+        mtp_num_layers=values.get("mtp_num_layers"))
 
 
 def validate_interleaved_microbatches(num_microbatches, pp_size, vp_size, group_size=None):

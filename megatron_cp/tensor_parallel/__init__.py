@@ -2,7 +2,8 @@
 from megatron_cp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: F401
 from megatron_cp.tensor_parallel.layers import (  # noqa: F401
     ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, mask_padded_vocab, merge_shards,
-    normal_init, real_rows_init, scaled_init_std, split_full)
+    normal_init, real_rows_init, scaled_init_std, split_full,
+    vocab_parallel_embedding)
 from megatron_cp.tensor_parallel.mappings import (  # noqa: F401
     copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,

@@ -192,27 +192,36 @@ class VocabParallelEmbedding(torch.nn.Module):
             raise ValueError(f"vocab size ({num_embeddings}) must be divisible by the tensor parallel "
                              f"size ({tp_size}); pad it with --make-vocab-size-divisible-by")
         self.tp_group, self.reduce_scatter_output = tp_group, reduce_scatter_output and tp_size > 1
-        per_rank = num_embeddings // tp_size
-        self.vocab_start, self.vocab_end = tp_rank * per_rank, (tp_rank + 1) * per_rank
-        self.tp_size = tp_size
         self.weight = torch.nn.Parameter(_full_then_split(
             (num_embeddings, embedding_dim), 0, 1, tp_size, tp_rank, init_method, seed,
             params_dtype, device))
         _mark(self.weight, 0)
 
     def forward(self, tokens):
-        if self.tp_size > 1:
-            outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)
-            local = (tokens - self.vocab_start).masked_fill(outside, 0)
-        else:
-            local = tokens
-        emb = F.embedding(local, self.weight)  # [b, s, h]
-        if self.tp_size > 1:
-            emb = emb.masked_fill(outside.unsqueeze(-1), 0.0)
-        emb = emb.transpose(0, 1).contiguous()  # [s, b, h]
-        if self.reduce_scatter_output:
-            return mappings.reduce_scatter_to_sequence_parallel_region(emb, self.tp_group)  # [s/tp, b, h]
-        return mappings.reduce_from_tensor_model_parallel_region(emb, self.tp_group)
+        return vocab_parallel_embedding(tokens, self.weight, self.tp_group,
+                                        self.reduce_scatter_output)
+
+
+def vocab_parallel_embedding(tokens, weight, tp_group, reduce_scatter_output=False):
+    """tokens [b, s] -> [s, b, h] (``[s/tp, b, h]`` with ``reduce_scatter_output``, for SP)
+    through ``weight`` [v/tp, h], this TP rank's rows of a vocab-parallel table: each rank
+    looks up its own vocabulary range, zeros the rest, and the lookups are summed over TP.
+    The embedding layer runs it, and so do the MTP layers of a last pipeline stage that
+    holds the tied table only as its output layer."""
+    tp_size, tp_rank = _group_size_rank(tp_group)
+    if tp_size > 1:
+        start = tp_rank * weight.shape[0]
+        outside = (tokens < start) | (tokens >= start + weight.shape[0])
+        local = (tokens - start).masked_fill(outside, 0)
+    else:
+        local = tokens
+    emb = F.embedding(local, weight)  # [b, s, h]
+    if tp_size > 1:
+        emb = emb.masked_fill(outside.unsqueeze(-1), 0.0)
+    emb = emb.transpose(0, 1).contiguous()  # [s, b, h]
+    if reduce_scatter_output and tp_size > 1:
+        return mappings.reduce_scatter_to_sequence_parallel_region(emb, tp_group)  # [s/tp, b, h]
+    return mappings.reduce_from_tensor_model_parallel_region(emb, tp_group)
 
 
 def scaled_init_std(std, num_layers):
