@@ -31,6 +31,7 @@ exec bash "$HERE/pretrain_gpt_distributed.sh" "$1" "$2" \
     --moe-router-topk-scaling-factor 2.5 --moe-router-load-balancing-type seq_aux_loss \
     --moe-aux-loss-coeff 1e-4 --moe-router-dtype fp32 --moe-token-dispatcher-type alltoall \
     --expert-model-parallel-size "$EP" --expert-tensor-parallel-size 1 \
-    --pipeline-model-parallel-layout 'Et*2|(tt|)*5t|tL' \
+    --mtp-num-layers 1 --mtp-loss-scaling-factor 0.1 \
+    --pipeline-model-parallel-layout 'Et*2|(tt|)*5t|tmL' \
     --micro-batch-size 1 --global-batch-size 512 --lr 1e-5 --min-lr 1e-6 --weight-decay 0.1 \
     --init-method-std 0.02 --use-distributed-optimizer "${@:3}"

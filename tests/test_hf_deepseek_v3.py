@@ -2,7 +2,8 @@
 MoE layer with a grouped sigmoid router, a random expert bias and a shared expert): a
 transformers-made model imports with transformers' logits at TP=1 and TP=2, generates its
 greedy tokens through the latent KV cache, and exports back tensor-equal (MTP depths under
-DeepSeek's names included); what DeepseekV3 cannot express is refused by name."""
+DeepSeek's names included); a checkpoint trained here (MLA, the DeepSeek router, MTP) exports
+to a DeepseekV3 with our logits; what DeepseekV3 cannot express is refused by name."""
 import json
 
 import pytest
@@ -181,6 +182,10 @@ def test_mtp_depths_import_and_export_under_deepseek_names(imported, tmp_path):
     full, args, _ = hf_convert.import_hf(str(tmp_path / "hf"))
     assert args["mtp_num_layers"] == 1
     assert torch.equal(full["mtp.layers.0.eh_proj.weight"], mtp["model.layers.2.eh_proj.weight"])
+    assert torch.equal(full["mtp.layers.0.final_layernorm.weight"],
+                       mtp["model.layers.2.shared_head.norm.weight"])
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(6))
+    _our_logits(full, args, tokens)  # an MTP model of these args loads every tensor (strict)
     hf_convert.export_hf(full, args, str(tmp_path / "out"), tokenizer=False)
     back = read_weights(str(tmp_path / "out"))
     assert back.keys() == {**weights, **mtp}.keys()
@@ -238,14 +243,16 @@ def test_import_refusals_name_the_setting(tmp_path, change, named):
 def test_our_trained_checkpoint_exports_to_transformers_with_equal_logits(tmp_path):
     """A few steps of pretraining (MLA with q-LoRA and YaRN, a dense layer then MoE layers
     with the grouped sigmoid router, expert bias, scaling factor and a shared expert: test_mla's
-    DeepSeek flags) at TP2 + SP, exported by the CLI: DeepseekV3ForCausalLM loads it (no
-    missing or unexpected weights) and gives our logits."""
+    DeepSeek flags; one MTP depth) at TP2 + SP, exported by the CLI: DeepseekV3ForCausalLM
+    loads it (nothing missing; unexpected only the MTP depth at model.layers.4, which it
+    ignores) and gives our logits; the import gives every tensor back, MTP included."""
     from test_mla import DEEPSEEK
     from training_utils import train_losses
     from transformers import DeepseekV3ForCausalLM
     ck, out = tmp_path / "ck", tmp_path / "hf"
-    run_workers(train_losses, 2, f"{DEEPSEEK} --train-iters 2 --tensor-model-parallel-size 2 "
-                f"--sequence-parallel --save {ck} --ckpt-format torch")
+    run_workers(train_losses, 2, f"{DEEPSEEK} --train-iters 3 --tensor-model-parallel-size 2 "
+                f"--sequence-parallel --mtp-num-layers 1 --mtp-loss-scaling-factor 0.1 "
+                f"--save {ck} --ckpt-format torch")
     convert.main(["--load-dir", str(ck), "--to-hf", str(out), "--hf-skip-tokenizer"])
     full, args, _ = convert.load_full(str(ck))
     assert any(full[f"decoder.layers.{i}.mlp.router.expert_bias"].abs().max() > 0
@@ -253,8 +260,14 @@ def test_our_trained_checkpoint_exports_to_transformers_with_equal_logits(tmp_pa
     hf, info = DeepseekV3ForCausalLM.from_pretrained(str(out), dtype=torch.float32,
                                                      attn_implementation="eager",
                                                      output_loading_info=True)
-    assert not any(info.values()), info
+    assert not info["missing_keys"] and not info["mismatched_keys"], info
+    assert info["unexpected_keys"] and all(k.startswith("model.layers.4.")
+                                           for k in info["unexpected_keys"]), info
     tokens = torch.randint(0, 200, (2, 32), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         expected = hf.eval()(input_ids=tokens).logits
     assert (_our_logits(full, args, tokens) - expected).abs().max() <= 1e-4
+    back, back_args, _ = hf_convert.import_hf(str(out))
+    assert back_args["mtp_num_layers"] == 1 and set(back) == set(full)
+    for name, tensor in full.items():
+        assert torch.equal(back[name], tensor), name

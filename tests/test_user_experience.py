@@ -279,6 +279,7 @@ def test_deepseek_v3_example_passes_the_flag_check_for_64_gpus(tmp_path):
     assert status == 0, out
     launched = (tmp_path / "launched").read_text()
     assert "--nnodes 8" in launched and "--multi-latent-attention" in launched
+    assert "--mtp-num-layers 1" in launched
     status, out = _run(["bash", script, prefix, "unused.model", *tokenizer], cwd=tmp_path,
                        timeout=300, PATH=path, NNODES="1")
     assert status == 2 and out.strip().splitlines() == [
