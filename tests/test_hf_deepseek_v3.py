@@ -114,8 +114,9 @@ def test_import_logits_and_greedy_generation_match_transformers(imported, world)
 
 
 def test_import_is_not_blind_and_exports_back_tensor_equal(imported, tmp_path):
-    """Dropping the expert bias, the group limit or the scaling factor moves the logits far
-    beyond the 1e-4 above; the import exports back to the same tensors and config."""
+    """Dropping the expert bias, the group limit, the scaling factor or YaRN's softmax
+    correction moves the logits far beyond the 1e-4 above; the import exports back to the
+    same tensors and config."""
     hf, folder, _ = imported
     full, args, _ = hf_convert.import_hf(str(folder))
     assert args["moe_layer_freq"] == "[0, 1]" and args["mtp_num_layers"] is None
@@ -132,7 +133,8 @@ def test_import_is_not_blind_and_exports_back_tensor_equal(imported, tmp_path):
     unbiased = dict(full, **{"decoder.layers.1.mlp.router.expert_bias": torch.zeros(8)})
     for state, changes in [(unbiased, {}), (full, {"moe_router_num_groups": None,
                                                     "moe_router_group_topk": None}),
-                           (full, {"moe_router_topk_scaling_factor": None})]:
+                           (full, {"moe_router_topk_scaling_factor": None}),
+                           (full, {"mscale_all_dim": 0.0})]:  # YaRN's softmax correction
         assert max_diff(state, **changes) > 1e-2, changes
     assert hf_convert.export_hf(full, args, str(tmp_path / "out"), tokenizer=False) == \
         "DeepseekV3ForCausalLM"
@@ -207,6 +209,12 @@ def test_rope_interleave_false_is_permuted_on_import(tmp_path):
     with torch.no_grad():
         expected = hf(input_ids=tokens).logits
     assert (_our_logits(full, args, tokens) - expected).abs().max() <= 1e-4
+    # the control: the same folder read as interleaved (no permutation) is another model
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    write_folder(str(tmp_path / "as_is"), read_weights(str(tmp_path / "hf")),
+                 {**config, "rope_interleave": True})
+    unpermuted, _, _ = hf_convert.import_hf(str(tmp_path / "as_is"))
+    assert (_our_logits(unpermuted, args, tokens) - expected).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("change,named", [
