@@ -200,6 +200,20 @@ def test_mtp_depths_import_and_export_under_deepseek_names(imported, tmp_path):
         hf_convert.import_hf(str(tmp_path / "bad"))
 
 
+def test_released_config_form_imports_the_same(imported, tmp_path):
+    """DeepSeek's released config.json (transformers 4's form: ``rope_scaling`` with ``type``,
+    ``rope_theta`` at the top) gives the same arguments as transformers 5's
+    ``rope_parameters``."""
+    _, folder, _ = imported
+    config = json.loads((folder / "config.json").read_text())
+    rope = dict(config.pop("rope_parameters"))
+    theta, rope["type"] = rope.pop("rope_theta"), rope.pop("rope_type")
+    write_folder(str(tmp_path / "released"), read_weights(str(folder)),
+                 {**config, "rope_scaling": rope, "rope_theta": theta})
+    assert hf_convert.import_hf(str(tmp_path / "released"))[1] == \
+        hf_convert.import_hf(str(folder))[1]
+
+
 def test_rope_interleave_false_is_permuted_on_import(tmp_path):
     """A DeepseekV3 pairing rope channels (i, i + d/2) imports with its logits: the rope rows
     are permuted into megatron_cp's interleaved pairs."""

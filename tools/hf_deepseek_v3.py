@@ -249,11 +249,11 @@ def _check_config(c, hf_dir):
     if c["norm_topk_prob"] != (topk > 1):
         wrong.append(f"norm_topk_prob={c['norm_topk_prob']} with num_experts_per_tok="
                      f"{topk} (megatron_cp normalises the top-k sigmoid scores exactly when k > 1)")
-    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) not in ("default", "yarn"):
+    rope_type, rope = _rope(c)
+    if rope_type not in ("default", "yarn"):
         wrong.append(f"rope_parameters={rope} (default or yarn)")
     for hf_key, (key, default) in YARN_DEFAULTS.items():
-        if rope.get("rope_type") == "yarn" and rope.get(hf_key, default) != default:
+        if rope_type == "yarn" and rope.get(hf_key, default) != default:
             wrong.append(f"rope_parameters[{hf_key!r}]={rope[hf_key]!r} (megatron_cp's MLA "
                          f"takes YaRN's default {default!r})")
     if wrong:
@@ -261,12 +261,20 @@ def _check_config(c, hf_dir):
                          + "; ".join(wrong))
 
 
+def _rope(c):
+    """(rope type, its parameters) of config.json ``c``: transformers 5's ``rope_parameters``
+    or, as DeepSeek's released config.json and transformers 4 write it, ``rope_scaling``
+    (``type``) with ``rope_theta`` at the top."""
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    return rope.get("rope_type") or rope.get("type") or "default", rope
+
+
 def _rope_args(c, hf_dir):
     """--rope-type, --rotary-scaling-factor, --mscale, --mscale-all-dim, --rotary-base of
     config.json ``c`` (see :func:`_yarn_parameters` for how transformers reads them)."""
-    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    base = c.get("rope_theta") or rope.get("rope_theta", 1e4)
-    if rope.get("rope_type") != "yarn":
+    rope_type, rope = _rope(c)
+    base = rope.get("rope_theta") or c.get("rope_theta") or 1e4
+    if rope_type != "yarn":
         return {"rope_type": "rope", "rotary_base": base, "rotary_scaling_factor": 1.0,
                 "mscale": 1.0, "mscale_all_dim": 0.0}
     factor = rope.get("factor") or c["max_position_embeddings"] / rope[
