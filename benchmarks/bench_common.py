@@ -49,3 +49,17 @@ def min_thread_time(fn, repeats, warmup=0):
         fn()
         best = min(best, time.thread_time() - start)
     return best
+
+
+def layer_fwd_bwd_time(layer, s, hidden, repeats):
+    """Min thread seconds of forward + backward of a token mixer ``layer(x [s, 1, hidden],
+    positions [1, s])`` (batch 1, fp32, gradients set to None before each)."""
+    import torch
+
+    x = torch.randn(s, 1, hidden, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    positions = torch.arange(s)[None]
+
+    def step():
+        layer.zero_grad(set_to_none=True)
+        layer(x, positions).sum().backward()
+    return min_thread_time(step, repeats, warmup=1)

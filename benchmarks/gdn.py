@@ -27,7 +27,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench_common import add_output_argument, min_thread_time, verdict, write_json  # noqa: E402
+from bench_common import (add_output_argument, layer_fwd_bwd_time, verdict,  # noqa: E402
+                          write_json)
 from megatron_cp.model import GPTConfig  # noqa: E402
 from megatron_cp.model.attention import SelfAttention  # noqa: E402
 from megatron_cp.model.gated_delta_net import GatedDeltaNet  # noqa: E402
@@ -46,17 +47,6 @@ def _config(key_heads=2):
                      linear_key_head_dim=64, linear_value_head_dim=64)
 
 
-def _time(mixer, s, repeats):
-    """Seconds of forward + backward of ``mixer`` on s tokens."""
-    x = torch.randn(s, 1, HIDDEN, generator=torch.Generator().manual_seed(0), requires_grad=True)
-    positions = torch.arange(s)[None]
-
-    def step():
-        mixer.zero_grad(set_to_none=True)
-        mixer(x, positions).sum().backward()
-    return min_thread_time(step, repeats, warmup=1)
-
-
 def layer_times(max_seq, repeats):
     """[{s, gdn_s, attention_s}] for the sizes up to ``max_seq``."""
     gdn = GatedDeltaNet(_config(), "gdn", None)
@@ -64,8 +54,8 @@ def layer_times(max_seq, repeats):
                               model_parallel_seed(7, 0, torch.device("cpu")))
     rows = []
     for s in (n for n in SEQUENCES if n <= max_seq):
-        rows.append({"s": s, "gdn_s": _time(gdn, s, repeats),
-                     "attention_s": _time(attention, s, repeats)})
+        rows.append({"s": s, "gdn_s": layer_fwd_bwd_time(gdn, s, HIDDEN, repeats),
+                     "attention_s": layer_fwd_bwd_time(attention, s, HIDDEN, repeats)})
         print(f"s={s:>6}: GDN {rows[-1]['gdn_s']:.3f} s, attention {rows[-1]['attention_s']:.3f} s",
               flush=True)
     return rows
@@ -77,8 +67,8 @@ def cp_times(s, repeats):
     for cp in (1, 2, 4):
         whole_heads = GatedDeltaNet(_config(4), "gdn", None)  # s / cp tokens, every head
         head_slice = GatedDeltaNet(_config(4 // cp), "gdn", None)  # all s tokens, 1 / cp heads
-        out[cp] = {"state_passing_s": _time(whole_heads, s // cp, repeats),
-                   "a2a_s": _time(head_slice, s, repeats)}
+        out[cp] = {"state_passing_s": layer_fwd_bwd_time(whole_heads, s // cp, HIDDEN, repeats),
+                   "a2a_s": layer_fwd_bwd_time(head_slice, s, HIDDEN, repeats)}
         print(f"CP={cp}: state passing {out[cp]['state_passing_s']:.3f} s, "
               f"a2a {out[cp]['a2a_s']:.3f} s per rank", flush=True)
     return out

@@ -116,3 +116,13 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def imported_checkpoint(tmp, make_hf):
+    """(transformers model made by ``make_hf(folder)``, its folder, our torch_dist checkpoint
+    of it written by tools/checkpoint_convert.py --from-hf) under ``tmp``."""
+    from tools import checkpoint_convert
+    hf = make_hf(tmp / "hf")
+    checkpoint_convert.main(["--from-hf", str(tmp / "hf"), "--save-dir", str(tmp / "ck"),
+                             "--target-ckpt-format", "torch_dist"])
+    return hf, tmp / "hf", str(tmp / "ck")

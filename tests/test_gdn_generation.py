@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from dist_harness import run_workers
+from inference_utils import imported_checkpoint
 from model_utils import qwen3_next_hf_model
-from tools import checkpoint_convert as convert
 
 VOCAB = 120  # the tiny model's; NullTokenizer's --vocab-size is one less (it adds its EOD)
 NEW_TOKENS = 12
@@ -18,11 +18,8 @@ NEW_TOKENS = 12
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     """(transformers model, our torch_dist checkpoint of it)."""
-    tmp = tmp_path_factory.mktemp("qwen3_next")
-    hf = qwen3_next_hf_model(tmp / "hf")
-    convert.main(["--from-hf", str(tmp / "hf"), "--save-dir", str(tmp / "ck"),
-                  "--target-ckpt-format", "torch_dist"])
-    return hf, str(tmp / "ck")
+    hf, _, load = imported_checkpoint(tmp_path_factory.mktemp("qwen3_next"), qwen3_next_hf_model)
+    return hf, load
 
 
 def _args(load, world, extra, get_args, check_args):

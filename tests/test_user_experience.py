@@ -252,3 +252,37 @@ def test_example_script_keeps_one_folder_per_layout(tmp_path):
     assert sorted(os.listdir(runs)) == ["tp1_cp1_pp1_dp2", "tp2_cp1_pp1_dp1"]
     for layout in os.listdir(runs):
         assert files.read_tracker(str(runs / layout / "checkpoints")) == 2
+
+
+def test_deepseek_v3_example_passes_the_flag_check_for_64_gpus(tmp_path):
+    """examples/pretrain_deepseek_v3_distributed.sh: its flags pass the one-process check for
+    8 nodes x 8 GPUs (a torchrun stand-in records the launch), on a real .bin/.idx pair; on one
+    node the same flags stop at the check with one line (EP 16 needs DP x TP >= 16)."""
+    import numpy as np
+
+    from megatron_cp.data.indexed_dataset import (IndexedDatasetBuilder, data_file_path,
+                                                  index_file_path)
+    prefix = str(tmp_path / "data")
+    builder = IndexedDatasetBuilder(data_file_path(prefix), dtype=np.int32)
+    for _ in range(40):
+        builder.add_document(np.arange(5000) % 1000)
+    builder.finalize(index_file_path(prefix))
+    (tmp_path / "bin").mkdir()
+    fake = tmp_path / "bin" / "torchrun"
+    fake.write_text(f'#!/bin/sh\necho "$@" > {tmp_path / "launched"}\n')
+    fake.chmod(0o755)
+    script = os.path.join(ROOT, "examples", "pretrain_deepseek_v3_distributed.sh")
+    tokenizer = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "129279"]
+    path = f"{tmp_path / 'bin'}:{os.environ['PATH']}"
+    status, out = _run(["bash", script, prefix, "unused.model", *tokenizer], cwd=tmp_path,
+                       timeout=300, PATH=path)
+    assert status == 0, out
+    launched = (tmp_path / "launched").read_text()
+    assert "--nnodes 8" in launched and "--multi-latent-attention" in launched
+    assert "--mtp-num-layers 1" in launched
+    status, out = _run(["bash", script, prefix, "unused.model", *tokenizer], cwd=tmp_path,
+                       timeout=300, PATH=path, NNODES="1")
+    assert status == 2 and out.strip().splitlines() == [
+        "error: --expert-model-parallel-size (16) x --expert-tensor-parallel-size (1) = 16 must "
+        "divide the data x context x tensor parallel ranks of a pipeline stage (2); pick EP x "
+        "ETP among the divisors of 2"], out

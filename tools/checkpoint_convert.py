@@ -19,7 +19,8 @@
     # Megatron's defaults (LayerNorm, GELU, learned positions, biases); the checkpoint's
     # arguments say which
     python tools/checkpoint_convert.py --load-dir ck --to-hf hf_out
-    # from a Hugging Face Llama, Mixtral or GPT-2 folder (config.json's model_type) to a checkpoint
+    # from a Hugging Face Llama, Mixtral, Qwen3-Next, DeepSeek-V3 or GPT-2 folder (config.json's
+    # model_type) to a checkpoint
     python tools/checkpoint_convert.py --from-hf hf_out --save-dir ck2 --target-tensor-parallel-size 2
 
 The input format is detected. The full (unsharded) model is assembled on CPU under
@@ -269,11 +270,13 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load-dir", help="checkpoint to read: megatron_cp's (torch or torch_dist) or "
                    "one Megatron-LM wrote (--ckpt-format torch_dist)")
-    p.add_argument("--from-hf", help="Hugging Face Llama, Mixtral or GPT-2 folder to read instead")
+    p.add_argument("--from-hf", help="Hugging Face Llama, Mixtral, Qwen3-Next, "
+                   "DeepSeek-V3 or GPT-2 folder to read instead")
     p.add_argument("--save-dir", help="megatron_cp checkpoint to write")
     p.add_argument("--target-ckpt-format", choices=["torch", "torch_dist"], default="torch",
                    help="format of --save-dir (torch_dist: loads under any layout)")
-    p.add_argument("--to-hf", help="write a Hugging Face folder here (Llama, Mixtral or GPT-2, from the "
+    p.add_argument("--to-hf", help="write a Hugging Face folder here (Llama, Mixtral, Qwen3-Next, "
+                   "DeepSeek-V3 or GPT-2, from the "
                    "checkpoint's arguments), with the tokenizer files")
     p.add_argument("--to-megatron", help="write a checkpoint Megatron-LM loads here (its names, "
                    "arguments and vocabulary padding; weights, iteration and schedule)")

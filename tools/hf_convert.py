@@ -3,8 +3,9 @@
 The export picks the layout from the checkpoint's arguments: MoE models (``--num-experts``)
 become ``MixtralForCausalLM`` (tools/hf_mixtral.py: Llama-style with every MLP an MoE block),
 and only that; dense Llama-style models (RMSNorm, SwiGLU, RoPE, no biases)
-``LlamaForCausalLM`` (tools/hf_llama.py), Megatron's default architecture (LayerNorm, GELU,
-learned absolute positions, biases) ``GPT2LMHeadModel`` (tools/hf_gpt2.py); the tokenizer
+``LlamaForCausalLM`` (tools/hf_llama.py), multi-latent attention models
+``DeepseekV3ForCausalLM`` (tools/hf_deepseek_v3.py, MTP depths included), Megatron's
+default architecture (LayerNorm, GELU, learned absolute positions, biases) ``GPT2LMHeadModel`` (tools/hf_gpt2.py); the tokenizer
 files travel along (tools/hf_tokenizer.py). The import picks the layout from
 ``config.json``'s ``model_type``.
 
@@ -13,12 +14,13 @@ the plain weights 1 + w, which every layout here multiplies by. Settings none of
 express (QK norms, interleaved rotary pairs, squared ReLU; YaRN, which no layout picks) are
 refused, naming the flag.
 """
-from tools import hf_gpt2, hf_llama, hf_mixtral, hf_qwen3_next
+from tools import hf_deepseek_v3, hf_gpt2, hf_llama, hf_mixtral, hf_qwen3_next
 from tools.hf_io import read_config
 
 LAYOUTS = {"mixtral": (hf_mixtral, "MixtralForCausalLM"), "llama": (hf_llama, "LlamaForCausalLM"),
            "gpt2": (hf_gpt2, "GPT2LMHeadModel"),
-           "qwen3_next": (hf_qwen3_next, "Qwen3NextForCausalLM")}
+           "qwen3_next": (hf_qwen3_next, "Qwen3NextForCausalLM"),
+           "deepseek_v3": (hf_deepseek_v3, "DeepseekV3ForCausalLM")}
 SIGNATURE = ("normalization", "swiglu", "disable_bias_linear", "position_embedding_type")
 
 
@@ -53,6 +55,9 @@ def pick_layout(args):
     layout expresses are refused first."""
     if args.get("experimental_attention_variant") in ("gdn", "gated_delta_net"):
         return "qwen3_next"  # its own checks (tools/hf_qwen3_next.py); it has QK norms
+    if args.get("multi_latent_attention"):
+        hf_deepseek_v3.check_args(args)  # its latent norms are --qk-layernorm
+        return "deepseek_v3"
     check_expressible(args)
     if args.get("num_experts"):
         hf_mixtral.check_args(args)
@@ -75,7 +80,8 @@ def export_hf(full, args, out_dir, tokenizer=True):
     layout = pick_layout(args)
     module, architecture = LAYOUTS[layout]
     ids = hf_tokenizer.token_ids(args) if tokenizer else {}  # checks the files before writing
-    if layout != "qwen3_next":  # Qwen3-Next's norms are zero-centred as ours
+    if layout not in ("qwen3_next", "deepseek_v3"):  # Qwen3-Next's are zero-centred as ours,
+        # DeepSeek-V3's refuse --apply-layernorm-1p (its MTP norms are not named *layernorm)
         full = plain_norm_weights(full, args)
     module.to_hf(full, args, out_dir, token_ids=ids)
     if tokenizer:
@@ -94,5 +100,7 @@ def import_hf(hf_dir, accept_tanh_gelu=False):
         return hf_mixtral.from_hf(hf_dir)
     if model_type == "qwen3_next":
         return hf_qwen3_next.from_hf(hf_dir)
+    if model_type == "deepseek_v3":
+        return hf_deepseek_v3.from_hf(hf_dir)
     raise ValueError(f"{hf_dir}: model_type {model_type!r} has no import; megatron_cp reads "
                      f"{', '.join(LAYOUTS)} folders")

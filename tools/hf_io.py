@@ -67,3 +67,34 @@ def read_weights(hf_dir):
     if not weights:
         raise ValueError(f"{hf_dir} holds no *.safetensors or pytorch_model*.bin weights")
     return weights
+
+
+def swiglu_from_hf(weights, prefix):
+    """(fc1 [2F, h] = [gate; up], fc2 [h, F]) of the SwiGLU MLP ``prefix`` names with the
+    Hub's gate_proj / up_proj / down_proj."""
+    fc1 = torch.cat([weights[prefix + "gate_proj.weight"], weights[prefix + "up_proj.weight"]])
+    return fc1, weights[prefix + "down_proj.weight"]
+
+
+def swiglu_to_hf(out, prefix, fc1, fc2):
+    """Put a SwiGLU MLP's fc1 [2F, h] ([gate; up]) and fc2 [h, F] into ``out`` under the
+    Hub's gate_proj / up_proj / down_proj names at ``prefix``."""
+    gate, up = fc1.chunk(2)
+    out[prefix + "gate_proj.weight"], out[prefix + "up_proj.weight"] = gate, up
+    out[prefix + "down_proj.weight"] = fc2
+
+
+def experts_from_hf(weights, prefix, experts):
+    """(fc1 [E, 2F, h] = [gate; up], fc2 [E, h, F]) of one MoE block: transformers' fused
+    tensors or the Hub's (and save_pretrained's) per-expert ones."""
+    if prefix + "experts.gate_up_proj" in weights:
+        return weights[prefix + "experts.gate_up_proj"], weights[prefix + "experts.down_proj"]
+    per = [swiglu_from_hf(weights, f"{prefix}experts.{e}.") for e in range(experts)]
+    return torch.stack([fc1 for fc1, _ in per]), torch.stack([fc2 for _, fc2 in per])
+
+
+def experts_to_hf(out, prefix, fc1, fc2):
+    """Put experts fc1 [E, 2F, h] and fc2 [E, h, F] into ``out`` as the Hub's per-expert
+    tensors (what save_pretrained writes) at ``prefix``."""
+    for e in range(fc1.shape[0]):
+        swiglu_to_hf(out, f"{prefix}experts.{e}.", fc1[e], fc2[e])

@@ -23,7 +23,8 @@ The router is softmax, top-k, renormalised (``norm_topk_prob``), megatron_cp's d
 import torch
 
 from megatron_cp.model.config import parse_layer_freq
-from tools.hf_io import dtype_name, read_config, read_weights, real_rows, write_folder
+from tools.hf_io import (dtype_name, experts_from_hf, experts_to_hf, read_config, read_weights,
+                         real_rows, swiglu_from_hf, swiglu_to_hf, write_folder)
 
 
 def _gdn_dims(a):
@@ -63,19 +64,6 @@ def _attention_to_hf(qkv, nh, ng, d, h):
     q, gate = per[:, :hpg], per[:, hpg:2 * hpg]
     q_proj = torch.stack([q, gate], dim=2).reshape(nh * 2 * d, h)
     return q_proj, per[:, 2 * hpg].reshape(ng * d, h), per[:, 2 * hpg + 1].reshape(ng * d, h)
-
-
-def _experts_from_hf(weights, prefix, experts):
-    """(fc1 [E, 2F, h] = [gate; up], fc2 [E, h, F]) of one MoE block: transformers' fused
-    tensors or the Hub's (and save_pretrained's) per-expert ones."""
-    if prefix + "experts.gate_up_proj" in weights:
-        return weights[prefix + "experts.gate_up_proj"], weights[prefix + "experts.down_proj"]
-    e = prefix + "experts.{}."
-    fc1 = torch.stack([torch.cat([weights[e.format(i) + "gate_proj.weight"],
-                                  weights[e.format(i) + "up_proj.weight"]])
-                       for i in range(experts)])
-    fc2 = torch.stack([weights[e.format(i) + "down_proj.weight"] for i in range(experts)])
-    return fc1, fc2
 
 
 def _layer_kinds(c):
@@ -129,13 +117,11 @@ def from_hf(hf_dir):
         s, t = src + "mlp.", dst + "mlp."
         if moe[i]:
             full[t + "router.weight"] = weights[s + "gate.weight"]
-            fc1, fc2 = _experts_from_hf(weights, s, c["num_experts"])
+            fc1, fc2 = experts_from_hf(weights, s, c["num_experts"])
             full[t + "experts.linear_fc1.weight"], full[t + "experts.linear_fc2.weight"] = fc1, fc2
             s, t = s + "shared_expert.", t + "shared_experts."
             full[t + "gate_weight"] = weights[src + "mlp.shared_expert_gate.weight"]
-        full[t + "linear_fc1.weight"] = torch.cat([weights[s + "gate_proj.weight"],
-                                                   weights[s + "up_proj.weight"]])
-        full[t + "linear_fc2.weight"] = weights[s + "down_proj.weight"]
+        full[t + "linear_fc1.weight"], full[t + "linear_fc2.weight"] = swiglu_from_hf(weights, s)
     rope = c.get("rope_parameters") or {}
     args = {"num_layers": c["num_hidden_layers"], "hidden_size": h, "num_attention_heads": nh,
             "num_query_groups": ng, "group_query_attention": ng != nh,
@@ -218,17 +204,11 @@ def to_hf(full, args, out_dir, token_ids=None):
         s, t = src + "mlp.", dst + "mlp."
         if moe[i]:
             out[t + "gate.weight"] = full[s + "router.weight"]
-            fc1, fc2 = full[s + "experts.linear_fc1.weight"], full[s + "experts.linear_fc2.weight"]
-            for e in range(experts):  # the Hub's per-expert tensors, as save_pretrained writes
-                gate, up = fc1[e].chunk(2)
-                out[t + f"experts.{e}.gate_proj.weight"] = gate
-                out[t + f"experts.{e}.up_proj.weight"] = up
-                out[t + f"experts.{e}.down_proj.weight"] = fc2[e]
+            experts_to_hf(out, t, full[s + "experts.linear_fc1.weight"],
+                          full[s + "experts.linear_fc2.weight"])
             out[t + "shared_expert_gate.weight"] = full[s + "shared_experts.gate_weight"]
             s, t = s + "shared_experts.", t + "shared_expert."
-        gate, up = full[s + "linear_fc1.weight"].chunk(2)
-        out[t + "gate_proj.weight"], out[t + "up_proj.weight"] = gate, up
-        out[t + "down_proj.weight"] = full[s + "linear_fc2.weight"]
+        swiglu_to_hf(out, t, full[s + "linear_fc1.weight"], full[s + "linear_fc2.weight"])
     embed = out["model.embed_tokens.weight"]
     config = {
         "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
