@@ -103,6 +103,13 @@ def max_memory_allocated(device: torch.device) -> int:
     return 0
 
 
+def memory_allocated(device: torch.device) -> int:
+    """Bytes held by live tensors on ``device`` now; 0 on CPU where no allocator tracks it."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    return 0
+
+
 def reset_peak_memory(device: torch.device) -> None:
     """Start :func:`max_memory_allocated` afresh (nothing on CPU)."""
     if device.type == "cuda":
