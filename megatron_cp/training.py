@@ -434,7 +434,8 @@ def _train(trainer, logger, start):
                 saved_at = trainer.iteration
             t0 = time.time()
             try:
-                loss, grad_norm, ok = trainer.train_step()
+                with logger.memory.meter(trainer.iteration + 1):  # the memory report's peak
+                    loss, grad_norm, ok = trainer.train_step()
             except rerun.RerunExit as stop:
                 raise _checkpoint_for_rerun(trainer, stop) from None
             device_mod.synchronize(state.device)
