@@ -13,7 +13,7 @@ from megatron_cp.initialize import initialize_model_parallel
 from megatron_cp.memory_peak import PeakMemory
 from megatron_cp.model import GPTConfig, GPTModel
 from model_utils import full_grads, tiny_config
-from training_utils import TINY, max_rel_diff, train_losses
+from training_utils import TINY, assert_refused, max_rel_diff, train_losses
 
 
 def close(actual, expected, what=""):
@@ -146,3 +146,8 @@ def test_flag_trains_the_same_losses():
     reference = run_workers(train_losses, 1, TINY + " --train-iters 3")[0]
     tiled = run_workers(train_losses, 1, argv)[0]
     assert max_rel_diff(tiled, reference) < 1e-5, (tiled, reference)
+
+
+def test_negative_chunk_size_is_refused():
+    assert_refused(TINY + " --train-iters 1 --tiled-logits-chunk-size -1",
+                   "--tiled-logits-chunk-size (-1) must be >= 0")
