@@ -498,9 +498,6 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
      "built; drop it",
      ("--moe-paged-stash", "--moe-paged-stash-page-size",
       "--moe-paged-stash-buffer-size-factor-cuda", "--moe-paged-stash-buffer-size-factor-cpu",)),
-    ("sequence-chunked MLP is not built (for MoE layers it would change aux-loss and "
-     "capacity statistics); drop it",
-     ("--mlp-chunks-for-training",)),
     ("CUDA graph capture is not built; every step runs eagerly; drop it",
      ("--enable-cuda-graph", "--cuda-graph-warmup-steps", "--external-cuda-graph",
       "--cuda-graph-impl", "--inference-cuda-graph-scope", "--delay-offload-until-cuda-graph",

@@ -44,6 +44,14 @@ class Embedding(torch.nn.Module):
                 weight.to(dtype=config.params_dtype, device=device))
             self.position_embeddings.sequence_parallel = self.sequence_parallel
 
+    def _tiled_loss(self, h, labels):
+        """Per-token loss [b, s] of ``h`` [s(/tp), b, h] without the [s, b, v/tp] logits:
+        the output layer and cross entropy run --tiled-logits-chunk-size positions at a time."""
+        loss = tpar.tiled_vocab_parallel_cross_entropy(
+            self._output_input(h), self.output_weight(), labels.t(), self.config.vocab_size, self.tp_group,
+            self.config.tiled_logits_chunk_size)  # [s, b]
+        return loss.t().contiguous()  # [b, s]
+
     def forward(self, tokens, position_ids):
         h = self.word_embeddings(tokens)  # [s(/tp), b, h]
         if self.position_embeddings is not None:
@@ -122,17 +130,29 @@ class GPTModel(torch.nn.Module):
             return self.output_layer.weight
         return self.embedding.word_embeddings.weight
 
+    def _output_input(self, h):
+        """[s(/tp), b, h] -> [s, b, h], the output layer's input on every TP rank (gathered
+        under SP; backward reduces the gradient over TP)."""
+        if self.sequence_parallel:
+            return tpar.gather_from_sequence_parallel_region(h, self.tp_group)  # [s, b, h]
+        return tpar.copy_to_tensor_model_parallel_region(h, self.tp_group)
+
     def _logits(self, h):
         """[s, b, v/tp] logits; padded vocabulary entries are -inf (out of every softmax)."""
         if self.output_layer is not None:
             logits = self.output_layer(h)
         else:
-            if self.sequence_parallel:
-                h = tpar.gather_from_sequence_parallel_region(h, self.tp_group)  # [s, b, h]
-            else:
-                h = tpar.copy_to_tensor_model_parallel_region(h, self.tp_group)
-            logits = F.linear(h, self.embedding.word_embeddings.weight)  # [s, b, v/tp]
+            weight = self.embedding.word_embeddings.weight  # [v/tp, h]
+            logits = F.linear(self._output_input(h), weight)  # [s, b, v/tp]
         return tpar.mask_padded_vocab(logits, self.config.vocab_size, self.tp_group)
+
+    def _tiled_loss(self, h, labels):
+        """Per-token loss [b, s] of ``h`` [s(/tp), b, h] without the [s, b, v/tp] logits:
+        the output layer and cross entropy run --tiled-logits-chunk-size positions at a time."""
+        loss = tpar.tiled_vocab_parallel_cross_entropy(
+            self._output_input(h), self.output_weight(), labels.t(), self.config.vocab_size, self.tp_group,
+            self.config.tiled_logits_chunk_size)  # [s, b]
+        return loss.t().contiguous()  # [b, s]
 
     def forward(self, tokens, position_ids, labels=None, token_index=None, document_ids=None,
                 loss_mask=None, sample_ids=None, unpadded_index=None):
@@ -147,6 +167,8 @@ class GPTModel(torch.nn.Module):
             # frees and differentiates its own output, not the received tensor.
             return h.view_as(h) if h is self.input_tensor else h
         h = self.final_layernorm(h)
+        if labels is not None and self.config.tiled_logits_chunk_size:
+            return self._tiled_loss(h, labels)  # [b, s]
         logits = self._logits(h)  # [s, b, v/tp]
         if labels is None:
             return logits

@@ -14,7 +14,7 @@ from megatron_cp.model.attention import SelfAttention
 from megatron_cp.model.compile_layers import compile_layer
 from megatron_cp.model.fused import norm_for
 from megatron_cp.model.gated_delta_net import GatedDeltaNet
-from megatron_cp.model.mlp import MLP
+from megatron_cp.model.mlp import MLP, chunked_mlp
 # a module reference: megatron_cp.moe.layer imports the MLP from this package (import cycle)
 import megatron_cp.moe.layer as moe_layer
 
@@ -74,7 +74,12 @@ class TransformerLayer(torch.nn.Module):
                                    dropout_ids)
         x = x + dropout(attn, c.hidden_dropout, self.training, c.sequence_parallel, self.rng_tracker)
         h = self.pre_mlp_layernorm(x)
-        mlp = self.mlp(h, loss_mask) if self.is_moe else self.mlp(h)
+        if self.is_moe:
+            mlp = self.mlp(h, loss_mask)
+        elif c.mlp_chunks_for_training > 1 and self.training:
+            mlp = chunked_mlp(self.mlp, h, c.mlp_chunks_for_training, self.rng_tracker)
+        else:
+            mlp = self.mlp(h)
         return x + dropout(mlp, c.hidden_dropout, self.training, c.sequence_parallel, self.rng_tracker)
 
 
