@@ -34,6 +34,8 @@ CASES = {
                               "--recompute-num-layers 1"),
     "cp2-a2a-dp2-distopt": (4, "--global-batch-size 2 --context-parallel-size 2 --cp-comm-type a2a "
                                "--use-distributed-optimizer"),
+    "one-process-tiled": (1, "--global-batch-size 2 --tiled-logits-chunk-size 128 "
+                             "--mlp-chunks-for-training 4"),
     "moe-ep2": (2, "--global-batch-size 2 --num-experts 4 --moe-router-topk 2 "
                    "--moe-ffn-hidden-size 256 --expert-model-parallel-size 2"),
 }

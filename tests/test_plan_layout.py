@@ -12,7 +12,7 @@ from dist_harness import run_workers
 
 from megatron_cp.arguments import parse_args
 from megatron_cp.memory_peak import PeakMemory
-from megatron_cp.planning.search import max_seq_length, sequence_unit
+from megatron_cp.planning.search import PlannedLayout, max_seq_length, sequence_unit
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 import plan_layout  # noqa: E402
@@ -53,9 +53,8 @@ def test_llama3_8b_table_is_consistent(num_gpus):
     fitting = [r["step_time_s"] for r in rows if r["fits"]]
     assert rows[:len(fitting)] == [r for r in rows if r["fits"]]  # best first: fits, then fastest
     assert fitting == sorted(fitting)
-    table = _plan(LLAMA3_8B.split() + ["--num-gpus", str(num_gpus), "--gpu-memory-gb", "80",
-                                       "--top", "5"])
-    assert len(table.splitlines()) == 3 + 5
+    table = plan_layout.format_table([PlannedLayout(**r) for r in rows[:5]], cap, 8192)
+    assert len(table.splitlines()) == 3 + 5 and "80.0 GiB per rank" in table
 
 
 def test_refused_layouts_are_not_listed():

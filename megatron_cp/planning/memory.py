@@ -133,6 +133,7 @@ def stage_param_counts(config, layout, pp_rank, tp, ep, etp):
 @dataclass
 class _Shapes:
     """The sizes one rank's layers see for one microbatch."""
+    micro_batch: int  # b
     tokens: int  # b x s / cp: the rank's tokens in attention and the MLP
     norm_tokens: int  # the tokens of the residual stream (/ tp under sequence parallelism)
     tp: int
@@ -237,6 +238,8 @@ def layer_activation_bytes(c, sh, number, ep=1, etp=1):
         total += _attention_bytes(c, sh, selective)
     if c.moe_layer_pattern()[number]:
         total += _moe_bytes(c, sh, ep, etp)
+    elif c.mlp_chunks_for_training > 1:  # tiled MLP: each chunk saves only its input
+        total += sh.norm_tokens * c.hidden_size * sh.act
     else:
         total += _mlp_bytes(c, sh, c.ffn_hidden_size)
     if c.hidden_dropout > 0:
@@ -246,14 +249,20 @@ def layer_activation_bytes(c, sh, number, ep=1, etp=1):
 
 def _layer_backward_transient(c, sh, number):
     """Gradients a layer's backward holds at its largest point: the MLP's (fc2 input grad,
-    fc1 output grad, fc1's weight grad before the main_grad hook frees it, the input grad)."""
+    fc1 output grad, fc1's weight grad before the main_grad hook frees it, the input grad).
+    A tiled MLP (--mlp-chunks-for-training N) rebuilds one chunk's saved tensors and takes
+    one chunk's gradients at a time."""
     h = c.hidden_size
+    extra = 0
     if c.moe_layer_pattern()[number]:
         ffn, t = c.moe_ffn_hidden_size, routed_tokens(c, sh.tokens, 1)
     else:
         ffn, t = c.ffn_hidden_size, sh.tokens
+        if c.mlp_chunks_for_training > 1:
+            t = -(-sh.tokens // min(c.mlp_chunks_for_training, sh.tokens))
+            extra = _mlp_bytes(c, sh, ffn, t)
     fc1 = ffn // sh.tp * (2 if c.activation == "swiglu" else 1)
-    return (t * (ffn // sh.tp + fc1 + h) + h * fc1) * sh.act
+    return (t * (ffn // sh.tp + fc1 + h) + h * fc1) * sh.act + extra
 
 
 def _chunk_activation_bytes(c, sh, layers, ep, etp):
@@ -272,6 +281,24 @@ def _chunk_activation_bytes(c, sh, layers, ep, etp):
     kept = sum(per_layer[recomputed:])
     rebuilt = max(per_layer[:recomputed], default=0)
     return recomputed * chunk_input + kept, transient + rebuilt
+
+
+def _tiled_loss_bytes(c, sh, vocab_local, has_padding):
+    """(peak above what stays saved, saved) of the tiled output layer and loss
+    (--tiled-logits-chunk-size; tensor_parallel/tiled_cross_entropy.py): it saves the output
+    layer's input and two fp32 numbers per token; forward holds one chunk's logits (and
+    their fp32 / masked copies), backward the input gradient [s, b, h], the fp32 weight
+    gradient it sums over chunks and one chunk's recomputed logits and gradient."""
+    t, h = sh.tokens, c.hidden_size
+    half = sh.act != FP32
+    positions = t // sh.micro_batch
+    chunk_tokens = min(c.tiled_logits_chunk_size, positions) * sh.micro_batch
+    rows = chunk_tokens * vocab_local
+    logits = rows * (sh.act + (FP32 if half else 0) + (FP32 if has_padding else 0))
+    saved = t * h * sh.act + t * (2 * FP32 + INT64 + 1) + _norm_bytes(sh, h, c.normalization)
+    weight_grad = vocab_local * h * FP32 * (2 if half else 1)
+    backward = t * h * sh.act + weight_grad + logits + (rows * sh.act if half else 0)
+    return max(logits, backward), saved
 
 
 def _loss_bytes(c, sh, vocab_local, has_padding):
@@ -324,7 +351,7 @@ def estimate_memory(args, vocab_size=None, device="cpu"):
     act = torch.tensor([], dtype=args.params_dtype).element_size()
     tokens = args.micro_batch_size * args.seq_length // cp
     sp = args.sequence_parallel and tp > 1
-    sh = _Shapes(tokens, tokens // tp if sp else tokens, tp, cp, cp_comm, act, device == "gpu")
+    sh = _Shapes(args.micro_batch_size, tokens, tokens // tp if sp else tokens, tp, cp, cp_comm, act, device == "gpu")
     distributed = getattr(args, "use_distributed_optimizer", False)
     instances = getattr(args, "num_distributed_optimizer_instances", 1) or 1
     world = dp * cp * tp * pp
@@ -350,7 +377,8 @@ def estimate_memory(args, vocab_size=None, device="cpu"):
         loss = 0
         last = any(layout.has_loss(pp_rank, ch) for ch in range(layout.vp_size))
         if last:
-            peak, loss_saved = _loss_bytes(c, sh, vocab_local, has_padding)
+            loss_path = _tiled_loss_bytes if c.tiled_logits_chunk_size else _loss_bytes
+            peak, loss_saved = loss_path(c, sh, vocab_local, has_padding)
             loss = loss_saved + max(peak, transient)
         else:
             loss = transient
