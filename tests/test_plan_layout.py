@@ -98,3 +98,24 @@ def test_longest_planned_sequence_trains_within_the_cap(tmp_path):
     peak = run_workers(_peak_at, 1, argv, timeout=120)[0]
     assert peak <= CAP, (longest, peak, CAP)
     assert peak >= 0.8 * CAP, (longest, peak, CAP)  # and the prediction is not far too safe
+
+
+def test_step_time_follows_throughput_and_link_bandwidth():
+    from megatron_cp.planning.step_time import DeviceRates, predict_step_time
+    fast = DeviceRates(matmul_flops=1e12, attention_flops=1e12, intra_node_bytes_per_s=1e10,
+                       inter_node_bytes_per_s=1e9, gpus_per_node=8)
+    one = parse_args(LLAMA3_8B.split(), world_size=1)
+    base = predict_step_time(one, fast)
+    # one rank, no communication: time is compute, so it scales with 1 / throughput
+    slow = DeviceRates(5e11, 5e11, 1e10, 1e9, 8)
+    assert abs(predict_step_time(one, slow) / base - 2) < 1e-9
+    # TP 2 halves the compute but adds its all-reduces over the intra-node link
+    tp2 = parse_args(LLAMA3_8B.split() + ["--tensor-model-parallel-size", "2",
+                                          "--sequence-parallel"], world_size=2)
+    with_tp = predict_step_time(tp2, fast)
+    assert with_tp < base
+    slower_link = DeviceRates(1e12, 1e12, 1e9, 1e9, 8)
+    assert predict_step_time(tp2, slower_link) > with_tp
+    # a TP group wider than a node runs over the inter-node link
+    narrow_nodes = DeviceRates(1e12, 1e12, 1e10, 1e9, 1)
+    assert predict_step_time(tp2, narrow_nodes) == predict_step_time(tp2, slower_link)

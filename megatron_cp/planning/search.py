@@ -157,8 +157,8 @@ def max_seq_length(args, cap_bytes, device="cpu", vocab_size=None, limit=2 ** 25
 
 def plan_layouts(argv, num_gpus, cap_bytes, rates, device="cpu", vocab_size=None):
     """Every accepted layout of ``argv`` (pretrain_gpt.py's flags) on ``num_gpus`` ranks as
-    :class:`PlannedLayout` rows, best first: those that fit, fastest first, then the rest by
-    memory."""
+    :class:`PlannedLayout` rows, best first: those that fit, fastest first (the smaller
+    memory first among equals), then the rest by memory."""
     given = given_on_command_line(build_parser(), argv)
     open_dims = {dim for dim, dests in DIMENSIONS.items() if not given & set(dests)}
     num_experts = parse_args(argv, world_size=1 if open_dims else num_gpus).num_experts \
@@ -175,7 +175,7 @@ def plan_layouts(argv, num_gpus, cap_bytes, rates, device="cpu", vocab_size=None
             if row is not None and key not in seen:
                 seen.add(key)
                 rows.append(row)
-    rows.sort(key=lambda r: (not r.fits, r.step_time_s if r.fits else r.memory_bytes))
+    rows.sort(key=lambda r: (not r.fits, r.step_time_s if r.fits else 0, r.memory_bytes))
     return rows
 
 

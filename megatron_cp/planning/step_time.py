@@ -7,8 +7,9 @@ processes, cached per device in a JSON file (``~/.cache/megatron_cp/planner_cali
 unless a cache path is given). A GPU that is not here (planning a GPU job from a laptop) gets
 the documented defaults of :data:`GPU_DEFAULTS`, which flags override.
 
-Nothing is overlapped: communication adds to compute (Megatron overlaps some of it), so the
-figure is an upper bound that ranks layouts, not a promise.
+Communication adds to compute (Megatron overlaps some of it), except the gradient reduction
+under ``--overlap-grad-reduce``, hidden behind the last microbatch's backward as far as that
+lasts; the figure is an upper bound that ranks layouts, not a promise.
 """
 import json
 import os
@@ -19,7 +20,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from megatron_cp.planning.memory import model_config, routed_tokens
+from megatron_cp.pipeline_parallel import layout_from_args
+from megatron_cp.planning.memory import model_config, routed_tokens, stage_param_counts
 
 # H100 SXM, bf16: ~60% of the 989 TFLOP/s dense peak for large GEMMs, flash attention a
 # little lower; NVLink 4 moves ~450 GB/s each way per GPU; an NDR InfiniBand port 50 GB/s.
@@ -213,15 +215,11 @@ def predict_step_time(args, rates, vocab_size=None):
     grad_sync = 0.0
     group = dp * cp
     if group > 1:
-        params = _params_per_rank(c, args)
+        layout = layout_from_args(args)
+        params = max(sum(stage_param_counts(c, layout, r, tp, ep, args.expert_tensor_parallel_size))
+                     for r in range(pp))
         grad_sync = 2 * (group - 1) / group * params * 4 / _link(rates, tp * cp * pp * dp)
+        if getattr(args, "overlap_grad_reduce", False):
+            # the buckets reduce during the last microbatch's backward (2/3 of its compute)
+            grad_sync = max(0.0, grad_sync - 2 / 3 * compute)
     return microbatches * per_microbatch + bubble + grad_sync
-
-
-def _params_per_rank(c, args):
-    """Parameters of one rank (its share of the whole model, experts included)."""
-    from megatron_cp.planning.memory import layer_param_counts
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
-    total = sum(sum(layer_param_counts(c, n, tp, ep, etp)) for n in range(c.num_layers))
-    return total / pp + c.padded_vocab_size(tp) // tp * c.hidden_size * 2 / pp
