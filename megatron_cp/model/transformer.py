@@ -6,10 +6,13 @@ single-process model would have. Full activation recomputation checkpoints whole
 (uniform chunks or the first N, Megatron's ``--recompute-method``). With ``--torch-compile``
 each layer is compiled on its own (see compile_layers.py).
 """
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
 from megatron_cp import tensor_parallel as tpar
+from megatron_cp.activation_offload import offloader_for
 from megatron_cp.model.attention import SelfAttention
 from megatron_cp.model.compile_layers import compile_layer
 from megatron_cp.model.fused import norm_for
@@ -97,11 +100,20 @@ class TransformerBlock(torch.nn.Module):
         if config.torch_compile:
             for layer in self.layers:
                 compile_layer(layer, config.torch_compile_mode)
+        self.offloader = offloader_for(config.cpu_offloading_num_layers, device)
+
+    def _offload(self, layer_number):
+        """Where layer ``layer_number`` (global) keeps what it saves for backward: host
+        memory for the first --cpu-offloading-num-layers layers, else the device."""
+        if self.offloader is None or layer_number >= self.config.cpu_offloading_num_layers:
+            return contextlib.nullcontext()
+        return self.offloader.context()
 
     def _run(self, start, end):
         def run(x, position_ids, token_index, document_ids, loss_mask, dropout_ids):
-            for layer in self.layers[start:end]:
-                x = layer(x, position_ids, token_index, document_ids, loss_mask, dropout_ids)
+            for number, layer in zip(self.layer_numbers[start:end], self.layers[start:end]):
+                with self._offload(number):
+                    x = layer(x, position_ids, token_index, document_ids, loss_mask, dropout_ids)
             return x
         return run
 
