@@ -59,6 +59,25 @@ def test_a_model_backward_through_the_hooks_gives_the_same_gradients():
         torch.testing.assert_close(grads[1][name], grad, rtol=0, atol=0)
 
 
+def test_with_full_recompute_the_checkpoints_move_and_the_gradients_stay():
+    """Under full recomputation the offloaded layer's checkpoint input goes to the host and
+    its own tensors stay with the checkpoint (hooks inside it would break its recompute)."""
+    gen = torch.Generator().manual_seed(5)
+    tokens, labels = (torch.randint(0, 120, (2, 16), generator=gen) for _ in range(2))
+    pos = torch.arange(16).expand(2, 16)
+    grads, moved = [], []
+    for num_layers in (0, 1):
+        model = GPTModel(tiny_config(recompute_granularity="full", recompute_method="uniform",
+                                     recompute_num_layers=1, cpu_offloading_num_layers=num_layers))
+        model.decoder.offloader = _Counting() if num_layers else None  # as a GPU would have
+        model(tokens, pos, labels=labels).mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+        moved.append(model.decoder.offloader and model.decoder.offloader.moved)
+    assert 1 <= moved[1] <= 3, moved  # layer 0's checkpoint input (and its position ids)
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=0, atol=0)
+
+
 def _logged_losses(rank, world, argv):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

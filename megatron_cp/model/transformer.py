@@ -109,13 +109,23 @@ class TransformerBlock(torch.nn.Module):
             return contextlib.nullcontext()
         return self.offloader.context()
 
-    def _run(self, start, end):
+    def _run(self, start, end, offload=True):
         def run(x, position_ids, token_index, document_ids, loss_mask, dropout_ids):
             for number, layer in zip(self.layer_numbers[start:end], self.layers[start:end]):
-                with self._offload(number):
+                with self._offload(number) if offload else contextlib.nullcontext():
                     x = layer(x, position_ids, token_index, document_ids, loss_mask, dropout_ids)
             return x
         return run
+
+    def _recomputed(self, start, end, x, *args):
+        """Layers [start, end) under full recomputation. Offloading wraps the checkpoint,
+        never the layers inside it: what the checkpoint saves (its input) moves to the host,
+        while the layers' own tensors stay with the checkpoint, which drops them and
+        recomputes them in backward (saved-tensor hooks inside a checkpoint would take its
+        tensors away from it)."""
+        with self._offload(self.layer_numbers[start]):
+            return tpar.checkpoint(self._run(start, end, offload=False), self.rng_tracker, x,
+                                   *args)
 
     def forward(self, x, position_ids, token_index=None, document_ids=None, loss_mask=None,
                 dropout_ids=None):
@@ -127,9 +137,8 @@ class TransformerBlock(torch.nn.Module):
         k = c.recompute_num_layers or 1
         if c.recompute_method == "uniform":
             for start in range(0, n, k):
-                x = tpar.checkpoint(self._run(start, min(start + k, n)), self.rng_tracker, x, *args)
+                x = self._recomputed(start, min(start + k, n), x, *args)
             return x
         for i in range(n):  # block: recompute the first k layers of this chunk
-            run = self._run(i, i + 1)
-            x = tpar.checkpoint(run, self.rng_tracker, x, *args) if i < k else run(x, *args)
+            x = self._recomputed(i, i + 1, x, *args) if i < k else self._run(i, i + 1)(x, *args)
         return x
