@@ -275,7 +275,7 @@ AS_IS = (  # (why, flags): accepted, they select what megatron_cp does anyway
      "never a result",
      ("--overlap-p2p-communication-warmup-flush",)),
     ("activations stay in device memory; nothing is offloaded to the CPU",
-     ("--cpu-offloading-num-layers", "--cpu-offloading-retain-pinned-cpu-buffers",
+     ("--cpu-offloading-retain-pinned-cpu-buffers",
       "--fine-grained-activation-offloading", "--offload-modules",
       "--min-offloaded-tensor-size", "--delta-offload-bytes-across-pp-ranks",
       "--activation-offload-fraction", "--fine-grained-offloading-max-inflight-offloads",)),

@@ -177,6 +177,13 @@ class GPTConfig:
              "[s/N, b, ffn/tp] intermediates exist at a time (a tiled MLP); the result is the "
              "same. 1: one piece. Dense layers only: an MoE layer routes with capacity and "
              "balancing losses over all of its tokens at once.")
+    cpu_offloading_num_layers: int = setting(
+        0, group="training",
+        help="Keep the activations the first N transformer layers save for backward in host "
+             "memory (pinned, copied on a side stream) until backward needs them (Megatron-LM's "
+             "flag). On a GPU only: on a CPU they already live in host memory and a note says "
+             "so. Unlike Megatron-LM it combines with pipeline parallelism and with full "
+             "recomputation, where what moves is each recomputed layer's input (its checkpoint).")
     torch_compile: bool = setting(
         False, group="training",
         help="Compile each transformer layer with torch.compile (TorchInductor: fused "
@@ -345,6 +352,11 @@ class GPTConfig:
         if self.tiled_logits_chunk_size < 0:
             raise ValueError(f"tiled_logits_chunk_size ({self.tiled_logits_chunk_size}) must be "
                              f">= 0 (0: the output layer and loss are not tiled)")
+        if not 0 <= self.cpu_offloading_num_layers < self.num_layers:
+            raise ValueError(f"cpu_offloading_num_layers ({self.cpu_offloading_num_layers}) must "
+                             f"be from 0 to num_layers - 1 ({self.num_layers - 1}): the last "
+                             f"layer's activations are needed first in backward (Megatron-LM's "
+                             f"rule)")
         if self.mlp_chunks_for_training < 1:
             raise ValueError(f"mlp_chunks_for_training ({self.mlp_chunks_for_training}) must be "
                              f">= 1 (1: the MLP runs on the whole sequence)")

@@ -1,0 +1,165 @@
+"""Longest sequence one process trains at under a fixed memory cap, before and after tiling.
+
+A trial is one real training step (forward, backward, AdamW step, optimizer state created in
+it) of a small Llama-style GPT (RMSNorm, SwiGLU, RoPE, GQA, untied embeddings, a 32000
+vocabulary) on one sample of length s, in this process. Its memory is the peak of tensor
+memory over the step, measured with megatron_cp/memory_peak.py (CPU: the profiler's exact
+allocation events; GPU: the allocator's high-water mark), plus the tensors live at entry
+(the weights). For each variant a search over s (multiples of --granularity: doubling, then
+bisecting) finds the longest s whose step stays under --cap-gib:
+
+- untiled: the logits [s, b, v] formed whole (Megatron-LM's way);
+- tiled logits: --tiled-logits-chunk-size;
+- + tiled MLP: --mlp-chunks-for-training;
+- + full recompute: --recompute-granularity full --recompute-method uniform.
+
+Goal: tiled logits train at least 1.5x the untiled length under the same cap. Prints a table
+with PASS/FAIL and writes JSON (runs/benchmarks/long_context.json unless --output).
+
+    python benchmarks/long_context.py [--cap-gib 0.35] [--device cpu|cuda] [--output PATH]
+
+The planner (tools/plan_layout.py) adds its prediction beside the measurement: :func:`rows`
+returns one dict per variant and :data:`COLUMNS` lists the printed ones, so a predicted column
+is a new key in each row and a new entry in COLUMNS.
+"""
+import argparse
+import gc
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+from bench_common import add_output_argument, verdict, write_json  # noqa: E402
+from megatron_cp.memory_peak import PeakMemory  # noqa: E402
+from megatron_cp.model import GPTConfig, GPTModel  # noqa: E402
+
+GOAL_RATIO = 1.5  # longest s with tiled logits over the untiled longest s
+
+VARIANTS = (  # (name, GPTConfig settings)
+    ("untiled", {}),
+    ("tiled logits", {"tiled_logits_chunk_size": "chunk"}),
+    ("+ tiled MLP", {"tiled_logits_chunk_size": "chunk", "mlp_chunks_for_training": "mlp"}),
+    ("+ full recompute", {"tiled_logits_chunk_size": "chunk", "mlp_chunks_for_training": "mlp",
+                          "recompute_granularity": "full", "recompute_method": "uniform",
+                          "recompute_num_layers": 1}),
+)
+
+# (header, key, width, format) of the printed table; a planner column is one more entry
+COLUMNS = [("variant", "variant", -18, "s"), ("longest s", "longest_seq", 10, "d"),
+           ("GiB at longest", "peak_gib", 15, ".3f"), ("x untiled", "ratio", 10, ".2f"),
+           ("trials", "num_trials", 7, "d")]
+
+
+def _config(a, seq, settings):
+    values = {"chunk": a.chunk_size, "mlp": a.mlp_chunks}
+    extra = {k: values.get(v, v) if isinstance(v, str) else v for k, v in settings.items()}
+    return GPTConfig(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
+                     num_query_groups=a.heads // 2, ffn_hidden_size=a.ffn, vocab_size=a.vocab,
+                     max_position_embeddings=seq, hidden_dropout=0.0, attention_dropout=0.0,
+                     activation="swiglu", normalization="RMSNorm", add_bias_linear=False,
+                     untie_embeddings_and_output_weights=True, seed=1, **extra)
+
+
+def step_bytes(a, seq, settings, device):
+    """Tensor bytes at the peak of one training step at length ``seq`` (weights included)."""
+    model = GPTModel(_config(a, seq, settings), device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(0)
+    tokens, labels = (torch.randint(0, a.vocab, (1, seq), generator=gen).to(device)
+                      for _ in range(2))
+    position_ids = torch.arange(seq, device=device).unsqueeze(0)
+    with PeakMemory(device) as meter:
+        loss = model(tokens, position_ids, labels=labels)
+        loss.mean().backward()
+        opt.step()
+        del loss
+    del model, opt
+    gc.collect()
+    return meter.peak_total_bytes
+
+
+def longest_under(a, settings, device):
+    """(longest s under the cap, its bytes, {s: bytes} of every trial): double from the
+    granularity until a step goes over the cap (or --max-seq), then bisect."""
+    cap, g = a.cap_gib * 2 ** 30, a.granularity
+    trials = {}
+
+    def fits(units):
+        seq = units * g
+        trials[seq] = step_bytes(a, seq, settings, device)
+        print(f"    s={seq:6d}: {trials[seq] / 2 ** 30:7.3f} GiB "
+              f"{'fits' if trials[seq] <= cap else 'over'}", flush=True)
+        return trials[seq] <= cap
+
+    lo, hi = 0, 1
+    while hi * g <= a.max_seq and fits(hi):
+        lo, hi = hi, 2 * hi
+    hi = min(hi, a.max_seq // g + 1)  # the first length known (or assumed) not to fit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * g, trials.get(lo * g, 0), trials
+
+
+def rows(a, device):
+    """One dict per variant: name, longest s under the cap, its bytes, the ratio to the
+    untiled length, the trials. The planner's prediction is added to these rows."""
+    out = []
+    for name, settings in VARIANTS:
+        print(f"  {name}", flush=True)
+        start = time.time()
+        seq, used, trials = longest_under(a, settings, device)
+        out.append({"variant": name, "settings": settings, "longest_seq": seq,
+                    "peak_bytes": used, "peak_gib": used / 2 ** 30, "num_trials": len(trials),
+                    "trials": trials, "seconds": time.time() - start})
+    base = out[0]["longest_seq"]
+    for row in out:
+        row["ratio"] = row["longest_seq"] / base if base else float("inf")
+    return out
+
+
+def print_table(table):
+    def cell(value, width, spec=""):
+        align = "<" if width < 0 else ">"
+        return f"{value:{align}{abs(width)}{spec}}"
+    print("  ".join(cell(header, width) for header, _, width, _ in COLUMNS))
+    for row in table:
+        print("  ".join(cell(row[key], width, spec) for _, key, width, spec in COLUMNS))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cap-gib", type=float, default=0.35, help="memory cap of one step (GiB)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--ffn", type=int, default=352, help="SwiGLU hidden size (Llama: ~8/3 hidden)")
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--chunk-size", type=int, default=256, help="--tiled-logits-chunk-size")
+    p.add_argument("--mlp-chunks", type=int, default=8, help="--mlp-chunks-for-training")
+    p.add_argument("--granularity", type=int, default=256, help="lengths searched are multiples")
+    p.add_argument("--max-seq", type=int, default=65536, help="longest length tried")
+    add_output_argument(p, "long_context")
+    a = p.parse_args()
+    device = torch.device(a.device)
+    print(f"cap {a.cap_gib} GiB, {a.layers} layers, hidden {a.hidden}, vocab {a.vocab}, "
+          f"device {device}", flush=True)
+    table = rows(a, device)
+    print_table(table)
+    ratio = table[1]["ratio"]
+    passed = ratio >= GOAL_RATIO
+    print(f"tiled logits / untiled longest s = {ratio:.2f} (goal >= {GOAL_RATIO}): "
+          f"{verdict(passed)}")
+    write_json(a.output, {"config": vars(a), "rows": table, "goal": GOAL_RATIO,
+                          "passed": passed})
+
+
+if __name__ == "__main__":
+    main()
