@@ -61,3 +61,17 @@ def test_predicted_peak_within_15_percent_of_measured(case):
     predicted = estimate_memory(parse_args(argv.split(), world_size=world)).total_bytes / 2 ** 20
     print(f"{case}: predicted {predicted:.2f} MB, measured {peak_mb:.2f} MB on rank {peak_rank:.0f}")
     assert abs(predicted / peak_mb - 1) <= TOLERANCE, (case, predicted, peak_mb)
+
+
+def test_offloading_moves_only_gpu_activations():
+    # --cpu-offloading-num-layers is a no-op on CPU (the activations live in host memory
+    # already), so the CPU prediction ignores it; on a GPU the first layers' saved tensors
+    # leave the device and one of them comes back at a time in backward
+    base = MODEL + " --global-batch-size 2"
+    plain, offload = (parse_args(argv.split(), world_size=1)
+                      for argv in (base, base + " --cpu-offloading-num-layers 2"))
+    assert estimate_memory(offload).total_bytes == estimate_memory(plain).total_bytes
+    gpu_plain = estimate_memory(plain, device="gpu").parts
+    gpu_offload = estimate_memory(offload, device="gpu").parts
+    assert gpu_offload["activations"] == gpu_plain["activations"] // 2  # 2 of 4 equal layers
+    assert gpu_offload["loss_and_transient"] >= gpu_plain["loss_and_transient"]

@@ -28,6 +28,10 @@ Every term is read off what OUR code holds, not a paper's formula:
 - **Communication buffers**: the pipeline's received activation and gradient, context
   parallelism's in-flight K/V blocks (ring: one being received while one is used).
 
+- **Offloading** (``--cpu-offloading-num-layers N``, GPU only): the first N layers' saved
+  tensors (under full recompute: their checkpoints' inputs) live in host memory and come
+  back one layer at a time in backward.
+
 The peak is the largest of three moments (forward at the loss, backward at the loss,
 backward of the last layer) on the stage whose sum is largest. ``device`` "gpu" assumes the
 fused norms (apex / Transformer Engine: input and statistics saved); "cpu" PyTorch's
@@ -141,6 +145,7 @@ class _Shapes:
     cp_comm: str | None  # the resolved CP comm type (None without CP)
     act: int  # bytes per activation element (the params dtype)
     fused_norm: bool  # device norms save input and statistics only
+    offloaded: int = 0  # layers [0, N) keep their saved tensors in host memory (GPU)
 
 
 def _norm_bytes(sh, h, normalization):
@@ -268,19 +273,26 @@ def _layer_backward_transient(c, sh, number):
 def _chunk_activation_bytes(c, sh, layers, ep, etp):
     """(saved bytes of one microbatch through ``layers``, extra of the largest backward)."""
     per_layer = [layer_activation_bytes(c, sh, n, ep, etp) for n in layers]
+    on_device = [n >= sh.offloaded for n in layers]  # --cpu-offloading-num-layers moves the rest
     transient = max((_layer_backward_transient(c, sh, n) for n in layers), default=0)
     if c.recompute_granularity != "full" or not layers:
-        return sum(per_layer), transient
+        # an offloaded layer's tensors come back one layer at a time, in its backward
+        back = max((b for b, kept in zip(per_layer, on_device) if not kept), default=0)
+        return sum(b for b, kept in zip(per_layer, on_device) if kept), transient + back
     k = c.recompute_num_layers or 1
     chunk_input = sh.norm_tokens * c.hidden_size * sh.act
     if c.recompute_method == "uniform":
-        chunks = [per_layer[i:i + k] for i in range(0, len(per_layer), k)]
+        starts = range(0, len(per_layer), k)
+        chunks = [per_layer[i:i + k] for i in starts]
         # backward rebuilds one chunk at a time while every chunk's input stays saved
-        return len(chunks) * chunk_input, transient + max(sum(ch) for ch in chunks)
+        # (offloaded: on the host, when the chunk starts in the first N layers)
+        inputs = sum(chunk_input for i in starts if on_device[i])
+        return inputs, transient + max(sum(ch) for ch in chunks)
     recomputed = min(k, len(per_layer))
-    kept = sum(per_layer[recomputed:])
+    kept = sum(b for b, dev in zip(per_layer[recomputed:], on_device[recomputed:]) if dev)
     rebuilt = max(per_layer[:recomputed], default=0)
-    return recomputed * chunk_input + kept, transient + rebuilt
+    inputs = sum(chunk_input for dev in on_device[:recomputed] if dev)
+    return inputs + kept, transient + rebuilt
 
 
 def _tiled_loss_bytes(c, sh, vocab_local, has_padding):
@@ -351,7 +363,9 @@ def estimate_memory(args, vocab_size=None, device="cpu"):
     act = torch.tensor([], dtype=args.params_dtype).element_size()
     tokens = args.micro_batch_size * args.seq_length // cp
     sp = args.sequence_parallel and tp > 1
-    sh = _Shapes(args.micro_batch_size, tokens, tokens // tp if sp else tokens, tp, cp, cp_comm, act, device == "gpu")
+    gpu = device == "gpu"  # CPU activations live in host memory already: nothing offloads
+    sh = _Shapes(args.micro_batch_size, tokens, tokens // tp if sp else tokens, tp, cp, cp_comm,
+                 act, gpu, c.cpu_offloading_num_layers if gpu else 0)
     distributed = getattr(args, "use_distributed_optimizer", False)
     instances = getattr(args, "num_distributed_optimizer_instances", 1) or 1
     world = dp * cp * tp * pp
