@@ -36,6 +36,11 @@ CASES = {
                                "--use-distributed-optimizer"),
     "one-process-tiled": (1, "--global-batch-size 2 --tiled-logits-chunk-size 128 "
                              "--mlp-chunks-for-training 4"),
+    "pp2-interleaved": (2, "--global-batch-size 8 --pipeline-model-parallel-size 2 "
+                           "--num-virtual-stages-per-pipeline-rank 2"),
+    "gdn": (1, "--global-batch-size 2 --experimental-attention-variant gdn "
+               "--linear-attention-freq 2 --linear-num-key-heads 4 --linear-key-head-dim 32 "
+               "--linear-num-value-heads 8 --linear-value-head-dim 32"),
     "moe-ep2": (2, "--global-batch-size 2 --num-experts 4 --moe-router-topk 2 "
                    "--moe-ffn-hidden-size 256 --expert-model-parallel-size 2"),
 }

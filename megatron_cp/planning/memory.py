@@ -44,6 +44,7 @@ import torch
 from megatron_cp.config_flags import build_config
 from megatron_cp.context_parallel import resolve_comm_type
 from megatron_cp.model import GPTConfig
+from megatron_cp.model.gated_delta_rule import CHUNK_SIZE as GDN_CHUNK
 from megatron_cp.optimizer.memory import expected_bytes_per_param
 from megatron_cp.pipeline_parallel import layout_from_args
 
@@ -185,12 +186,21 @@ def _attention_bytes(c, sh, selective):
 
 
 def _gdn_bytes(c, sh):
-    """Gated DeltaNet's saved tensors per layer, approximately: its input, the projection
-    outputs, the convolution output and the recurrent core's output and gate."""
-    kd = c.linear_num_key_heads * c.linear_key_head_dim // sh.tp
-    vd = c.linear_num_value_heads * c.linear_value_head_dim // sh.tp
-    per = c.hidden_size + 2 * (2 * kd + 2 * vd) + 2 * (2 * kd + vd) + 3 * vd
-    return sh.tokens * per * sh.act
+    """Gated DeltaNet's saved tensors per layer (norm and in_proj input excluded), counted
+    per token and value head from what the layer saves: on CPU the plain-PyTorch chunked
+    delta rule (model/gated_delta_rule.py, chunks of GDN_CHUNK positions) keeps 8 [C, C]
+    matrices per chunk and value head, about 10 key-width and 14 value-width vectors per
+    token and value head (the convolution's input, output and SiLU, the chunked q, k, v and
+    their decays and corrections, the per-chunk states, the output, its norm and gate); on
+    GPUs the fused kernels (FLA) keep no [C, C] matrices, and the count there is an estimate
+    (4 key-width and 8 value-width vectors), not measured."""
+    heads = c.linear_num_value_heads // sh.tp
+    dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
+    if sh.fused_norm:
+        per_head = 4 * dk + 8 * dv
+    else:
+        per_head = 8 * GDN_CHUNK + 10 * dk + 14 * dv
+    return sh.tokens * heads * per_head * FP32
 
 
 def _mlp_bytes(c, sh, ffn, tokens=None):
