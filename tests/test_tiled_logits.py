@@ -44,6 +44,26 @@ def test_tiled_function_equals_untiled_with_padded_vocabulary():
         assert grads[1][vocab:].abs().max() == 0
 
 
+def test_tiled_function_in_bf16_keeps_dtypes_and_values():
+    """bf16 weights: the chunk's logits in bf16 and the loss math in fp32, as untiled; the
+    weight gradient sums its chunks in fp32 and rounds once (the untiled one rounds one big
+    matmul), so the two differ by bf16 roundings: a few 2^-8 relative."""
+    gen = torch.Generator().manual_seed(1)
+    s, b, h, vocab = 64, 1, 16, 96
+    hidden = torch.randn(s, b, h, generator=gen).bfloat16().requires_grad_()
+    weight = torch.randn(vocab, h, generator=gen).bfloat16().requires_grad_()
+    target = torch.randint(0, vocab, (s, b), generator=gen)
+    ref = tpar.vocab_parallel_cross_entropy(F.linear(hidden, weight), target, None)
+    ref_grads = torch.autograd.grad(ref.sum(), (hidden, weight))
+    loss = tpar.tiled_vocab_parallel_cross_entropy(hidden, weight, target, vocab, None, 10)
+    grads = torch.autograd.grad(loss.sum(), (hidden, weight))
+    assert loss.dtype == torch.float32 and [g.dtype for g in grads] == [torch.bfloat16] * 2
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-5)
+    for got, want in zip(grads, ref_grads):
+        scale = want.float().abs().max().item()
+        torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=4 * 2 ** -8 * scale)
+
+
 # ----- the first "done when" of issue 23: s = 8192, vocabulary 32000, one process ----------
 
 SEQ, VOCAB, SMALL_VOCAB, CHUNK = 8192, 32000, 128, 512
