@@ -18,9 +18,10 @@ with PASS/FAIL and writes JSON (runs/benchmarks/long_context.json unless --outpu
 
     python benchmarks/long_context.py [--cap-gib 0.35] [--device cpu|cuda] [--output PATH]
 
-The planner (tools/plan_layout.py) adds its prediction beside the measurement: :func:`rows`
-returns one dict per variant and :data:`COLUMNS` lists the printed ones, so a predicted column
-is a new key in each row and a new entry in COLUMNS.
+Beside each measurement, "planner s" is the layout planner's prediction
+(megatron_cp.planning: tools/plan_layout.py's longest sequence, the memory model's
+search for the same model as pretrain_gpt.py flags, on one rank of --cap-gib), floored to
+the granularity the measurement searches in.
 """
 import argparse
 import gc
@@ -49,10 +50,16 @@ VARIANTS = (  # (name, GPTConfig settings)
                           "recompute_num_layers": 1}),
 )
 
-# (header, key, width, format) of the printed table; a planner column is one more entry
+# (header, key, width, format) of the printed table
 COLUMNS = [("variant", "variant", -18, "s"), ("longest s", "longest_seq", 10, "d"),
+           ("planner s", "planned_seq", 10, "d"),
            ("GiB at longest", "peak_gib", 15, ".3f"), ("x untiled", "ratio", 10, ".2f"),
            ("trials", "num_trials", 7, "d")]
+# the GPTConfig settings of VARIANTS as pretrain_gpt.py flags, for the planner
+FLAGS = {"tiled_logits_chunk_size": "--tiled-logits-chunk-size",
+         "mlp_chunks_for_training": "--mlp-chunks-for-training",
+         "recompute_granularity": "--recompute-granularity",
+         "recompute_method": "--recompute-method", "recompute_num_layers": "--recompute-num-layers"}
 
 
 def _config(a, seq, settings):
@@ -106,15 +113,36 @@ def longest_under(a, settings, device):
     return lo * g, trials.get(lo * g, 0), trials
 
 
+def planned_seq(a, settings, device):
+    """The planner's longest sequence for this variant under --cap-gib (one rank), floored to
+    --granularity."""
+    from megatron_cp.arguments import parse_args
+    from megatron_cp.planning.search import max_seq_length
+    values = {"chunk": a.chunk_size, "mlp": a.mlp_chunks}
+    argv = (f"--num-layers {a.layers} --hidden-size {a.hidden} --num-attention-heads {a.heads} "
+            f"--group-query-attention --num-query-groups {a.heads // 2} --ffn-hidden-size {a.ffn} "
+            f"--vocab-size {a.vocab} --seq-length {a.granularity} --micro-batch-size 1 "
+            f"--global-batch-size 1 --mock-data --lr 1e-4 --train-iters 1 --hidden-dropout 0 "
+            f"--attention-dropout 0 --swiglu --normalization RMSNorm --disable-bias-linear "
+            f"--untie-embeddings-and-output-weights --seed 1").split()
+    for key, value in settings.items():
+        argv += [FLAGS[key], str(values.get(value, value) if isinstance(value, str) else value)]
+    args = parse_args(argv, world_size=1)
+    longest = max_seq_length(args, a.cap_gib * 2 ** 30, "gpu" if device.type == "cuda" else "cpu",
+                             limit=a.max_seq)
+    return longest // a.granularity * a.granularity
+
+
 def rows(a, device):
     """One dict per variant: name, longest s under the cap, its bytes, the ratio to the
-    untiled length, the trials. The planner's prediction is added to these rows."""
+    untiled length, the trials, and the planner's prediction (:func:`planned_seq`)."""
     out = []
     for name, settings in VARIANTS:
         print(f"  {name}", flush=True)
         start = time.time()
         seq, used, trials = longest_under(a, settings, device)
         out.append({"variant": name, "settings": settings, "longest_seq": seq,
+                    "planned_seq": planned_seq(a, settings, device),
                     "peak_bytes": used, "peak_gib": used / 2 ** 30, "num_trials": len(trials),
                     "trials": trials, "seconds": time.time() - start})
     base = out[0]["longest_seq"]

@@ -125,13 +125,18 @@ def max_seq_length(args, cap_bytes, device="cpu", vocab_size=None, limit=2 ** 25
     at most ``cap_bytes``; 0 when not even one unit fits. Memory grows with the length: from
     the run's own length, double (or halve) to bracket the answer, then bisect."""
     unit = sequence_unit(args)
-    if args.position_embedding_type == "learned_absolute":
+    # learned positions: a table of --max-position-embeddings rows, which defaults to the
+    # sequence length (arguments.py) and then grows with it; one given caps the length
+    positions_follow = args.max_position_embeddings == args.seq_length
+    if args.position_embedding_type == "learned_absolute" and not positions_follow:
         limit = min(limit, args.max_position_embeddings)
     top = limit // unit
 
     def fits(n):
         trial = copy.copy(args)
         trial.seq_length = n * unit
+        if positions_follow:
+            trial.max_position_embeddings = trial.seq_length
         return estimate_memory(trial, vocab_size, device).total_bytes <= cap_bytes
     n = min(max(1, args.seq_length // unit), top)
     if fits(n):
