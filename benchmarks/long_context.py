@@ -21,7 +21,11 @@ with PASS/FAIL and writes JSON (runs/benchmarks/long_context.json unless --outpu
 Beside each measurement, "planner s" is the layout planner's prediction
 (megatron_cp.planning: tools/plan_layout.py's longest sequence, the memory model's
 search for the same model as pretrain_gpt.py flags, on one rank of --cap-gib), floored to
-the granularity the measurement searches in.
+the granularity the measurement searches in. The planner predicts a training run's steady
+state, where the fp32 gradient buffers and the Adam state exist before every forward; the
+trial here is one first step, whose gradients and Adam state appear only in backward and in
+the optimizer step, so where the forward's peak (the untiled logits) decides, the measured
+length runs longer than the planned one.
 """
 import argparse
 import gc

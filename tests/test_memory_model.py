@@ -64,7 +64,8 @@ def test_predicted_peak_within_15_percent_of_measured(case):
     if int(peak_rank) in per_rank:
         assert per_rank[int(peak_rank)] == peak_mb
     predicted = estimate_memory(parse_args(argv.split(), world_size=world)).total_bytes / 2 ** 20
-    print(f"{case}: predicted {predicted:.2f} MB, measured {peak_mb:.2f} MB on rank {peak_rank:.0f}")
+    print(f"{case}: predicted {predicted:.2f} MB, measured {peak_mb:.2f} MB on rank "
+          f"{peak_rank:.0f}")
     assert abs(predicted / peak_mb - 1) <= TOLERANCE, (case, predicted, peak_mb)
 
 

@@ -14,7 +14,8 @@ from megatron_cp.arguments import parse_args
 from megatron_cp.memory_peak import PeakMemory
 from megatron_cp.planning.search import PlannedLayout, max_seq_length, sequence_unit
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
 import plan_layout  # noqa: E402
 
 # Llama-3-8B as Megatron-LM's examples/llama/train_llama3_8b_h100_fp8.sh trains it (bf16 here)
@@ -60,7 +61,8 @@ def test_llama3_8b_table_is_consistent(num_gpus):
 def test_refused_layouts_are_not_listed():
     # 4 KV groups: the argument validation refuses TP 8 (num_query_groups % TP)
     argv = LLAMA3_8B.replace("--num-query-groups 8", "--num-query-groups 4").split()
-    rows = json.loads(_plan(argv + ["--num-gpus", "8", "--gpu-memory-gb", "80", "--json"]))["layouts"]
+    out = _plan(argv + ["--num-gpus", "8", "--gpu-memory-gb", "80", "--json"])
+    rows = json.loads(out)["layouts"]
     assert rows and all(r["tp"] <= 4 for r in rows)
 
 

@@ -25,7 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megatron_cp.planning.search import plan_layouts  # noqa: E402
-from megatron_cp.planning.step_time import DEFAULT_CACHE, GPU_DEFAULTS, DeviceRates, calibrate  # noqa: E402
+from megatron_cp.planning.step_time import (DEFAULT_CACHE, GPU_DEFAULTS, DeviceRates,  # noqa: E402
+                                            calibrate)
 
 GIB = 2 ** 30
 

@@ -206,7 +206,8 @@ def predict_step_time(args, rates, vocab_size=None):
         routed = routed_tokens(c, tokens, ep) * c.hidden_size * act
         comm += moe_layers * 4 * (ep - 1) / ep * routed / _link(rates, tp * cp * dp)
     if pp > 1:
-        comm += 2 * h_bytes / tp * (1 if args.sequence_parallel else tp) / _link(rates, tp * cp * pp)
+        sent = h_bytes / tp if args.sequence_parallel else h_bytes  # [s/cp(/tp), b, h]
+        comm += 2 * sent / _link(rates, tp * cp * pp)  # the activation and its gradient
     microbatches = args.num_microbatches or 1
     per_microbatch = compute + comm
     bubble = (pp - 1) / vp * per_microbatch if pp > 1 else 0.0
