@@ -36,6 +36,10 @@ CASES = {
                                "--use-distributed-optimizer"),
     "one-process-tiled": (1, "--global-batch-size 2 --tiled-logits-chunk-size 128 "
                              "--mlp-chunks-for-training 4"),
+    # a large vocabulary: the output layer's chunks and weight gradient matter, and
+    # NullTokenizer's end-of-document token pads the 32000 vocabulary to 32128
+    "tiled-logits-vocab-32000": (1, "--global-batch-size 2 --vocab-size 32000 "
+                                    "--tiled-logits-chunk-size 256"),
     "pp2-interleaved": (2, "--global-batch-size 8 --pipeline-model-parallel-size 2 "
                            "--num-virtual-stages-per-pipeline-rank 2"),
     "gdn": (1, "--global-batch-size 2 --experimental-attention-variant gdn "

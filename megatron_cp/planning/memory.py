@@ -65,11 +65,25 @@ class MemoryEstimate:
 
 
 def model_config(args, vocab_size=None):
-    """The GPTConfig the arguments describe (``vocab_size`` defaults to ``--vocab-size``)."""
-    vocab = vocab_size or getattr(args, "true_vocab_size", None) or args.vocab_size
-    if vocab is None:
-        raise ValueError("the memory model needs the vocabulary size: pass --vocab-size")
-    return build_config(GPTConfig, args, vocab_size=vocab)
+    """The GPTConfig the arguments describe, with the vocabulary the run's tokenizer will
+    have (``vocab_size`` when given): NullTokenizer's is --vocab-size + 1 (its end-of-document
+    token), and the padding the output layer holds follows from it."""
+    return build_config(GPTConfig, args, vocab_size=vocab_size or tokenizer_vocab_size(args))
+
+
+def tokenizer_vocab_size(args):
+    """The vocabulary size of the tokenizer the arguments build (the trainer's own call)."""
+    from megatron_cp.data import build_tokenizer
+    known = getattr(args, "true_vocab_size", None)
+    if known:
+        return known
+    try:
+        return build_tokenizer(args.tokenizer_type or "NullTokenizer", args.tokenizer_model,
+                               args.vocab_file, args.merge_file, args.vocab_size).vocab_size
+    except (ValueError, OSError) as error:
+        raise ValueError(f"the memory model needs the vocabulary size and could not build the "
+                         f"tokenizer ({error}); pass the tokenizer's files or --vocab-size with "
+                         f"--tokenizer-type NullTokenizer") from None
 
 
 # ----- parameters ----------------------------------------------------------------------
@@ -308,19 +322,22 @@ def _chunk_activation_bytes(c, sh, layers, ep, etp):
 def _tiled_loss_bytes(c, sh, vocab_local, has_padding):
     """(peak above what stays saved, saved) of the tiled output layer and loss
     (--tiled-logits-chunk-size; tensor_parallel/tiled_cross_entropy.py): it saves the output
-    layer's input and two fp32 numbers per token; forward holds one chunk's logits (and
-    their fp32 / masked copies), backward the input gradient [s, b, h], the fp32 weight
-    gradient it sums over chunks and one chunk's recomputed logits and gradient."""
+    layer's input and two fp32 numbers per token. Its loops hold the previous chunk's fp32
+    logits (the loop variable) while the next chunk's are formed: the matmul's output, its
+    fp32 copy (half models) and its padded-vocab masked copy. Backward adds the input
+    gradient [s, b, h], the fp32 weight gradient it sums over chunks (and, for half models,
+    each chunk's product before the sum) and the chunk's gradient cast to the model's dtype."""
     t, h = sh.tokens, c.hidden_size
     half = sh.act != FP32
     positions = t // sh.micro_batch
-    chunk_tokens = min(c.tiled_logits_chunk_size, positions) * sh.micro_batch
-    rows = chunk_tokens * vocab_local
-    logits = rows * (sh.act + (FP32 if half else 0) + (FP32 if has_padding else 0))
+    rows = min(c.tiled_logits_chunk_size, positions) * sh.micro_batch * vocab_local
+    new_chunk = rows * max(sh.act + (FP32 if half else 0),
+                           (FP32 if half else sh.act) + (FP32 if has_padding else 0))
+    forward = rows * FP32 + new_chunk
     saved = t * h * sh.act + t * (2 * FP32 + INT64 + 1) + _norm_bytes(sh, h, c.normalization)
     weight_grad = vocab_local * h * FP32 * (2 if half else 1)
-    backward = t * h * sh.act + weight_grad + logits + (rows * sh.act if half else 0)
-    return max(logits, backward), saved
+    backward = t * h * sh.act + weight_grad + forward + (rows * sh.act if half else 0)
+    return max(forward, backward), saved
 
 
 def _loss_bytes(c, sh, vocab_local, has_padding):

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 
 from megatron_cp.arguments import build_parser, parse_args
 from megatron_cp.checkpoint.use_checkpoint_args import given_on_command_line
-from megatron_cp.planning.memory import estimate_memory
+from megatron_cp.planning.memory import estimate_memory, tokenizer_vocab_size
 from megatron_cp.planning.step_time import predict_step_time
 
 RECOMPUTE = {"none": (None, None, None), "selective": ("selective", None, None),
@@ -125,6 +125,7 @@ def max_seq_length(args, cap_bytes, device="cpu", vocab_size=None, limit=2 ** 25
     at most ``cap_bytes``; 0 when not even one unit fits. Memory grows with the length: from
     the run's own length, double (or halve) to bracket the answer, then bisect."""
     unit = sequence_unit(args)
+    vocab_size = vocab_size or tokenizer_vocab_size(args)  # once, not per trial
     # learned positions: a table of --max-position-embeddings rows, which defaults to the
     # sequence length (arguments.py) and then grows with it; one given caps the length
     positions_follow = args.max_position_embeddings == args.seq_length
@@ -174,6 +175,7 @@ def plan_layouts(argv, num_gpus, cap_bytes, rates, device="cpu", vocab_size=None
             layout_args = parse_args(candidate, world_size=num_gpus)
         except ValueError:
             continue  # the validation refuses this layout
+        vocab_size = vocab_size or tokenizer_vocab_size(layout_args)  # once, not per layout
         for args in _variants(layout_args, open_dims):
             row = _row(args, cap_bytes, rates, device, vocab_size)
             key = tuple(asdict(row).items())
