@@ -309,8 +309,9 @@ def _io_args(g):
                    help="Write the iteration time (s), TFLOP/s per GPU and tokens per second "
                         "to tensorboard.")
     g.add_argument("--log-memory-to-tensorboard", action="store_true",
-                   help="Write the peak memory in bytes to tensorboard (device memory on GPUs, "
-                        "the process's peak resident set on CPU).")
+                   help="Write the tensor memory in bytes to tensorboard (mem-allocated-bytes, "
+                        "mem-max-allocated-bytes: megatron_cp.memory_peak's meter, on GPUs "
+                        "and on CPU), with the memory report after the first iterations.")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
                    help="Write the validation perplexity to tensorboard.")
     g.add_argument("--log-world-size-to-tensorboard", action="store_true",

@@ -96,10 +96,24 @@ def wait_stream(stream) -> None:
         torch.cuda.current_stream(stream.device).wait_stream(stream)
 
 
+def record_stream(tensor, stream) -> None:
+    """Keep the caching allocator from reusing ``tensor``'s memory before the work queued on
+    ``stream`` has run (nothing on CPU or without a stream)."""
+    if stream is not None and tensor.device.type == "cuda":
+        tensor.record_stream(stream)
+
+
 def max_memory_allocated(device: torch.device) -> int:
     """Peak bytes allocated on ``device``; 0 on CPU where no allocator tracks it."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
+    return 0
+
+
+def memory_allocated(device: torch.device) -> int:
+    """Bytes held by live tensors on ``device`` now; 0 on CPU where no allocator tracks it."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
     return 0
 
 

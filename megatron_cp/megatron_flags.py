@@ -275,7 +275,7 @@ AS_IS = (  # (why, flags): accepted, they select what megatron_cp does anyway
      "never a result",
      ("--overlap-p2p-communication-warmup-flush",)),
     ("activations stay in device memory; nothing is offloaded to the CPU",
-     ("--cpu-offloading-num-layers", "--cpu-offloading-retain-pinned-cpu-buffers",
+     ("--cpu-offloading-retain-pinned-cpu-buffers",
       "--fine-grained-activation-offloading", "--offload-modules",
       "--min-offloaded-tensor-size", "--delta-offload-bytes-across-pp-ranks",
       "--activation-offload-fraction", "--fine-grained-offloading-max-inflight-offloads",)),
@@ -499,9 +499,6 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
      "built; drop it",
      ("--moe-paged-stash", "--moe-paged-stash-page-size",
       "--moe-paged-stash-buffer-size-factor-cuda", "--moe-paged-stash-buffer-size-factor-cpu",)),
-    ("sequence-chunked MLP is not built (for MoE layers it would change aux-loss and "
-     "capacity statistics); drop it",
-     ("--mlp-chunks-for-training",)),
     ("CUDA graph capture is not built; every step runs eagerly; drop it",
      ("--enable-cuda-graph", "--cuda-graph-warmup-steps", "--external-cuda-graph",
       "--cuda-graph-impl", "--inference-cuda-graph-scope", "--delay-offload-until-cuda-graph",

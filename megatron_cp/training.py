@@ -31,6 +31,7 @@ from megatron_cp import device as device_mod
 from megatron_cp import faults
 from megatron_cp import moe
 from megatron_cp import rerun
+from megatron_cp.activation_offload import offload_note
 from megatron_cp.config_flags import build_config
 from megatron_cp.context_parallel import resolve_comm_type
 from megatron_cp.data import build_tokenizer
@@ -366,6 +367,8 @@ def _pretrain(args, state, progress):
         _, _, device = initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
         state = build_parallel_state(args, device)
     print_rank_0(format_parallel_sizes(args, state))
+    if offload_note(args.cpu_offloading_num_layers, state.device):
+        print_rank_0(offload_note(args.cpu_offloading_num_layers, state.device))
     print_rank_0("> building tokenizer, model and optimizer ...")
     trainer = Trainer(args, state)
     trainer.progress = progress
@@ -445,7 +448,8 @@ def _train(trainer, logger, start):
                 saved_at = trainer.iteration
             t0 = time.time()
             try:
-                loss, grad_norm, ok = trainer.train_step()
+                with logger.memory.meter(trainer.iteration + 1):  # the memory report's peak
+                    loss, grad_norm, ok = trainer.train_step()
             except rerun.RerunExit as stop:
                 raise _checkpoint_for_rerun(trainer, stop) from None
             device_mod.synchronize(state.device)

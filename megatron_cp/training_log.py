@@ -7,15 +7,28 @@ all parameters (each counted once over TP/PP) to the line and to the scalars. Th
 to every sink the run has: tensorboard (``--tensorboard-dir``, written by global rank 0) and
 Weights & Biases (``--wandb-project``, written by the last rank, as Megatron does;
 :mod:`megatron_cp.wandb_logging`).
+
+Memory is reported as Megatron-LM does, after the first logged iteration (and once more after
+the second iteration when the first was logged, so the optimizer state is in it): every rank
+of DP rank 0 prints ``[Rank r] (after N iterations) memory (MB) | allocated: .. | max
+allocated: ..``, tensor bytes measured by :class:`megatron_cp.memory_peak.PeakMemory` (on
+GPUs the allocator's counters, over every iteration until the report; on CPU the exact
+live-tensor peak through the profiler, over the run's first ``CPU_METERED_ITERATIONS``
+iterations only, because the profiler slows a step; not under ``--profile``, whose profiler
+would nest), and global rank 0 adds the largest peak over all ranks and its rank. With
+``--log-memory-to-tensorboard`` the same figures go to tensorboard under Megatron's tags
+``mem-allocated-bytes`` and ``mem-max-allocated-bytes``.
 """
+import contextlib
 import math
-import resource
 import time
 
 import torch
 
-from megatron_cp import device as device_mod
+import torch.distributed as dist
+
 from megatron_cp import moe
+from megatron_cp.memory_peak import PeakMemory
 from megatron_cp import wandb_logging
 from megatron_cp.optimizer.clip_grads import get_param_norm
 
@@ -67,7 +80,7 @@ class TrainingLogger:
         self.is_writer = state.global_rank == 0
         self.sinks = []  # scalar writers: add_scalar(name, value, iteration), flush, close
         self.last_validation = None  # (iteration, loss) of the latest evaluation
-        self.memory_reported = False
+        self.memory = MemoryReport(args, state)
         if self.is_writer and args.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
             self.sinks.append(SummaryWriter(log_dir=args.tensorboard_dir))
@@ -130,7 +143,6 @@ class TrainingLogger:
         per_iter = self.time / self.count
         tokens_per_s = self.samples * a.seq_length / self.time
         tflops = tokens_per_s * self.flops_per_token / self.state.world_size / 1e12
-        mem_mb = _memory_mb(self.state.device)
         params_norm = ""
         if getattr(a, "log_params_norm", False):  # a collective: every rank gets here
             norm = get_param_norm([p for c in trainer.model_chunks for p in c.parameters()],
@@ -152,19 +164,11 @@ class TrainingLogger:
             f" lm loss: {self.loss / self.count:.6E} |{self._mtp_line()} loss scale: {scale:.1f} |"
             f" grad norm: {grad_norm:.4f} |{zeros}{params_norm}{moe_line}"
             f" number of skipped iterations: {trainer.optimizer.num_skipped_iters:3d} |")
-        if not self.memory_reported:  # Megatron's one memory report, after the first interval
-            self.memory_reported = True
-            what = "max allocated" if self.state.device.type == "cuda" else "peak resident"
-            self.print(f" [Rank {self.state.global_rank}] (after {it} iterations) memory (MB) |"
-                       f" {what}: {mem_mb:.1f}")
+        self.memory.report(it, self.print, self._scalar)
         if a.log_timers_to_tensorboard:  # Megatron's tags: seconds, TFLOP/s per GPU
             self._scalar("iteration-time", per_iter, it)
             self._scalar("throughput", tflops, it)
             self._scalar("tokens-per-second", tokens_per_s, it)
-        if a.log_memory_to_tensorboard:
-            tag = ("mem-max-allocated-bytes" if self.state.device.type == "cuda"
-                   else "mem-peak-resident-bytes")
-            self._scalar(tag, mem_mb * 2 ** 20, it)
         self._flush()
         self._reset()
 
@@ -231,8 +235,78 @@ class TrainingLogger:
         self.sinks = []
 
 
-def _memory_mb(device):
-    """Peak device memory in MB (GPU), or this process's peak resident set size (CPU)."""
-    if device.type == "cuda":
-        return device_mod.max_memory_allocated(device) / 2 ** 20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+# The profiler behind the CPU meter slows a step: only this many iterations are metered.
+CPU_METERED_ITERATIONS = 2
+
+
+class MemoryReport:
+    """Per-rank peak tensor memory for Megatron's memory lines (see the module docstring).
+
+    ``meter()`` wraps one training iteration; ``report()`` runs at a logged iteration on every
+    rank (it all-reduces the peak) and prints while Megatron's report window is open."""
+
+    def __init__(self, args, state):
+        self.args, self.state = args, state
+        self.loaded = None  # the iteration the run started from (Megatron's loaded_iteration)
+        self.metered = 0  # iterations measured so far
+        self.max_allocated = self.allocated = None  # bytes, over the metered iterations
+        self.open = True  # Megatron's report_memory_flag
+        self.cpu = state.device.type != "cuda"
+
+    def meter(self, iteration):
+        """A PeakMemory over iteration ``iteration`` (the one about to run) while the report
+        still needs it, else a null context."""
+        if self.loaded is None:
+            self.loaded = iteration - 1
+        if not self.open or (self.cpu and (self.metered >= CPU_METERED_ITERATIONS
+                                           or getattr(self.args, "profile", False))):
+            return contextlib.nullcontext()
+        return _Metered(self, PeakMemory(self.state.device, measure_baseline=True))
+
+    def _add(self, meter):
+        self.metered += 1
+        peak = meter.peak_total_bytes
+        self.max_allocated = peak if self.max_allocated is None else max(self.max_allocated, peak)
+        self.allocated = meter.baseline_bytes + meter.retained_bytes
+
+    def report(self, iteration, print_line, scalar):
+        """Megatron's ``[Rank r] (after N iterations) memory (MB)`` line on each DP-rank-0
+        rank, the largest peak over ranks on global rank 0, and the tensorboard scalars."""
+        if not self.open or self.max_allocated is None:
+            return
+        if iteration > self.loaded + 1:
+            self.open = False  # the report after the second iteration holds the optimizer
+        mb = 2 ** 20
+        device = self.state.device
+        peak = torch.tensor([float(self.max_allocated), float(self.state.global_rank)],
+                            dtype=torch.float64, device=device)
+        if dist.is_initialized() and self.state.world_size > 1:
+            gathered = [torch.zeros_like(peak) for _ in range(self.state.world_size)]
+            dist.all_gather(gathered, peak)
+            peak = max(gathered, key=lambda t: (t[0].item(), -t[1].item()))
+        if self.state.rank("dp") == 0:
+            print(f" [Rank {self.state.global_rank}] (after {iteration} iterations) memory (MB) |"
+                  f" allocated: {self.allocated / mb:.2f} | max allocated:"
+                  f" {self.max_allocated / mb:.2f}", flush=True)
+        print_line(f" peak tensor memory (MB) after {iteration} iterations: "
+                   f"{peak[0].item() / mb:.2f} on rank {int(peak[1].item())} (the most loaded)")
+        if self.args.log_memory_to_tensorboard:  # Megatron's tags
+            scalar("mem-allocated-bytes", self.allocated, iteration)
+            scalar("mem-max-allocated-bytes", self.max_allocated, iteration)
+
+
+class _Metered:
+    """The meter of one iteration; its result goes to the report on exit."""
+
+    def __init__(self, report, meter):
+        self.report, self.meter = report, meter
+
+    def __enter__(self):
+        self.meter.__enter__()
+        return self.meter
+
+    def __exit__(self, *exc):
+        self.meter.__exit__(*exc)
+        if exc[0] is None:
+            self.report._add(self.meter)
+        return False

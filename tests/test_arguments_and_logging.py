@@ -72,7 +72,7 @@ def _train_capturing(rank, world, argv):
 # Megatron's tensorboard switches and the tags each one writes (its names).
 TENSORBOARD_SWITCHES = {
     "--log-timers-to-tensorboard": ("iteration-time", "throughput", "tokens-per-second"),
-    "--log-memory-to-tensorboard": ("mem-peak-resident-bytes",),
+    "--log-memory-to-tensorboard": ("mem-allocated-bytes", "mem-max-allocated-bytes"),
     "--log-validation-ppl-to-tensorboard": ("lm loss validation ppl",),
     "--log-world-size-to-tensorboard": ("world-size",),
 }

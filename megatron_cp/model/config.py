@@ -187,6 +187,29 @@ class GPTConfig:
     recompute_num_layers: int | None = setting(
         None, cli_default=1, group="training",
         help="Layers per recompute chunk (uniform) or recomputed layers (block).")
+    tiled_logits_chunk_size: int = setting(
+        0, group="training",
+        help="Compute the output layer and the cross-entropy loss this many sequence positions "
+             "at a time, forward and backward (the chunk's logits are recomputed in backward), "
+             "so the [s, b, vocab/tp] logits never exist at once: the loss path then holds "
+             "about chunk x b x vocab/tp x 4 bytes x 3 instead of s x b x vocab/tp x 4 x 2 or "
+             "more. The loss and gradients are the untiled ones. 0: off (the logits are "
+             "formed whole, as Megatron-LM does).")
+    mlp_chunks_for_training: int = setting(
+        1, group="training",
+        help="Run each dense MLP over this many chunks of the sequence in training "
+             "(Megatron-LM's chunking: torch.chunk along s into min(N, s) pieces). Unlike "
+             "Megatron-LM, each chunk is recomputed in backward, so only one chunk's "
+             "[s/N, b, ffn/tp] intermediates exist at a time (a tiled MLP); the result is the "
+             "same. 1: one piece. Dense layers only: an MoE layer routes with capacity and "
+             "balancing losses over all of its tokens at once.")
+    cpu_offloading_num_layers: int = setting(
+        0, group="training",
+        help="Keep the activations the first N transformer layers save for backward in host "
+             "memory (pinned, copied on a side stream) until backward needs them (Megatron-LM's "
+             "flag). On a GPU only: on a CPU they already live in host memory and a note says "
+             "so. Unlike Megatron-LM it combines with pipeline parallelism and with full "
+             "recomputation, where what moves is each recomputed layer's input (its checkpoint).")
     torch_compile: bool = setting(
         False, group="training",
         help="Compile each transformer layer with torch.compile (TorchInductor: fused "
@@ -392,6 +415,26 @@ class GPTConfig:
         if self.num_moe_experts:
             self._check_moe()
         self._check_linear_attention()
+        if self.tiled_logits_chunk_size < 0:
+            raise ValueError(f"tiled_logits_chunk_size ({self.tiled_logits_chunk_size}) must be "
+                             f">= 0 (0: the output layer and loss are not tiled)")
+        if self.tiled_logits_chunk_size and self.use_mup and self.mup_output_mult != 1.0:
+            raise ValueError(f"tiled_logits_chunk_size ({self.tiled_logits_chunk_size}) does not "
+                             f"apply muP's output multiplier ({self.mup_output_mult:g}); drop "
+                             f"--tiled-logits-chunk-size with --use-mup")
+        if not 0 <= self.cpu_offloading_num_layers < self.num_layers:
+            raise ValueError(f"cpu_offloading_num_layers ({self.cpu_offloading_num_layers}) must "
+                             f"be from 0 to num_layers - 1 ({self.num_layers - 1}): the last "
+                             f"layer's activations are needed first in backward (Megatron-LM's "
+                             f"rule)")
+        if self.mlp_chunks_for_training < 1:
+            raise ValueError(f"mlp_chunks_for_training ({self.mlp_chunks_for_training}) must be "
+                             f">= 1 (1: the MLP runs on the whole sequence)")
+        if self.mlp_chunks_for_training > 1 and any(self.moe_layer_pattern()):
+            raise ValueError(f"mlp_chunks_for_training ({self.mlp_chunks_for_training}) chunks "
+                             f"dense MLPs only: an MoE layer's capacity and balancing losses "
+                             f"count all of its tokens at once, which chunks would change; "
+                             f"drop mlp_chunks_for_training or the MoE layers")
         if self.recompute_granularity == "full" and self.recompute_method not in ("uniform", "block"):
             raise ValueError(f"recompute_granularity 'full' needs recompute_method uniform or block "
                              f"(got {self.recompute_method!r})")

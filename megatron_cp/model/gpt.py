@@ -157,25 +157,36 @@ class GPTModel(torch.nn.Module):
             return self.output_layer.weight
         return self.embedding.word_embeddings.weight
 
+    def _output_input(self, h):
+        """[s(/tp), b, h] -> [s, b, h], the output layer's input on every TP rank (gathered
+        under SP; backward reduces the gradient over TP)."""
+        if self.sequence_parallel:
+            return tpar.gather_from_sequence_parallel_region(h, self.tp_group)  # [s, b, h]
+        return tpar.copy_to_tensor_model_parallel_region(h, self.tp_group)
+
     def _logits(self, h):
         """[s, b, v/tp] logits; padded vocabulary entries are -inf (out of every softmax)."""
         if self.output_layer is not None:
             logits = self.output_layer(h)
         else:
-            if self.sequence_parallel:
-                h = tpar.gather_from_sequence_parallel_region(h, self.tp_group)  # [s, b, h]
-            else:
-                h = tpar.copy_to_tensor_model_parallel_region(h, self.tp_group)
-            logits = F.linear(h, self.embedding.word_embeddings.weight)  # [s, b, v/tp]
+            weight = self.embedding.word_embeddings.weight  # [v/tp, h]
+            logits = F.linear(self._output_input(h), weight)  # [s, b, v/tp]
         if self.config.use_mup and self.config.mup_output_mult != 1.0:
             logits = logits * self.config.mup_output_mult  # muP's output multiplier
         return tpar.mask_padded_vocab(logits, self.config.vocab_size, self.tp_group)
 
     def _loss(self, h, labels):
         """Per-token loss [b, s] (fp32) of normed hidden states [s(/tp), b, h]: the output
-        layer and vocab-parallel cross entropy, for the LM head and every MTP depth."""
-        logits = self._logits(h)  # [s, b, v/tp]
-        loss = tpar.vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group)  # [s, b]
+        layer and vocab-parallel cross entropy, for the LM head and every MTP depth. With
+        --tiled-logits-chunk-size they run that many positions at a time, so the [s, b, v/tp]
+        logits never exist."""
+        if self.config.tiled_logits_chunk_size:
+            loss = tpar.tiled_vocab_parallel_cross_entropy(
+                self._output_input(h), self.output_weight(), labels.t(), self.config.vocab_size,
+                self.tp_group, self.config.tiled_logits_chunk_size)  # [s, b]
+        else:
+            logits = self._logits(h)  # [s, b, v/tp]
+            loss = tpar.vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group)  # [s, b]
         return loss.t().contiguous()  # [b, s]
 
     def _embed(self, tokens):

@@ -77,3 +77,13 @@ class MLP(torch.nn.Module):
         h = self.linear_fc1(x)  # [s, b, ffn/tp (x2 for swiglu)]
         h = activate(h, self.activation)  # [s, b, ffn/tp]
         return self.linear_fc2(h)
+
+
+def chunked_mlp(mlp, x, num_chunks, rng_tracker):
+    """``mlp`` over ``x`` [s(/tp), b, h] in min(num_chunks, s) sequence chunks, each one
+    recomputed in backward (--mlp-chunks-for-training): the MLP is per token, so the result is
+    the whole-sequence one, while only one chunk's [c, b, ffn/tp] intermediates are alive at
+    a time. Under SP every TP rank chunks its own s/tp tokens alike, so each chunk's gather
+    and reduce-scatter over TP pair up."""
+    pieces = x.chunk(min(num_chunks, x.shape[0]), dim=0)  # [c, b, h] each
+    return torch.cat([tpar.checkpoint(mlp, rng_tracker, piece) for piece in pieces], dim=0)

@@ -6,15 +6,18 @@ single-process model would have. Full activation recomputation checkpoints whole
 (uniform chunks or the first N, Megatron's ``--recompute-method``). With ``--torch-compile``
 each layer is compiled on its own (see compile_layers.py).
 """
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
 from megatron_cp import tensor_parallel as tpar
+from megatron_cp.activation_offload import offloader_for
 from megatron_cp.model.attention import SelfAttention
 from megatron_cp.model.compile_layers import compile_layer
 from megatron_cp.model.fused import norm_for
 from megatron_cp.model.gated_delta_net import GatedDeltaNet
-from megatron_cp.model.mlp import MLP
+from megatron_cp.model.mlp import MLP, chunked_mlp
 from megatron_cp.model.multi_latent_attention import MultiLatentAttention
 # a module reference: megatron_cp.moe.layer imports the MLP from this package (import cycle)
 import megatron_cp.moe.layer as moe_layer
@@ -80,7 +83,12 @@ class TransformerLayer(torch.nn.Module):
                                    dropout_ids)
         x = x + dropout(attn, c.hidden_dropout, self.training, c.sequence_parallel, self.rng_tracker)
         h = self.pre_mlp_layernorm(x)
-        mlp = self.mlp(h, loss_mask) if self.is_moe else self.mlp(h)
+        if self.is_moe:
+            mlp = self.mlp(h, loss_mask)
+        elif c.mlp_chunks_for_training > 1 and self.training:
+            mlp = chunked_mlp(self.mlp, h, c.mlp_chunks_for_training, self.rng_tracker)
+        else:
+            mlp = self.mlp(h)
         return x + dropout(mlp, c.hidden_dropout, self.training, c.sequence_parallel, self.rng_tracker)
 
 
@@ -98,13 +106,32 @@ class TransformerBlock(torch.nn.Module):
         if config.torch_compile:
             for layer in self.layers:
                 compile_layer(layer, config.torch_compile_mode)
+        self.offloader = offloader_for(config.cpu_offloading_num_layers, device)
 
-    def _run(self, start, end):
+    def _offload(self, layer_number):
+        """Where layer ``layer_number`` (global) keeps what it saves for backward: host
+        memory for the first --cpu-offloading-num-layers layers, else the device."""
+        if self.offloader is None or layer_number >= self.config.cpu_offloading_num_layers:
+            return contextlib.nullcontext()
+        return self.offloader.context()
+
+    def _run(self, start, end, offload=True):
         def run(x, position_ids, token_index, document_ids, loss_mask, dropout_ids):
-            for layer in self.layers[start:end]:
-                x = layer(x, position_ids, token_index, document_ids, loss_mask, dropout_ids)
+            for number, layer in zip(self.layer_numbers[start:end], self.layers[start:end]):
+                with self._offload(number) if offload else contextlib.nullcontext():
+                    x = layer(x, position_ids, token_index, document_ids, loss_mask, dropout_ids)
             return x
         return run
+
+    def _recomputed(self, start, end, x, *args):
+        """Layers [start, end) under full recomputation. Offloading wraps the checkpoint,
+        never the layers inside it: what the checkpoint saves (its input) moves to the host,
+        while the layers' own tensors stay with the checkpoint, which drops them and
+        recomputes them in backward (saved-tensor hooks inside a checkpoint would take its
+        tensors away from it)."""
+        with self._offload(self.layer_numbers[start]):
+            return tpar.checkpoint(self._run(start, end, offload=False), self.rng_tracker, x,
+                                   *args)
 
     def forward(self, x, position_ids, token_index=None, document_ids=None, loss_mask=None,
                 dropout_ids=None):
@@ -116,9 +143,8 @@ class TransformerBlock(torch.nn.Module):
         k = c.recompute_num_layers or 1
         if c.recompute_method == "uniform":
             for start in range(0, n, k):
-                x = tpar.checkpoint(self._run(start, min(start + k, n)), self.rng_tracker, x, *args)
+                x = self._recomputed(start, min(start + k, n), x, *args)
             return x
         for i in range(n):  # block: recompute the first k layers of this chunk
-            run = self._run(i, i + 1)
-            x = tpar.checkpoint(run, self.rng_tracker, x, *args) if i < k else run(x, *args)
+            x = self._recomputed(i, i + 1, x, *args) if i < k else self._run(i, i + 1)(x, *args)
         return x

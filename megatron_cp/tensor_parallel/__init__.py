@@ -9,5 +9,7 @@ from megatron_cp.tensor_parallel.mappings import (  # noqa: F401
     gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region)
+from megatron_cp.tensor_parallel.tiled_cross_entropy import (  # noqa: F401
+    tiled_vocab_parallel_cross_entropy)
 from megatron_cp.tensor_parallel.random import (  # noqa: F401
     RNGStatesTracker, checkpoint, init_seed, model_parallel_seed)

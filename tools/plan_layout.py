@@ -1,0 +1,123 @@
+"""Which TP, CP, PP, DP, EP and recompute for this model on these GPUs, and how long a sequence?
+
+Takes the same flags as pretrain_gpt.py (parsed by its own parser, so the line you would train
+with is accepted as is) plus the machine:
+
+    python tools/plan_layout.py <pretrain_gpt.py flags> --num-gpus 8 --gpu-memory-gb 80 \
+        [--device gpu|cpu] [--json] [--top 20]
+
+and prints every layout the flags leave open that the argument validation accepts, best first
+(those that fit, fastest first): the predicted peak memory of the most loaded rank
+(megatron_cp.planning.memory), the predicted step time (megatron_cp.planning.step_time), the
+longest sequence that fits in --gpu-memory-gb, and whether the given --seq-length fits.
+``--device cpu`` predicts gloo CPU processes (each with --gpu-memory-gb of memory), measuring
+this machine's throughput once (cached under --calibration-cache); ``--device gpu`` uses the
+documented H100 defaults unless a GPU is here to measure, and the rate flags override either.
+``--json`` prints ``{"layouts": [...]}``.
+"""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from megatron_cp.planning.search import plan_layouts  # noqa: E402
+from megatron_cp.planning.step_time import (DEFAULT_CACHE, GPU_DEFAULTS, DeviceRates,  # noqa: E402
+                                            calibrate)
+
+GIB = 2 ** 30
+
+
+def planner_parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=True,
+                                allow_abbrev=False)
+    p.add_argument("--num-gpus", type=int, required=True, help="Ranks the job will have.")
+    p.add_argument("--gpu-memory-gb", type=float, required=True,
+                   help="Memory of one rank in GiB (the cap the layouts must fit under).")
+    p.add_argument("--device", choices=("gpu", "cpu"), default="gpu",
+                   help="gpu: NCCL ranks on GPUs; cpu: gloo CPU processes (measured here).")
+    p.add_argument("--json", action="store_true", help='Print {"layouts": [...]} instead.')
+    p.add_argument("--top", type=int, default=None, help="Print only the best N rows.")
+    p.add_argument("--gpus-per-node", type=int, default=8,
+                   help="GPUs per node: groups within one use the intra-node bandwidth.")
+    p.add_argument("--matmul-tflops", type=float, default=None,
+                   help="Override the matmul throughput (TFLOP/s per device).")
+    p.add_argument("--attention-tflops", type=float, default=None,
+                   help="Override the causal attention throughput (TFLOP/s per device).")
+    p.add_argument("--intra-node-bandwidth-gbs", type=float, default=None,
+                   help="Override the intra-node (NVLink) bandwidth, GB/s per device.")
+    p.add_argument("--inter-node-bandwidth-gbs", type=float, default=None,
+                   help="Override the inter-node (InfiniBand) bandwidth, GB/s per device.")
+    p.add_argument("--calibration-cache", default=DEFAULT_CACHE,
+                   help="JSON file caching this machine's measured throughput.")
+    return p
+
+
+def device_rates(opts, params_dtype):
+    """The throughputs the step-time model divides by, measured or documented, overridden."""
+    if opts.device == "cpu":
+        rates = calibrate("cpu", opts.calibration_cache, params_dtype)
+    elif torch.cuda.is_available():
+        rates = calibrate("cuda", opts.calibration_cache, params_dtype)
+    else:
+        rates = DeviceRates(**GPU_DEFAULTS)
+    if opts.device == "gpu":
+        rates.gpus_per_node = opts.gpus_per_node
+    for flag, field, scale in (("matmul_tflops", "matmul_flops", 1e12),
+                               ("attention_tflops", "attention_flops", 1e12),
+                               ("intra_node_bandwidth_gbs", "intra_node_bytes_per_s", 1e9),
+                               ("inter_node_bandwidth_gbs", "inter_node_bytes_per_s", 1e9)):
+        if getattr(opts, flag) is not None:
+            setattr(rates, field, getattr(opts, flag) * scale)
+    return rates
+
+
+def format_table(rows, cap_bytes, seq_length):
+    """The plan as a fixed-width table, one layout per line."""
+    head = (f"{'tp':>3} {'cp':>3} {'cp comm':>8} {'pp':>3} {'vp':>3} {'dp':>4} {'ep':>3} "
+            f"{'recompute':>16} {'dist opt':>8} {'memory GiB':>10} {'step s':>9} "
+            f"{'max seq':>9} {'fits':>4}")
+    lines = [f"layouts for --seq-length {seq_length} under {cap_bytes / GIB:.1f} GiB per rank "
+             f"(best first)", head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r.tp:>3} {r.cp:>3} {r.cp_comm_type:>8} {r.pp:>3} {r.vp:>3} {r.dp:>4} "
+                     f"{r.ep:>3} {r.recompute:>16} {'yes' if r.distributed_optimizer else 'no':>8} "
+                     f"{r.memory_bytes / GIB:>10.2f} {r.step_time_s:>9.3f} "
+                     f"{r.max_seq_length:>9d} {'yes' if r.fits else 'no':>4}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    opts, training_argv = planner_parser().parse_known_args(argv)
+    if opts.num_gpus < 1 or opts.gpu_memory_gb <= 0:
+        raise SystemExit(f"error: --num-gpus ({opts.num_gpus}) must be at least 1 and "
+                         f"--gpu-memory-gb ({opts.gpu_memory_gb}) above 0")
+    from megatron_cp.arguments import build_parser, parse_args
+    flags, _ = build_parser().parse_known_args(training_argv)
+    dtype = torch.float16 if flags.fp16 else torch.bfloat16 if flags.bf16 else torch.float32
+    cap = int(opts.gpu_memory_gb * GIB)
+    rates = device_rates(opts, dtype)
+    rows = plan_layouts(training_argv, opts.num_gpus, cap, rates, opts.device)
+    if not rows:  # say why: the line's own problems on this many ranks, one line each
+        try:
+            parse_args(training_argv, world_size=opts.num_gpus)
+        except ValueError as error:
+            lines = getattr(error, "lines", None) or [str(error)]
+            raise SystemExit("\n".join(f"error: {line}" for line in lines))
+        raise SystemExit(f"error: no layout of these flags on {opts.num_gpus} ranks passes the "
+                         f"argument validation")
+    if opts.top:
+        rows = rows[:opts.top]
+    if opts.json:
+        print(json.dumps({"layouts": [vars(r) for r in rows]}, indent=1))
+    else:
+        print(format_table(rows, cap, flags.seq_length))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
