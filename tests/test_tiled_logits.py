@@ -171,3 +171,11 @@ def test_flag_trains_the_same_losses():
 def test_negative_chunk_size_is_refused():
     assert_refused(TINY + " --train-iters 1 --tiled-logits-chunk-size -1",
                    "--tiled-logits-chunk-size (-1) must be >= 0")
+
+
+def test_mup_output_multiplier_is_refused():
+    """The tiled loss computes plain logits; muP scales them (1/width here), so the pair is
+    refused rather than trained with the wrong logits."""
+    assert_refused(TINY + " --train-iters 1 --tiled-logits-chunk-size 4 --use-mup "
+                          "--mup-base-hidden-size 16",
+                   "--tiled-logits-chunk-size (4) does not apply muP's output multiplier")
