@@ -97,3 +97,58 @@ def _layers(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_overlapped_linears_match_the_plain_path(world):
     assert all(run_workers(_layers, world))
+
+
+STEPS = f"{TINY} --train-iters 10 --sequence-parallel"
+OVERLAP = "--tp-comm-overlap"
+
+
+def _train_counting_rings(rank, world, argvs):
+    """Worker: train each of ``argvs``; per run its losses and how many ring exchanges the
+    overlapped linears posted (0: the plain path ran)."""
+    from megatron_cp.context_parallel import comm
+    from megatron_cp.tensor_parallel import overlap
+    posts = []
+
+    class CountingRing(comm.RingExchange):
+        def post(self, tensors):
+            posts.append(1)
+            super().post(tensors)
+
+    overlap.RingExchange = CountingRing
+    runs = []
+    for argv in argvs:
+        del posts[:]
+        runs.append((train_losses(rank, world, argv), len(posts)))
+    return runs
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_workers(train_losses, 1, STEPS)[0]
+
+
+@pytest.mark.parametrize("world,layout", [
+    (2, "--tensor-model-parallel-size 2"),
+    (4, "--tensor-model-parallel-size 4"),
+    (4, "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2"),
+    (4, "--tensor-model-parallel-size 2 --context-parallel-size 2 --tp-comm-overlap-rs-dgrad "
+        "--no-tp-comm-bulk-dgrad"),
+])
+def test_training_with_overlap_gives_the_plain_and_one_process_losses(reference, world, layout):
+    plain, lapped = f"{STEPS} {layout}", f"{STEPS} {layout} {OVERLAP}"
+    for (plain_losses, plain_posts), (losses, posts) in run_workers(
+            _train_counting_rings, world, [plain, lapped]):
+        assert plain_posts == 0 and posts > 0, (plain_posts, posts)
+        # every loss is a sum over many fp32 terms, some added in another order
+        assert max_rel_diff(losses, plain_losses) < 1e-5
+        assert max_rel_diff(losses, reference) < 1e-5
+    assert reference[-1] < reference[0], "the tiny model must learn"
+
+
+@pytest.mark.parametrize("argv,world", [
+    (f"{TINY} --train-iters 10 --tensor-model-parallel-size 2 {OVERLAP}", 2),  # no SP
+    (f"{STEPS} {OVERLAP}", 1),  # TP 1: Megatron-LM turns SP off, then refuses
+])
+def test_overlap_without_sequence_parallelism_is_refused(argv, world):
+    assert_refused(argv, "--tp-comm-overlap (True) overlaps the sequence-parallel", world)

@@ -48,6 +48,16 @@ class TPCommOverlap:
     bulk_wgrad: bool = True
 
 
+def overlap_from_config(config):
+    """The :class:`TPCommOverlap` a model config asks for (None: --tp-comm-overlap is off)."""
+    if not config.tp_comm_overlap:
+        return None
+    return TPCommOverlap(ag=config.tp_comm_overlap_ag, rs=config.tp_comm_overlap_rs,
+                         rs_dgrad=config.tp_comm_overlap_rs_dgrad,
+                         bulk_dgrad=config.tp_comm_bulk_dgrad,
+                         bulk_wgrad=config.tp_comm_bulk_wgrad)
+
+
 def ring_gather_apply(local, group, consume):
     """Visit every TP rank's sequence chunk ``local`` [s/tp, ...], starting with this rank's
     own and then the previous ranks' around the ring: ``consume(source_rank, chunk)`` runs
