@@ -23,7 +23,7 @@ _UNSET = object()  # "the command line leaves this field at the config's default
 
 def setting(default=dataclasses.MISSING, *, help, flag=_AUTO, arg=None, when_set=_AUTO,
             cli_default=_AUTO, choices=None, group="model", gate=None, shapes=False,
-            fill_arg=False, default_factory=dataclasses.MISSING):
+            fill_arg=False, default_factory=dataclasses.MISSING, aliases=()):
     """A dataclass field that also describes its command-line flag.
 
     ``help``: what the setting means (also the flag's help). ``flag``: the flag's name
@@ -38,10 +38,11 @@ def setting(default=dataclasses.MISSING, *, help, flag=_AUTO, arg=None, when_set
     (``--group-query-attention`` for ``--num-query-groups``). ``shapes``: the setting changes the
     shape, dtype or meaning of saved weights, so a resume must match it. ``fill_arg``: the
     config's derived value is written back to the arguments (saved checkpoints and tools read it).
+    ``aliases``: Megatron-LM's other spellings of the flag (``--disable-x`` for ``--no-x``).
     """
     metadata = {"help": help, "flag": flag, "arg": arg, "when_set": when_set,
                 "cli_default": cli_default, "choices": choices, "group": group, "gate": gate,
-                "shapes": shapes, "fill_arg": fill_arg}
+                "shapes": shapes, "fill_arg": fill_arg, "aliases": tuple(aliases)}
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
 
 
@@ -93,8 +94,9 @@ def add_config_flags(config_cls, groups):
         if meta.get("gate"):
             gate_flag, gate_help = meta["gate"]
             group.add_argument(gate_flag, action="store_true", help=gate_help)
+        names = (flag,) + meta.get("aliases", ())
         if _is_switch(f):
-            group.add_argument(flag, action="store_true", help=text)
+            group.add_argument(*names, action="store_true", help=text)
             continue
         kwargs = {"help": text}
         element, nargs = _flag_type(f.type)
@@ -110,7 +112,7 @@ def add_config_flags(config_cls, groups):
             kwargs["required"] = True
         else:
             kwargs["default"] = list(default) if isinstance(default, tuple) else default
-        group.add_argument(flag, **kwargs)
+        group.add_argument(*names, **kwargs)
 
 
 def _value_from_args(f, args):

@@ -222,8 +222,6 @@ COMPAT_FLAGS = (
     CompatFlag("--fp8-format", REFUSE, "FP8 training needs Transformer Engine's fp8 layers, "
                "which are not used; use --bf16", argparse=dict(choices=["e4m3", "hybrid"],
                                                               default=None)),
-    CompatFlag("--tp-comm-overlap", REFUSE, "it needs Transformer Engine userbuffers, which "
-               "are not used; drop it"),
     CompatFlag("--fp32-residual-connection", REFUSE, "the residual stream stays in the model "
                "dtype; an fp32 residual " + _NOT_BUILT),
     CompatFlag("--dist-ckpt-strictness", SAME, "a --load of a torch_dist checkpoint needs "
@@ -395,11 +393,12 @@ AS_IS = (  # (why, flags): accepted, they select what megatron_cp does anyway
     ("megatron_cp sends nothing to NVIDIA's one-logger service, which is what turning it off "
      "selects",
      ("--no-one-logger",)),
-    ("they tune Transformer Engine's TP communication overlap, which is never on here "
-     "(--tp-comm-overlap is refused), so they change nothing",
-     ("--no-tp-comm-bulk-wgrad", "--no-tp-comm-bulk-dgrad", "--no-tp-comm-overlap-ag",
-      "--no-tp-comm-overlap-rs", "--tp-comm-overlap-rs-dgrad", "--no-tp-comm-split-ag",
-      "--no-tp-comm-split-rs", "--tp-comm-bootstrap-backend",)),
+    ("Transformer Engine 1.6 retired them and Megatron-LM ignores them with it; "
+     "--tp-comm-overlap's ring here always pipelines chunk by chunk",
+     ("--no-tp-comm-split-ag", "--no-tp-comm-split-rs",)),
+    ("no userbuffers are bootstrapped: --tp-comm-overlap's ring sends through the TP process "
+     "group's own backend",
+     ("--tp-comm-bootstrap-backend",)),
 )
 
 NOT_BUILT = (  # (why, flags): refused, with what to use instead
@@ -592,8 +591,8 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
       "--exit-signal-handler-for-training",)),
     ("deprecated Megatron spelling; use --micro-batch-size",
      ("--batch-size",)),
-    ("it configures Transformer Engine userbuffers (TP comm overlap), which are not used; "
-     "drop it",
+    ("it tunes Transformer Engine userbuffers (SMs, splits, method per GEMM), which are not "
+     "used: --tp-comm-overlap's ring has no such settings; drop it",
      ("--tp-comm-overlap-cfg",)),
     ("deprecated Megatron spelling; use --recompute-granularity full --recompute-method "
      "uniform",

@@ -79,17 +79,21 @@ def shrink(argv, gpus=None):
         argv = _set(argv, "--num-attention-heads", _MAX_HEADS)
     if "--seq-length" in argv and "--max-position-embeddings" not in argv:
         argv = _set(argv, "--max-position-embeddings", _WIDTHS["--seq-length"])
-    # one sample per microbatch, as many microbatches per step as the set had (at most 8,
-    # kept a multiple of PP when it was one)
     micro = _value(argv, "--micro-batch-size", 1)
-    global_batch = _value(argv, "--global-batch-size", micro * dp)
-    microbatches = max(1, global_batch // (micro * dp))
-    if microbatches > _MAX_MICROBATCHES:
-        microbatches = max(pp, _MAX_MICROBATCHES // pp * pp) if microbatches % pp == 0 \
-            else _MAX_MICROBATCHES
-    argv = _set(_set(argv, "--micro-batch-size", 1), "--global-batch-size", microbatches * dp)
+    schedule = _value(argv, "--step-batch-size-schedule", kind=str)
+    if schedule is None:
+        batch = _small_batch(_value(argv, "--global-batch-size", micro * dp), micro, dp, pp)
+        argv = _set(argv, "--global-batch-size", batch)
+    else:  # the schedule gives the batch size: shrink each of its steps, keep its thresholds
+        steps = [entry.split(":") for entry in schedule.split()]
+        small = [f"{at}:{_small_batch(int(size), micro, dp, pp)}" for at, size in steps]
+        argv = _set(argv, "--step-batch-size-schedule", " ".join(small))
+        batch = _small_batch(int(steps[0][1]), micro, dp, pp)
+    if "--eval-global-batch-size" in argv:
+        small = _small_batch(_value(argv, "--eval-global-batch-size"), micro, dp, pp)
+        argv = _set(argv, "--eval-global-batch-size", small)
+    argv = _set(argv, "--micro-batch-size", 1)
     if "--train-samples" in argv:  # a sample-based schedule stays sample-based
-        batch = microbatches * dp
         argv = _set(argv, "--train-samples", ITERATIONS * batch)
         for flag, steps in (("--lr-warmup-samples", 1), ("--lr-decay-samples", 1000)):
             if _value(argv, flag, 0):
@@ -100,6 +104,16 @@ def shrink(argv, gpus=None):
     if _value(argv, "--eval-iters", 0):
         argv = _set(argv, "--eval-iters", 1)
     return _set(argv, "--log-interval", 1)
+
+
+def _small_batch(global_batch, micro, dp, pp):
+    """The shrunk global batch: one sample per microbatch, as many microbatches per step as
+    the set had (at most 8, kept a multiple of PP when it was one)."""
+    microbatches = max(1, global_batch // (micro * dp))
+    if microbatches > _MAX_MICROBATCHES:
+        microbatches = max(pp, _MAX_MICROBATCHES // pp * pp) if microbatches % pp == 0 \
+            else _MAX_MICROBATCHES
+    return microbatches * dp
 
 
 def on_this_machine(argv):

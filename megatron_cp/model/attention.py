@@ -121,6 +121,7 @@ class SelfAttention(AttentionCore):
         std = config.hidden_init_std
         common = dict(tp_group=tp_group, bias=config.add_bias_linear,
                       sequence_parallel=config.sequence_parallel,
+                      tp_comm_overlap=tpar.overlap_from_config(config),
                       params_dtype=config.params_dtype, device=device)
         self.gated = config.attention_output_gate
         q_rows = self.heads_per_group * d * (2 if self.gated else 1)  # q (and gate) heads

@@ -179,6 +179,40 @@ class GPTConfig:
                                         help="Parameter dtype (from --fp16 / --bf16).")
     sequence_parallel: bool = setting(False, group="parallelism",
                                       help="Megatron sequence parallelism (with TP).")
+    # TP communication overlapped with the linear layers' GEMMs (tensor_parallel/overlap.py).
+    # Megatron-LM's flags and defaults; the sub-flags matter only with tp_comm_overlap.
+    tp_comm_overlap: bool = setting(
+        False, group="parallelism",
+        help="Overlap the sequence-parallel all-gather and reduce-scatter of the column- and "
+             "row-parallel linears with their GEMMs: the sequence chunks (or the partial sums) "
+             "travel around the TP ring while the GEMM of the chunk in hand runs. Needs "
+             "--sequence-parallel (so TP > 1).")
+    tp_comm_overlap_ag: bool = setting(
+        True, flag="--no-tp-comm-overlap-ag", aliases=("--disable-tp-comm-overlap-ag",),
+        group="parallelism",
+        help="With --tp-comm-overlap: gather plainly instead of through the ring (the "
+             "column-parallel forward's input, the row-parallel backward's output gradient).")
+    tp_comm_overlap_rs: bool = setting(
+        True, flag="--no-tp-comm-overlap-rs", aliases=("--disable-tp-comm-overlap-rs",),
+        group="parallelism",
+        help="With --tp-comm-overlap: reduce-scatter the row-parallel output plainly instead "
+             "of through the ring.")
+    tp_comm_overlap_rs_dgrad: bool = setting(
+        False, group="parallelism",
+        help="With --tp-comm-overlap: reduce-scatter the column-parallel input gradient "
+             "through the ring, pipelined with the chunks of its GEMM (the bulk overlaps of "
+             "--tp-comm-bulk-dgrad / -wgrad then do not apply).")
+    tp_comm_bulk_dgrad: bool = setting(
+        True, flag="--no-tp-comm-bulk-dgrad", aliases=("--disable-tp-comm-bulk-dgrad",),
+        group="parallelism",
+        help="With --tp-comm-overlap: the column-parallel linear keeps only its sequence chunk "
+             "of the input for backward and re-gathers it while the input-gradient GEMM runs; "
+             "off: it keeps the gathered input.")
+    tp_comm_bulk_wgrad: bool = setting(
+        True, flag="--no-tp-comm-bulk-wgrad", aliases=("--disable-tp-comm-bulk-wgrad",),
+        group="parallelism",
+        help="With --tp-comm-overlap: the column-parallel input gradient's reduce-scatter "
+             "runs while the weight-gradient GEMM runs; off: before it.")
     recompute_granularity: str | None = setting(None, choices=(None, "full", "selective"),
                                                 group="training",
                                                 help="Activation recomputation granularity.")
@@ -435,6 +469,10 @@ class GPTConfig:
                              f"dense MLPs only: an MoE layer's capacity and balancing losses "
                              f"count all of its tokens at once, which chunks would change; "
                              f"drop mlp_chunks_for_training or the MoE layers")
+        if self.tp_comm_overlap and not self.sequence_parallel:
+            raise ValueError("tp_comm_overlap (True) overlaps the sequence-parallel all-gather "
+                             "and reduce-scatter with the GEMMs: add sequence_parallel (with "
+                             "tensor_model_parallel_size > 1) or drop tp_comm_overlap")
         if self.recompute_granularity == "full" and self.recompute_method not in ("uniform", "block"):
             raise ValueError(f"recompute_granularity 'full' needs recompute_method uniform or block "
                              f"(got {self.recompute_method!r})")
@@ -660,6 +698,11 @@ class GPTConfig:
     def validate_parallel(self, tp_size, cp_size=None):
         """Raise ValueError unless the model splits over ``tp_size`` tensor-parallel ranks and
         (when ``cp_size`` is given) runs under ``cp_size`` context-parallel ranks."""
+        if self.tp_comm_overlap and tp_size == 1:
+            raise ValueError("tp_comm_overlap (True) overlaps tensor-parallel communication, "
+                             "and tensor_model_parallel_size is 1: give "
+                             "tensor_model_parallel_size > 1 with sequence_parallel, or drop "
+                             "tp_comm_overlap")
         for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
             if getattr(self, name) % tp_size != 0:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be divisible by "

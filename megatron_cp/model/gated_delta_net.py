@@ -83,6 +83,7 @@ class GatedDeltaNet(torch.nn.Module):
         conv_channels = nk * (2 * dk + self.ratio * dv)
         std = config.hidden_init_std
         common = dict(tp_group=tp_group, bias=False, sequence_parallel=config.sequence_parallel,
+                      tp_comm_overlap=tpar.overlap_from_config(config),
                       params_dtype=config.params_dtype, device=device)
         self.in_proj = tpar.ColumnParallelLinear(
             config.hidden_size, nk * sum(self.group_rows), init_method=tpar.normal_init(std),

@@ -63,6 +63,7 @@ class MLP(torch.nn.Module):
         ffn, std = ffn_hidden_size or config.ffn_hidden_size, config.hidden_init_std
         common = dict(tp_group=tp_group, bias=config.add_bias_linear,
                       sequence_parallel=config.sequence_parallel,
+                      tp_comm_overlap=tpar.overlap_from_config(config),
                       params_dtype=config.params_dtype, device=device)
         self.linear_fc1 = tpar.ColumnParallelLinear(
             config.hidden_size, ffn * (2 if self.swiglu else 1), init_method=tpar.normal_init(std),

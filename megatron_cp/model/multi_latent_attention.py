@@ -100,7 +100,7 @@ class MultiLatentAttention(AttentionCore):
                 in_size, out_size, tp_group=tp_group, init_method=tpar.normal_init(std),
                 seed=tpar.init_seed(seed, f"{prefix}.{name}"), bias=False,
                 sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype,
-                device=device)
+                device=device, tp_comm_overlap=tpar.overlap_from_config(config))
 
         def replicated(name, in_size, out_size):
             return ReplicatedLinear(in_size, out_size, init_method=tpar.normal_init(std),
@@ -124,7 +124,8 @@ class MultiLatentAttention(AttentionCore):
             init_method=tpar.normal_init(tpar.scaled_init_std(std, config.num_layers)),
             seed=tpar.init_seed(seed, prefix + ".linear_proj"), tp_group=tp_group,
             bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
-            params_dtype=config.params_dtype, device=device)
+            params_dtype=config.params_dtype, device=device,
+            tp_comm_overlap=tpar.overlap_from_config(config))
         self.q_layernorm = self.kv_layernorm = None
         if config.qk_layernorm:
             self.q_layernorm = norm_for(config, config.q_lora_rank if self.q_lora else h, device)

@@ -4,6 +4,7 @@ from megatron_cp.tensor_parallel.layers import (  # noqa: F401
     ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, mask_padded_vocab, merge_shards,
     normal_init, real_rows_init, scaled_init_std, split_full,
     vocab_parallel_embedding)
+from megatron_cp.tensor_parallel.overlap import TPCommOverlap, overlap_from_config  # noqa: F401
 from megatron_cp.tensor_parallel.mappings import (  # noqa: F401
     copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_cp.tensor_parallel import mappings
+from megatron_cp.tensor_parallel.overlap import ColumnParallelOverlap, RowParallelOverlap
 
 
 def normal_init(std):
@@ -97,12 +98,14 @@ class ColumnParallelLinear(torch.nn.Module):
     """Y = X A^T + b with A split along its output dim over TP.
 
     Input [s(/tp with SP), b, in] -> output [s, b, out/tp] (or [s, b, out] with gather_output).
-    With sequence parallelism the input is all-gathered along s first.
+    With sequence parallelism the input is all-gathered along s first; ``tp_comm_overlap`` (a
+    :class:`~megatron_cp.tensor_parallel.overlap.TPCommOverlap`, SP only) overlaps that
+    all-gather and the backward's reduce-scatter with the GEMMs.
     """
 
     def __init__(self, input_size, output_size, *, tp_group, init_method, seed, bias=True,
                  gather_output=False, sequence_parallel=False, skip_bias_add=False, stride=1,
-                 params_dtype=torch.float32, device=None):
+                 params_dtype=torch.float32, device=None, tp_comm_overlap=None):
         super().__init__()
         tp_size, tp_rank = _group_size_rank(tp_group)
         if output_size % (tp_size * stride) != 0:
@@ -113,6 +116,7 @@ class ColumnParallelLinear(torch.nn.Module):
                              f"stride {stride}; gather and merge_shards the output instead")
         self.tp_group, self.gather_output = tp_group, gather_output
         self.sequence_parallel, self.skip_bias_add = sequence_parallel and tp_size > 1, skip_bias_add
+        self.tp_comm_overlap = tp_comm_overlap if self.sequence_parallel else None
         self.weight = torch.nn.Parameter(_full_then_split(
             (output_size, input_size), 0, stride, tp_size, tp_rank, init_method, seed,
             params_dtype, device))
@@ -125,12 +129,16 @@ class ColumnParallelLinear(torch.nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x):
-        if self.sequence_parallel:
-            x = mappings.gather_from_sequence_parallel_region(x, self.tp_group)  # [s, b, in]
-        else:
-            x = mappings.copy_to_tensor_model_parallel_region(x, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
-        out = F.linear(x, self.weight, bias)  # [s, b, out/tp]
+        if self.tp_comm_overlap is not None:  # [s/tp, b, in] -> [s, b, out/tp]
+            out = ColumnParallelOverlap.apply(x, self.weight, bias, self.tp_group,
+                                              self.tp_comm_overlap)
+        else:
+            if self.sequence_parallel:
+                x = mappings.gather_from_sequence_parallel_region(x, self.tp_group)  # [s, b, in]
+            else:
+                x = mappings.copy_to_tensor_model_parallel_region(x, self.tp_group)
+            out = F.linear(x, self.weight, bias)  # [s, b, out/tp]
         if self.gather_output:
             out = mappings.gather_from_tensor_model_parallel_region(out, self.tp_group)
         return (out, self.bias) if self.skip_bias_add else out
@@ -140,13 +148,13 @@ class RowParallelLinear(torch.nn.Module):
     """Y = X A^T + b with A split along its input dim over TP.
 
     Input [s, b, in/tp] -> partial products summed over TP -> [s, b, out]; with sequence
-    parallelism the sum is a reduce-scatter to [s/tp, b, out]. The bias is added after the
-    reduction (so once).
+    parallelism the sum is a reduce-scatter to [s/tp, b, out], which ``tp_comm_overlap`` (SP
+    only) overlaps with the GEMM. The bias is added after the reduction (so once).
     """
 
     def __init__(self, input_size, output_size, *, tp_group, init_method, seed, bias=True,
                  input_is_parallel=True, sequence_parallel=False, skip_bias_add=False,
-                 params_dtype=torch.float32, device=None):
+                 params_dtype=torch.float32, device=None, tp_comm_overlap=None):
         super().__init__()
         tp_size, tp_rank = _group_size_rank(tp_group)
         if input_size % tp_size != 0:
@@ -154,6 +162,7 @@ class RowParallelLinear(torch.nn.Module):
                              f"size ({tp_size})")
         self.tp_group, self.input_is_parallel = tp_group, input_is_parallel
         self.sequence_parallel, self.skip_bias_add = sequence_parallel and tp_size > 1, skip_bias_add
+        self.tp_comm_overlap = tp_comm_overlap if self.sequence_parallel else None
         self.weight = torch.nn.Parameter(_full_then_split(
             (output_size, input_size), 1, 1, tp_size, tp_rank, init_method, seed, params_dtype,
             device))
@@ -167,11 +176,14 @@ class RowParallelLinear(torch.nn.Module):
     def forward(self, x):
         if not self.input_is_parallel:
             x = mappings.scatter_to_tensor_model_parallel_region(x, self.tp_group)
-        partial = F.linear(x, self.weight)  # [s, b, out], partial sum over TP
-        if self.sequence_parallel:
-            out = mappings.reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
+        if self.tp_comm_overlap is not None:  # [s, b, in/tp] -> [s/tp, b, out]
+            out = RowParallelOverlap.apply(x, self.weight, self.tp_group, self.tp_comm_overlap)
         else:
-            out = mappings.reduce_from_tensor_model_parallel_region(partial, self.tp_group)
+            partial = F.linear(x, self.weight)  # [s, b, out], partial sum over TP
+            if self.sequence_parallel:
+                out = mappings.reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
+            else:
+                out = mappings.reduce_from_tensor_model_parallel_region(partial, self.tp_group)
         if self.skip_bias_add:
             return out, self.bias
         return out + self.bias if self.bias is not None else out
