@@ -44,14 +44,6 @@ class Embedding(torch.nn.Module):
                 weight.to(dtype=config.params_dtype, device=device))
             self.position_embeddings.sequence_parallel = self.sequence_parallel
 
-    def _tiled_loss(self, h, labels):
-        """Per-token loss [b, s] of ``h`` [s(/tp), b, h] without the [s, b, v/tp] logits:
-        the output layer and cross entropy run --tiled-logits-chunk-size positions at a time."""
-        loss = tpar.tiled_vocab_parallel_cross_entropy(
-            self._output_input(h), self.output_weight(), labels.t(), self.config.vocab_size, self.tp_group,
-            self.config.tiled_logits_chunk_size)  # [s, b]
-        return loss.t().contiguous()  # [b, s]
-
     def forward(self, tokens, position_ids):
         h = self.word_embeddings(tokens)  # [s(/tp), b, h]
         if self.position_embeddings is not None:
@@ -150,8 +142,8 @@ class GPTModel(torch.nn.Module):
         """Per-token loss [b, s] of ``h`` [s(/tp), b, h] without the [s, b, v/tp] logits:
         the output layer and cross entropy run --tiled-logits-chunk-size positions at a time."""
         loss = tpar.tiled_vocab_parallel_cross_entropy(
-            self._output_input(h), self.output_weight(), labels.t(), self.config.vocab_size, self.tp_group,
-            self.config.tiled_logits_chunk_size)  # [s, b]
+            self._output_input(h), self.output_weight(), labels.t(), self.config.vocab_size,
+            self.tp_group, self.config.tiled_logits_chunk_size)  # [s, b]
         return loss.t().contiguous()  # [b, s]
 
     def forward(self, tokens, position_ids, labels=None, token_index=None, document_ids=None,
