@@ -58,7 +58,7 @@ VARIANTS = (  # (name, GPTConfig settings)
 COLUMNS = [("variant", "variant", -18, "s"), ("longest s", "longest_seq", 10, "d"),
            ("planner s", "planned_seq", 10, "d"),
            ("GiB at longest", "peak_gib", 15, ".3f"), ("x untiled", "ratio", 10, ".2f"),
-           ("trials", "num_trials", 7, "d")]
+           ("trials", "num_trials", 7, "d"), ("at --max-seq", "at_limit", 13, "s")]
 # the GPTConfig settings of VARIANTS as pretrain_gpt.py flags, for the planner
 FLAGS = {"tiled_logits_chunk_size": "--tiled-logits-chunk-size",
          "mlp_chunks_for_training": "--mlp-chunks-for-training",
@@ -149,6 +149,8 @@ def rows(a, device):
                     "planned_seq": planned_seq(a, settings, device),
                     "peak_bytes": used, "peak_gib": used / 2 ** 30, "num_trials": len(trials),
                     "trials": trials, "seconds": time.time() - start})
+    for row in out:  # the search stopped at --max-seq: the true longest is at least that
+        row["at_limit"] = "yes" if row["longest_seq"] + a.granularity > a.max_seq else ""
     base = out[0]["longest_seq"]
     for row in out:
         row["ratio"] = row["longest_seq"] / base if base else float("inf")

@@ -109,9 +109,10 @@ def _peak_of_events(events):
     """(peak, final) of the running sum of the CPU allocation events, in time order.
 
     Each ``[memory]`` event carries +bytes for an allocation and -bytes for a free; the frees
-    of tensors made before entry are not reported (module docstring). The sort is stable, so events stamped in the same nanosecond keep the order
-    they were recorded in."""
-    mem = [e for e in events if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
+    of tensors made before entry are not reported (module docstring). The sort is stable, so
+    events stamped in the same nanosecond keep the order they were recorded in."""
+    cpu = torch.autograd.DeviceType.CPU
+    mem = [e for e in events if e.name() == "[memory]" and e.device_type() == cpu]
     mem.sort(key=lambda e: e.start_ns())
     level = peak = 0
     for e in mem:

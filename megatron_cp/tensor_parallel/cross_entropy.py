@@ -44,8 +44,9 @@ def local_targets(target, vocab_local, group):
 
 def loss_and_exp(logits, local_target, outside, group, in_place=False):
     """Per-token loss of fp32 vocab-parallel ``logits`` [s, b, v/tp] (overwritten when
-    ``in_place``, else left as they are): returns (loss [s, b], that exp [s, b, v/tp], max [s, b], sum of the
-    exponentials over the whole vocabulary [s, b]). Three all-reduces over TP of [s, b]."""
+    ``in_place``, else left as they are): returns (loss [s, b], exp(logits - max)
+    [s, b, v/tp], max [s, b], sum of the exponentials over the whole vocabulary [s, b]).
+    Three all-reduces over TP of [s, b]."""
     logits_max = logits.max(dim=-1).values  # [s, b]
     _all_reduce(logits_max, dist.ReduceOp.MAX, group)
     shifted = logits.sub_(logits_max.unsqueeze(-1)) if in_place else \
