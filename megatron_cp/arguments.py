@@ -311,7 +311,9 @@ def _io_args(g):
     g.add_argument("--log-memory-to-tensorboard", action="store_true",
                    help="Write the tensor memory in bytes to tensorboard (mem-allocated-bytes, "
                         "mem-max-allocated-bytes: megatron_cp.memory_peak's meter, on GPUs "
-                        "and on CPU), with the memory report after the first iterations.")
+                        "and on CPU), with the memory report after the first iterations (on "
+                        "GPUs that report is always printed; on CPU, whose meter is the "
+                        "profiler, only with this flag).")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
                    help="Write the validation perplexity to tensorboard.")
     g.add_argument("--log-world-size-to-tensorboard", action="store_true",

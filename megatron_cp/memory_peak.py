@@ -134,8 +134,9 @@ def python_reachable_tensor_bytes(device) -> int:
             if obj.device.type != device.type:
                 continue
             storage = obj.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # meta / functional / sparse tensors
+            pointer = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):  # meta / fake (torch.compile's) / sparse
             continue
-        if storage.nbytes() and storage.data_ptr():
-            seen[storage.data_ptr()] = storage.nbytes()
+        if storage.nbytes() and pointer:
+            seen[pointer] = storage.nbytes()
     return sum(seen.values())

@@ -9,15 +9,17 @@ Weights & Biases (``--wandb-project``, written by the last rank, as Megatron doe
 :mod:`megatron_cp.wandb_logging`).
 
 Memory is reported as Megatron-LM does, after the first logged iteration (and once more after
-the second iteration when the first was logged, so the optimizer state is in it): every rank
-of DP rank 0 prints ``[Rank r] (after N iterations) memory (MB) | allocated: .. | max
-allocated: ..``, tensor bytes measured by :class:`megatron_cp.memory_peak.PeakMemory` (on
-GPUs the allocator's counters, over every iteration until the report; on CPU the exact
-live-tensor peak through the profiler, over the run's first ``CPU_METERED_ITERATIONS``
-iterations only, because the profiler slows a step; not under ``--profile``, whose profiler
-would nest), and global rank 0 adds the largest peak over all ranks and its rank. With
-``--log-memory-to-tensorboard`` the same figures go to tensorboard under Megatron's tags
-``mem-allocated-bytes`` and ``mem-max-allocated-bytes``.
+the second iteration when the first was logged, so the optimizer state is in it): a line
+``[Rank r] (after N iterations) memory (MB) | allocated: .. | max allocated: ..`` for every
+rank of DP rank 0 (gathered and printed by the logging rank, so no other rank prints), tensor
+bytes measured by :class:`megatron_cp.memory_peak.PeakMemory`, and the largest peak over all
+ranks with its rank. On GPUs the allocator's counters are read over every iteration until the
+report. On CPU the exact live-tensor peak comes through the profiler, which slows a step and
+costs memory in every process, so it is measured only when asked (``--log-memory-to-
+tensorboard``), over the run's first ``CPU_METERED_ITERATIONS`` iterations, and not under
+``--profile``, whose profiler would nest. With ``--log-memory-to-tensorboard`` the figures go
+to tensorboard too, under Megatron's tags ``mem-allocated-bytes`` and
+``mem-max-allocated-bytes``.
 """
 import contextlib
 import math
@@ -259,6 +261,7 @@ class MemoryReport:
         if self.loaded is None:
             self.loaded = iteration - 1
         if not self.open or (self.cpu and (self.metered >= CPU_METERED_ITERATIONS
+                                           or not self.args.log_memory_to_tensorboard
                                            or getattr(self.args, "profile", False))):
             return contextlib.nullcontext()
         return _Metered(self, PeakMemory(self.state.device, measure_baseline=True))
@@ -278,18 +281,23 @@ class MemoryReport:
             self.open = False  # the report after the second iteration holds the optimizer
         mb = 2 ** 20
         device = self.state.device
-        peak = torch.tensor([float(self.max_allocated), float(self.state.global_rank)],
+        # [max allocated, allocated, global rank, 1 on a DP-rank-0 rank] of every rank, so
+        # that rank 0 prints Megatron's per-rank lines and no other rank prints
+        mine = torch.tensor([float(self.max_allocated), float(self.allocated),
+                             float(self.state.global_rank), float(self.state.rank("dp") == 0)],
                             dtype=torch.float64, device=device)
+        ranks = [mine]
         if dist.is_initialized() and self.state.world_size > 1:
-            gathered = [torch.zeros_like(peak) for _ in range(self.state.world_size)]
-            dist.all_gather(gathered, peak)
-            peak = max(gathered, key=lambda t: (t[0].item(), -t[1].item()))
-        if self.state.rank("dp") == 0:
-            print(f" [Rank {self.state.global_rank}] (after {iteration} iterations) memory (MB) |"
-                  f" allocated: {self.allocated / mb:.2f} | max allocated:"
-                  f" {self.max_allocated / mb:.2f}", flush=True)
+            ranks = [torch.zeros_like(mine) for _ in range(self.state.world_size)]
+            dist.all_gather(ranks, mine)
+        for row in ranks:
+            if row[3].item():
+                print_line(f" [Rank {int(row[2].item())}] (after {iteration} iterations) memory "
+                           f"(MB) | allocated: {row[1].item() / mb:.2f} | max allocated:"
+                           f" {row[0].item() / mb:.2f}")
+        peak = max(ranks, key=lambda t: (t[0].item(), -t[2].item()))
         print_line(f" peak tensor memory (MB) after {iteration} iterations: "
-                   f"{peak[0].item() / mb:.2f} on rank {int(peak[1].item())} (the most loaded)")
+                   f"{peak[0].item() / mb:.2f} on rank {int(peak[2].item())} (the most loaded)")
         if self.args.log_memory_to_tensorboard:  # Megatron's tags
             scalar("mem-allocated-bytes", self.allocated, iteration)
             scalar("mem-max-allocated-bytes", self.max_allocated, iteration)
