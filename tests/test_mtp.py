@@ -165,16 +165,14 @@ CASES = {  # world size -> (depths, packed, model flags, layout flags)
     4: [(1, False, DEEPSEEK, "--expert-model-parallel-size 2 --context-parallel-size 2 "
                              "--cp-comm-type p2p"),
         (1, True, DEEPSEEK, "--context-parallel-size 2 --cp-comm-type a2a"),
-        (1, False, "", "--tensor-model-parallel-size 2 --sequence-parallel"),
-        (1, False, "", "--context-parallel-size 2 --cp-comm-type p2p"),
+        (1, False, DEEPSEEK, "--tensor-model-parallel-size 2 --sequence-parallel"),
+        (1, False, DEEPSEEK, "--tensor-model-parallel-size 2 --sequence-parallel "
+                             "--context-parallel-size 2 --cp-comm-type all_gather"),
+        (1, True, DEEPSEEK, "--context-parallel-size 4 --cp-comm-type a2a+p2p "
+                            "--hierarchical-context-parallel-sizes 2 2"),
+        (2, False, DEEPSEEK, "--pipeline-model-parallel-size 2"),
         (1, True, "", "--context-parallel-size 2 --cp-comm-type p2p"),
         (2, False, "", "--context-parallel-size 2 --cp-comm-type a2a"),
-        (1, True, "", "--context-parallel-size 2 --cp-comm-type a2a"),
-        (1, False, "", "--tensor-model-parallel-size 2 --sequence-parallel "
-                       "--context-parallel-size 2 --cp-comm-type all_gather"),
-        (1, True, "", "--context-parallel-size 4 --cp-comm-type a2a+p2p "
-                      "--hierarchical-context-parallel-sizes 2 2"),
-        (2, False, "", "--pipeline-model-parallel-size 2"),
         (1, True, UNTIED, "--pipeline-model-parallel-size 2 "
                           "--pipeline-model-parallel-layout Ett|ttmL")],
     8: [(2, True, DEEPSEEK, "--tensor-model-parallel-size 2 --sequence-parallel "
@@ -190,7 +188,7 @@ NO_MTP_LOSS = "--mtp-loss-scaling-factor 0"
 def references():
     """One-process runs of every (depths, packed, model flags) the layouts use, and one
     without the MTP loss's weight."""
-    keys = sorted({case[:3] for cases in CASES.values() for case in cases})
+    keys = sorted({case[:3] for cases in CASES.values() for case in cases} | {(1, False, "")})
     runs = run_workers(_train_recording, 1, [_argv(*key) for key in keys]
                        + [_argv(1, False, NO_MTP_LOSS)])[0]
     return {**dict(zip(keys, runs)), NO_MTP_LOSS: runs[-1]}
