@@ -33,13 +33,15 @@ def _docs(b, s):
 def test_chunked_equals_recurrence_fp64():
     q, k, v, g, beta = _inputs()
     state0 = torch.randn(2, 3, 8, 6, generator=torch.Generator().manual_seed(1))
+    from megatron_cp.model.gated_delta_rule import torch_chunk_gated_delta_rule
+    # chunks of 16 in spans of 1 and 2 chunks: document boundaries (5, 16, 20) fall inside a
+    # chunk, on a chunk start and on a span start, and the state crosses the spans
     for docs in (None, _docs(2, 37)):
-        for chunk in (16, 64):
+        for chunk, span in ((64, None), (16, 64), (16, 2), (16, 1)):
             out, final = chunk_gated_delta_rule(q, k, v, g, beta, state0, True, docs)
             if chunk != 64:
-                from megatron_cp.model.gated_delta_rule import torch_chunk_gated_delta_rule
                 out, final = torch_chunk_gated_delta_rule(q, k, v, g, beta, state0, True, docs,
-                                                          chunk_size=chunk)
+                                                          chunk_size=chunk, span_chunks=span)
             ref, ref_final = recurrent_gated_delta_rule(*_fp64(q, k, v, g, beta, state0), True,
                                                         docs)
             # fp32 products over <= 64 tokens and dk terms: ~1e-6 relative
@@ -51,12 +53,14 @@ def test_chunked_gradients_equal_recurrence():
     q, k, v, g, beta = (x.double().requires_grad_() for x in _inputs(s=21))
     docs = _docs(2, 21)
     from megatron_cp.model.gated_delta_rule import torch_chunk_gated_delta_rule
-    out, _ = torch_chunk_gated_delta_rule(q, k, v, g, beta, None, False, docs, chunk_size=8)
-    grads = torch.autograd.grad(out.square().sum(), (q, k, v, g, beta))
     ref, _ = recurrent_gated_delta_rule(q, k, v, g, beta, None, False, docs)
     ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v, g, beta))
-    for a, b in zip(grads, ref_grads):  # the chunked kernel computes in fp32
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+    for span in (64, 1):  # one span, and a span per chunk (the state crossing spans)
+        out, _ = torch_chunk_gated_delta_rule(q, k, v, g, beta, None, False, docs, chunk_size=8,
+                                              span_chunks=span)
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v, g, beta))
+        for a, b in zip(grads, ref_grads):  # the chunked kernel computes in fp32
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
 
 
 def test_documents_are_independent_and_cu_seqlens_agree():

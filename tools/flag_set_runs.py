@@ -143,34 +143,63 @@ def with_data(argv, workdir):
     return argv + fim_corpus_flags(os.path.join(workdir, "fim_corpus"))
 
 
-def command(argv, workdir, gpus=None):
-    """The torchrun command line that trains shrunk ``argv`` on ``gpus`` ranks (None: as
-    :func:`parallel_sizes` says), writing under ``workdir``."""
+LAUNCHERS = {  # how the ranks start: torchrun as users run it, or tools/fork_launch.py
+    "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone"],
+    "fork": [sys.executable, os.path.join(REPO, "tools", "fork_launch.py")]}
+
+
+def command(argv, workdir, gpus=None, launcher="torchrun"):
+    """The command line that trains shrunk ``argv`` on ``gpus`` ranks (None: as
+    :func:`parallel_sizes` says), writing under ``workdir``, started by ``launcher``
+    (LAUNCHERS: the ranks run the same script with the same flags either way)."""
     world = parallel_sizes(argv, gpus)[3]
     paths = path_flags(workdir)
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", str(world), os.path.join(REPO, "pretrain_gpt.py"),
+    return [*LAUNCHERS[launcher], "--nproc-per-node", str(world),
+            os.path.join(REPO, "pretrain_gpt.py"),
             *on_this_machine(shrink(with_data(argv, workdir), gpus)), *paths]
 
 
-def run(argv, workdir, timeout=900, gpus=None):
-    """Train the set; ``{"ok", "seconds", "iterations", "losses", "status", "tail"}``
-    (``losses``: the lm loss logged at each iteration; ``tail``: the last lines of the output,
-    where a failure says why)."""
+def run(argv, workdir, timeout=900, gpus=None, launcher="torchrun"):
+    """Train the set; ``{"ok", "stopped_as_written", "seconds", "iterations", "losses",
+    "status", "tail"}`` (``losses``: the lm loss logged at each iteration; ``tail``: the last
+    lines of the output, where a failure says why; ``stopped_as_written``: see
+    :func:`stops_as_written`)."""
     os.makedirs(workdir, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     start = time.time()
     try:
-        done = subprocess.run(command(argv, workdir, gpus), cwd=workdir, env=env, timeout=timeout,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        done = subprocess.run(command(argv, workdir, gpus, launcher), cwd=workdir, env=env,
+                              timeout=timeout, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
         out, status = done.stdout, done.returncode
     except subprocess.TimeoutExpired as expired:
         out, status = (expired.stdout or b"").decode(errors="replace") + "\n(timed out)", -1
     steps = dict(re.findall(r"\] iteration +(\d+)/.*?\| lm loss: ([-+.0-9eEnaif]+) \|", out))
     losses = [float(steps[k]) for k in sorted(steps, key=int)]
     ok = status == 0 and len(losses) >= _expected(argv) and all(map(math.isfinite, losses))
-    return {"ok": ok, "seconds": round(time.time() - start, 1), "iterations": len(losses),
+    return {"ok": ok, "stopped_as_written": not ok and stops_as_written(argv, status, out),
+            "seconds": round(time.time() - start, 1), "iterations": len(losses),
             "losses": losses, "status": status, "tail": out.strip().splitlines()[-12:]}
+
+
+# Megatron-LM's rerun state machine: exit status of a job stopped to rerun a step elsewhere
+_RESUME_TO_DISAMBIGUATE = 16
+
+
+def stops_as_written(argv, status, out):
+    """Whether a set that did not train its iterations stopped the way its authors wrote it
+    to: a set injecting a persistent error (``--rerun-mode validate_results
+    --error-injection-type persistent_error``, Megatron-LM's gpt3_mcore_reruns_persistent_1
+    tests) is meant to see the error come back on the in-place rerun, save a checkpoint and
+    exit with status 16 so that the step is rerun on another GPU (its test checks those log
+    lines and that exit). The injection is random (one in --error-injection-rate
+    validations per rank), so such a set trains its iterations or stops so, either being
+    what the set is for."""
+    if (_value(argv, "--rerun-mode", kind=str) != "validate_results"
+            or _value(argv, "--error-injection-type", kind=str) != "persistent_error"):
+        return False
+    return (status == _RESUME_TO_DISAMBIGUATE and "Injecting error type Persistent error" in out
+            and "checkpoint was saved" in out)
 
 
 def _expected(argv):

@@ -14,10 +14,14 @@ tools/fim_corpus.py), the paths dropped, the world size the one the set's parall
 sizes need. Prints how many sets are accepted, how many problems of each kind the others
 meet, and writes the details as JSON when asked.
 
-With ``--run``, every accepted set then trains for 3 iterations on CPU (gloo, torchrun on this
-machine) with its sizes shrunk (``shrink``: widths, sequence and batch sizes; layer counts,
-expert counts and parallel sizes stay), and a table says which ran and why the others stopped;
-PASS when at least GOAL sets train.
+With ``--run``, every accepted set then trains for 3 iterations on CPU (gloo, on this machine;
+its ranks forked from one process by tools/fork_launch.py, or started by torchrun with
+``--launcher torchrun``) with its sizes shrunk (``shrink``: widths, sequence and batch sizes;
+layer counts, expert counts and parallel sizes stay), and a table says which ran and why the
+others stopped; PASS when at least GOAL sets train. The two sets that inject a persistent
+error are counted apart when they stop as their test expects (flag_set_runs.stops_as_written).
+``--json`` is rewritten after every set, and ``--resume`` takes such a file to run only the
+sets it lacks.
 """
 import argparse
 import collections
@@ -34,7 +38,8 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_cp.arguments import build_parser, parse_args  # noqa: E402
-from tools.flag_set_runs import parallel_sizes, path_flags, run, with_data  # noqa: E402
+from tools.flag_set_runs import (LAUNCHERS, parallel_sizes, path_flags, run,  # noqa: E402
+                                 with_data)
 
 GOAL = 200  # sets that must train unchanged (the issue's bar, of 224 here)
 # what tests/test_megatron_flag_set_runs.py trains (spread over examples, GPT and MoE tests, and
@@ -186,6 +191,11 @@ def main():
     parser.add_argument("--only", default=None, help="with --run: the sets matching this regex")
     parser.add_argument("--workdir", default=None, help="with --run: where runs write "
                         "(default: a temporary folder)")
+    parser.add_argument("--launcher", choices=sorted(LAUNCHERS), default="fork",
+                        help="with --run: how the ranks start (fork: tools/fork_launch.py, "
+                             "one import of torch for all ranks; torchrun: as users launch)")
+    parser.add_argument("--resume", default=None, metavar="JSON",
+                        help="with --run: keep the runs of this earlier --json and run the rest")
     parser.add_argument("--write-sample", default=None, metavar="JSON",
                         help="write SAMPLE_TRAIN and SAMPLE_REFUSE's flag sets here (the data of "
                              "tests/test_megatron_flag_set_runs.py) and stop")
@@ -206,9 +216,18 @@ def main():
         print(f"  {count:4d} ({only.get(kind, 0):3d})  {kind}")
     report = {"accepted": accepted, "sets": results}
     if args.run:
-        report["runs"] = _run_accepted(sets, results, args.workdir)
-    if args.json:
-        with open(args.json, "w") as file:
+        earlier = {}
+        if args.resume:
+            with open(args.resume) as file:
+                earlier = json.load(file).get("runs", {})
+        report["runs"] = _run_accepted(sets, results, args.workdir, args.launcher, earlier,
+                                       lambda runs: _write(args.json, dict(report, runs=runs)))
+    _write(args.json, report)
+
+
+def _write(path, report):
+    if path:
+        with open(path, "w") as file:
             json.dump(report, file, indent=1)
 
 
@@ -227,22 +246,31 @@ def write_sample(sets, path):
         file.write("\n")
 
 
-def _run_accepted(sets, results, workdir):
-    """Train each accepted set; print one line per set and the table against GOAL."""
+def _run_accepted(sets, results, workdir, launcher, earlier, save):
+    """Train each accepted set (keeping the ``earlier`` runs of those, a resumed census);
+    print one line per set and the table against GOAL; ``save(runs)`` after each set."""
     workdir = workdir or tempfile.mkdtemp(prefix="flag_sets_")
     runs = {}
     for name, argv in sets.items():
         if results[name]:
             continue
-        runs[name] = run(argv, os.path.join(workdir, name.replace("/", "__")),
-                         gpus=GPUS.get(name))
-        outcome = "trained" if runs[name]["ok"] else "FAILED: " + " | ".join(
-            runs[name]["tail"][-3:])
+        if name in earlier:
+            runs[name] = earlier[name]
+            continue
+        runs[name] = dict(run(argv, os.path.join(workdir, name.replace("/", "__")),
+                              gpus=GPUS.get(name), launcher=launcher), launcher=launcher)
+        outcome = ("trained" if runs[name]["ok"] else
+                   "stopped as written (exit 16: the injected persistent error)"
+                   if runs[name].get("stopped_as_written") else
+                   "FAILED: " + " | ".join(runs[name]["tail"][-3:]))
         print(f"{name}: {outcome} ({runs[name]['seconds']} s)", flush=True)
+        save(runs)
     trained = sum(r["ok"] for r in runs.values())
-    print(f"\n{'sets':>6} {'accepted':>9} {'trained':>8} {'goal':>5}  result")
-    print(f"{len(sets):6d} {len(runs):9d} {trained:8d} {GOAL:5d}  "
-          f"{'PASS' if trained >= GOAL else 'FAIL'}")
+    stopped = sum(bool(r.get("stopped_as_written")) for r in runs.values())
+    print(f"\n{'sets':>6} {'accepted':>9} {'trained':>8} {'stopped as written':>19} "
+          f"{'failed':>7} {'goal':>5}  result")
+    print(f"{len(sets):6d} {len(runs):9d} {trained:8d} {stopped:19d} "
+          f"{len(runs) - trained - stopped:7d} {GOAL:5d}  {'PASS' if trained >= GOAL else 'FAIL'}")
     return runs
 
 

@@ -111,8 +111,12 @@ def _chunks(x, n, c):
     return x.reshape(x.shape[0], x.shape[1], n, c, *x.shape[3:])
 
 
+SPAN_CHUNKS = 64  # chunks whose [C, C] matrices are formed at once (4096 tokens at C = 64)
+
+
 def torch_chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_state=False,
-                                 document_ids=None, scale=None, chunk_size=CHUNK_SIZE):
+                                 document_ids=None, scale=None, chunk_size=CHUNK_SIZE,
+                                 span_chunks=SPAN_CHUNKS):
     """:func:`recurrent_gated_delta_rule` computed chunk by chunk in fp32, plain PyTorch.
 
     Within a chunk, with G the cumulative log decay, D_tj = exp(G_t - G_j) (j <= t, same
@@ -121,6 +125,13 @@ def torch_chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, output_fi
         delta = U - W S0;  O = exp(G) c (Q S0) + (Q K^T * D * M) delta
         S_end = exp(G_C) c_C S0 + (K * exp(G_C - G) * M_C)^T delta.
     Tokens padded onto the last chunk have k = v = beta = g = 0: they change nothing.
+
+    The sequence runs in spans of ``span_chunks`` chunks (:func:`_chunk_span`), the state
+    carried from one to the next, so that the per-chunk [C, C] matrices (64 times the size of
+    q) are made a span at a time: the arithmetic is the same, but the allocator reuses memory
+    of a bounded size instead of mapping (and page-faulting) fresh memory for tensors that
+    grow with the sequence, which made long sequences cost more than linearly on the CPU.
+    The spans are split views (``split``), whose backward joins the gradients once.
     """
     b, s, h, dk = k.shape
     dv, out_dtype = v.shape[-1], v.dtype
@@ -135,11 +146,33 @@ def torch_chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, output_fi
     else:  # padded tokens join the last document
         docs = F.pad(document_ids, (0, pad), mode="replicate") if pad else document_ids
     q = q * scale
+    state = k.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.float()
+    span = span_chunks * c
+    previous = docs[:, :1]  # [b, 1]: the first token continues the incoming state
+    outs = []
+    for q_i, k_i, v_i, g_i, beta_i, docs_i in zip(
+            *(x.split(span, dim=2) for x in (q, k, v)), g.split(span, dim=2),
+            beta.split(span, dim=2), docs.split(span, dim=1)):
+        out, state = _chunk_span(q_i, k_i, v_i, g_i, beta_i, docs_i, previous, state, c)
+        outs.append(out)  # [b, h, span, dv]
+        previous = docs_i[:, -1:]
+    out = torch.cat(outs, dim=2)[:, :, :s]  # [b, h, s, dv]
+    return out.transpose(1, 2).to(out_dtype), (state if output_final_state else None)
+
+
+def _chunk_span(q, k, v, g, beta, docs, previous, state, c):
+    """One span of :func:`torch_chunk_gated_delta_rule`: q, k [b, h, m*c, dk] (q scaled), v
+    [b, h, m*c, dv], g, beta [b, h, m*c] fp32, docs [b, m*c] and ``previous`` [b, 1] (the
+    document of the token before the span), ``state`` [b, h, dk, dv] fp32 at the span's
+    start. Returns (o [b, h, m*c, dv] fp32, the state after the span)."""
+    b, h, length, _ = k.shape
+    n = length // c
     q, k, v = (_chunks(x, n, c) for x in (q, k, v))  # [b, h, n, c, d]
     g, beta = _chunks(g, n, c), _chunks(beta, n, c)  # [b, h, n, c]
-    docs = docs.view(b, 1, n, c)  # [b, 1, n, c]
-    # the token before each chunk (for chunk 0: the first token, which continues the state)
-    before = torch.cat([docs[:, :, :1, :1], docs[:, :, :-1, -1:]], dim=2)  # [b, 1, n, 1]
+    dv = v.shape[-1]
+    docs = docs.reshape(b, 1, n, c)  # [b, 1, n, c]
+    # the token before each chunk (for chunk 0: the one before the span)
+    before = torch.cat([previous.view(b, 1, 1, 1), docs[:, :, :-1, -1:]], dim=2)  # [b, 1, n, 1]
     carry = (docs == before).float()  # [b, 1, n, c]: c_t
     same = (docs.unsqueeze(-1) == docs.unsqueeze(-2))  # [b, 1, n, c, c]: M_tj
     causal = torch.ones(c, c, dtype=torch.bool, device=k.device).tril()
@@ -159,14 +192,16 @@ def torch_chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, output_fi
     last_same = same[..., -1, :].float()  # [b, 1, n, c]: M_{C, j}
     k_end = k * ((G[..., -1:] - G).exp() * last_same).unsqueeze(-1)  # [b, h, n, c, dk]
     end_decay = (G[..., -1].exp() * carry[..., -1]).unsqueeze(-1).unsqueeze(-1)  # [b, h, n, 1, 1]
-    state = k.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.float()
+    # The chunks as separate tensors, split once: unbind's backward stacks the n gradients,
+    # where indexing [:, :, i] in the loop would give each chunk's gradient a zero tensor of
+    # the whole span.
+    per_chunk = zip(*(x.unbind(2) for x in (u, w, q_carry, inner, end_decay, k_end)))
     outs = []
-    for i in range(n):
-        delta = u[:, :, i] - w[:, :, i] @ state  # [b, h, c, dv]
-        outs.append(q_carry[:, :, i] @ state + inner[:, :, i] @ delta)
-        state = end_decay[:, :, i] * state + k_end[:, :, i].transpose(-1, -2) @ delta
-    out = torch.stack(outs, dim=2).reshape(b, h, n * c, dv)[:, :, :s]  # [b, h, s, dv]
-    return out.transpose(1, 2).to(out_dtype), (state if output_final_state else None)
+    for u_i, w_i, q_i, inner_i, end_i, k_end_i in per_chunk:
+        delta = u_i - w_i @ state  # [b, h, c, dv]
+        outs.append(q_i @ state + inner_i @ delta)  # [b, h, c, dv]
+        state = end_i * state + k_end_i.transpose(-1, -2) @ delta  # [b, h, dk, dv]
+    return torch.stack(outs, dim=2).reshape(b, h, n * c, dv), state
 
 
 def _fla_chunk(q, k, v, g, beta, initial_state, output_final_state, document_ids, scale):
