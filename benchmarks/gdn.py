@@ -12,10 +12,19 @@
    time (linear scaling: 0.25).
 
 Time is the calling thread's CPU time, one thread, min over repeats (the machine is shared).
+The process runs with glibc's heap kept (KEEP_HEAP; it re-executes itself with those variables
+unless --glibc-default-heap): by default glibc maps every allocation above its mmap threshold
+(which adapts up to 32 MiB) afresh and unmaps it on free, so every call page-faults each
+large tensor anew. That kernel time is the same for any PyTorch code whose tensors cross 32
+MiB; it grows with the number of tensors that cross it (at s = 64k most of both layers'), not
+with the layer's arithmetic, and measured that way the user time of GDN stays linear while its
+system time jumps. Both layers run under the same setting (PyTorch's CPU tuning guides reach
+the same end with jemalloc or tcmalloc).
 s = 32k and 64k are left out by default (--max-seq 16384): attention's s^2 work takes
 minutes per repeat on a shared 2-core box.
 
-Run: python benchmarks/gdn.py [--max-seq 16384] [--cp-seq 8192] [--repeats 2] [--output PATH]
+Run: python benchmarks/gdn.py [--max-seq 16384] [--cp-seq 8192] [--repeats 2]
+     [--glibc-default-heap] [--output PATH]
 """
 import argparse
 import os
@@ -35,6 +44,7 @@ from megatron_cp.model.gated_delta_net import GatedDeltaNet  # noqa: E402
 from megatron_cp.tensor_parallel import model_parallel_seed  # noqa: E402
 
 SEQUENCES = (4096, 8192, 16384, 32768, 65536)
+KEEP_HEAP = {"MALLOC_MMAP_THRESHOLD_": str(2 ** 40), "MALLOC_TRIM_THRESHOLD_": str(2 ** 40)}
 HIDDEN = 256
 
 
@@ -80,8 +90,16 @@ def main(argv=None):
                    help="largest s of the layer comparison (of 4k, 8k, 16k, 32k, 64k)")
     p.add_argument("--cp-seq", type=int, default=8192, help="s of the CP scaling")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--glibc-default-heap", action="store_true",
+                   help="keep glibc's default mmap and trim thresholds (see the docstring)")
     add_output_argument(p, "gdn")
     a = p.parse_args(argv)
+    if not a.glibc_default_heap and argv is None and any(
+            os.environ.get(k) != v for k, v in KEEP_HEAP.items()):
+        sys.stdout.flush()  # glibc reads the variables at start-up: run again with them
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **KEEP_HEAP})
+    heap = "glibc default" if a.glibc_default_heap else "glibc, heap kept (" + ", ".join(
+        f"{k}={v}" for k, v in KEEP_HEAP.items()) + ")"
     torch.set_num_threads(1)
     rows = layer_times(a.max_seq, a.repeats)
     if len(rows) < 2:
@@ -105,7 +123,7 @@ def main(argv=None):
         print(f"| {n} | {t['state_passing_s']:.3f} | {t['a2a_s']:.3f} |")
     print(f"CP=4 / CP=1 at s={a.cp_seq}: state passing {scaling['state_passing_s']:.2f}, a2a "
           f"{scaling['a2a_s']:.2f} -> {verdict(cp_pass)} (both <= 0.40)")
-    write_json(a.output, {"layer": rows, "cp_seq": a.cp_seq, "cp": cp, "cp_scaling": scaling,
+    write_json(a.output, {"allocator": heap, "layer": rows, "cp_seq": a.cp_seq, "cp": cp, "cp_scaling": scaling,
                           "layer_goal": verdict(layer_pass), "cp_goal": verdict(cp_pass)})
     return 0 if layer_pass and cp_pass else 1
 

@@ -47,3 +47,19 @@ def test_refused_flag_set_stops_with_one_line_per_flag(name, tmp_path):
     flags = {re.match(r"(--[a-z0-9-]+)", line).group(1) for line in lines}
     assert flags == set(SAMPLE["refuse"][name]["flags"]), lines
     assert all("\n" not in line and len(line) > 40 for line in lines), lines
+
+
+def test_a_persistent_error_set_stops_as_written_only_with_its_exit():
+    """Megatron-LM's reruns_persistent sets inject a persistent error; stopping with status 16
+    after the checkpoint is saved is what they are written for, anything else is a failure."""
+    argv = ["--rerun-mode", "validate_results", "--error-injection-type", "persistent_error",
+            "--error-injection-rate", "100"]
+    out = ("WARNING Injecting error type Persistent error\nerror: iteration 2 gave the same "
+           "rejected result when rerun here; its checkpoint was saved: resume with --load")
+    assert flag_set_runs.stops_as_written(argv, 16, out)
+    assert not flag_set_runs.stops_as_written(argv, 1, out)  # another failure
+    assert not flag_set_runs.stops_as_written(argv, 16, out.replace("its checkpoint was saved",
+                                                                    "its checkpoint is there"))
+    transient = argv[:3] + ["transient_error"] + argv[4:]
+    assert not flag_set_runs.stops_as_written(transient, 16, out)
+    assert not flag_set_runs.stops_as_written(argv[2:], 16, out)  # no validation: no rerun
