@@ -259,6 +259,8 @@ def _run_accepted(sets, results, workdir, launcher, earlier, save):
             continue
         runs[name] = dict(run(argv, os.path.join(workdir, name.replace("/", "__")),
                               gpus=GPUS.get(name), launcher=launcher), launcher=launcher)
+        if runs[name]["ok"]:  # the output's tail says why a run failed; a trained one keeps
+            del runs[name]["tail"]  # its losses
         outcome = ("trained" if runs[name]["ok"] else
                    "stopped as written (exit 16: the injected persistent error)"
                    if runs[name].get("stopped_as_written") else
