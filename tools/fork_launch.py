@@ -14,7 +14,9 @@ dies with the launcher (Linux parent-death signal), so a timeout that kills the 
 leaves no rank behind. Linux only (fork).
 """
 import argparse
+import atexit
 import ctypes
+import gc
 import os
 import runpy
 import signal
@@ -51,6 +53,11 @@ def _run_rank(script, args, rank, world):
 
         traceback.print_exc()
         status = 1
+    # What a normal exit does before the process ends, which os._exit would skip: collect the
+    # script's objects (a DataLoader iterator's finaliser stops its worker processes, which
+    # would otherwise outlive the rank holding its output pipe) and run the exit handlers.
+    gc.collect()
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
