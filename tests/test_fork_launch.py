@@ -1,6 +1,7 @@
 """tools/fork_launch.py gives forked ranks what torchrun gives them, and a failing rank's
 exit status."""
 import os
+import re
 import subprocess
 import sys
 
@@ -33,7 +34,8 @@ def _launch(tmp_path, nproc, env=None):
 def test_forked_ranks_form_one_group_with_torchrun_variables(tmp_path):
     done = _launch(tmp_path, 3)
     assert done.returncode == 0, done.stdout + done.stderr
-    lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank "))
+    # the ranks write to one pipe at once: a line may land inside another, so find each whole
+    lines = sorted(re.findall(r"rank \d/\d local \d sum \d+ argv \[[^\]]*\]", done.stdout))
     assert lines == [f"rank {r}/3 local {r} sum 6 argv ['--flag', '7']" for r in range(3)], lines
 
 
