@@ -12,11 +12,15 @@ of many ranks (tools/megatron_flag_sets.py --run trains 200 sets of 8 to 32 rank
 The exit status is the first failing rank's (the others are then stopped), else 0. A rank
 dies with the launcher (Linux parent-death signal), so a timeout that kills the launcher
 leaves no rank behind. Linux only (fork).
+
+Known gap: a set with ``--num-workers`` > 0 can leave DataLoader worker processes running after
+its ranks have ended (seen with Megatron-LM's 32-rank Mixtral 8x7B sets, which train and save
+their checkpoint first); they hold the launcher's output pipe, so a caller reading it waits
+for its timeout. Running the exit handlers and a garbage collection in the rank before it ends
+did not stop them. Start such sets with torchrun (``--launcher torchrun`` in the census).
 """
 import argparse
-import atexit
 import ctypes
-import gc
 import os
 import runpy
 import signal
@@ -53,11 +57,6 @@ def _run_rank(script, args, rank, world):
 
         traceback.print_exc()
         status = 1
-    # What a normal exit does before the process ends, which os._exit would skip: collect the
-    # script's objects (a DataLoader iterator's finaliser stops its worker processes, which
-    # would otherwise outlive the rank holding its output pipe) and run the exit handlers.
-    gc.collect()
-    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
