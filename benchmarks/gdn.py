@@ -123,8 +123,9 @@ def main(argv=None):
         print(f"| {n} | {t['state_passing_s']:.3f} | {t['a2a_s']:.3f} |")
     print(f"CP=4 / CP=1 at s={a.cp_seq}: state passing {scaling['state_passing_s']:.2f}, a2a "
           f"{scaling['a2a_s']:.2f} -> {verdict(cp_pass)} (both <= 0.40)")
-    write_json(a.output, {"allocator": heap, "layer": rows, "cp_seq": a.cp_seq, "cp": cp, "cp_scaling": scaling,
-                          "layer_goal": verdict(layer_pass), "cp_goal": verdict(cp_pass)})
+    write_json(a.output, {"allocator": heap, "layer": rows, "cp_seq": a.cp_seq, "cp": cp,
+                          "cp_scaling": scaling, "layer_goal": verdict(layer_pass),
+                          "cp_goal": verdict(cp_pass)})
     return 0 if layer_pass and cp_pass else 1
 
 

@@ -20,6 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_cp.device import accelerator_available  # noqa: E402
+from megatron_cp.rerun import EXIT_CODE_RESUME_TO_DISAMBIGUATE  # noqa: E402
 from tools.fim_corpus import fim_corpus_flags  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -182,10 +183,6 @@ def run(argv, workdir, timeout=900, gpus=None, launcher="torchrun"):
             "losses": losses, "status": status, "tail": out.strip().splitlines()[-12:]}
 
 
-# Megatron-LM's rerun state machine: exit status of a job stopped to rerun a step elsewhere
-_RESUME_TO_DISAMBIGUATE = 16
-
-
 def stops_as_written(argv, status, out):
     """Whether a set that did not train its iterations stopped the way its authors wrote it
     to: a set injecting a persistent error (``--rerun-mode validate_results
@@ -198,8 +195,8 @@ def stops_as_written(argv, status, out):
     if (_value(argv, "--rerun-mode", kind=str) != "validate_results"
             or _value(argv, "--error-injection-type", kind=str) != "persistent_error"):
         return False
-    return (status == _RESUME_TO_DISAMBIGUATE and "Injecting error type Persistent error" in out
-            and "checkpoint was saved" in out)
+    return (status == EXIT_CODE_RESUME_TO_DISAMBIGUATE
+            and "Injecting error type Persistent error" in out and "checkpoint was saved" in out)
 
 
 def _expected(argv):
