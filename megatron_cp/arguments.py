@@ -40,6 +40,7 @@ from megatron_cp.data.tokenizers import TOKENIZER_TYPES
 from megatron_cp.data.utils import parse_and_normalize_split
 from megatron_cp.initialize import check_instances, rank_order, validate_sizes
 from megatron_cp.model.config import GPTConfig
+from megatron_cp.optimizer import fsdp
 from megatron_cp.optimizer.config import OptimizerConfig
 from megatron_cp.pipeline_parallel.stages import layout_from_args, validate_interleaved_microbatches
 
@@ -106,6 +107,16 @@ def _training_args(g):
                    help="With --use-distributed-optimizer: run the parameter all-gather in the "
                         "background after the step; each module's forward waits for its own "
                         "bucket.")
+    g.add_argument("--use-torch-fsdp2", action="store_true",
+                   help="ZeRO-3 with PyTorch's FSDP2 (fully_shard): every parameter, its "
+                        "gradient, fp32 main copy and Adam state sharded by rows over the DP x "
+                        "CP ranks; each transformer layer gathered just before it runs. Needs "
+                        "--pipeline-model-parallel-size 1, --expert-model-parallel-size 1, no "
+                        "--use-distributed-optimizer and --ckpt-format torch_dist.")
+    g.add_argument("--torch-fsdp2-no-reshard-after-forward",
+                   dest="torch_fsdp2_no_reshard_after_forward", action="store_true",
+                   help="With --use-torch-fsdp2: keep each layer's gathered parameters from "
+                        "its forward to its backward (more memory, one all-gather less).")
     g.add_argument("--exit-interval", type=int, default=None, help="Exit after iterations divisible by this.")
     g.add_argument("--exit-duration-in-mins", type=float, default=None, help="Exit after this many minutes.")
     g.add_argument("--exit-signal-handler", action="store_true",
@@ -539,6 +550,7 @@ def validate_args(args, world_size, inference=False, problems=()):
     checks.run(validate_fim_args, args)
     checks.run(_validate_optimizer, args, names)
     checks.run(_validate_optimizer_and_checkpoint, args)
+    checks.run(_validate_fsdp2, args)
     checks.run(_validate_rerun_and_wandb, args)
     if args.save:
         checks.run(_check_writable, args.save)
@@ -699,6 +711,13 @@ def _validate_optimizer_and_checkpoint(args):
         need = f"--save-interval ({every})" if every else "--save --save-interval N"
         raise ValueError(f"--save-retain-interval ({retain}) keeps the checkpoints at its "
                          f"multiples, so it must be a positive multiple of {need}")
+
+
+def _validate_fsdp2(args):
+    """--use-torch-fsdp2's companions (megatron_cp.optimizer.fsdp)."""
+    problems = fsdp.argument_problems(args)
+    if problems:
+        raise ArgumentErrors(problems)
 
 
 def _validate_rerun_and_wandb(args):

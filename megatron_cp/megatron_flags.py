@@ -547,14 +547,13 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
     ("only PyTorch's own checkpoint cache files are used; writing a DCP distribution cache "
      "is not built, drop it",
      ("--ckpt-pg-tensors-cache-create",)),
-    ("the Megatron FSDP / torch FSDP2 (ZeRO-3) is not built; use --use-distributed-optimizer "
-     "(ZeRO-1) and drop it",
-     ("--no-strict-fsdp-dtensor-load", "--use-megatron-fsdp", "--use-torch-fsdp2",
+    ("Megatron's own FSDP (Megatron-FSDP) is not built; use --use-torch-fsdp2 (PyTorch's "
+     "FSDP2, ZeRO-3) or --use-distributed-optimizer (ZeRO-1) and drop it",
+     ("--no-strict-fsdp-dtensor-load", "--use-megatron-fsdp",
       "--megatron-fsdp-version", "--fsdp-manual-registration",
       "--data-parallel-sharding-strategy", "--outer-dp-sharding-strategy",
       "--fsdp-double-buffer", "--suggested-communication-unit-size",
-      "--keep-fp8-transpose-cache", "--enable-full-sharding-in-hsdp",
-      "--torch-fsdp2-no-reshard-after-forward",)),
+      "--keep-fp8-transpose-cache", "--enable-full-sharding-in-hsdp",)),
     ("the pre-Megatron-Core-0.14 checkpoint save format is not built; drop it",
      ("--dist-ckpt-save-pre-mcore-014",)),
     ("deprecated Megatron spellings; use --ckpt-format torch_dist",

@@ -41,8 +41,10 @@ from megatron_cp.data.feed import DataFeed
 from megatron_cp.initialize import initialize_distributed, initialize_model_parallel
 from megatron_cp.model import GPTConfig, GPTModel
 from megatron_cp.model import multi_token_prediction as mtp
+from megatron_cp.model.transformer import TransformerLayer
 from megatron_cp.optimizer import (DistributedDataParallel, GradNormNotFinite, build_optimizer,
                                    build_scheduler, finalize_model_grads)
+from megatron_cp.optimizer.fsdp import TorchFullyShardedDataParallel
 from megatron_cp.pipeline_parallel import (build_model_chunks, get_forward_backward_func,
                                            layout_from_args, pipeline_tensor_shape)
 from megatron_cp.profiling import StepProfiler
@@ -52,6 +54,20 @@ from megatron_cp.run_report import (count_parameters, format_arguments, format_c
                                     print_rank_0)
 from megatron_cp.training_log import TrainingLogger, model_flops_per_token
 from megatron_cp.weight_hash import check_weight_hashes
+
+
+def data_parallel_wrapper(args, model, state):
+    """``model`` in its data-parallel wrapper: FSDP2 with --use-torch-fsdp2 (each
+    transformer layer one unit), else the DDP of flat gradient buckets."""
+    if getattr(args, "use_torch_fsdp2", False):
+        return TorchFullyShardedDataParallel(
+            model, state, (TransformerLayer,), params_dtype=args.params_dtype,
+            reshard_after_forward=not args.torch_fsdp2_no_reshard_after_forward)
+    return DistributedDataParallel(
+        model, state, bucket_size_mb=args.ddp_bucket_size_mb,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        use_distributed_optimizer=getattr(args, "use_distributed_optimizer", False),
+        overlap_param_gather=getattr(args, "overlap_param_gather", False))
 
 
 def config_from_args(args, vocab_size):
@@ -87,11 +103,7 @@ class Trainer:
             models = build_model_chunks(self.config, state, layout_from_args(args))
         else:
             models = [GPTModel(self.config, state=state, device=self.device)]
-        distributed = getattr(args, "use_distributed_optimizer", False)
-        self.model_chunks = [DistributedDataParallel(
-            m, state, bucket_size_mb=args.ddp_bucket_size_mb,
-            overlap_grad_reduce=args.overlap_grad_reduce, use_distributed_optimizer=distributed,
-            overlap_param_gather=getattr(args, "overlap_param_gather", False)) for m in models]
+        self.model_chunks = [data_parallel_wrapper(args, m, state) for m in models]
         self.model = self.model_chunks[0]
         if args.test_mode:  # Megatron-LM's realtime test: QK norms equal over DP, every forward
             for m in models:

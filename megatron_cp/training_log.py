@@ -33,6 +33,7 @@ from megatron_cp import moe
 from megatron_cp.memory_peak import PeakMemory
 from megatron_cp import wandb_logging
 from megatron_cp.optimizer.clip_grads import get_param_norm
+from megatron_cp.optimizer.fsdp import is_fully_sharded
 
 
 def model_flops_per_token(config, seq_length):
@@ -148,7 +149,7 @@ class TrainingLogger:
         params_norm = ""
         if getattr(a, "log_params_norm", False):  # a collective: every rank gets here
             norm = get_param_norm([p for c in trainer.model_chunks for p in c.parameters()],
-                                  self.state)
+                                  self.state, sharded=is_fully_sharded(trainer.model_chunks))
             params_norm = f" params norm: {norm:.3f} |"
             self._scalar("params-norm", norm, it)
         moe_line = self._moe_stats(trainer, it)  # a collective too, on every rank

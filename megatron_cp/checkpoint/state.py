@@ -28,6 +28,7 @@ from megatron_cp import device as device_mod
 from megatron_cp.checkpoint import files
 from megatron_cp.checkpoint.canonical import canonical_name, expert_param_spec, param_spec
 from megatron_cp.checkpoint.pieces import Pieces
+from megatron_cp.optimizer.shards import model_piece
 from megatron_cp.optimizer.inner import adam_step, set_adam_step
 
 RNG_KEYS = ("python", "numpy", "torch", "device", "tracker")
@@ -205,8 +206,9 @@ def sharded_state(trainer, with_optimizer, for_load=False):
     for chunk in model_chunks(trainer):
         for param in chunk.parameters():
             spec, tied_copy = specs[id(param)]
-            if for_load or not tied_copy:
-                put(f"model.{spec.name}", spec, param.detach().view(-1), 0, param.numel())
+            piece = model_piece(param, for_load, with_optimizer)  # FSDP2: this rank's rows
+            if (for_load or not tied_copy) and piece is not None:
+                put(f"model.{spec.name}", spec, *piece)
         for canon, buffer in _persistent_buffers(chunk):
             put(f"model.{canon}", param_spec(canon, buffer, 1, 0), buffer.view(-1), 0,
                 buffer.numel())

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_cp.initialize import optimizer_groups
+from megatron_cp.optimizer.shards import local_tensor
 
 
 def grad_of(param):
@@ -67,10 +68,12 @@ def get_grad_norm(params, state, norm_type=2, sharded=False):
     return _global_norm(params, state, norm_type, grad_of, sharded)
 
 
-def get_param_norm(params, state, norm_type=2):
+def get_param_norm(params, state, norm_type=2, sharded=False):
     """The norm of all parameters of the whole model (Megatron's ``params norm``), counting
-    each parameter once whatever the layout; the same float on every rank."""
-    return _global_norm(params, state, norm_type, lambda param: param.detach())
+    each parameter once whatever the layout; the same float on every rank. ``sharded``:
+    the params are FSDP's (each rank holds its rows of each)."""
+    return _global_norm(params, state, norm_type,
+                        lambda param: local_tensor(param).detach(), sharded)
 
 
 def count_zeros(params, state, sharded=False):

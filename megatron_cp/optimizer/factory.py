@@ -1,10 +1,12 @@
 """The optimizer and learning-rate schedule that the parsed flags describe (Megatron-LM's
 ``get_megatron_optimizer`` and ``get_optimizer_param_scheduler``): the param groups, the
-optimizer over them (replicated, or sharded with ``--use-distributed-optimizer``; AdamW, or
-Muon and AdamW with ``--optimizer muon``) and the schedule with ``--decoupled-lr``."""
+optimizer over them (replicated, or sharded with ``--use-distributed-optimizer`` or
+``--use-torch-fsdp2``; AdamW, or Muon and AdamW with ``--optimizer muon``) and the schedule
+with ``--decoupled-lr``."""
 from megatron_cp.config_flags import build_config
 from megatron_cp.optimizer.config import OptimizerConfig
 from megatron_cp.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron_cp.optimizer.fsdp import FullyShardedOptimizer, is_fully_sharded
 from megatron_cp.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron_cp.optimizer.lr_scheduler import OptimizerParamScheduler
 from megatron_cp.optimizer.optimizer import (MixedPrecisionOptimizer, get_param_groups,
@@ -37,6 +39,8 @@ def build_optimizer(args, models, model_chunks, state, check_for_nan_in_grad=Tru
                     muon=config if config.uses_muon else None)
     if getattr(args, "use_distributed_optimizer", False):
         return DistributedOptimizer(groups, model_chunks, state, **settings)
+    if is_fully_sharded(model_chunks):
+        return FullyShardedOptimizer(groups, state, **settings)
     return MixedPrecisionOptimizer(groups, state, **settings)
 
 

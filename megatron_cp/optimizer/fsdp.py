@@ -1,0 +1,261 @@
+"""Fully sharded data parallelism with PyTorch's FSDP2 (Megatron-LM's ``--use-torch-fsdp2``).
+
+``torch.distributed.fsdp.fully_shard`` shards every parameter along its first dim over the
+DP x CP ranks (a TP-sharded weight: its TP shard, again over DP x CP), gathers a layer's
+params just before the layer runs and frees them after (``reshard_after_forward``;
+``--torch-fsdp2-no-reshard-after-forward`` keeps them until backward), and reduce-scatters
+its gradients as soon as its backward is done. As in Megatron-LM, each transformer layer is
+one FSDP unit and the root (embeddings, final norm, output layer, MTP) another.
+
+Mixed precision is FSDP2's own: the sharded params are fp32 and are the optimizer's main
+params; a bf16/fp16 model gathers them cast to its dtype (``param_dtype``) and computes in
+it, so the weights a layer computes with are the rounded fp32 masters, as with Megatron-LM's
+separate fp32 copy, without a second copy (``compute_dtype`` marks such params).
+
+What stays as everywhere else in megatron_cp:
+
+* the reduction is a SUM (the loss is already divided by the tokens of the whole DP x CP
+  group): the divide factor is 1 and sum-only collectives are used (gloo has no AVG);
+* gradients are reduced in fp32 (FSDP's ``reduce_dtype``) and accumulate over the
+  microbatches in an fp32 ``main_grad`` per shard: a post-accumulate-grad hook on each
+  sharded param adds the gradient FSDP just reduced and drops it (:mod:`.distributed`
+  does the same for replicated params). Every microbatch reduce-scatters, as Megatron-LM's
+  FSDP2 does (no unsharded gradient is kept between microbatches);
+* norms and zero counts add the shards over DP x CP (``shards_grads``);
+* checkpoints hold each rank's rows of every param (:func:`~.shards.local_shard`) with the
+  model's weights in its dtype and the fp32 masters as the optimizer's main params, the
+  same tensors as any other layout's, so any layout reads them back.
+"""
+import contextlib
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from megatron_cp.optimizer.inner import build_inner, param_state
+from megatron_cp.optimizer.optimizer import _PARAM_ATTRS, MixedPrecisionOptimizer, ParamShard
+from megatron_cp.optimizer.shards import local_shard, local_tensor
+
+FLAG = "--use-torch-fsdp2"
+
+
+def argument_problems(args):
+    """One line per flag that --use-torch-fsdp2 cannot go with (none without it):
+    Megatron-LM's rules (one pipeline stage, no expert parallelism, no distributed
+    optimizer, torch_dist checkpoints) and ours (no Muon, no DP-replica checks: FSDP keeps
+    no replicas)."""
+    if not getattr(args, "use_torch_fsdp2", False):
+        return []
+    rules = [
+        (args.pipeline_model_parallel_size == 1,
+         f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: {FLAG} "
+         f"shards one whole model per rank; use --pipeline-model-parallel-size 1"),
+        (args.expert_model_parallel_size == 1,
+         f"--expert-model-parallel-size {args.expert_model_parallel_size}: {FLAG} shards the "
+         f"experts over DP x CP too; use --expert-model-parallel-size 1"),
+        (args.expert_tensor_parallel_size in (None, args.tensor_model_parallel_size),
+         f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}: {FLAG} shards "
+         f"every param over one DP x CP group; give it the --tensor-model-parallel-size "
+         f"({args.tensor_model_parallel_size})"),
+        (not args.use_distributed_optimizer,
+         f"--use-distributed-optimizer: {FLAG} shards the optimizer state already; drop one"),
+        (args.ckpt_format == "torch_dist",
+         f"--ckpt-format {args.ckpt_format}: {FLAG} saves each rank's shards; use "
+         f"--ckpt-format torch_dist"),
+        (args.optimizer == "adam",
+         f"--optimizer {args.optimizer}: Muon orthogonalizes whole matrices, which {FLAG} "
+         f"holds in pieces; use --optimizer adam"),
+        (not args.check_weight_hash_across_dp_replicas_interval,
+         f"--check-weight-hash-across-dp-replicas-interval: {FLAG} keeps no data-parallel "
+         f"replicas to compare; drop one"),
+        (not args.test_mode,
+         f"--test-mode compares data-parallel replicas, which {FLAG} does not keep; drop one"),
+    ]
+    return [line for ok, line in rules if not ok]
+
+
+def is_fully_sharded(model_chunks):
+    """True when the chunks are :class:`TorchFullyShardedDataParallel` wrappers."""
+    return any(isinstance(c, TorchFullyShardedDataParallel) for c in model_chunks)
+
+
+class TorchFullyShardedDataParallel(nn.Module):
+    """Wrap ``module`` (a GPTModel) in FSDP2 over the ``dp_cp`` group of ``state``; the same
+    interface as :class:`~megatron_cp.optimizer.distributed.DistributedDataParallel`.
+
+    ``unit_types``: the module classes that each become one FSDP unit (the transformer
+    layers); ``grad_check(index, grad)``, when set, sees each param's reduced local shard
+    gradient in :meth:`finish_grad_sync` (FSDP reduces inside backward, so the rerun checks
+    see this rank's shard of the summed gradient, not its own part before the reduction).
+    """
+
+    use_distributed_optimizer = False
+
+    def __init__(self, module, state, unit_types, params_dtype=torch.float32,
+                 reshard_after_forward=True):
+        super().__init__()
+        self.module, self.state = module, state
+        self.grad_check = None
+        half = params_dtype in (torch.bfloat16, torch.float16)
+        # fully_shard replaces each param by a DTensor and drops the attributes set on it
+        # (tensor_model_parallel, sequence_parallel, ...): keep them and put them back.
+        attrs = {name: dict(vars(p)) for name, p in module.named_parameters()}
+        for name, param in module.named_parameters():
+            if param.dtype != params_dtype:
+                raise ValueError(f"{name} is {param.dtype} in a {params_dtype} model; {FLAG} "
+                                 f"computes every param of a layer in one dtype")
+            if half:
+                param.data = param.data.float()  # the fp32 master (module docstring)
+        mesh = DeviceMesh.from_group(state.group("dp_cp"), state.device.type)
+        # inputs keep their dtypes: the model casts what it computes with itself
+        policy = MixedPrecisionPolicy(param_dtype=params_dtype if half else None,
+                                      reduce_dtype=torch.float32, cast_forward_inputs=False)
+        settings = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        units = [m for m in module.modules() if isinstance(m, tuple(unit_types))]
+        for unit in units:
+            fully_shard(unit, **settings)
+        fully_shard(module, **settings)
+        for unit in units + [module]:
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)
+        self.params = []
+        for name, param in module.named_parameters():
+            for key, value in attrs[name].items():
+                setattr(param, key, value)
+            if half:
+                param.compute_dtype = params_dtype
+            if param.requires_grad:
+                flat, _, _ = local_shard(param)
+                param.main_grad = torch.zeros(flat.numel(), dtype=torch.float32,
+                                              device=flat.device)  # [local numel]
+                param.register_post_accumulate_grad_hook(self._accumulate_hook)
+                self.params.append(param)
+
+    def forward(self, *args, **kwargs):
+        """Run the wrapped module."""
+        return self.module(*args, **kwargs)
+
+    @staticmethod
+    def _accumulate_hook(param):
+        param.main_grad.add_(local_tensor(param.grad).reshape(-1))  # fp32 over microbatches
+        param.grad = None
+
+    def no_sync(self):
+        """Every microbatch reduce-scatters its gradients (nothing unsharded is kept)."""
+        return contextlib.nullcontext()
+
+    def finish_grad_sync(self):
+        """FSDP reduced every gradient during backward; run the rerun checks on the shards."""
+        if self.grad_check is not None:
+            for index, param in enumerate(self.params):
+                self.grad_check(index, param.main_grad)
+
+    def zero_grad_buffer(self):
+        """Zero every ``main_grad`` (call once per step, before the first microbatch)."""
+        for param in self.params:
+            param.main_grad.zero_()
+            param.grad = None
+
+    def start_param_sync(self, force_sync=False):
+        """Nothing to gather after a step: FSDP gathers each layer when it runs."""
+
+    def finish_param_sync(self):
+        """Nothing is in flight between steps."""
+
+    def state_dict(self, *args, **kwargs):
+        """The wrapped module's state dict (DTensor values)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        """Load into the wrapped module."""
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+class _Shard:
+    """This rank's rows of ``model`` (flat ``[start, stop)``): fp32, its own main param."""
+
+    def __init__(self, model):
+        self.model = model
+        self.main, self.start, self.stop = local_shard(model)
+        for attr in _PARAM_ATTRS:
+            if hasattr(model, attr):
+                setattr(self.main, attr, getattr(model, attr))
+
+
+class FullyShardedOptimizer(MixedPrecisionOptimizer):
+    """AdamW over this rank's FSDP shards, which are fp32 and their own main params (a
+    bf16/fp16 model computes with them rounded, module docstring); the step's stages are
+    :class:`MixedPrecisionOptimizer`'s, on the shards.
+
+    Muon orthogonalizes whole matrices, which FSDP holds only in pieces: not built here
+    (as in Megatron-LM). The optimizer state lives in the shards, so checkpoints are
+    written by ``--ckpt-format torch_dist`` (:meth:`param_shards`), not as one file.
+    """
+
+    shards_grads = True
+
+    def __init__(self, model_params, state, lr, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8,
+                 clip_grad=1.0, params_dtype=torch.float32, grad_scaler=None, use_fused=None,
+                 check_for_nan_in_grad=False, muon=None):
+        if muon is not None:
+            raise ValueError(f"{FLAG} shards every matrix, and Muon orthogonalizes whole "
+                             f"matrices: use --optimizer adam, or drop {FLAG}")
+        groups = self._setup(model_params, state, clip_grad, params_dtype, grad_scaler)
+        self.check_for_nan_in_grad = check_for_nan_in_grad
+        self._pairs = []  # the base class's (model, main) pairs: none, the shards replace them
+        self._shards, inner_groups = [], []
+        for group in groups:
+            mains = []
+            for param in group["params"]:
+                if not hasattr(param, "main_grad"):
+                    raise ValueError(f"a parameter of shape {tuple(param.shape)} is not in a "
+                                     f"TorchFullyShardedDataParallel wrapper; pass the param "
+                                     f"groups of the wrapped model")
+                if param.dtype != torch.float32:
+                    raise ValueError(f"a parameter has dtype {param.dtype}: {FLAG} keeps fp32 "
+                                     f"shards; wrap the model in TorchFullyShardedDataParallel")
+                shard = _Shard(param)
+                if shard.stop > shard.start:  # a param of fewer rows than ranks: none here
+                    self._shards.append(shard)
+                    mains.append(shard.main)
+            inner_groups.append({**group, "params": mains})
+        self.optimizer = build_inner(inner_groups, lr, weight_decay, betas, eps, state.device,
+                                     use_fused, None)
+
+    def _main_params(self):
+        return [s.main for s in self._shards]
+
+    def _prepare_main_grads(self):
+        for s in self._shards:
+            s.main.grad = s.model.main_grad.view_as(s.main)
+
+    def _release_aliased_grads(self):
+        for s in self._shards:
+            s.main.grad = None
+
+    def _copy_main_to_model(self):
+        """The main params are the model's shards: nothing to copy."""
+
+    def zero_grad(self, set_to_none=True):
+        """Drop the shard grads (``zero_grad_buffer`` zeroes the ``main_grad``)."""
+        for s in self._shards:
+            s.main.grad = None
+
+    def reload_model_params(self):
+        """The main params are the model's shards: nothing to refresh after a load."""
+
+    def param_shards(self):
+        """A :class:`ParamShard` per param: this rank's rows, in param-group order; the fp32
+        masters of a bf16/fp16 model are its main params (an fp32 model has none)."""
+        return [ParamShard(s.model, s.start, s.stop,
+                           s.main if hasattr(s.model, "compute_dtype") else None,
+                           param_state(self.optimizer, s.main)) for s in self._shards]
+
+    def state_dict(self):
+        raise ValueError(f"{FLAG} keeps the optimizer state in shards: save with --ckpt-format "
+                         f"torch_dist")
+
+    def load_state_dict(self, state_dict):
+        raise ValueError(f"{FLAG} keeps the optimizer state in shards: load a --ckpt-format "
+                         f"torch_dist checkpoint")
