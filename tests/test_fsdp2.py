@@ -2,7 +2,8 @@
 
 - 6 steps give the single-process losses and gradient norms (and the zeros in the gradient
   and the params norm that Megatron-LM's flags log) at DP=2, DP=4, TP=2 x DP=2 with SP,
-  CP=2 x DP=2, with full recomputation and without resharding after forward; with
+  CP=2 x DP=2, with full recomputation and without resharding after forward, MoE (EP=1)
+  with MLA and MTP, a Gated DeltaNet hybrid under CP=2 x DP=2; with
   Megatron-LM's defaults (learned absolute positions, tied embeddings, LayerNorm/GELU, a
   vocabulary padded to 384 rows at TP=1 and 512 at TP=2) and the Llama-style settings;
   in bf16 and fp16 (loss scaling) too.
@@ -36,6 +37,15 @@ LLAMA = "--normalization RMSNorm --swiglu --untie-embeddings-and-output-weights"
 # tokens pad to 384 rows at TP=1 and to 512 at TP=2
 MEGATRON = (STEPS.replace("--position-embedding-type rope", "")
             .replace("--vocab-size 200 --make-vocab-size-divisible-by 64", "--vocab-size 300"))
+# DeepSeek-V3's pieces (MoE at EP=1, MLA, MTP) and a Gated DeltaNet hybrid (Qwen3-Next's)
+DEEPSEEK = ("--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0.01 --mtp-num-layers 1 "
+            f"{LLAMA} --multi-latent-attention --q-lora-rank 16 --kv-lora-rank 16 "
+            "--qk-head-dim 8 --qk-pos-emb-head-dim 8 --v-head-dim 8")
+GDN = ("--seq-length 64 --num-layers 4 --swiglu --disable-bias-linear --normalization RMSNorm "
+       "--group-query-attention --num-query-groups 2 --experimental-attention-variant "
+       "gated_delta_net --linear-attention-freq 4 --linear-conv-kernel-dim 4 "
+       "--linear-key-head-dim 8 --linear-value-head-dim 8 --linear-num-key-heads 2 "
+       "--linear-num-value-heads 4 --init-method-std 0.1")
 FP16 = "--fp16 --initial-loss-scale 1048576 --hysteresis 1"
 LOG = "--log-params-norm --log-num-zeros-in-grad"
 # Tolerances from the precision involved. fp32: the shards sum the same fp32 gradients in
@@ -54,6 +64,8 @@ RUNS = {
     "dp2_llama_keep_gathered": (2, f"{STEPS} {LLAMA}", "--torch-fsdp2-no-reshard-after-forward"),
     "dp2_bf16": (2, f"{STEPS} --bf16 {LOG}", ""),
     "dp2_fp16": (2, f"{STEPS} {FP16}", ""),
+    "dp2_deepseek_pieces": (2, f"{STEPS} {DEEPSEEK}", ""),
+    "cp2_dp2_gated_deltanet": (4, f"{STEPS} {GDN}", "--context-parallel-size 2"),
     "dp4": (4, f"{STEPS} {LOG}", ""),
     # (zeros not compared: TP=2 pads 128 more vocabulary rows, whose gradients are zero)
     "tp2_dp2_megatron_defaults": (4, f"{MEGATRON} --log-params-norm",
