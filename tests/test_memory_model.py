@@ -35,6 +35,7 @@ CASES = {
                               "--recompute-num-layers 1"),
     "cp2-a2a-dp2-distopt": (4, "--global-batch-size 2 --context-parallel-size 2 --cp-comm-type a2a "
                                "--use-distributed-optimizer"),
+    "dp2-fsdp2": (2, "--global-batch-size 2 --use-torch-fsdp2"),
     "one-process-tiled": (1, "--global-batch-size 2 --tiled-logits-chunk-size 128 "
                              "--mlp-chunks-for-training 4"),
     # a large vocabulary: the output layer's chunks and weight gradient matter, and

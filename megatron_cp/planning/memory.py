@@ -6,7 +6,8 @@ Every term is read off what OUR code holds, not a paper's formula:
   shards), their fp32 ``main_grad`` buffers and the optimizer state, by the per-parameter
   formula of :func:`megatron_cp.optimizer.memory.expected_bytes_per_param` (the distributed
   optimizer shards main params and Adam moments over DP x CP / instances; expert parameters
-  over the expert-DP group).
+  over the expert-DP group); with ``--use-torch-fsdp2`` all of it over DP x CP, plus the
+  params FSDP gathers (the root unit and one layer at a time).
 - **Saved activations** per layer and microbatch: the tensors autograd keeps for backward
   (:func:`layer_activation_bytes`): the norms' inputs and normalised values, each linear's
   input (all-gathered over TP under sequence parallelism, because ``ColumnParallelLinear``
@@ -362,6 +363,20 @@ def _loss_bytes(c, sh, vocab_local, has_padding):
 
 
 # ----- the estimate --------------------------------------------------------------------
+def _fully_sharded_bytes(args, c, layout, stage_params, act, d):
+    """(gathered params, sharded state) bytes under --use-torch-fsdp2 (one stage, EP 1):
+    16/d bytes per param sharded (fp32 params, fp32 gradients, Adam), and in the compute
+    dtype the root unit (embeddings, output layer, final norm; gathered through the step)
+    plus the largest layer, or every layer with --torch-fsdp2-no-reshard-after-forward."""
+    layers = [sum(layer_param_counts(c, n, args.tensor_model_parallel_size, 1,
+                                     args.expert_tensor_parallel_size))
+              for n in layout.layer_numbers(0, 0)]
+    root = stage_params - sum(layers)
+    held = sum(layers) if args.torch_fsdp2_no_reshard_after_forward else max(layers)
+    state = stage_params * expected_bytes_per_param(args.params_dtype, d, fully_sharded=True)
+    return (root + held) * act, int(state)
+
+
 def _in_flight(args, layout, pp_rank, num_microbatches):
     """Model chunks of microbatches whose activations a pipeline rank holds at once."""
     pp, vp = layout.pp_size, layout.vp_size
@@ -408,6 +423,8 @@ def estimate_memory(args, vocab_size=None, device="cpu"):
         dense, experts = stage_param_counts(c, layout, pp_rank, tp, ep, etp)
         params = dense * act + experts * act
         state = int(dense * dense_per + experts * expert_per) - params
+        if getattr(args, "use_torch_fsdp2", False):
+            params, state = _fully_sharded_bytes(args, c, layout, dense + experts, act, dp * cp)
         chunk_layers = layout.chunk_layer_numbers(pp_rank)
         saved, transient = 0, 0
         flights = _in_flight(args, layout, pp_rank, num_microbatches)
