@@ -35,7 +35,8 @@ def _launch(tmp_path, nproc, env=None, script_text=SCRIPT, timeout=300):
     script = tmp_path / "script.py"
     script.write_text(script_text)
     return subprocess.run([*LAUNCHER, str(nproc), str(script), "--flag", "7"],
-                          capture_output=True, text=True, timeout=timeout, env=dict(ENV, **(env or {})))
+                          capture_output=True, text=True, timeout=timeout,
+                          env=dict(ENV, **(env or {})))
 
 
 def _running(pid):
