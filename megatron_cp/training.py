@@ -396,6 +396,15 @@ def _pretrain(args, state, progress):
             return []
     print_rank_0("> building train, validation and test datasets ...")
     progress.activity = "the dataset build"
+    try:
+        return _train_on_data(trainer, started)
+    finally:
+        trainer.data.close()  # its loader processes end with the run, also when it fails
+
+
+def _train_on_data(trainer, started):
+    """Build the data, train, evaluate at the end and print the summary; the losses."""
+    args, state = trainer.args, trainer.state
     _on_every_rank(trainer.build_iterators, state.device)
     if trainer.data.datasets:
         print_rank_0(format_dataset_sizes(trainer.data.datasets))

@@ -51,6 +51,20 @@ def test_baseline_counts_each_storage_once():
     del keep, views
 
 
+def test_the_cpu_meter_keeps_allocations_not_operators():
+    """A thousand in-place operators on tensors allocate nothing and leave no event (a profile
+    of every operator keeps one each): metering a training step (the log's
+    --log-memory-to-tensorboard report on CPU) costs memory for its allocations only."""
+    x = torch.zeros(N)
+    with PeakMemory("cpu", measure_baseline=False) as meter:
+        for _ in range(1000):
+            x.relu_()
+        y = torch.empty(N)
+    assert meter.peak_bytes == MIB and meter.retained_bytes == MIB
+    assert meter.recorded_events <= 10, meter.recorded_events
+    del y
+
+
 def test_meters_do_not_nest():
     with PeakMemory("cpu", measure_baseline=False):
         with pytest.raises(RuntimeError, match="do not nest"):

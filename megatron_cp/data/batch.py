@@ -6,7 +6,7 @@ DP rank its microbatches so that global batch ``k`` is always the samples
 ``[consumed + k*G, consumed + (k+1)*G)`` of the dataset, whatever the DP layout:
 DP rank ``d`` takes the contiguous share ``[d*G/DP, (d+1)*G/DP)`` of it, in microbatches
 (under a batch-size schedule each batch starts where the previous one ended and takes the
-size the schedule gives at that sample).
+size the schedule gives at that sample). :func:`close_data_iterator` ends its loader processes.
 """
 import numpy as np
 import torch
@@ -172,3 +172,14 @@ def build_data_iterator(dataset, global_batch_size, micro_batch_size, dp_rank, d
                                          # draw from the global RNG (exact resume needs that)
                                          generator=torch.Generator().manual_seed(0))
     return iter(loader)
+
+
+def close_data_iterator(iterator):
+    """End the loader processes of an iterator from :func:`build_data_iterator` now (None
+    and a worker-less iterator have none): what its finaliser would do, but at a known point.
+    A process that ends with ``os._exit`` (a forked rank, a rank that lost a peer) runs no
+    finaliser, and its workers would outlive it until their own parent check notices (up to
+    five seconds), holding its output pipe."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)  # torch's own (idempotent) way
+    if shutdown is not None:
+        shutdown()

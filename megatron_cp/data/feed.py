@@ -3,12 +3,14 @@ each step's microbatches for this rank.
 
 Only TP rank 0 of each group reads (its TP peers receive the batch by broadcast); each
 microbatch is padded to the step's length and, for CP, partitioned
-(``megatron_cp.data.microbatch`` holds that rule).
+(``megatron_cp.data.microbatch`` holds that rule). :meth:`DataFeed.close` ends the loader
+processes (``--num-workers``) when the run ends.
 """
 import torch
 import torch.distributed as dist
 
-from megatron_cp.data.batch import add_mtp_targets, build_data_iterator, get_ltor_batch
+from megatron_cp.data.batch import (add_mtp_targets, build_data_iterator, close_data_iterator,
+                                    get_ltor_batch)
 from megatron_cp.data.builder import build_train_valid_test_datasets
 from megatron_cp.data.fim import FimTransform, fim_settings
 from megatron_cp.data.microbatch import prepare_microbatch, required_length, split_multiple, step_length
@@ -26,6 +28,7 @@ class DataFeed:
         self.device = state.device
         self.reads = state.rank("tp") == 0  # TP peers receive their batch by broadcast
         self.datasets, self.train_iter, self.valid_dataset = {}, None, None
+        self.valid_iter = None  # the latest validation pass's (closed with the feed)
         # checked on every rank at start-up: the tokenizer has the FIM tokens
         self.fim = FimTransform(fim_settings(args, tokenizer), tokenizer) if args.fim_data \
             else None
@@ -53,9 +56,19 @@ class DataFeed:
         """A fresh pass over the validation split, from its start, in evaluation batches
         (--eval-global-batch-size of --eval-micro-batch-size microbatches)."""
         a = self.args
-        return build_data_iterator(self.valid_dataset if self.reads else None,
-                                   a.eval_global_batch_size, a.eval_micro_batch_size,
-                                   self.state.rank("dp"), self.state.size("dp"), 0, a.num_workers)
+        close_data_iterator(self.valid_iter)  # the previous pass's loader processes
+        self.valid_iter = build_data_iterator(self.valid_dataset if self.reads else None,
+                                              a.eval_global_batch_size, a.eval_micro_batch_size,
+                                              self.state.rank("dp"), self.state.size("dp"), 0,
+                                              a.num_workers)
+        return self.valid_iter
+
+    def close(self):
+        """End the loader processes of the training and validation iterators (at the end of
+        the run, also when it fails): a rank that ends with ``os._exit`` would leave them
+        running (``close_data_iterator``)."""
+        close_data_iterator(self.train_iter)
+        close_data_iterator(self.valid_iter)
 
     def microbatches(self, iterator, count, micro_batch_size, first_sample=0):
         """This rank's ``count`` microbatches of ``micro_batch_size`` samples (one global
