@@ -246,6 +246,18 @@ COMPAT_FLAGS = (
 # logged or saved is refused until it is built; AS_IS holds only flags that change none of it.
 
 AS_IS = (  # (why, flags): accepted, they select what megatron_cp does anyway
+    ("the flex dispatcher's DeepEP / HybridEP / NCCL EP kernels (GPU libraries) exchange the "
+     "tokens the all-to-all dispatcher exchanges; megatron_cp runs its all-to-all dispatcher "
+     "for --moe-token-dispatcher-type flex, which computes the same",
+     ("--moe-enable-deepep", "--moe-flex-dispatcher-backend",
+      "--moe-permute-fusion-into-hybridep", "--moe-hybridep-pad-uneven-dispatch-inputs",
+      "--moe-flex-dispatcher-num-sms", "--moe-deepep-num-sms", "--moe-hybridep-num-sms",
+      "--moe-hybridep-num-blocks-permute", "--moe-hybridep-num-blocks-unpermute",
+      "--moe-hybridep-num-sms-preprocessing",)),
+    ("in Megatron-LM it turns on experimental code paths, in training the fused (Triton) "
+     "permutation kernels of the MoE dispatchers, which compute what megatron_cp's plain "
+     "index ops compute",
+     ("--enable-experimental",)),
     ("Muon's Newton-Schulz Gram matrix X X^T is one plain matmul; the SYRK kernel (Triton, GPU "
      "only) computes the same product",
      ("--muon-use-syrk",)),
@@ -478,14 +490,9 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
      ("--moe-router-quantile-balancing-ema",)),
     ("forced (random-logit or random-bias) routing for benchmarks is not built; drop it",
      ("--moe-router-force-load-balancing", "--moe-router-force-biased",)),
-    ("the flex token dispatcher needs DeepEP / HybridEP / NCCL EP, which megatron_cp does "
-     "not use; use --moe-token-dispatcher-type alltoall",
-     ("--moe-enable-deepep", "--moe-flex-dispatcher-backend",
-      "--moe-permute-fusion-into-hybridep", "--moe-hybridep-pad-uneven-dispatch-inputs",
-      "--moe-flex-dispatcher-num-sms", "--moe-deepep-num-sms", "--moe-hybridep-num-sms",
-      "--moe-hybridep-num-blocks-permute", "--moe-hybridep-num-blocks-unpermute",
-      "--moe-hybridep-num-sms-preprocessing", "--moe-ncclep-zero-copy",
-      "--moe-expert-rank-capacity-factor",)),
+    ("the NCCL EP dispatcher's fixed receive buffers (zero-copy, per-rank capacity) are "
+     "not built; drop it (flex runs megatron_cp's all-to-all dispatcher)",
+     ("--moe-ncclep-zero-copy", "--moe-expert-rank-capacity-factor",)),
     ("MXFP8 dispatch/combine payloads need Transformer Engine and the NCCL EP dispatcher, "
      "which are not used; drop it",
      ("--moe-dispatch-fwd-dtype", "--moe-combine-bwd-dtype",)),
@@ -750,11 +757,12 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
       "--evidence-data-path", "--retriever-report-topk-accuracies",
       "--retriever-score-scaling", "--block-data-path", "--embedding-path",
       "--indexer-batch-size", "--indexer-log-interval",)),
-    ("megatron_cp has no experimental-feature switch and no pluggable layer specs: its GPT "
-     "layers are fixed and configured by the model flags; drop it",
-     ("--enable-experimental", "--spec",)),
-    ("there are no Mamba/GDN/hybrid layers in megatron_cp, only attention + MLP/MoE GPT "
-     "blocks; drop the hybrid layer pattern",
+    ("megatron_cp has no pluggable layer specs: its GPT layers are fixed and configured by "
+     "the model flags; drop it",
+     ("--spec",)),
+    ("Mamba hybrid layer patterns are not built (Gated DeltaNet hybrids are: "
+     "--experimental-attention-variant gated_delta_net --linear-attention-freq N); drop the "
+     "hybrid layer pattern",
      ("--hybrid-layer-pattern", "--hybrid-override-pattern",)),
     ("megatron_cp reads no YAML config; pass every setting as a command-line flag",
      ("--yaml-cfg",)),

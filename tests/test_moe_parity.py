@@ -50,6 +50,10 @@ LAYOUTS = {
     "ep2": (2, "defaults", EP2),
     "ep2_alltoall": (2, "defaults", f"{EP2} {A2A}"),
     "ep2_llama": (2, "llama", EP2),
+    # Megatron-LM's flex dispatcher (DeepEP / HybridEP kernels) runs the all-to-all one here
+    "ep2_llama_flex_hybridep": (2, "llama", f"{EP2} --moe-token-dispatcher-type flex "
+                                            f"--moe-flex-dispatcher-backend hybridep "
+                                            f"--moe-permute-fusion --enable-experimental"),
     "ep2_capacity": (2, "capacity", EP2),
     "ep2_padded_capacity": (2, "padded_capacity", EP2),
     "ep2_full_recompute": (2, "llama", f"{EP2} --recompute-granularity full "

@@ -68,8 +68,8 @@ def _mistakes(tmp):
         ("--fp8-format hybrid", "--fp8-format hybrid: FP8 training needs Transformer Engine's "
                                 "fp8 layers"),
         ("--cuda-graph-impl local", "--cuda-graph-impl local: CUDA graph capture is not built"),
-        ("--num-experts 4 --moe-token-dispatcher-type flex",
-         "--moe-token-dispatcher-type ('flex') runs on the DeepEP / HybridEP GPU libraries"),
+        ("--num-experts 4 --moe-ncclep-zero-copy",
+         "--moe-ncclep-zero-copy: the NCCL EP dispatcher's fixed receive buffers"),
         ("--use-nccl-ub", "--use-nccl-ub: it needs NCCL user-buffer"),
         ("--decoupled-min-lr 1e-4", "--decoupled-min-lr (0.0001) is the end of the decoupled "
                                     "learning rate's decay: add --decoupled-lr"),

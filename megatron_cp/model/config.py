@@ -378,7 +378,8 @@ class GPTConfig:
         "allgather", choices=("allgather", "alltoall", "flex"), group="moe",
         help="How tokens reach their experts over the expert-parallel group: allgather "
              "(every token to every EP rank) or alltoall (each token to its experts' ranks). "
-             "Megatron-LM's flex needs the DeepEP / HybridEP GPU libraries and is refused.")
+             "Megatron-LM's flex exchanges the same tokens through the DeepEP / HybridEP / "
+             "NCCL EP GPU libraries; here it runs the alltoall dispatcher.")
     moe_expert_capacity_factor: float | None = setting(
         None, group="moe", help="Drop tokens above capacity = ceil(tokens x topk / experts x "
         "factor) per expert and rank (default: dropless).")
@@ -421,9 +422,6 @@ class GPTConfig:
             self.activation = "gelu_tanh"
         self._check_mla()
         self._check_rotary()
-        if self.moe_token_dispatcher_type == "flex":
-            raise ValueError("moe_token_dispatcher_type ('flex') runs on the DeepEP / HybridEP "
-                             "GPU libraries, which megatron_cp does not use; use alltoall")
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.num_query_groups is None:

@@ -44,7 +44,7 @@ class MoELayer(torch.nn.Module):
                                  _group(state, "dp"), rng_tracker, self.tp_size, device)
         self.experts = GroupedExperts(config, prefix + ".experts", ep_rank, ep_size, etp_rank,
                                       etp_size, device)
-        if config.moe_token_dispatcher_type == "alltoall":
+        if config.moe_token_dispatcher_type in ("alltoall", "flex"):  # flex: the same exchange
             self.dispatcher = AllToAllDispatcher(config.num_moe_experts, _group(state, "ep"),
                                                  ep_size, _group(state, "etp"), etp_size)
         else:
