@@ -118,6 +118,19 @@ def _gradients(rank, world, argv):
     return out
 
 
+def _gathered_after_forward(rank, world, argv):
+    """Whether a transformer layer's weight is still gathered (a plain tensor, not this
+    rank's DTensor shard) between a forward and its backward."""
+    from torch.distributed.tensor import DTensor
+    trainer = _trainer(argv, world)
+    model = trainer.model_chunks[0]
+    tokens = torch.randint(0, 200, (2, 32))  # [b, s]
+    position_ids = torch.arange(32).expand(2, 32)
+    model(tokens, position_ids).float().sum()
+    layer = model.module.decoder.layers[0]
+    return not isinstance(next(layer.parameters()), DTensor)
+
+
 def _memory(rank, world, argv):
     trainer = _trainer(argv, world)
     trainer.train_step()  # Adam state as torch creates it
@@ -146,6 +159,8 @@ def results(tmp_path_factory):
         jobs.update({f"memory:{dtype}:{world}": (_memory, f"{STEPS} {flag} {FSDP}")
                      for dtype, flag in (("fp32", ""), ("bf16", "--bf16"))})
         if world == 2:
+            for keep in ("", "--torch-fsdp2-no-reshard-after-forward"):
+                jobs[f"gathered:{keep}"] = (_gathered_after_forward, f"{STEPS} {FSDP} {keep}")
             jobs["fsdp_first"] = (train_losses, f"{BF16} {FSDP} --exit-interval 3 --save {fsdp_ck}")
             jobs["fsdp_from_plain"] = (train_losses, f"{BF16} {FSDP} --load {plain_ck}")
         else:
@@ -233,3 +248,9 @@ def test_memory_per_rank_is_16_bytes_over_d(results, world, dtype):
 ])
 def test_what_fsdp2_cannot_go_with_is_refused(extra, line):
     assert_refused(f"{STEPS} {FSDP} {extra}", line, world_size=4)
+
+
+def test_no_reshard_after_forward_keeps_the_layers_gathered(results):
+    for rank_results in results[2]:
+        assert rank_results["gathered:"] is False  # freed after forward, gathered again later
+        assert rank_results["gathered:--torch-fsdp2-no-reshard-after-forward"] is True
