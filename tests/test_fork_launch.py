@@ -141,3 +141,17 @@ def test_dataloader_workers_end_with_their_ranks(tmp_path):
     assert len(seen) > 2, f"no DataLoader worker seen beside the 2 ranks: {seen}\n{out}"
     assert not left, f"still running when the launcher returned: {left}"
     assert closed and closed[0] - ended < 2.0, "the output pipe outlived the launcher"
+
+
+def test_ranks_start_with_the_launchers_objects_frozen_and_writers_imported(tmp_path):
+    """What the launcher imported is shared with the ranks: its objects sit in the
+    collector's permanent generation (a rank's collections do not copy their pages) and the
+    writers a rank loads (tensorboard) are imported before the fork."""
+    script = ("import gc, os, sys\n"
+              "print(f\"rank {os.environ['RANK']} frozen {gc.get_freeze_count()} "
+              "tensorboard {'torch.utils.tensorboard' in sys.modules}\", flush=True)\n")
+    proc = _launch(tmp_path, 2, script_text=script)
+    assert proc.returncode == 0, proc.stderr
+    lines = re.findall(r"rank (\d) frozen (\d+) tensorboard (True|False)", proc.stdout)
+    assert sorted(rank for rank, _, _ in lines) == ["0", "1"], proc.stdout
+    assert all(int(frozen) > 10000 and loaded == "True" for _, frozen, loaded in lines), lines
