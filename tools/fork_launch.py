@@ -154,11 +154,13 @@ def _end_leftovers():
 
 
 def _share_with_ranks():
-    """Keep the launcher's memory shared with the forked ranks: import the writers a rank
-    loads at start-up (tensorboard, wandb when installed) here, once, and move every object
-    so far to the collector's permanent generation (``gc.freeze``), so that a rank's
-    collections never write to them and copy their pages (about 75 MB a rank otherwise)."""
+    """Keep the launcher's memory shared with the forked ranks: import what every rank
+    imports (torch, megatron_cp) and the writers a rank loads at start-up (tensorboard,
+    wandb when installed) here, once, and move every object so far to the collector's
+    permanent generation (``gc.freeze``), so that a rank's collections never write to them
+    and copy their pages (about 75 MB a rank otherwise)."""
     import importlib
+    import megatron_cp.training  # noqa: F401  (torch and torch.distributed with it)
     for name in ("torch.utils.tensorboard", "wandb"):
         try:
             importlib.import_module(name)
@@ -176,10 +178,6 @@ def main():
     a = parser.parse_args()
     if a.nproc_per_node < 1:
         raise SystemExit(f"--nproc-per-node ({a.nproc_per_node}) must be at least 1")
-    # what every rank imports, imported once before the fork
-    import torch  # noqa: F401
-    import torch.distributed  # noqa: F401
-    import megatron_cp.training  # noqa: F401
     _share_with_ranks()
     return launch(a.nproc_per_node, os.path.abspath(a.script), a.args)
 

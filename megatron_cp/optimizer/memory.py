@@ -45,20 +45,21 @@ def memory_breakdown(model_chunks, optimizer):
     :class:`FullyShardedOptimizer` (its state is created as zeros if it has not stepped).
     """
     params = list({id(p): p for chunk in model_chunks for p in chunk.parameters()}.values())
+    fully_sharded = is_fully_sharded(model_chunks)
     num_params = sum(p.numel() for p in params)
     param_buffers = [b for chunk in model_chunks for b in getattr(chunk, "param_buffers", [])]
     if param_buffers:
         param_bytes = sum(b.numel() * b.element_size() for b in param_buffers)
     else:  # whole params, or FSDP2's rows of them
         param_bytes = sum(local_tensor(p).numel() * p.element_size() for p in params)
-    if is_fully_sharded(model_chunks):
+    if fully_sharded:
         grad_bytes = sum(p.main_grad.numel() * p.main_grad.element_size() for p in params)
     else:
         grad_bytes = sum(b.numel() * b.element_size() for chunk in model_chunks
                          for b in chunk.buffers)
     shards = optimizer.param_shards()
     # FSDP2's fp32 params are their own main params: counted once, as params
-    main_bytes = 0 if is_fully_sharded(model_chunks) else \
+    main_bytes = 0 if fully_sharded else \
         sum(s.main.numel() * s.main.element_size() for s in shards if s.main is not None)
     state_bytes = sum(t.numel() * t.element_size() for s in shards for t in s.state.values())
     total = param_bytes + grad_bytes + main_bytes + state_bytes

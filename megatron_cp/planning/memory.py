@@ -421,10 +421,11 @@ def estimate_memory(args, vocab_size=None, device="cpu"):
     best = None
     for pp_rank in range(pp):
         dense, experts = stage_param_counts(c, layout, pp_rank, tp, ep, etp)
-        params = dense * act + experts * act
-        state = int(dense * dense_per + experts * expert_per) - params
         if getattr(args, "use_torch_fsdp2", False):
             params, state = _fully_sharded_bytes(args, c, layout, dense + experts, act, dp * cp)
+        else:
+            params = dense * act + experts * act
+            state = int(dense * dense_per + experts * expert_per) - params
         chunk_layers = layout.chunk_layer_numbers(pp_rank)
         saved, transient = 0, 0
         flights = _in_flight(args, layout, pp_rank, num_microbatches)

@@ -209,25 +209,24 @@ def predict_step_time(args, rates, vocab_size=None):
         sent = h_bytes / tp if args.sequence_parallel else h_bytes  # [s/cp(/tp), b, h]
         comm += 2 * sent / _link(rates, tp * cp * pp)  # the activation and its gradient
     microbatches = args.num_microbatches or 1
-    fsdp = getattr(args, "use_torch_fsdp2", False) and dp * cp > 1
+    layout = layout_from_args(args)
+    stage_params = max(sum(stage_param_counts(c, layout, r, tp, ep,
+                                              args.expert_tensor_parallel_size))
+                       for r in range(pp))
+    group = dp * cp
+    fsdp = getattr(args, "use_torch_fsdp2", False) and group > 1
     if fsdp:  # every microbatch: params gathered for forward and again for backward (in the
         # compute dtype; once with no resharding), fp32 gradients reduce-scattered
-        params = sum(stage_param_counts(c, layout_from_args(args), 0, tp, ep,
-                                        args.expert_tensor_parallel_size))
         gathers = 1 if args.torch_fsdp2_no_reshard_after_forward else 2
-        volume = (dp * cp - 1) / (dp * cp) * params * (gathers * act + 4)
+        volume = (group - 1) / group * stage_params * (gathers * act + 4)
         comm += volume / _link(rates, tp * cp * pp * dp)
     per_microbatch = compute + comm
     bubble = (pp - 1) / vp * per_microbatch if pp > 1 else 0.0
     # gradient reduction over DP x CP once per step (fp32 grads; the distributed optimizer
     # reduce-scatters them and all-gathers the params: the same volume)
     grad_sync = 0.0
-    group = dp * cp
     if group > 1 and not fsdp:
-        layout = layout_from_args(args)
-        params = max(sum(stage_param_counts(c, layout, r, tp, ep, args.expert_tensor_parallel_size))
-                     for r in range(pp))
-        grad_sync = 2 * (group - 1) / group * params * 4 / _link(rates, tp * cp * pp * dp)
+        grad_sync = 2 * (group - 1) / group * stage_params * 4 / _link(rates, tp * cp * pp * dp)
         if getattr(args, "overlap_grad_reduce", False):
             # the buckets reduce during the last microbatch's backward (2/3 of its compute)
             grad_sync = max(0.0, grad_sync - 2 / 3 * compute)
