@@ -180,6 +180,12 @@ def _rerun_args(g):
                    help="Validate each microbatch's loss against 10x the largest of the first "
                         "100 losses; with --rerun-mode validate_results a spike reruns the step "
                         "(not fatal: training goes on).")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="Take the gradient of the token-weighted mean loss over the whole "
+                        "global batch. Without it (Megatron-LM's default) each microbatch's "
+                        "loss is the mean over its own loss tokens, averaged over the "
+                        "microbatches (megatron_cp.loss_weighting). The logged lm loss is the "
+                        "token-weighted mean either way.")
 
 
 def _parallel_args(g):

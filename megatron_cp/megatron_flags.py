@@ -174,8 +174,6 @@ COMPAT_FLAGS = (
                "between steps", argparse=dict(type=int, choices=[0, 1, 2], default=0)),
     CompatFlag("--cross-entropy-loss-fusion", SAME, "the vocab-parallel cross entropy is one "
                "autograd function computed in fp32"),
-    CompatFlag("--calculate-per-token-loss", SAME, "the loss is already the token-weighted mean "
-               "over the whole global batch (all microbatches and DP x CP ranks)"),
     CompatFlag("--moe-grouped-gemm", SAME, "the local experts always run in one grouped matmul "
                "(torch.nn.functional.grouped_mm) where torch supports the case, else a loop"),
     CompatFlag("--moe-use-legacy-grouped-gemm", SAME, "the local experts always run in one "

@@ -1,9 +1,11 @@
 """pretrain(): build the state, model, optimizer and data; run the loop; evaluate, log, save.
 
 One iteration = one global batch: every microbatch of this DP rank is read up front (so the
-number of loss tokens of the whole DP x CP group is known before any backward), run
-through the schedule with loss ``sum(token_loss * mask) / global_tokens``, gradients are
-SUM-reduced over DP x CP (exact global-batch gradient), then clipped and applied.
+number of loss tokens of every microbatch and of the whole global batch is known before any
+backward), run through the schedule with each microbatch's masked loss sum weighted as
+Megatron-LM weights it in one process (:mod:`megatron_cp.loss_weighting`), gradients are
+SUM-reduced over DP x CP (so every layout takes the one-process gradient), then clipped and
+applied.
 
 Faults (:mod:`megatron_cp.faults`) end the job with one line: a lost peer (a collective
 failed because a rank died or stopped answering), a NaN or inf in the loss or the gradient
@@ -29,6 +31,7 @@ from megatron_cp.checkpoint import files as checkpoint_files
 from megatron_cp.checkpoint import load_save
 from megatron_cp import device as device_mod
 from megatron_cp import faults
+from megatron_cp import loss_weighting
 from megatron_cp import moe
 from megatron_cp import rerun
 from megatron_cp.activation_offload import offload_note
@@ -147,25 +150,33 @@ class Trainer:
     def _run_batches(self, microbatches, forward_only):
         st = self.state
         depths = self.config.mtp_depths()
-        # the LM's loss-masked tokens, then each MTP depth's, over the global batch
+        # the LM's loss-masked tokens, then each MTP depth's: per microbatch (over its CP
+        # parts) and over the global batch
         masks = ["loss_mask"] + [f"mtp_loss_mask_{d}" for d in range(1, depths + 1)]
-        totals = torch.stack([sum(b[key].sum() for b in microbatches).float() for key in masks]
-                             + [torch.zeros((), device=self.device)])
-        dist.all_reduce(totals, group=st.group("dp_cp"))
-        num_tokens = totals[0].clamp(min=1.0)  # a batch of only masked tokens must not divide by 0
-        scale = 1.0 if forward_only else self.optimizer.get_loss_scale()
-        mtp.set_loss_scale(self.model_chunks, scale, totals[1:1 + depths].clamp(min=1.0))
+        counts, totals = loss_weighting.microbatch_counts(
+            microbatches, masks, st.rank("dp"), st.size("dp"), st.group("dp_cp"), self.device)
+        micro_batch_size, length = microbatches[0]["tokens"].shape
+        weights = loss_weighting.step_weights(
+            counts, totals, num_microbatches=len(microbatches) * st.size("dp"),
+            tokens_per_microbatch=micro_batch_size * self.args.seq_length,
+            per_token_loss=self.args.calculate_per_token_loss,
+            mtp_factor=self.config.mtp_loss_scaling_factor,
+            loss_scale=1.0 if forward_only else float(self.optimizer.get_loss_scale()))
+        for batch, lm, mtp_weights in zip(microbatches, weights.lm, weights.mtp):
+            batch["loss_weight"], batch["mtp_loss_weights"] = lm, mtp_weights
+        mtp.reset_loss_sums(self.model_chunks)
+        if not forward_only:
+            moe.set_aux_loss_scale(self.model_chunks, weights.aux)
 
         def loss_func(output, batch):
             loss_sum = (output.float() * batch["loss_mask"]).sum()
             if not forward_only:  # this rank's own loss, before any reduction (Megatron's)
                 rerun.check_loss(self.rerun, loss_sum, self.validate_nan,
                                  self.args.check_for_spiky_loss)
-            return loss_sum * (scale / num_tokens), loss_sum
+            return loss_sum * batch["loss_weight"], loss_sum
 
         shape = None
         if st.size("pp") > 1:  # [length/cp(/tp with SP), b, h], the same on every stage
-            micro_batch_size, length = microbatches[0]["tokens"].shape
             shape = pipeline_tensor_shape(length * st.size("cp"), micro_batch_size,
                                           self.args.hidden_size, st.size("cp"), st.size("tp"),
                                           self.config.sequence_parallel)
@@ -180,8 +191,9 @@ class Trainer:
         if st.size("pp") > 1:  # only the last stage holds the loss; share it with every stage
             dist.all_reduce(sums, group=st.group("pp"))
         # Megatron-LM's "mtp_k loss": each depth's token mean (not weighted by the factor)
-        self.mtp_losses = (sums[1:] / totals[1:1 + depths].clamp(min=1.0)).tolist()
-        return (sums[0] / num_tokens).item(), int(totals[0].item())
+        self.mtp_losses = (sums[1:].double() / totals[1:1 + depths].clamp(min=1.0)).tolist()
+        # the logged loss: the token-weighted mean over the global batch, as Megatron-LM logs
+        return sums[0].item() / weights.num_tokens, int(totals[0].item())
 
     def train_step(self):
         """One iteration; with ``--check-for-nan-in-loss-and-grad`` a NaN/inf loss or gradient
@@ -197,9 +209,6 @@ class Trainer:
         microbatches = self.data.microbatches(
             self.data.train_iter, self.batches.num_microbatches(self.consumed_samples),
             a.micro_batch_size, self.consumed_samples)
-        # MoE balancing losses: the mean over the global batch's microbatches (moe/balancing.py)
-        moe.set_aux_loss_scale(self.model_chunks, float(self.optimizer.get_loss_scale())
-                               / (global_batch_size // a.micro_batch_size))
         while self.rerun.should_run_forward_backward(self.iteration):
             for chunk in self.model_chunks:
                 chunk.train()

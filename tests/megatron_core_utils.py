@@ -78,8 +78,9 @@ def _patch_cpu():
     moe_utils.te_general_gemm = None
 
 
-def build(kind):
-    """megatron-core's GPTModel of ``kind`` (TP=1 on the gloo group already started)."""
+def build(kind, vocab=PADDED, seq=SEQ):
+    """megatron-core's GPTModel of ``kind`` (TP=1 on the gloo group already started) over a
+    ``vocab``-row embedding and ``seq`` positions."""
     import warnings
     warnings.filterwarnings("ignore")
     _patch_cpu()
@@ -101,7 +102,7 @@ def build(kind):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
         mtp_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False)
     torch.manual_seed(5)
-    return GPTModel(config, layer_spec, vocab_size=PADDED, max_sequence_length=SEQ,
+    return GPTModel(config, layer_spec, vocab_size=vocab, max_sequence_length=seq,
                     position_embedding_type=spec["position"],
                     share_embeddings_and_output_weights=spec["tied"], mtp_block_spec=mtp_spec)
 
@@ -149,9 +150,10 @@ def mtp_load_strict(rank, world, folder, tokens, labels):
     return mtp_losses(model, tokens, labels)
 
 
-def megatron_args(kind):
+def megatron_args(kind, **overrides):
     """The Namespace Megatron-LM's training pickles: its defaults (the flag census), the
-    model's flags, what its validate_args derives, and one of its enums."""
+    model's flags, what its validate_args derives, and one of its enums (``overrides``: a
+    run's own values)."""
     from megatron.core.transformer.enums import AttnBackend
     from tools.megatron_lm_convert import megatron_defaults
     values = megatron_defaults()
@@ -164,6 +166,7 @@ def megatron_args(kind):
                   consumed_train_samples=ITERATION * GBS, ckpt_format="torch_dist",
                   num_query_groups=1, **TRAIN_FLAGS)
     values.update(KINDS[kind]["args"])
+    values.update(overrides)
     return argparse.Namespace(**values)
 
 
@@ -194,7 +197,6 @@ def train_and_save(rank, world, kind, root, tokens):
 
 def _save(model, adam, kind, root):
     """Save ``model`` and its Adam as Megatron-LM's training saves at ITERATION."""
-    from megatron.core import dist_checkpointing
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer
     # its FP32Optimizer around the torch Adam (built by hand: its __init__ puts a tensor on CUDA)
@@ -206,11 +208,29 @@ def _save(model, adam, kind, root):
     state["optimizer"] = optimizer.sharded_state_dict(state["model"])
     state["opt_param_scheduler"] = scheduler_state()
     state["num_floating_point_operations_so_far"] = 0
-    folder = os.path.join(root, f"iter_{ITERATION:07d}")
+    _write(state, root, ITERATION)
+
+
+def save_checkpoint(model, optimizer, scheduler, kind, root, iteration, args):
+    """Save as Megatron-LM's training saves at ``iteration``: megatron-core's own optimizer
+    and LR scheduler, ``args`` (the run's values) over megatron_args(kind)."""
+    args = megatron_args(kind, iteration=iteration,
+                         consumed_train_samples=iteration * args["global_batch_size"], **args)
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
+             "model": model.sharded_state_dict()}
+    state["optimizer"] = optimizer.sharded_state_dict(state["model"])
+    state["opt_param_scheduler"] = scheduler.state_dict()
+    state["num_floating_point_operations_so_far"] = 0
+    _write(state, root, iteration)
+
+
+def _write(state, root, iteration):
+    from megatron.core import dist_checkpointing
+    folder = os.path.join(root, f"iter_{iteration:07d}")
     os.makedirs(folder, exist_ok=True)
     dist_checkpointing.save(state, folder)
     with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as file:
-        file.write(str(ITERATION))
+        file.write(str(iteration))
 
 
 def load_strict(rank, world, kind, folder, tokens):

@@ -82,11 +82,16 @@ def add_mtp_targets(batch, num_depths):
 
 
 def mtp_targets(batch):
-    """The (tokens, labels, loss mask) of every MTP depth a (prepared) microbatch holds, as
-    the model takes them; None when it holds none."""
+    """The (tokens, labels, loss mask, weight) of every MTP depth a (prepared) microbatch
+    holds, as the model takes them; None when it holds none. The weight of a depth's masked
+    loss sum is the training loop's (``batch["mtp_loss_weights"]``, Megatron-LM's weighting:
+    megatron_cp.loss_weighting), None without it."""
     targets = []
+    weights = batch.get("mtp_loss_weights")
     while f"{MTP_KEYS[0]}_{len(targets) + 1}" in batch:
-        targets.append(tuple(batch[f"{key}_{len(targets) + 1}"] for key in MTP_KEYS))
+        depth = len(targets)
+        targets.append(tuple(batch[f"{key}_{depth + 1}"] for key in MTP_KEYS)
+                       + (None if weights is None else weights[depth],))
     return targets or None
 
 

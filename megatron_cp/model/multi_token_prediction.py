@@ -16,11 +16,12 @@ document (data/batch.py: :func:`~megatron_cp.data.batch.add_mtp_targets`), so th
 made once, in global order, before padding and the CP split: it is exact under every CP
 type and never crosses a document.
 
-The training objective adds ``mtp_loss_scaling_factor / D * sum_k loss_k`` to the LM loss.
-``N_k`` is the number of loss-masked tokens left at depth k over the whole global batch (the
-training loop passes it: :func:`set_loss_scale`), so, as the LM loss, the MTP loss does not
-change with TP, CP, DP, PP or the number of microbatches; for one microbatch on one process it
-is Megatron-LM's loss exactly. The MTP loss reaches backward through
+The training objective adds each depth's loss weighted as Megatron-LM weights it: in one
+microbatch on its own, ``mtp_loss_scaling_factor / D * sum_k loss_k`` with ``loss_k`` the
+depth's mean over its ``N_k`` loss-masked tokens; in training, the weight of each microbatch's
+masked sum comes with the batch (:mod:`megatron_cp.loss_weighting`: Megatron-LM's default or
+``--calculate-per-token-loss``, with counts over the whole microbatch), so it does not change
+with TP, CP, DP, PP or EP. The MTP loss reaches backward through
 :class:`~megatron_cp.moe.balancing.AttachLoss` on the model's output (Megatron-LM's
 MTPLossAutoScaler), so the forward value (the LM loss) is unchanged.
 """
@@ -81,7 +82,6 @@ class MultiTokenPrediction(torch.nn.Module):
         self.layers = torch.nn.ModuleList(
             MultiTokenPredictionLayer(config, d, tp_group, cp_group, rng_tracker, device, state)
             for d in range(built))
-        self.loss_scale, self.token_counts = 1.0, None  # set per step: set_loss_scale
         self.loss_sums = None  # [D] masked CE sums of the microbatches run since the last step
 
     def forward(self, output, h, embed, loss_fn, targets, position_ids, token_index=None,
@@ -90,20 +90,24 @@ class MultiTokenPrediction(torch.nn.Module):
         attached for backward. ``h`` [s(/tp), b, h]: the decoder's normed output. ``embed``:
         tokens [b, s] -> [s(/tp), b, h] through the shared word embedding; ``loss_fn``:
         (hidden, labels) -> per-token loss [b, s] through the shared output layer.
-        ``targets``: one (tokens, labels, loss mask) [b, s] per depth."""
+        ``targets``: one (tokens, labels, loss mask [b, s], weight) per depth: the weight
+        multiplies the depth's masked loss sum in backward (None: Megatron-LM's objective of
+        this microbatch alone, the factor / D times the mean over its loss tokens)."""
         if len(targets) != self.num_depths:
             raise ValueError(f"the batch holds MTP targets for {len(targets)} depths but "
                              f"mtp_num_layers is {self.num_depths}; build the batch with "
                              f"add_mtp_targets(batch, {self.num_depths})")
         sums = []
-        for depth, (tokens, labels, mask) in enumerate(targets):
+        for depth, (tokens, labels, mask, weight) in enumerate(targets):
             layer = self.layers[depth % len(self.layers)]
             h = layer(h, embed(tokens), position_ids, token_index, document_ids, loss_mask,
                       dropout_ids)
             loss_sum = (loss_fn(h, labels) * mask).sum()
-            count = (self.token_counts[depth] if self.token_counts is not None
-                     else mask.sum().clamp(min=1.0))  # alone: Megatron's per-microbatch mean
-            output = AttachLoss.apply(output, loss_sum / count, self.loss_scale * self.weight)
+            if weight is None:
+                output = AttachLoss.apply(output, loss_sum / mask.sum().clamp(min=1.0),
+                                          self.weight)
+            else:
+                output = AttachLoss.apply(output, loss_sum, weight)
             sums.append(loss_sum.detach())
         sums = torch.stack(sums).float()  # [D]
         self.loss_sums = sums if self.loss_sums is None else self.loss_sums + sums
@@ -116,17 +120,14 @@ def mtp_blocks(model_chunks):
             if isinstance(m, MultiTokenPrediction)]
 
 
-def set_loss_scale(model_chunks, loss_scale, token_counts):
-    """Before a step's microbatches: the weight of the MTP losses in backward (the optimizer's
-    loss scale) and ``token_counts`` [D], each depth's loss-masked tokens over the global batch
-    (the divisor of its mean); the loss sums the step will report start from zero."""
+def reset_loss_sums(model_chunks):
+    """Before a step's microbatches: the loss sums the step will report start from zero."""
     for block in mtp_blocks(model_chunks):
-        block.loss_scale, block.token_counts = float(loss_scale), token_counts
         block.loss_sums = None
 
 
 def local_loss_sums(model_chunks, num_depths, device):
-    """[D] this rank's masked MTP cross-entropy sums since :func:`set_loss_scale` (zeros on a
+    """[D] this rank's masked MTP cross-entropy sums since :func:`reset_loss_sums` (zeros on a
     rank without MTP layers), to be summed over DP x CP and PP."""
     sums = torch.zeros(num_depths, dtype=torch.float32, device=device)
     for block in mtp_blocks(model_chunks):
