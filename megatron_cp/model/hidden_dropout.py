@@ -17,7 +17,8 @@ names each local token's (sample, position); nothing in the hash depends on the 
 one process, DP, TP (replicated or SP), CP, PP and recomputation draw the same bits.
 
 Cost: the [b, s_x] part of the hash is built once per site, the hidden unit absorbed last
-(one finaliser over [s_x, b, h] int64); eval mode and p == 0 skip it entirely.
+(one finaliser over [s_x, b, h] int64); eval mode and p == 0 skip it entirely. Under
+--torch-compile the mask is built eagerly (:func:`keep_mask`), the rest of the layer compiled.
 """
 from collections import namedtuple
 
@@ -90,6 +91,14 @@ def unit_hash(states, units):
     return absorb(index, states[..., None])
 
 
+# Eager even inside a --torch-compile layer: Inductor's CPU code generation vectorises these
+# int64 shifts as float vectors and fails to build (torch 2.13); eager int64 ops are exact.
+@torch.compiler.disable
+def keep_mask(key, coords, units, p):
+    """bool [s_x, b, units]: which elements of the site ``key`` are kept."""
+    return unit_hash(token_states(key, coords), units) >= keep_threshold(p)
+
+
 def hidden_dropout(x, p, training, key, coords):
     """Dropout of ``x`` [s_x, b, h] at the site ``key`` (:func:`site_key`): element (token,
     unit) is kept when its hash clears the threshold, kept ones scaled by 1/(1-p).
@@ -97,7 +106,7 @@ def hidden_dropout(x, p, training, key, coords):
     p == 0)."""
     if not training or p == 0.0:
         return x
-    keep = unit_hash(token_states(key, coords), x.shape[-1]) >= keep_threshold(p)  # [s_x, b, h]
+    keep = keep_mask(key, coords, x.shape[-1], p)  # [s_x, b, h]
     # where() keeps only the bool mask for backward, as F.dropout does
     return torch.where(keep, x * dropout_scale(p), 0.0)
 
