@@ -1,5 +1,6 @@
 """Attention dropout is the same under every layout: the hash mask, the dropout attention
-path, context-parallel attention with dropout against one process, and training losses.
+path, context-parallel attention with dropout against one process, and training losses
+(with hidden dropout on as well: Megatron-LM's defaults, hidden_dropout.py's masks).
 
 The mask is a function of (seed, layer, sample, global head, query and key position in the
 unpadded sample) only, so one process and every TP / CP / DP / PP layout (and recomputation)
@@ -22,7 +23,7 @@ from megatron_cp.initialize import initialize_model_parallel
 from megatron_cp.model import GPTModel
 from model_utils import tiny_config
 from test_context_parallel_partition import DOC_LENGTHS, make_batch
-from training_utils import TINY, max_rel_diff, train_losses
+from training_utils import NO_DROPOUT, TINY, max_rel_diff, train_losses
 
 TOL = dict(rtol=1e-5, atol=1e-5)  # fp32 sums of a few dozen terms
 
@@ -247,11 +248,11 @@ def test_eval_and_callers_without_sample_numbers():
 
 
 # ----- training: every layout reproduces one process --------------------------------------
-# --init-method-std 0.1: attention sharp enough that dropout 0.1 moves the losses by ~1e-3,
-# far beyond the tolerance, so a layout that skipped dropout would fail
-BASE = (TINY.replace("--attention-dropout 0", "--attention-dropout 0.1")
-        + " --train-iters 3 --init-method-std 0.1")
-NO_DROPOUT = BASE.replace("--attention-dropout 0.1", "--attention-dropout 0")
+# TINY's dropout (hidden and attention 0.1); --init-method-std 0.1: attention sharp enough
+# that dropout moves the losses by ~1e-3, far beyond the tolerance, so a layout that skipped
+# dropout would fail
+BASE = TINY + " --train-iters 3 --init-method-std 0.1"
+NO_DROPOUT = BASE + NO_DROPOUT
 PACKED = "--reset-attention-mask --reset-position-ids --eod-mask-loss"
 CP2, CP4 = "--context-parallel-size 2 --cp-comm-type", "--context-parallel-size 4 --cp-comm-type"
 LAYOUTS = {  # world size -> {name: (flags, packed)}

@@ -7,7 +7,9 @@ GeLU with biases, NullTokenizer --vocab-size 512, padded by TP) with the default
 dispatcher, the same with packed documents (padding under CP, EOD tokens loss-masked), and a
 Llama/DeepSeek-style MoE (RMSNorm, SwiGLU, no biases, rope, untied; sigmoid scores with the
 aux-loss-free expert bias, group-limited routing, per-sequence balancing loss, a gated shared
-expert, a dense first layer, alltoall). Layouts: EP alone and borrowing DP ranks, TP x EP with
+expert, a dense first layer, alltoall, the router's input jitter), all with Megatron-LM's
+default dropout (hidden and attention 0.1; every mask, and the jitter, follows global
+coordinates: model/hidden_dropout.py). Layouts: EP alone and borrowing DP ranks, TP x EP with
 ETP 1 and 2, EP x CP (every comm type, packed), EP x PP (also interleaved), TP(SP) x CP x PP x
 EP, full recomputation (statistics recorded once), the distributed optimizer with overlapped
 reduce-scatter and gathers, and capacity dropping under EP x DP (each rank routes whole
@@ -21,7 +23,7 @@ from training_utils import max_rel_diff
 
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
         "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 2 "
-        "--lr-decay-style cosine --hidden-dropout 0 --attention-dropout 0 --log-interval 100 "
+        "--lr-decay-style cosine --hidden-dropout 0.1 --attention-dropout 0.1 --log-interval 100 "
         "--eval-iters 0 --seed 11 --mock-data --tokenizer-type NullTokenizer --vocab-size 512 "
         "--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0.05 --moe-z-loss-coeff 0.01 "
         "--moe-ffn-hidden-size 48")
@@ -31,7 +33,8 @@ LLAMA = ("--normalization RMSNorm --swiglu --disable-bias-linear --position-embe
          "--moe-router-enable-expert-bias --moe-router-bias-update-rate 0.01 "
          "--moe-router-load-balancing-type seq_aux_loss --moe-router-num-groups 2 "
          "--moe-router-group-topk 1 --moe-shared-expert-intermediate-size 32 "
-         "--moe-shared-expert-gate --moe-token-dispatcher-type alltoall")
+         "--moe-shared-expert-gate --moe-token-dispatcher-type alltoall "
+         "--moe-input-jitter-eps 0.01")
 A2A = "--moe-token-dispatcher-type alltoall"
 REFERENCES = {
     "defaults": BASE,

@@ -21,7 +21,7 @@ STEPS = f"{TINY} --train-iters 4"
 
 def test_compiled_layers_match_eager_outputs_and_grads():
     config = tiny_config(normalization="RMSNorm", activation="swiglu", add_bias_linear=False,
-                         num_query_groups=2)  # Llama-style, with GQA
+                         num_query_groups=2, hidden_dropout=0.1)  # Llama-style, with GQA
     eager = GPTModel(config)
     compiled = GPTModel(dataclasses.replace(config, torch_compile=True))
     assert compiled.state_dict().keys() == eager.state_dict().keys()  # checkpoints unchanged
@@ -32,7 +32,7 @@ def test_compiled_layers_match_eager_outputs_and_grads():
     counters.clear()
     losses = []
     for model in (eager, compiled):
-        loss = model(tokens, positions, labels)  # [b, s]
+        loss = model(tokens, positions, labels, sample_ids=torch.tensor([3, 4]))  # [b, s]
         loss.mean().backward()
         losses.append(loss.detach())
     assert counters["stats"]["unique_graphs"] > 0, "the layers must actually be compiled"

@@ -1,4 +1,8 @@
-"""Run the real training loop inside harness workers and compare layouts' loss curves."""
+"""Run the real training loop inside harness workers and compare layouts' loss curves.
+
+``TINY`` trains with Megatron-LM's default dropout (hidden and attention 0.1): every dropout
+mask follows global coordinates, so each layout must still equal one process. A test whose
+peer runs without dropout (megatron-core, Hugging Face) appends ``NO_DROPOUT``."""
 import torch
 
 from megatron_cp.arguments import ArgumentErrors, parse_args
@@ -6,9 +10,10 @@ from megatron_cp.training import build_parallel_state, pretrain
 
 TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
         "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 2 "
-        "--lr-decay-style cosine --hidden-dropout 0 --attention-dropout 0 --mock-data "
+        "--lr-decay-style cosine --hidden-dropout 0.1 --attention-dropout 0.1 --mock-data "
         "--vocab-size 200 --make-vocab-size-divisible-by 64 --log-interval 100 --eval-iters 0 "
         "--seed 11 --position-embedding-type rope --clip-grad 1.0")
+NO_DROPOUT = " --hidden-dropout 0 --attention-dropout 0"
 
 
 def train_losses(rank, world, argv):

@@ -8,13 +8,11 @@ element (sample, head, query, key) is a pure function of where it sits in the ru
     (seed, layer number, the sample's number in the run's stream of training samples,
      the GLOBAL query head, the query's and the key's index in the unpadded sample)
 
-evaluated by a counter-based integer hash (murmur3's 32-bit finaliser, chained over those
-words). One process, TP heads, CP ring blocks / Ulysses head groups / all-gather, packed
+evaluated by the counter-based integer hash of megatron_cp/counter_hash.py (murmur3's
+32-bit finaliser, chained over those words; exact integer arithmetic, the same bits on CPU
+and CUDA). One process, TP heads, CP ring blocks / Ulysses head groups / all-gather, packed
 documents with their CP padding, DP shards, PP stages and recomputation all ask for the same
-bit of the same element, so every layout reproduces the one-process run. The hash runs in
-int64 torch ops on values below 2^32, multiplying by 16-bit halves of its constants, so no
-product reaches 2^63 (no signed overflow) and every shift is of a non-negative value
-(arithmetic and logical shifts agree): exact, and the same bits on CPU and CUDA. No float.
+bit of the same element, so every layout reproduces the one-process run.
 
 Blockwise softmax with dropout. For one query row with scores S_j over its visible keys j:
 
@@ -40,8 +38,8 @@ import torch
 
 from megatron_cp.context_parallel import comm
 from megatron_cp.context_parallel.reference import NEG_INF, attention_mask
+from megatron_cp.counter_hash import absorb, absorb_64, dropout_scale, keep_threshold
 
-MASK32 = 0xFFFFFFFF
 MAX_TILE_SCORES = 1 << 22  # scores [b, nh, rows, sk] of one query tile (and its int64 hash)
 
 AttentionDropout = namedtuple("AttentionDropout", "p key samples heads positions")
@@ -58,50 +56,19 @@ the padded sample: causality), ``docs`` (document ids or None) and ``positions``
 coordinate)."""
 
 
-def _mul32(x, c):
-    """(x * c) mod 2^32 for x in [0, 2^32) (an int64 tensor or an int) and a 32-bit constant:
-    by the 16-bit halves of c, so every intermediate stays below 2^49."""
-    low = x * (c & 0xFFFF)
-    high = ((x * (c >> 16)) & 0xFFFF) << 16
-    return (low + high) & MASK32
-
-
-def _mix(x):
-    """murmur3's 32-bit finaliser: a bijection of [0, 2^32) in which every input bit flips
-    each output bit with probability about 1/2."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = _mul32(x, 0xC2B2AE35)
-    return x ^ (x >> 16)
-
-
-def _absorb(word, state):
-    """Hash ``word`` (its low 32 bits; negative ints in two's complement) into ``state``."""
-    return _mix((word & MASK32) ^ state)
-
-
 def dropout_key(seed, layer_number):
     """The (seed, layer) part of the hash, a 32-bit int: the same on every rank."""
-    state = _absorb(seed, 0x9E3779B9)
-    state = _absorb(seed >> 32, state)
-    return _absorb(layer_number, state)
-
-
-def keep_threshold(p):
-    """Hash values at or above this are kept: P(keep) = 1 - p up to 2^-32."""
-    return min(int(round(p * 2.0 ** 32)), 2 ** 32)
+    return absorb(layer_number, absorb_64(seed, 0x9E3779B9))
 
 
 def element_hash(key, samples, heads, q_positions, k_positions):
     """int64 [b, nh, sq, sk] in [0, 2^32): the hash of every element (sample, head, query,
     key). key: :func:`dropout_key`; samples [b] int64 (>= 0); heads [nh] int64; q_positions
     [b, sq] / k_positions [b, sk] int64: the coordinates (see the module docstring)."""
-    state = _absorb(samples, key)  # [b]
-    state = _absorb(samples >> 32, state)
-    state = _absorb(heads[None, :], state[:, None])  # [b, nh]
-    state = _absorb(q_positions[:, None, :], state[:, :, None])  # [b, nh, sq]
-    return _absorb(k_positions[:, None, None, :], state[..., None])  # [b, nh, sq, sk]
+    state = absorb_64(samples, key)  # [b]
+    state = absorb(heads[None, :], state[:, None])  # [b, nh]
+    state = absorb(q_positions[:, None, :], state[:, :, None])  # [b, nh, sq]
+    return absorb(k_positions[:, None, None, :], state[..., None])  # [b, nh, sq, sk]
 
 
 def keep_mask(key, p, samples, heads, q_positions, k_positions):
@@ -115,8 +82,7 @@ def _keep_multiplier(dropout, q_side, k_side, num_kv):
     keep = keep_mask(dropout.key, dropout.p, dropout.samples, dropout.heads, q_side.positions,
                      k_side.positions)  # [b, nh, sq, sk]
     b, nh, sq, sk = keep.shape
-    scale = 0.0 if dropout.p >= 1.0 else 1.0 / (1.0 - dropout.p)  # p = 1 drops everything
-    return keep.view(b, num_kv, nh // num_kv, sq, sk).float() * scale
+    return keep.view(b, num_kv, nh // num_kv, sq, sk).float() * dropout_scale(dropout.p)
 
 
 def _tiles(q, k):

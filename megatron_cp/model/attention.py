@@ -9,8 +9,6 @@ core attention then runs locally or, with context parallelism, through
 each element sits in the run (``DropoutIds``, the layer, the global head), so it is the same
 under every layout (context_parallel/dropout.py).
 """
-from collections import namedtuple
-
 import torch
 import torch.distributed as dist
 
@@ -18,22 +16,9 @@ from megatron_cp import tensor_parallel as tpar
 from megatron_cp.context_parallel import (AttentionDropout, ContextParallelAttention,
                                           attention_kernel, dropout_key, local_attention)
 from megatron_cp.model.fused import norm_for
+from megatron_cp.model.hidden_dropout import DropoutIds, fresh_samples
 from megatron_cp.model.rotary import RotaryEmbedding
 from megatron_cp.weight_hash import check_replicas_equal
-
-DropoutIds = namedtuple("DropoutIds", "samples positions")
-DropoutIds.__doc__ = """Where a microbatch's tokens sit in the run, for attention dropout:
-``samples`` [b] int64 (each sample's number in the run's stream of training samples; None:
-a fresh random number per call) and ``positions`` [b, s_local] int64 (each token's index in
-its unpadded sample; None: the token index is that)."""
-
-
-def _fresh_samples(b, device):
-    """Sample numbers for a caller that gave none: b consecutive numbers from a random start
-    (the default generator, the same on every rank that seeds it alike; recomputation
-    restores it, so a recomputed call draws the same)."""
-    start = int(torch.randint(2 ** 62, ()))
-    return torch.arange(start, start + b, device=device)
 
 
 class AttentionCore(torch.nn.Module):
@@ -66,7 +51,7 @@ class AttentionCore(torch.nn.Module):
             return None
         if ids is None:
             ids = DropoutIds(None, None)
-        samples = _fresh_samples(q.shape[0], q.device) if ids.samples is None else ids.samples
+        samples = fresh_samples(q.shape[0], q.device) if ids.samples is None else ids.samples
         heads = torch.arange(self.local_heads, device=q.device) + self.first_head  # [nh/tp]
         return AttentionDropout(p, self.dropout_key, samples, heads, ids.positions)
 

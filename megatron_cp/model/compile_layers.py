@@ -15,7 +15,9 @@ What stays eager: ``SelfAttention.core_attention``, behind ``torch.compiler.disa
 one fused attention kernel either way, and everything context parallelism does there (ring
 and Ulysses autograd Functions with p2p / all-to-all inside, block plans decided from token
 metadata on the host, the attention-dropout hash mask) then runs exactly as in eager mode, for
-every ``--cp-comm-type``. The layer becomes two graphs, before and after attention.
+every ``--cp-comm-type``. The layer becomes two graphs, before and after attention; with hidden
+dropout its hash mask (model/hidden_dropout.py ``keep_mask``) is eager too, one more break at
+each of the layer's two dropouts.
 """
 import torch
 

@@ -10,16 +10,21 @@ embedding and the output layer; a last stage without the embedding embeds throug
 (the tied output weight, or with untied embeddings ``mtp_word_embeddings``, a
 ``shared_embedding`` copy as Megatron-LM keeps one there). The word embedding and the
 output layer weight (any copy) are marked ``is_embedding_or_output_parameter``, Megatron-LM's
-mark: the optimizer gives them --decoupled-lr and keeps them from Muon.
+mark: the optimizer gives them --decoupled-lr and keeps them from Muon. Every dropout
+(embedding, layers, attention) draws its mask from each element's global coordinates
+(``DropoutIds`` from the batch: hidden_dropout.py), so every layout equals one process.
 """
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from megatron_cp import tensor_parallel as tpar
-from megatron_cp.model.attention import DropoutIds
 from megatron_cp.model.fused import norm_for
+from megatron_cp.model.hidden_dropout import (SITE_EMBEDDING, DropoutIds, hidden_dropout,
+                                              sequence_shard, site_key, token_coordinates)
 from megatron_cp.model.multi_token_prediction import MultiTokenPrediction
-from megatron_cp.model.transformer import TransformerBlock, dropout, mark_sequence_parallel
+from megatron_cp.model.transformer import TransformerBlock, mark_sequence_parallel
 
 WORD_EMBEDDING_KEY = "embedding.word_embeddings"
 
@@ -55,7 +60,9 @@ class Embedding(torch.nn.Module):
                 weight.to(dtype=config.params_dtype, device=device))
             self.position_embeddings.sequence_parallel = self.sequence_parallel
 
-    def forward(self, tokens, position_ids):
+    def forward(self, tokens, position_ids, dropout_ids=None, depth=0):
+        """``dropout_ids``: a DropoutIds or None; ``depth``: 0 for the model's input, k for
+        MTP depth k's lookup (each its own dropout site)."""
         h = self.word_embeddings(tokens)  # [s(/tp), b, h]
         if self.position_embeddings is not None:
             pos = F.embedding(position_ids, self.position_embeddings).transpose(0, 1)  # [s, b, h]
@@ -65,16 +72,21 @@ class Embedding(torch.nn.Module):
                 chunk = pos.shape[0] // tp_size
                 pos = pos[tp_rank * chunk:(tp_rank + 1) * chunk]  # [s/tp, b, h]
             h = h + pos
-        return finish_embedding(h, self.config, self.training, self.sequence_parallel,
-                                self.rng_tracker)
+        return finish_embedding(h, self.config, self.training, self.tp_group, dropout_ids, depth)
 
 
-def finish_embedding(h, config, training, sequence_parallel, rng_tracker):
+def finish_embedding(h, config, training, tp_group, dropout_ids, depth):
     """Embedded tokens [s(/tp), b, h] -> what the first layer gets: muP's input multiplier,
-    then hidden dropout (also for MTP's lookups on a last stage without the embedding)."""
+    then hidden dropout at embedding site ``depth`` (also for MTP's lookups on a last stage
+    without the embedding)."""
     if config.use_mup and config.mup_embedding_mult != 1.0:
         h = h * config.mup_embedding_mult
-    return dropout(h, config.hidden_dropout, training, sequence_parallel, rng_tracker)
+    if not training or config.hidden_dropout == 0.0:
+        return h
+    shard = sequence_shard(tp_group, config.sequence_parallel)
+    return hidden_dropout(h, config.hidden_dropout, training,
+                          site_key(config.seed, SITE_EMBEDDING, depth),
+                          token_coordinates(dropout_ids, h, shard))
 
 
 class GPTModel(torch.nn.Module):
@@ -189,25 +201,25 @@ class GPTModel(torch.nn.Module):
             loss = tpar.vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group)  # [s, b]
         return loss.t().contiguous()  # [b, s]
 
-    def _embed(self, tokens):
-        """tokens [b, s] -> [s(/tp), b, h] through the word embedding (for MTP; a last stage
-        without the embedding looks them up in its copy of the table: the tied output weight,
-        or with untied embeddings ``mtp_word_embeddings``)."""
+    def _embed(self, tokens, depth, dropout_ids=None):
+        """tokens [b, s] -> [s(/tp), b, h] through the word embedding for MTP depth ``depth``
+        (1..D: its own dropout site); a last stage without the embedding looks them up in its
+        copy of the table: the tied output weight, or with untied embeddings
+        ``mtp_word_embeddings``."""
         if self.pre_process:
-            return self.embedding(tokens, None)
+            return self.embedding(tokens, None, dropout_ids, depth)
         table = self.output_layer.weight if self.mtp_word_embeddings is None \
             else self.mtp_word_embeddings.weight
         h = tpar.vocab_parallel_embedding(tokens, table, self.tp_group, self.sequence_parallel)
-        return finish_embedding(h, self.config, self.training, self.sequence_parallel,
-                                self.rng_tracker)
+        return finish_embedding(h, self.config, self.training, self.tp_group, dropout_ids, depth)
 
     def forward(self, tokens, position_ids, labels=None, token_index=None, document_ids=None,
                 loss_mask=None, sample_ids=None, unpadded_index=None, mtp_targets=None):
+        dropout_ids = DropoutIds(sample_ids, unpadded_index)
         if self.pre_process:
-            h = self.embedding(tokens, position_ids)  # [s(/tp), b, h]
+            h = self.embedding(tokens, position_ids, dropout_ids)  # [s(/tp), b, h]
         else:
             h = self.input_tensor
-        dropout_ids = DropoutIds(sample_ids, unpadded_index)
         h = self.decoder(h, position_ids, token_index, document_ids, loss_mask, dropout_ids)
         if not self.post_process:
             # An empty stage (a layout's "||") passes its input on as a view: the schedule
@@ -218,6 +230,7 @@ class GPTModel(torch.nn.Module):
             return self._logits(h)  # [s, b, v/tp]
         loss = self._loss(h, labels)  # [b, s]
         if self.mtp is not None and mtp_targets is not None:
-            loss = self.mtp(loss, h, self._embed, self._loss, mtp_targets, position_ids,
+            embed = functools.partial(self._embed, dropout_ids=dropout_ids)
+            loss = self.mtp(loss, h, embed, self._loss, mtp_targets, position_ids,
                             token_index, document_ids, loss_mask, dropout_ids)
         return loss

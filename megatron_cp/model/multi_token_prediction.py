@@ -59,14 +59,14 @@ class MultiTokenPredictionLayer(torch.nn.Module):
             mark_sequence_parallel(norm, config.sequence_parallel)
 
     def forward(self, h, embedded, position_ids, token_index, document_ids, loss_mask,
-                dropout_ids):
+                dropout_ids, site_number=None):
         x = torch.cat([self.enorm(embedded), self.hnorm(h)], dim=-1)  # [s(/tp), b, 2h]
         x = self.eh_proj(x)  # [s, b, h/tp]
         x = tpar.gather_from_tensor_model_parallel_region(x, self.tp_group)  # [s, b, h]
         if self.sequence_parallel:
             x = tpar.scatter_to_sequence_parallel_region(x, self.tp_group)  # [s/tp, b, h]
         x = self.mtp_model_layer(x, position_ids, token_index, document_ids, loss_mask,
-                                 dropout_ids)
+                                 dropout_ids, site_number)
         return self.final_layernorm(x)
 
 
@@ -77,6 +77,7 @@ class MultiTokenPrediction(torch.nn.Module):
     def __init__(self, config, tp_group, cp_group, rng_tracker, device=None, state=None):
         super().__init__()
         self.num_depths = config.mtp_num_layers
+        self.first_layer_number = config.num_layers  # depth d's layer: num_layers + d
         self.weight = config.mtp_loss_scaling_factor / self.num_depths
         built = 1 if config.mtp_use_repeated_layer else self.num_depths
         self.layers = torch.nn.ModuleList(
@@ -88,7 +89,8 @@ class MultiTokenPrediction(torch.nn.Module):
                 document_ids=None, loss_mask=None, dropout_ids=None):
         """``output``: the model's per-token LM loss [b, s], returned with every depth's loss
         attached for backward. ``h`` [s(/tp), b, h]: the decoder's normed output. ``embed``:
-        tokens [b, s] -> [s(/tp), b, h] through the shared word embedding; ``loss_fn``:
+        (tokens [b, s], depth 1..D) -> [s(/tp), b, h] through the shared word embedding (each
+        depth its own dropout site); ``loss_fn``:
         (hidden, labels) -> per-token loss [b, s] through the shared output layer.
         ``targets``: one (tokens, labels, loss mask [b, s], weight) per depth: the weight
         multiplies the depth's masked loss sum in backward (None: Megatron-LM's objective of
@@ -100,8 +102,10 @@ class MultiTokenPrediction(torch.nn.Module):
         sums = []
         for depth, (tokens, labels, mask, weight) in enumerate(targets):
             layer = self.layers[depth % len(self.layers)]
-            h = layer(h, embed(tokens), position_ids, token_index, document_ids, loss_mask,
-                      dropout_ids)
+            # a repeated layer draws each depth's dropout apart: numbered as that depth's own
+            number = self.first_layer_number + depth
+            h = layer(h, embed(tokens, depth + 1), position_ids, token_index, document_ids,
+                      loss_mask, dropout_ids, number)
             loss_sum = (loss_fn(h, labels) * mask).sum()
             if weight is None:
                 output = AttachLoss.apply(output, loss_sum / mask.sum().clamp(min=1.0),

@@ -4,12 +4,13 @@ A stack holds any contiguous (or, for virtual pipeline stages, any) set of GLOBA
 numbers, so a pipeline stage builds exactly the layers it owns with the weights the
 single-process model would have. Full activation recomputation checkpoints whole layers
 (uniform chunks or the first N, Megatron's ``--recompute-method``). With ``--torch-compile``
-each layer is compiled on its own (see compile_layers.py).
+each layer is compiled on its own (see compile_layers.py). Hidden dropout after attention
+and after the MLP draws its mask from each element's global coordinates (hidden_dropout.py),
+so every layout and recomputation drop the same elements.
 """
 import contextlib
 
 import torch
-import torch.nn.functional as F
 
 from megatron_cp import tensor_parallel as tpar
 from megatron_cp.activation_offload import offloader_for
@@ -17,21 +18,12 @@ from megatron_cp.model.attention import SelfAttention
 from megatron_cp.model.compile_layers import compile_layer
 from megatron_cp.model.fused import norm_for
 from megatron_cp.model.gated_delta_net import GatedDeltaNet
+from megatron_cp.model.hidden_dropout import (SITE_ATTENTION, SITE_MLP, hidden_dropout,
+                                              sequence_shard, site_key, token_coordinates)
 from megatron_cp.model.mlp import MLP, chunked_mlp
 from megatron_cp.model.multi_latent_attention import MultiLatentAttention
 # a module reference: megatron_cp.moe.layer imports the MLP from this package (import cycle)
 import megatron_cp.moe.layer as moe_layer
-
-
-def dropout(x, p, training, sequence_parallel, rng_tracker):
-    """Hidden dropout; under SP each TP rank holds different tokens, so masks come from the
-    per-TP-rank RNG state."""
-    if p == 0.0 or not training:
-        return x
-    if sequence_parallel:
-        with rng_tracker.fork():
-            return F.dropout(x, p, True)
-    return F.dropout(x, p, True)
 
 
 def mark_sequence_parallel(module, sequence_parallel):
@@ -54,6 +46,7 @@ class TransformerLayer(torch.nn.Module):
         prefix = prefix or f"decoder.layers.{layer_number}"
         kind_of = layer_number if kind_of is None else kind_of
         self.config, self.rng_tracker, self.layer_number = config, rng_tracker, layer_number
+        self.shard = sequence_shard(tp_group, config.sequence_parallel)  # of the local sequence
         self.input_layernorm = norm_for(config, config.hidden_size, device)
         hierarchical = None  # the a2a+p2p sub-groups, when the state was built with them
         if state is not None and state.group("hcp_inner") is not None:
@@ -77,19 +70,28 @@ class TransformerLayer(torch.nn.Module):
         mark_sequence_parallel(self.pre_mlp_layernorm, config.sequence_parallel)
 
     def forward(self, x, position_ids, token_index=None, document_ids=None, loss_mask=None,
-                dropout_ids=None):
+                dropout_ids=None, site_number=None):
+        """x [s(/tp), b, h] -> same shape. ``dropout_ids``: a DropoutIds or None;
+        ``site_number``: the number its random draws are keyed by (default the layer number;
+        a repeated MTP layer passes each depth's)."""
         c = self.config
+        number = self.layer_number if site_number is None else site_number
+        coords = None  # built only when something is drawn
+        if self.training and (c.hidden_dropout > 0 or (self.is_moe and c.moe_input_jitter_eps)):
+            coords = token_coordinates(dropout_ids, x, self.shard)
         attn = self.self_attention(self.input_layernorm(x), position_ids, token_index, document_ids,
                                    dropout_ids)
-        x = x + dropout(attn, c.hidden_dropout, self.training, c.sequence_parallel, self.rng_tracker)
+        x = x + hidden_dropout(attn, c.hidden_dropout, self.training,
+                               site_key(c.seed, SITE_ATTENTION, number), coords)
         h = self.pre_mlp_layernorm(x)
         if self.is_moe:
-            mlp = self.mlp(h, loss_mask)
+            mlp = self.mlp(h, loss_mask, coords, number)
         elif c.mlp_chunks_for_training > 1 and self.training:
             mlp = chunked_mlp(self.mlp, h, c.mlp_chunks_for_training, self.rng_tracker)
         else:
             mlp = self.mlp(h)
-        return x + dropout(mlp, c.hidden_dropout, self.training, c.sequence_parallel, self.rng_tracker)
+        return x + hidden_dropout(mlp, c.hidden_dropout, self.training,
+                                  site_key(c.seed, SITE_MLP, number), coords)
 
 
 class TransformerBlock(torch.nn.Module):

@@ -6,13 +6,17 @@ flattened to ``[T, h]`` (row ``t = i * b + j`` is position ``i`` of sequence ``j
 without sequence parallelism hold the same tokens, so each takes a contiguous share of them
 and the shares are gathered after: every rank of the TP x CP group then routes distinct
 tokens of the microbatch (the group the balancing losses sum over), which is also what
-sequence parallelism gives. The expert mesh (EDP x EP x ETP inside a pipeline stage) comes
+sequence parallelism gives. The router's input jitter (training) is keyed by each token's
+global coordinates (model/hidden_dropout.py), so every layout jitters the same tokens alike.
+The expert mesh (EDP x EP x ETP inside a pipeline stage) comes
 from the ParallelState: experts are split over EP, their hidden size over ETP.
 """
 import torch
 import torch.nn.functional as F
 
 from megatron_cp import tensor_parallel as tpar
+from megatron_cp.model.hidden_dropout import (SITE_JITTER, sequence_shard, site_key,
+                                              token_coordinates, token_states)
 from megatron_cp.model.mlp import MLP
 from megatron_cp.moe import comm
 from megatron_cp.moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher
@@ -29,7 +33,8 @@ def _size_rank(state, name):
 
 
 class MoELayer(torch.nn.Module):
-    """x [s(/tp), b, h] (+ loss_mask [b, s] of this CP rank) -> [s(/tp), b, h]."""
+    """x [s(/tp), b, h] (+ loss_mask [b, s] of this CP rank, and for the input jitter the
+    Coordinates of x and the layer number) -> [s(/tp), b, h]."""
 
     def __init__(self, config, prefix, state, rng_tracker, device=None):
         super().__init__()
@@ -71,12 +76,24 @@ class MoELayer(torch.nn.Module):
             mask = mask[self.tp_rank * length:(self.tp_rank + 1) * length]  # [s/tp, b]
         return mask.reshape(-1).float()
 
+    def _jitter_states(self, x, coords, layer_number):
+        """int64 [T] hash states of the router's input jitter (row t = i * b + j, as the
+        tokens), or None when there is no jitter."""
+        if not (self.training and self.config.moe_input_jitter_eps):
+            return None
+        if coords is None:  # a caller without coordinates: the fallback's
+            coords = token_coordinates(None, x, sequence_shard(self.tp_group,
+                                                               self.sequence_parallel))
+        key = site_key(self.config.seed, SITE_JITTER, layer_number)
+        return token_states(key, coords).reshape(-1)  # [s(/tp), b] -> [T]
+
     @torch.compiler.disable  # host-side counts and uneven collectives: eager under --torch-compile
-    def forward(self, x, loss_mask=None):
+    def forward(self, x, loss_mask=None, coords=None, layer_number=0):
         length, batch, hidden = x.shape
         tokens = x.reshape(-1, hidden)  # [T, h], T = length * b
         weights = self._token_weights(loss_mask, length, batch, x.device)  # [T]
         seq_ids = torch.arange(batch, device=x.device).repeat(length)  # [T]
+        jitter = self._jitter_states(x, coords, layer_number)  # [T] or None
         split = self.tp_size > 1 and not self.sequence_parallel
         if split:  # TP ranks hold the same tokens: each routes its share (module docstring)
             counts = comm.even_counts(tokens.shape[0], self.tp_size)
@@ -84,7 +101,8 @@ class MoELayer(torch.nn.Module):
             own = slice(start, start + counts[self.tp_rank])
             tokens = comm.split_rows(tokens, counts, self.tp_group)  # [T/tp, h]
             weights, seq_ids = weights[own], seq_ids[own]
-        probs, routing_map = self.router(tokens, weights, seq_ids, batch)  # [T', E] each
+            jitter = None if jitter is None else jitter[own]
+        probs, routing_map = self.router(tokens, weights, seq_ids, batch, jitter)  # [T', E] each
         out = self.dispatcher(tokens, probs, routing_map, self.experts)  # [T', h]
         if split:
             out = comm.gather_replicated_rows(out, counts, self.tp_group)  # [T, h]

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_cp import tensor_parallel as tpar
+from megatron_cp.model.hidden_dropout import uniform_multiplier
 from megatron_cp.moe.balancing import AttachLoss, aux_loss, sinkhorn, z_loss
 from megatron_cp.moe.routing import (apply_capacity, expert_capacity, scores_for_balancing,
                                      sinkhorn_routing, topk_routing)
@@ -61,15 +62,20 @@ class TopKRouter(torch.nn.Module):
         if self.expert_bias is not None:
             self.bias_counts = counts.double() + (0 if self.bias_counts is None else self.bias_counts)
 
-    def forward(self, tokens, weights, seq_ids, num_seqs):
+    def forward(self, tokens, weights, seq_ids, num_seqs, jitter_states=None):
         """``tokens`` [T, h]; ``weights`` [T] (1 for tokens the losses count); ``seq_ids`` [T]
-        the microbatch row of each token, of ``num_seqs`` rows."""
+        the microbatch row of each token, of ``num_seqs`` rows; ``jitter_states`` [T] int64:
+        each token's hash state for --moe-input-jitter-eps (MoELayer's), needed in training."""
         c = self.config
         dtype = ROUTER_DTYPES[c.moe_router_dtype] or tokens.dtype
         x = tokens.to(dtype)
         if self.training and c.moe_input_jitter_eps:
-            eps = c.moe_input_jitter_eps
-            x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
+            if jitter_states is None:
+                raise ValueError("--moe-input-jitter-eps: the router needs each token's jitter "
+                                 "states (MoELayer passes them)")
+            # a function of the token's global coordinates, not of an RNG stream (layer.py)
+            x = x * uniform_multiplier(jitter_states, x.shape[-1], c.moe_input_jitter_eps,
+                                       dtype)  # [T, h]
         logits = F.linear(x, self.weight.to(dtype))  # [T, E]
         if c.moe_router_load_balancing_type == "sinkhorn":
             indices = None  # evaluation: the plain top-k
