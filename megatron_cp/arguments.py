@@ -431,7 +431,10 @@ def parse_args(argv=None, world_size=1, extra_args_provider=None, inference=Fals
         raise ArgumentErrors(problems)
     if args.use_checkpoint_args:
         _take_checkpoint_args(args, parser, argv, inference)
-    return validate_args(args, world_size, inference, problems)
+    notes = _old_checkpoint_defaults(args, parser, argv)
+    args = validate_args(args, world_size, inference, problems)
+    args.compat_notes = list(args.compat_notes) + notes
+    return args
 
 
 def _parse_collecting(parser, argv):
@@ -492,6 +495,25 @@ def _take_checkpoint_args(args, parser, argv, inference=False):
     from megatron_cp.checkpoint.load_save import saved_args
     take_checkpoint_args(args, saved_args(args.load, args.ckpt_step), given_on_command_line(parser, argv),
                          inference)
+
+
+def _old_checkpoint_defaults(args, parser, argv):
+    """A checkpoint of an earlier megatron_cp under ``--load`` keeps computing what it was
+    trained with where a default has changed since (:mod:`megatron_cp.checkpoint.old_defaults`);
+    returns the banner's notes. A checkpoint that cannot be read is left to the load, which
+    says why."""
+    if not args.load:
+        return []
+    from megatron_cp.checkpoint import files
+    from megatron_cp.checkpoint.load_save import saved_args
+    from megatron_cp.checkpoint.old_defaults import apply_old_defaults
+    try:
+        if files.load_iteration(args.load, args.ckpt_step) is None:
+            return []
+        saved = saved_args(args.load, args.ckpt_step)
+    except (OSError, ValueError, KeyError, RuntimeError):
+        return []
+    return apply_old_defaults(args, saved, given_on_command_line(parser, argv))
 
 
 class _Checks:

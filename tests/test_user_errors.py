@@ -68,12 +68,13 @@ def _mistakes(tmp):
         ("--fp8-format hybrid", "--fp8-format hybrid: FP8 training needs Transformer Engine's "
                                 "fp8 layers"),
         ("--cuda-graph-impl local", "--cuda-graph-impl local: CUDA graph capture is not built"),
-        ("--num-experts 4 --moe-ncclep-zero-copy",
+        ("--num-experts 4 --no-bias-gelu-fusion --moe-ncclep-zero-copy",
          "--moe-ncclep-zero-copy: the NCCL EP dispatcher's fixed receive buffers"),
         ("--use-nccl-ub", "--use-nccl-ub: it needs NCCL user-buffer"),
         ("--decoupled-min-lr 1e-4", "--decoupled-min-lr (0.0001) is the end of the decoupled "
                                     "learning rate's decay: add --decoupled-lr"),
-        ("--num-experts 4 --moe-router-load-balancing-type sinkhorn --moe-aux-loss-coeff 0.01",
+        ("--num-experts 4 --no-bias-gelu-fusion --moe-router-load-balancing-type sinkhorn "
+         "--moe-aux-loss-coeff 0.01",
          "--moe-router-load-balancing-type 'sinkhorn' balances without a loss, so "
          "--moe-aux-loss-coeff (0.01) must be 0"),
         ("--save-retain-interval 3", "--save-retain-interval (3) keeps the checkpoints at its "
