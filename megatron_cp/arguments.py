@@ -266,6 +266,10 @@ def _data_args(g):
     g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json.")
     g.add_argument("--merge-file", default=None, help="GPT-2 merges.txt.")
     g.add_argument("--vocab-size", type=int, default=None, help="Vocab size for NullTokenizer.")
+    g.add_argument("--tokenizer-hf-no-include-special-tokens", action="store_true",
+                   help="HuggingFaceTokenizer: encode text without the special tokens (bos, "
+                        "...) the tokenizer adds, and decode without them (Megatron-LM's "
+                        "default includes them).")
     g.add_argument("--reset-position-ids", action="store_true", help="Restart position ids after each EOD.")
     g.add_argument("--reset-attention-mask", action="store_true", help="Keep attention inside documents.")
     g.add_argument("--eod-mask-loss", action="store_true", help="No loss on EOD tokens.")

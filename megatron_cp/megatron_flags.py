@@ -355,8 +355,6 @@ AS_IS = (  # (why, flags): accepted, they select what megatron_cp does anyway
     ("an async save already copies every tensor to CPU memory before the writer thread "
      "starts, so no CUDA IPC handles are used",
      ("--async-ckpt-use-cpu-shm",)),
-    ("text given to a HuggingFace tokenizer is always encoded with add_special_tokens=False",
-     ("--tokenizer-hf-no-include-special-tokens",)),
     ("tokenizer flags given on the command line always take precedence over the ones saved "
      "in the checkpoint",
      ("--no-use-tokenizer-model-from-checkpoint-args",)),
