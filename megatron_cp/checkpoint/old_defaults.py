@@ -11,14 +11,24 @@ from dataclasses import dataclass
 from typing import Callable
 
 
+def _always(saved):
+    return True
+
+
 @dataclass(frozen=True)
 class OldDefault:
     """One changed default: ``key`` missing from a checkpoint's saved arguments means it was
     saved before the change; ``value(saved)`` is what that version computed; ``note`` is the
-    banner's line when the run takes it."""
+    banner's line when the run takes it and ``shows(saved)``: the setting changes what that
+    model computes (else it is taken without a word)."""
     key: str
     value: Callable[[dict], object]
     note: str
+    shows: Callable[[dict], bool] = _always
+
+
+def _has_gelu(saved):
+    return not saved.get("swiglu") and not saved.get("squared_relu")
 
 
 def _earlier_gelu(saved):
@@ -38,20 +48,20 @@ def _earlier_gelu(saved):
 OLD_DEFAULTS = (
     OldDefault("bias_gelu_fusion", _earlier_gelu,
                "the checkpoint was trained with the exact (erf) GELU of megatron_cp's earlier "
-               "default; resuming with it (--no-bias-gelu-fusion)"),
+               "default; resuming with it (--no-bias-gelu-fusion)", _has_gelu),
 )
 
 
 def with_old_defaults(saved):
     """``(saved arguments, rows)``: ``saved`` (a checkpoint's arguments, a dict) with every
     :data:`OLD_DEFAULTS` key it lacks set to what the version that saved it computed, and
-    ``(key, note)`` of each row it lacked."""
-    saved, notes = dict(saved), []
+    ``(key, note)`` of each row it lacked (note None: nothing to say for this model)."""
+    saved, rows = dict(saved), []
     for row in OLD_DEFAULTS:
         if row.key not in saved:
+            rows.append((row.key, row.note if row.shows(saved) else None))
             saved[row.key] = row.value(saved)
-            notes.append((row.key, row.note))
-    return saved, notes
+    return saved, rows
 
 
 def apply_old_defaults(args, saved, given):
@@ -63,5 +73,6 @@ def apply_old_defaults(args, saved, given):
     for key, note in rows:
         if key not in given and getattr(args, key, None) != upgraded[key]:
             setattr(args, key, upgraded[key])
-            notes.append(note)
+            if note:
+                notes.append(note)
     return notes
