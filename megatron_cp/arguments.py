@@ -272,10 +272,16 @@ def _data_args(g):
     g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json.")
     g.add_argument("--merge-file", default=None, help="GPT-2 merges.txt.")
     g.add_argument("--vocab-size", type=int, default=None, help="Vocab size for NullTokenizer.")
+    g.add_argument("--tokenizer-hf-no-include-special-tokens", action="store_true",
+                   help="HuggingFaceTokenizer: encode text without the special tokens (bos, "
+                        "...) the tokenizer adds, and decode without them (Megatron-LM's "
+                        "default includes them).")
     g.add_argument("--reset-position-ids", action="store_true", help="Restart position ids after each EOD.")
     g.add_argument("--reset-attention-mask", action="store_true", help="Keep attention inside documents.")
     g.add_argument("--eod-mask-loss", action="store_true", help="No loss on EOD tokens.")
-    g.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes.")
+    g.add_argument("--num-workers", type=int, default=2,
+                   help="DataLoader worker processes per rank (Megatron-LM's default 2; 0: the rank "
+                        "reads its samples itself).")
     add_fim_args(g)
 
 
@@ -437,7 +443,10 @@ def parse_args(argv=None, world_size=1, extra_args_provider=None, inference=Fals
         raise ArgumentErrors(problems)
     if args.use_checkpoint_args:
         _take_checkpoint_args(args, parser, argv, inference)
-    return validate_args(args, world_size, inference, problems)
+    notes = _old_checkpoint_defaults(args, parser, argv)
+    args = validate_args(args, world_size, inference, problems)
+    args.compat_notes = list(args.compat_notes) + notes
+    return args
 
 
 def _parse_collecting(parser, argv):
@@ -500,6 +509,25 @@ def _take_checkpoint_args(args, parser, argv, inference=False):
                          inference)
 
 
+def _old_checkpoint_defaults(args, parser, argv):
+    """A checkpoint of an earlier megatron_cp under ``--load`` keeps computing what it was
+    trained with where a default has changed since (:mod:`megatron_cp.checkpoint.old_defaults`);
+    returns the banner's notes. A checkpoint that cannot be read is left to the load, which
+    says why."""
+    if not args.load:
+        return []
+    from megatron_cp.checkpoint import files
+    from megatron_cp.checkpoint.load_save import saved_args
+    from megatron_cp.checkpoint.old_defaults import apply_old_defaults
+    try:
+        if files.load_iteration(args.load, args.ckpt_step) is None:
+            return []
+        saved = saved_args(args.load, args.ckpt_step)
+    except (OSError, ValueError, KeyError, RuntimeError):
+        return []
+    return apply_old_defaults(args, saved, given_on_command_line(parser, argv))
+
+
 class _Checks:
     """Runs checks and keeps every failure: each ValueError (or ArgumentErrors' lines) is a
     line, and ``run`` says whether the check passed so the checks that build on its derived
@@ -544,7 +572,7 @@ def validate_args(args, world_size, inference=False, problems=()):
     if args.deterministic_mode and args.attention_kernel == "auto":
         args.attention_kernel = "torch"  # the fused kernels' backward accumulates atomically
     names = flag_names(parser)
-    checks.run(_validate_model, args, names)
+    checks.run(_validate_model, args, names, sizes_ok)
     checks.run(_validate_sequence_split, args)
     if inference:
         args.train_iters = args.train_iters or 0
@@ -661,8 +689,7 @@ def _validate_sequence_split(args):
 COUNT_MINIMUMS = (("micro_batch_size", 1), ("global_batch_size", 1), ("log_interval", 1),
                   ("train_iters", 0), ("train_samples", 1), ("eval_iters", 0),
                   ("eval_interval", 0), ("save_interval", 0), ("eval_global_batch_size", 1),
-                  ("eval_micro_batch_size", 1), ("check_weight_hash_across_dp_replicas_interval", 1),
-                  ("num_distributed_optimizer_instances", 1))
+                  ("eval_micro_batch_size", 1), ("check_weight_hash_across_dp_replicas_interval", 1))
 
 
 def _validate_counts(args):
@@ -746,16 +773,19 @@ def _check_writable(path):
                          f"user's); give a directory you can write")
 
 
-def _validate_model(args, names):
+def _validate_model(args, names, sizes_ok=True):
     """Build the model config from the flags, run its own rules (naming flags, not fields) and
-    write its derived values back to ``args``."""
+    write its derived values back to ``args``; its rules of the parallel sizes only when the
+    sizes themselves passed (``sizes_ok``: a size of 0 is already a line of its own)."""
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     try:
         # The vocabulary comes from the tokenizer, built later; no rule depends on it.
         config = build_config(GPTConfig, args, vocab_size=1)
-        config.validate_parallel(args.tensor_model_parallel_size, args.context_parallel_size)
-        config.validate_experts(args.expert_model_parallel_size, args.expert_tensor_parallel_size)
+        if sizes_ok:
+            config.validate_parallel(args.tensor_model_parallel_size, args.context_parallel_size)
+            config.validate_experts(args.expert_model_parallel_size,
+                                    args.expert_tensor_parallel_size)
         # pad tokens repeat their document's last position: only real positions need rows
         config.check_positions(args.seq_length, "seq_length")
     except ValueError as err:

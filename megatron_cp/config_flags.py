@@ -23,7 +23,7 @@ _UNSET = object()  # "the command line leaves this field at the config's default
 
 def setting(default=dataclasses.MISSING, *, help, flag=_AUTO, arg=None, when_set=_AUTO,
             cli_default=_AUTO, choices=None, group="model", gate=None, shapes=False,
-            fill_arg=False, default_factory=dataclasses.MISSING, aliases=()):
+            fill_arg=False, default_factory=dataclasses.MISSING, aliases=(), store_false=False):
     """A dataclass field that also describes its command-line flag.
 
     ``help``: what the setting means (also the flag's help). ``flag``: the flag's name
@@ -39,10 +39,14 @@ def setting(default=dataclasses.MISSING, *, help, flag=_AUTO, arg=None, when_set
     shape, dtype or meaning of saved weights, so a resume must match it. ``fill_arg``: the
     config's derived value is written back to the arguments (saved checkpoints and tools read it).
     ``aliases``: Megatron-LM's other spellings of the flag (``--disable-x`` for ``--no-x``).
+    ``store_false``: the flag is Megatron-LM's ``store_false`` switch: the argument ``arg`` holds
+    the field's value itself, True unless the flag is given (``--no-bias-gelu-fusion`` ->
+    ``bias_gelu_fusion``), so a saved checkpoint records Megatron-LM's name and meaning.
     """
     metadata = {"help": help, "flag": flag, "arg": arg, "when_set": when_set,
                 "cli_default": cli_default, "choices": choices, "group": group, "gate": gate,
-                "shapes": shapes, "fill_arg": fill_arg, "aliases": tuple(aliases)}
+                "shapes": shapes, "fill_arg": fill_arg, "aliases": tuple(aliases),
+                "store_false": store_false}
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
 
 
@@ -95,6 +99,9 @@ def add_config_flags(config_cls, groups):
             gate_flag, gate_help = meta["gate"]
             group.add_argument(gate_flag, action="store_true", help=gate_help)
         names = (flag,) + meta.get("aliases", ())
+        if meta.get("store_false"):
+            group.add_argument(*names, action="store_false", dest=arg_of(f), help=text)
+            continue
         if _is_switch(f):
             group.add_argument(*names, action="store_true", help=text)
             continue
@@ -123,6 +130,8 @@ def _value_from_args(f, args):
     if gate and not getattr(args, _dest(gate[0]), False):
         return _UNSET
     value = getattr(args, name, None)
+    if f.metadata.get("store_false"):
+        return _UNSET if value is None else bool(value)
     if _is_switch(f):
         return _when_set(f) if value else _UNSET
     if value is None:

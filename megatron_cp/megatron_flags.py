@@ -149,7 +149,15 @@ COMPAT_FLAGS = (
     CompatFlag("--apply-query-key-layer-scaling", SAME, "it does not change the math here: the "
                "scaling only guards an fp16 softmax, and the softmax runs in fp32"),
     CompatFlag("--no-masked-softmax-fusion", SAME, _NO_FUSION),
-    CompatFlag("--no-bias-gelu-fusion", SAME, _NO_FUSION),
+    CompatFlag("--openai-gelu", SAME, "Megatron-LM reads it nowhere at this commit: its GELU is "
+               "the bias-GELU fusion's tanh approximation (the default with biases) or the "
+               "exact erf one (--no-bias-gelu-fusion, --disable-bias-linear), as here",
+               group="model"),
+    CompatFlag("--use-te-activation-func", SAME, _NO_FUSION, group="model",
+               needs=("swiglu", (True,),
+                      "Megatron-LM refuses it with the bias-GELU fusion and with --squared-relu, "
+                      "and otherwise computes Transformer Engine's tanh GELU, which is not built; "
+                      "drop it (the default bias-GELU fusion computes that tanh GELU)")),
     CompatFlag("--no-bias-dropout-fusion", SAME, _NO_FUSION),
     CompatFlag("--no-bias-swiglu-fusion", SAME, _NO_FUSION),
     CompatFlag("--no-rope-fusion", SAME, _NO_FUSION),
@@ -295,7 +303,7 @@ AS_IS = (  # (why, flags): accepted, they select what megatron_cp does anyway
      ("--init-model-with-meta-device",)),
     ("no fused kernel of this kind is used; the plain PyTorch ops run",
      ("--use-fused-weighted-squared-relu", "--fused-residual-rmsnorm",
-      "--use-transformer-engine-op-fuser", "--use-te-activation-func",)),
+      "--use-transformer-engine-op-fuser",)),
     ("recomputed layers keep their checkpointed inputs whole on every tensor-parallel rank "
      "(memory only)",
      ("--distribute-saved-activations",)),
@@ -345,8 +353,6 @@ AS_IS = (  # (why, flags): accepted, they select what megatron_cp does anyway
     ("an async save already copies every tensor to CPU memory before the writer thread "
      "starts, so no CUDA IPC handles are used",
      ("--async-ckpt-use-cpu-shm",)),
-    ("text given to a HuggingFace tokenizer is always encoded with add_special_tokens=False",
-     ("--tokenizer-hf-no-include-special-tokens",)),
     ("tokenizer flags given on the command line always take precedence over the ones saved "
      "in the checkpoint",
      ("--no-use-tokenizer-model-from-checkpoint-args",)),
@@ -639,8 +645,8 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
      "use --position-embedding-type rope or yarn (--rotary-scaling-factor)",
      ("--rotary-seq-len-interpolation-factor", "--use-rope-scaling", "--rope-scaling-factor",
       "--no-rope-freq",)),
-    ("quick GEGLU is not built; use the default GELU, --openai-gelu, --swiglu or "
-     "--squared-relu",
+    ("quick GEGLU is not built; use the default GELU, --no-bias-gelu-fusion (exact GELU), "
+     "--swiglu or --squared-relu",
      ("--quick-geglu",)),
     ("the ONNX-export workarounds are not built; drop it",
      ("--onnx-safe",)),

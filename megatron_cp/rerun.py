@@ -71,29 +71,47 @@ class State(enum.Enum):
 class RerunExit(Exception):
     """The machine ends the job: exit with ``code``, after saving a checkpoint when
     ``checkpoint`` (the launcher resumes it elsewhere); ``iteration`` (1-based) is the step
-    that failed validation; ``note`` says why a requested checkpoint was not saved."""
+    that failed validation; ``note`` says why a requested checkpoint was not saved; ``cause``
+    names the rejected quantity, its value, the rank and the iteration."""
 
-    def __init__(self, code, checkpoint, iteration, note=""):
+    def __init__(self, code, checkpoint, iteration, note="", cause=""):
         self.code, self.checkpoint, self.iteration, self.note = code, checkpoint, iteration, note
-        super().__init__(describe_exit(code, checkpoint, iteration, note))
+        self.cause = cause
+        super().__init__(describe_exit(code, checkpoint, iteration, note, cause))
 
     def without_checkpoint(self, note):
         """The exit when the checkpoint it asks for cannot be saved: failed, with ``note``."""
-        return RerunExit(EXIT_CODE_FAILED_ON_RESULT_VALIDATION, False, self.iteration, note)
+        return RerunExit(EXIT_CODE_FAILED_ON_RESULT_VALIDATION, False, self.iteration, note,
+                         self.cause)
 
 
-def describe_exit(code, checkpoint, iteration, note=""):
-    """The one line that closes the log lines of an exit: what the status means, what to
-    do."""
+def describe_exit(code, checkpoint, iteration, note="", cause=""):
+    """The one line that closes the log lines of an exit: what was rejected (``cause``), what
+    the status means, what to do."""
+    head = f"{cause}; " if cause else ""
     if code == EXIT_CODE_RESUME_TO_DISAMBIGUATE:
         saved = "its checkpoint was saved" if checkpoint else "its checkpoint is there"
-        return (f"iteration {iteration} gave the same rejected result when rerun here; {saved}: "
-                f"resume with --load on another GPU to rerun it there and tell a faulty GPU "
-                f"from a real result (exit status {code}), or with --rerun-mode disabled to "
-                f"stop on the value")
-    return (f"iteration {iteration} failed result validation (exit status {code}){note}; "
+        return (f"{head}iteration {iteration} gave the same rejected result when rerun here; "
+                f"{saved}: resume with --load on another GPU to rerun it there and tell a "
+                f"faulty GPU from a real result (exit status {code}), or with --rerun-mode "
+                f"disabled to stop on the value")
+    return (f"{head}iteration {iteration} failed result validation (exit status {code}){note}; "
             f"resume from the last checkpoint with --load, and look at the data and the model "
             f"if the rejected result was reproducible")
+
+
+def describe_rejection(quantity, value, rank, iteration, injected=False):
+    """``the loss was NaN on rank 3 at iteration 7``: what a check rejected, where."""
+    if injected:
+        return (f"{quantity} ({value}) on rank {rank} at iteration {iteration} was rejected "
+                f"by --error-injection-rate")
+    if math.isnan(value):
+        shown = "NaN"
+    elif math.isinf(value):
+        shown = "Inf" if value > 0 else "-Inf"
+    else:
+        shown = repr(value)
+    return f"{quantity} was {shown} on rank {rank} at iteration {iteration}"
 
 
 def _node_name():
@@ -188,6 +206,7 @@ class RerunStateMachine:
         self.saved_results, self.stats = {}, {}
         self._reset_requests()
         self.failed_call, self.initial_result = None, None
+        self.failed_quantity, self.failed_injected = None, False
         self.suspicious_node, self.suspicious_device = None, None
 
     def _reset_requests(self):
@@ -277,9 +296,26 @@ class RerunStateMachine:
         return False, False, 0
 
     def step_exit(self):
-        """The :class:`RerunExit` to raise, or None to go on with the step's update."""
+        """The :class:`RerunExit` to raise, or None to go on with the step's update; an exit
+        names what the first rank that rejected a result rejected (a collective then)."""
         checkpoint, stop, code = self.should_checkpoint_and_exit()
-        return RerunExit(code, checkpoint, self.current_iteration + 1) if stop else None
+        if not stop:
+            return None
+        return RerunExit(code, checkpoint, self.current_iteration + 1, cause=self._cause())
+
+    def _cause(self):
+        """The line of the first rank (by global rank) whose check rejected a result this
+        step: every rank's own, gathered over the world (only when the job stops)."""
+        mine = None
+        if self.failed_call is not None and self.initial_result is not None:
+            quantity = self.failed_quantity or f"the result of '{self.failed_call[0]}'"
+            mine = describe_rejection(quantity, self.initial_result, self.rank,
+                                      self.current_iteration + 1, self.failed_injected)
+        lines = [mine]
+        if dist.is_available() and dist.is_initialized():
+            lines = [None] * dist.get_world_size()
+            dist.all_gather_object(lines, mine)
+        return next((line for line in lines if line), "")
 
     # ----- validation ------------------------------------------------------------------
     @property
@@ -288,11 +324,13 @@ class RerunStateMachine:
         file, the training loop's own NaN checks (:mod:`megatron_cp.faults`) do it all."""
         return self.mode != "disabled" or self.tracker_file is not None
 
-    def validate_result(self, result, rejection, message, tolerance=0.0, fatal=True):
+    def validate_result(self, result, rejection, message, tolerance=0.0, fatal=True,
+                        quantity="the result"):
         """Check ``result`` (a number or a 0-dim tensor) with ``rejection(value) -> bool``;
         ``message`` names the check; ``tolerance``: the relative difference under which a
         rerun's result counts as the same; ``fatal``: whether a confirmed rejection ends
-        the job. Every call site must be met in the same order by every rerun."""
+        the job; ``quantity``: what ``result`` is, for the exit's line (``the loss``). Every
+        call site must be met in the same order by every rerun."""
         value = float(result.detach()) if torch.is_tensor(result) else float(result)
         call = self._call(message)
         if self.mode == "disabled":
@@ -316,8 +354,10 @@ class RerunStateMachine:
         if self.state == State.INITIAL_RUN and not self.rerun_requested:
             if not self.first_iteration_complete:
                 return
-            if self.injector.maybe_inject(self.rank) or rejection(value):
+            injected = self.injector.maybe_inject(self.rank)
+            if injected or rejection(value):
                 self.failed_call, self.initial_result = call, value
+                self.failed_quantity, self.failed_injected = quantity, injected
                 self.rerun_requested = True
                 self._record(records.INITIAL_RUN, value, message)
                 logger.error(f"Unexpected result {value} on rank {self.rank} at iteration "
@@ -395,7 +435,8 @@ class RerunStateMachine:
                 "restart_again_requested": self.restart_again_requested,
                 "continue_requested": self.continue_requested,
                 "injector": self.injector.state_dict(), "failed_call": self.failed_call,
-                "initial_result": self.initial_result, "suspicious_node": self.suspicious_node,
+                "initial_result": self.initial_result, "failed_quantity": self.failed_quantity,
+                "failed_injected": self.failed_injected, "suspicious_node": self.suspicious_node,
                 "suspicious_device": self.suspicious_device,
                 "large_value_counts": dict(self.large_value_counts),
                 "max_values": dict(self.max_values)}
@@ -419,6 +460,8 @@ class RerunStateMachine:
         self.injector.load_state_dict(saved["injector"])
         self.failed_call = None if saved["failed_call"] is None else tuple(saved["failed_call"])
         self.initial_result = saved["initial_result"]
+        self.failed_quantity = saved.get("failed_quantity")  # absent before it was saved
+        self.failed_injected = saved.get("failed_injected", False)
         self.suspicious_node = saved["suspicious_node"]
         self.suspicious_device = saved["suspicious_device"]
         self.large_value_counts = dict(saved["large_value_counts"])
@@ -545,9 +588,9 @@ def check_loss(machine, loss, check_nan, check_spiky):
     with ``check_spiky``."""
     if check_nan and machine.keeps_fatal_checks:
         machine.validate_result(loss, math.isnan, "found NaN in local forward loss calculation",
-                                tolerance=LOSS_TOLERANCE, fatal=True)
+                                tolerance=LOSS_TOLERANCE, fatal=True, quantity="the loss")
         machine.validate_result(loss, math.isinf, "found Inf in local forward loss calculation",
-                                tolerance=LOSS_TOLERANCE, fatal=True)
+                                tolerance=LOSS_TOLERANCE, fatal=True, quantity="the loss")
     if check_spiky:
         machine.validate_result(
             loss, partial(machine.is_unexpectedly_large, threshold=SPIKY_LOSS_FACTOR,
@@ -565,10 +608,11 @@ def check_grad_bucket(machine, index, grad_data, check_nan, check_large):
     norm = grad_data.norm(p=2)
     bucket = f"bucket #{index} in backward pass before data-parallel communication collective"
     if check_nan:
+        quantity = f"the gradient norm of bucket #{index}"
         machine.validate_result(norm, math.isnan, f"found NaN in local grad norm for {bucket}",
-                                tolerance=GRAD_TOLERANCE, fatal=True)
+                                tolerance=GRAD_TOLERANCE, fatal=True, quantity=quantity)
         machine.validate_result(norm, math.isinf, f"found Inf in local grad norm for {bucket}",
-                                tolerance=GRAD_TOLERANCE, fatal=True)
+                                tolerance=GRAD_TOLERANCE, fatal=True, quantity=quantity)
     if check_large:
         machine.validate_result(
             norm, partial(machine.is_unexpectedly_large, threshold=LARGE_GRADS_FACTOR,

@@ -37,7 +37,7 @@ from megatron_cp import rerun
 from megatron_cp.activation_offload import offload_note
 from megatron_cp.config_flags import build_config
 from megatron_cp.context_parallel import resolve_comm_type
-from megatron_cp.data import build_tokenizer
+from megatron_cp.data import tokenizer_from_args
 from megatron_cp.data.batch import mtp_targets
 from megatron_cp.data.batch_schedule import BatchSchedule
 from megatron_cp.data.feed import DataFeed
@@ -86,8 +86,7 @@ class Trainer:
         self.device = state.device
         self.progress = faults.Progress()  # what a lost-contact error says the job was doing
         self.check_for_nan = getattr(args, "check_for_nan_in_loss_and_grad", True)
-        self.tokenizer = build_tokenizer(args.tokenizer_type or "NullTokenizer", args.tokenizer_model,
-                                         args.vocab_file, args.merge_file, args.vocab_size)
+        self.tokenizer = tokenizer_from_args(args)
         self.config = config_from_args(args, self.tokenizer.vocab_size)
         # saved with the arguments: conversions carry exactly the real vocabulary
         args.true_vocab_size = self.config.vocab_size

@@ -170,3 +170,65 @@ def test_preprocess_with_hugging_face_tokenizer(tmp_path):
     eod = raw.token_to_id("</s>")
     assert [list(map(int, dataset[i])) for i in range(len(docs))] == \
         [raw.encode(d).ids + [eod] for d in docs]
+
+
+def _bos_adding_folder(tmp_path):
+    """A save_pretrained folder whose tokenizer adds a bos token when encoding (as Llama's
+    does), and its text."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    raw, _ = _train_hf_bpe(tmp_path)
+    raw.add_special_tokens(["<s>"])
+    raw.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", raw.token_to_id("<s>"))])
+    folder = tmp_path / "bos_folder"
+    PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>",
+                            eos_token="</s>").save_pretrained(str(folder))
+    return str(folder)
+
+
+def test_hugging_face_special_tokens_as_megatron_lm(tmp_path):
+    """Megatron-LM's HuggingFaceTokenizer encodes with ``tokenizer(text).input_ids`` (the
+    special tokens included, its default) or, under --tokenizer-hf-no-include-special-tokens,
+    ``convert_tokens_to_ids(tokenize(text))``; decoding drops the special tokens only then."""
+    from transformers import AutoTokenizer
+
+    from megatron_cp.arguments import parse_args
+    from megatron_cp.data.tokenizers import tokenizer_from_args
+
+    folder = _bos_adding_folder(tmp_path)
+    hf = AutoTokenizer.from_pretrained(folder)
+    text = "hello world, def main():"
+    with_bos, plain = hf(text).input_ids, hf.convert_tokens_to_ids(hf.tokenize(text))
+    assert with_bos == [hf.bos_token_id] + plain  # the check is sharp
+    base = (f"--num-layers 1 --hidden-size 8 --num-attention-heads 2 --seq-length 8 "
+            f"--micro-batch-size 1 --lr 1e-3 --train-iters 4 --mock-data "
+            f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {folder}")
+    for flag, ids in (("", with_bos), (" --tokenizer-hf-no-include-special-tokens", plain)):
+        for model in (folder, os.path.join(folder, "tokenizer.json")):
+            args = parse_args((base + flag).split(), world_size=1)
+            args.tokenizer_model = model
+            tok = tokenizer_from_args(args)
+            assert tok.tokenize(text) == ids, (flag, model)
+            assert tok.detokenize(with_bos) == ("<s>" + text if not flag else text), (flag, model)
+
+
+def test_preprocess_includes_special_tokens_unless_told(tmp_path):
+    from megatron_cp.data.indexed_dataset import IndexedDataset
+    from transformers import AutoTokenizer
+
+    folder = _bos_adding_folder(tmp_path)
+    hf = AutoTokenizer.from_pretrained(folder)
+    corpus = tmp_path / "corpus.jsonl"
+    docs = ["hello world", "def main():\n    return 0\n"]
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    for name, flags, expected in (
+            ("on", [], [hf(d).input_ids + [hf.eos_token_id] for d in docs]),
+            ("off", ["--tokenizer-hf-no-include-special-tokens"],
+             [hf.convert_tokens_to_ids(hf.tokenize(d)) + [hf.eos_token_id] for d in docs])):
+        out = load_tool("preprocess_data").main(
+            ["--input", str(corpus), "--output-prefix", str(tmp_path / name), "--tokenizer-type",
+             "HuggingFaceTokenizer", "--tokenizer-model", folder, "--append-eod", *flags])
+        dataset = IndexedDataset(out["text"])
+        assert [list(map(int, dataset[i])) for i in range(len(docs))] == expected, name

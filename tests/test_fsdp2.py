@@ -242,7 +242,8 @@ def test_memory_per_rank_is_16_bytes_over_d(results, world, dtype):
 
 @pytest.mark.parametrize("extra,line", [
     ("--pipeline-model-parallel-size 2", "--pipeline-model-parallel-size 2: --use-torch-fsdp2"),
-    ("--num-experts 4 --expert-model-parallel-size 2", "--expert-model-parallel-size 2:"),
+    ("--num-experts 4 --no-bias-gelu-fusion --expert-model-parallel-size 2",
+     "--expert-model-parallel-size 2:"),
     ("--use-distributed-optimizer", "--use-distributed-optimizer: --use-torch-fsdp2"),
     ("--ckpt-format torch", "--ckpt-format torch: --use-torch-fsdp2"),
     ("--optimizer muon", "--optimizer muon: Muon"),

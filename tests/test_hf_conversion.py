@@ -44,7 +44,8 @@ def _gpt_model(args, full, **overrides):
         **{key: args[key] for key in same}, vocab_size=args["true_vocab_size"],
         make_vocab_size_divisible_by=args.get("make_vocab_size_divisible_by", 128),
         activation="swiglu" if args["swiglu"] else "gelu",
-        add_bias_linear=not args["disable_bias_linear"], **overrides)
+        add_bias_linear=not args["disable_bias_linear"],
+        bias_gelu_fusion=args.get("bias_gelu_fusion", False), **overrides)
     model = GPTModel(config).eval()
     model.load_state_dict(convert.pad_vocab_rows(full, args, 1))
     return model
@@ -82,7 +83,8 @@ def test_gpt2_export_logits_and_bit_exact_round_trip(tmp_path, capsys):
     assert "NullTokenizer has no tokenizer files" in out and "GPT2LMHeadModel" in out
     config = json.loads((hf_dir / "config.json").read_text())
     assert config["model_type"] == "gpt2" and config["vocab_size"] == 513
-    assert config["n_positions"] == 32 and config["activation_function"] == "gelu"
+    # Megatron-LM's default bias-GELU fusion computes the tanh GELU: GPT-2's own gelu_new
+    assert config["n_positions"] == 32 and config["activation_function"] == "gelu_new"
     assert config["eos_token_id"] == 512 and config["tie_word_embeddings"]
     full, args, _ = convert.load_full(str(ck))
     hf = GPT2LMHeadModel.from_pretrained(str(hf_dir)).eval()
@@ -114,10 +116,11 @@ def test_gpt2_export_logits_and_bit_exact_round_trip(tmp_path, capsys):
     assert first[0] == first[1]
 
 
-@pytest.mark.parametrize("untie", [False, True])
-def test_gpt2_layout_details_change_the_logits(tmp_path, untie):
+@pytest.mark.parametrize("untie, fused", [(False, True), (True, False)])
+def test_gpt2_layout_details_change_the_logits(tmp_path, untie, fused):
     """Weights far from init: the export still matches, and the check is sharp enough to see
-    GPT-2's own gelu_new or a q|k|v layout taken per head (megatron_cp's) instead of GPT-2's."""
+    the other GELU (gelu_new for the exact one, gelu for the bias-GELU fusion's tanh) or a
+    q|k|v layout taken per head (megatron_cp's) instead of GPT-2's."""
     from transformers import GPT2LMHeadModel
     config = tiny_config(position_embedding_type="learned_absolute", vocab_size=120,
                          max_position_embeddings=40, untie_embeddings_and_output_weights=untie)
@@ -126,11 +129,12 @@ def test_gpt2_layout_details_change_the_logits(tmp_path, untie):
             "max_position_embeddings": 40, "normalization": "LayerNorm", "swiglu": False,
             "disable_bias_linear": False, "position_embedding_type": "learned_absolute",
             "untie_embeddings_and_output_weights": untie, "true_vocab_size": 120,
-            "make_vocab_size_divisible_by": 32}
+            "make_vocab_size_divisible_by": 32, "bias_gelu_fusion": fused}
     assert hf_convert.pick_layout(args) == "gpt2"
     hf_gpt2.to_hf(full, args, str(tmp_path))
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["tie_word_embeddings"] is not untie and saved["vocab_size"] == 120
+    assert saved["activation_function"] == ("gelu_new" if fused else "gelu")
     tokens = torch.randint(0, 120, (2, 40), generator=torch.Generator().manual_seed(1))
     ours = _logits(_gpt_model(args, full), tokens)[..., :120]
 
@@ -144,7 +148,7 @@ def test_gpt2_layout_details_change_the_logits(tmp_path, untie):
             return (ours - hf(input_ids=tokens).logits).abs().max().item()
 
     assert hf_max_diff() <= 1e-4
-    assert hf_max_diff(activation_function="gelu_new") > 1e-3
+    assert hf_max_diff(activation_function="gelu" if fused else "gelu_new") > 1e-3
     wrong = dict(full)
     for i in range(2):  # megatron_cp's per-head [q|k|v] rows written unpermuted
         name = f"decoder.layers.{i}.self_attention.linear_qkv.weight"
@@ -154,8 +158,8 @@ def test_gpt2_layout_details_change_the_logits(tmp_path, untie):
 
 
 def test_import_a_transformers_gpt2(tmp_path):
-    """A GPT2LMHeadModel saved by transformers (untied, exact GELU) imports with the same logits;
-    a gelu_new model needs the explicit flag."""
+    """A GPT2LMHeadModel saved by transformers (untied) imports with the same logits, with
+    the exact GELU (gelu) or GPT-2's own tanh one (gelu_new: the bias-GELU fusion)."""
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(GPT2Config(
@@ -171,12 +175,17 @@ def test_import_a_transformers_gpt2(tmp_path):
     with torch.no_grad():
         expected = hf(input_ids=tokens).logits
     assert (_logits(ours, tokens)[..., :100] - expected).abs().max() <= 1e-4
+    assert not args["bias_gelu_fusion"]
     hf.config.activation_function = "gelu_new"
     hf.save_pretrained(str(tmp_path / "tanh"))
-    with pytest.raises(ValueError, match="--hf-accept-tanh-gelu"):
-        convert.main(["--from-hf", str(tmp_path / "tanh"), "--save-dir", str(tmp_path / "ck")])
-    convert.main(["--from-hf", str(tmp_path / "tanh"), "--save-dir", str(tmp_path / "ck"),
-                  "--hf-accept-tanh-gelu"])
+    hf = GPT2LMHeadModel.from_pretrained(str(tmp_path / "tanh")).eval()
+    full, args, _ = hf_convert.import_hf(str(tmp_path / "tanh"))
+    assert args["bias_gelu_fusion"]
+    with torch.no_grad():
+        expected = hf(input_ids=tokens).logits
+    ours = _logits(_gpt_model(args, full, norm_epsilon=1e-6), tokens)[..., :100]
+    assert (ours - expected).abs().max() <= 1e-4
+    convert.main(["--from-hf", str(tmp_path / "tanh"), "--save-dir", str(tmp_path / "ck")])
     imported_args = convert.load_full(str(tmp_path / "ck"))[1]
     assert imported_args["position_embedding_type"] == "learned_absolute"
 

@@ -84,16 +84,16 @@ def test_megatron_checkpoint_loads_with_its_logits(megatron_checkpoint, kind, tp
 
 
 def test_megatron_gelu_is_tanh_unless_fusion_is_off(megatron_checkpoint):
-    """Megatron's default computes the tanh GELU: a run without --openai-gelu is refused by
-    the checkpoint, naming the flag."""
+    """Megatron's default computes the tanh GELU (its bias-GELU fusion), which its
+    checkpoint records: a run with --no-bias-gelu-fusion (the exact GELU) is refused by it,
+    naming the flag."""
     _, root, tokens, _ = megatron_checkpoint("gpt")
     errors = run_workers(_refused, 1, root, tokens)[0]
-    assert "--openai-gelu" in errors, errors
+    assert "drop --no-bias-gelu-fusion" in errors, errors
 
 
 def _refused(rank, world, root, tokens):
-    args = parse_args(f"{RUN} --load {root}".split(), world_size=world)
-    args.openai_gelu = False
+    args = parse_args(f"{RUN} --load {root} --no-bias-gelu-fusion".split(), world_size=world)
     trainer = Trainer(args, build_parallel_state(args, torch.device("cpu")))
     try:
         load_save.load_checkpoint(trainer, root)

@@ -13,7 +13,7 @@ from training_utils import max_rel_diff, train_losses
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
         "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --hidden-dropout 0 "
         "--attention-dropout 0 --mock-data --vocab-size 512 --eval-iters 0 --seed 11 "
-        "--train-iters 4 --num-experts 4 --moe-ffn-hidden-size 64")
+        "--train-iters 4 --num-experts 4 --moe-ffn-hidden-size 64 --no-bias-gelu-fusion")
 
 
 @pytest.mark.parametrize("extra, world, message", [

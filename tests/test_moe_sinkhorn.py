@@ -143,7 +143,7 @@ BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32
         "--lr-decay-style cosine --hidden-dropout 0 --attention-dropout 0 --log-interval 100 "
         "--eval-iters 0 --seed 11 --mock-data --tokenizer-type NullTokenizer --vocab-size 512 "
         "--num-experts 4 --moe-router-topk 2 --moe-z-loss-coeff 0.01 --moe-ffn-hidden-size 48 "
-        "--train-iters 4")
+        "--train-iters 4 --no-bias-gelu-fusion")
 SINKHORN = BASE + " --moe-router-load-balancing-type sinkhorn"
 
 

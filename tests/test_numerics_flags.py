@@ -293,7 +293,7 @@ def _parse(extra):
 
 def test_the_flags_set_the_config():
     args = _parse("--apply-layernorm-1p --qk-layernorm --apply-wd-to-qk-layernorm "
-                  "--rotary-interleaved --squared-relu")
+                  "--rotary-interleaved --squared-relu --no-bias-gelu-fusion")
     config = config_from_args(args, 200)
     assert config.layernorm_zero_centered_gamma and config.qk_layernorm
     assert config.rotary_interleaved and config.activation == "squared_relu"

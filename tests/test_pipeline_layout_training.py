@@ -20,7 +20,8 @@ from tools import checkpoint_convert as convert
 from training_utils import TINY, max_rel_diff, train_losses
 
 STEPS = TINY.replace("--num-layers 2", "--num-layers 4") + " --train-iters 10"
-MOE = "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 --moe-aux-loss-coeff 0.05"
+MOE = ("--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 --moe-aux-loss-coeff 0.05 "
+       "--no-bias-gelu-fusion")
 REFERENCES = {"4": STEPS, "6": STEPS.replace("--num-layers 4", "--num-layers 6"),
               "4_gbs10": STEPS.replace("--global-batch-size 8", "--global-batch-size 10"),
               "4_moe": f"{STEPS} {MOE}"}

@@ -143,7 +143,7 @@ def test_a_rerun_counts_the_moe_routing_once():
     """The routers' statistics of a rerun step (the log line's balancing loss and token
     counts) are those of one run: the rerun starts from the counters the step started
     with."""
-    moe = " --num-experts 4 --moe-ffn-hidden-size 64 --moe-aux-loss-coeff 0.01"
+    moe = " --num-experts 4 --moe-ffn-hidden-size 64 --moe-aux-loss-coeff 0.01 --no-bias-gelu-fusion"
     pattern = r"load_balancing_loss: (\S+) \| z_loss: \S+ \| tokens per expert min/max: (\S+) \|"
     reference = re.findall(pattern, run_workers(_losses_and_log, 1, BASE + SPIKY + moe)[0][1])
     text = run_workers(_losses_and_log, 1, BASE + SPIKY + moe + " --error-injection-rate 1")[0][1]
@@ -157,12 +157,30 @@ def test_transient_fault_in_a_fatal_check_exits_17():
     assert status == rerun.EXIT_CODE_FAILED_ON_RESULT_VALIDATION == 17, text
     assert re.search(r"Unexpected result \S+ on rank 0 at iteration #2 invocation #1 "
                      r"\(message='found NaN in local forward loss calculation'\)", text), text
-    assert log[-3:] == [
+    assert log[-3:-1] == [
         f"Rank 0, node {os.uname()[1]}, device cpu, iteration #2: Possible transient error!!",
-        "Exiting now. The job can be resumed from a previous checkpoint",
-        "error: iteration 2 failed result validation (exit status 17); resume from the last "
-        "checkpoint with --load, and look at the data and the model if the rejected result "
-        "was reproducible"], text
+        "Exiting now. The job can be resumed from a previous checkpoint"], text
+    assert re.fullmatch(
+        r"error: the loss \(\S+\) on rank 0 at iteration 2 was rejected by "
+        r"--error-injection-rate; iteration 2 failed result validation \(exit status 17\); "
+        r"resume from the last checkpoint with --load, and look at the data and the model if "
+        r"the rejected result was reproducible", log[-1]), text
+
+
+def test_a_nan_loss_names_the_loss_the_rank_and_the_iteration(tmp_path):
+    """A learning rate that blows the weights up: the loss of iteration 3 is NaN or Inf, the
+    rerun gives it again, and the job stops with one line saying so before the verdict (at
+    TP 2: the rank is the first that saw it)."""
+    argv = (TINY + " --train-iters 6 --lr 1e20 --min-lr 1e19 --lr-warmup-iters 0 "
+            f"--tensor-model-parallel-size 2 --save {tmp_path / 'ck'} --save-interval 100")
+    results = run_workers(_main, 2, argv)
+    status, text = results[0]
+    assert status == rerun.EXIT_CODE_RESUME_TO_DISAMBIGUATE, text
+    errors = [line for line in text.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and re.match(
+        r"error: the loss was (NaN|Inf) on rank 0 at iteration \d+; iteration \d+ gave the same "
+        r"rejected result when rerun here; its checkpoint was saved", errors[0]), text
+    assert not any(line.startswith("error: ") for line in results[1][1].splitlines())
 
 
 def test_persistent_fault_checkpoints_exits_16_and_reruns_on_another_node(tmp_path):

@@ -77,5 +77,6 @@ def test_chunked_mlp_under_tp_and_sp_matches_one_process():
 def test_refused_for_moe_and_below_one():
     assert_refused(TINY + " --train-iters 1 --mlp-chunks-for-training 0",
                    "--mlp-chunks-for-training (0) must be >= 1")
-    assert_refused(TINY + " --train-iters 1 --mlp-chunks-for-training 2 --num-experts 4",
+    assert_refused(TINY + " --train-iters 1 --mlp-chunks-for-training 2 --num-experts 4 "
+                   "--no-bias-gelu-fusion",
                    "--mlp-chunks-for-training (2) chunks dense MLPs only")

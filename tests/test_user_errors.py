@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from training_utils import TINY
 
@@ -68,12 +69,13 @@ def _mistakes(tmp):
         ("--fp8-format hybrid", "--fp8-format hybrid: FP8 training needs Transformer Engine's "
                                 "fp8 layers"),
         ("--cuda-graph-impl local", "--cuda-graph-impl local: CUDA graph capture is not built"),
-        ("--num-experts 4 --moe-ncclep-zero-copy",
+        ("--num-experts 4 --no-bias-gelu-fusion --moe-ncclep-zero-copy",
          "--moe-ncclep-zero-copy: the NCCL EP dispatcher's fixed receive buffers"),
         ("--use-nccl-ub", "--use-nccl-ub: it needs NCCL user-buffer"),
         ("--decoupled-min-lr 1e-4", "--decoupled-min-lr (0.0001) is the end of the decoupled "
                                     "learning rate's decay: add --decoupled-lr"),
-        ("--num-experts 4 --moe-router-load-balancing-type sinkhorn --moe-aux-loss-coeff 0.01",
+        ("--num-experts 4 --no-bias-gelu-fusion --moe-router-load-balancing-type sinkhorn "
+         "--moe-aux-loss-coeff 0.01",
          "--moe-router-load-balancing-type 'sinkhorn' balances without a loss, so "
          "--moe-aux-loss-coeff (0.01) must be 0"),
         ("--save-retain-interval 3", "--save-retain-interval (3) keeps the checkpoints at its "
@@ -112,6 +114,34 @@ def test_every_mistake_in_one_command_is_reported_at_once(tmp_path):
         assert sum(printed.startswith(f"error: {line}") for printed in lines) == 1, (line, text)
     assert len(lines) == len(mistakes), text
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("flags, line", [
+    ("--tensor-model-parallel-size 0", "--tensor-model-parallel-size (0) must be an integer >= 1"),
+    ("--context-parallel-size 0", "--context-parallel-size (0) must be an integer >= 1"),
+    ("--pipeline-model-parallel-size 0", "--pipeline-model-parallel-size (0) must be an integer "
+                                         ">= 1"),
+    ("--num-experts 4 --no-bias-gelu-fusion --expert-model-parallel-size 0",
+     "--expert-model-parallel-size (0) must be an integer >= 1"),
+    ("--num-experts 4 --no-bias-gelu-fusion --expert-tensor-parallel-size 0",
+     "--expert-tensor-parallel-size (0) must be an integer >= 1"),
+    ("--num-distributed-optimizer-instances 0",
+     "--num-distributed-optimizer-instances (0) must be an integer >= 1"),
+])
+def test_a_parallel_size_below_one_is_one_line(flags, line):
+    """Every parallel size that must be >= 1: one line naming it, no traceback (a size of 0
+    once reached the model's divisibility rules and divided by it)."""
+    status, text = _main(f"{TRAIN} {flags}")
+    assert status == 2 and text.splitlines() == [f"error: {line}"], (flags, text)
+
+
+@pytest.mark.parametrize("flag", ["--num-layers-per-virtual-pipeline-stage",
+                                  "--num-virtual-stages-per-pipeline-rank"])
+def test_virtual_stages_below_one_are_one_line(flag):
+    from megatron_cp.arguments import ArgumentErrors, parse_args
+    with pytest.raises(ArgumentErrors) as refused:  # two ranks, so PP 2 tiles the world
+        parse_args(f"{TRAIN} --pipeline-model-parallel-size 2 {flag} 0".split(), world_size=2)
+    assert refused.value.lines == [f"{flag} (0) must be >= 1"]
 
 
 def test_two_bad_values_and_a_missing_flag_are_all_named():

@@ -48,6 +48,7 @@ from megatron_cp.checkpoint.canonical import (LAYER, VOCAB_PARAMS, canonical_nam
                                               canonical_tensors, full_from_canonical, is_expert,
                                               tp_spec)
 from megatron_cp.checkpoint.megatron_lm_format import is_megatron_lm  # noqa: E402
+from megatron_cp.checkpoint.old_defaults import with_old_defaults  # noqa: E402
 from megatron_cp.checkpoint.torch_dist_format import (is_torch_dist, read_full,  # noqa: E402
                                                       write_full)
 from megatron_cp.checkpoint.torch_full import (common_state, param_order,  # noqa: E402
@@ -100,7 +101,9 @@ def load_full(load_dir):
     if is_megatron_lm(folder):  # written by Megatron-LM itself
         from tools.megatron_lm_convert import import_megatron
         return import_megatron(folder)
-    return _load_torch_dist(folder) if is_torch_dist(folder) else read_torch_full(load_dir, it)
+    full, args, meta = (_load_torch_dist(folder) if is_torch_dist(folder)
+                        else read_torch_full(load_dir, it))
+    return full, with_old_defaults(args)[0], meta  # what an earlier version computed
 
 
 def pad_vocab_rows(full, args, tp):
@@ -282,8 +285,6 @@ def main(argv=None):
                    "arguments and vocabulary padding; weights, iteration and schedule)")
     p.add_argument("--hf-skip-tokenizer", action="store_true",
                    help="--to-hf without the tokenizer files (weights and config only)")
-    p.add_argument("--hf-accept-tanh-gelu", action="store_true",
-                   help="--from-hf a GPT-2 with gelu_new (tanh GELU) into megatron_cp's exact GELU")
     p.add_argument("--target-tensor-parallel-size", type=int, default=1, help="TP of a torch output")
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1, help="PP of a torch output")
     p.add_argument("--target-expert-model-parallel-size", type=int, default=1,
@@ -316,7 +317,7 @@ def main(argv=None):
         source_dist = is_torch_dist(files.iteration_dir(a.load_dir, meta["iteration"]))
     else:
         from tools.hf_convert import import_hf
-        full, args, meta = import_hf(a.from_hf, accept_tanh_gelu=a.hf_accept_tanh_gelu)
+        full, args, meta = import_hf(a.from_hf)
     if a.save_dir and a.target_ckpt_format == "torch_dist":
         save_torch_dist(full, args, meta, a.save_dir)
         print(f"wrote {a.save_dir} (torch_dist, loads under any layout) at iteration {meta['iteration']}")

@@ -89,11 +89,11 @@ def export_hf(full, args, out_dir, tokenizer=True):
     return architecture
 
 
-def import_hf(hf_dir, accept_tanh_gelu=False):
+def import_hf(hf_dir):
     """(full state dict, args dict, meta dict) of a Hugging Face folder, by its model_type."""
     model_type = read_config(hf_dir).get("model_type")
     if model_type == "gpt2":
-        return hf_gpt2.from_hf(hf_dir, accept_tanh_gelu=accept_tanh_gelu)
+        return hf_gpt2.from_hf(hf_dir)
     if model_type == "llama":
         return hf_llama.from_hf(hf_dir)
     if model_type == "mixtral":

@@ -8,8 +8,9 @@ embeddings) is GPT2LMHeadModel. What differs on the way:
   then all values: [q_0 q_1 ... | k_0 ... | v_0 ...]. Same for the bias.
 - GPT-2's linear layers are ``Conv1D`` modules, whose weight is [in, out]: the transpose of
   ``torch.nn.Linear``'s [out, in].
-- megatron_cp's MLP applies the exact (erf) GELU, ``activation_function="gelu"`` in GPT-2's
-  config; the original GPT-2 checkpoints use ``gelu_new``, the tanh approximation.
+- The GELU: Megatron-LM's default (its bias-GELU fusion) is the tanh approximation, GPT-2's
+  own ``gelu_new``; ``--no-bias-gelu-fusion`` is the exact erf GELU, ``gelu``. Both ways,
+  the config names the one the model computes.
 - Both scale attention scores by 1/sqrt(head dim), apply the norms' epsilon from the config
   and add learned positions to the word embeddings; the position table has
   ``max_position_embeddings`` rows (GPT-2's ``n_positions``).
@@ -19,6 +20,7 @@ from tools.hf_io import dtype_name, read_config, read_weights, real_rows, requir
 REQUIRED = {"normalization": "LayerNorm", "swiglu": False, "disable_bias_linear": False,
             "position_embedding_type": "learned_absolute"}
 EXACT_GELU = ("gelu", "gelu_python")  # ACT2FN names of erf GELU
+# ACT2FN names of the tanh approximation (equal to F.gelu(approximate="tanh") to 1e-12)
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_accurate")
 NORMS = (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2"))
 # Conv1D weights: megatron_cp name -> GPT-2 name, both [out, in] vs [in, out]
@@ -46,6 +48,9 @@ def to_hf(full, args, out_dir, token_ids=None):
 
     ``token_ids``: ``bos_token_id`` / ``eos_token_id`` for the config (the tokenizer's eod)."""
     require(args, REQUIRED, "GPT2LMHeadModel")
+    if args.get("squared_relu"):
+        raise ValueError("the checkpoint's MLP computes relu(x)^2 (--squared-relu); "
+                         "GPT2LMHeadModel's activation_function has no squared ReLU")
     nh, d, h = _dims(args)
     full = real_rows(full, args)
     tied = not args["untie_embeddings_and_output_weights"]
@@ -71,7 +76,8 @@ def to_hf(full, args, out_dir, token_ids=None):
     config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
               "vocab_size": wte.shape[0], "n_positions": out["transformer.wpe.weight"].shape[0],
               "n_embd": h, "n_layer": args["num_layers"], "n_head": nh,
-              "n_inner": args.get("ffn_hidden_size") or 4 * h, "activation_function": "gelu",
+              "n_inner": args.get("ffn_hidden_size") or 4 * h,
+              "activation_function": "gelu_new" if args.get("bias_gelu_fusion") else "gelu",
               "layer_norm_epsilon": args.get("norm_epsilon", 1e-5),
               "resid_pdrop": args.get("hidden_dropout", 0.1),
               "embd_pdrop": args.get("hidden_dropout", 0.1),
@@ -84,16 +90,12 @@ def to_hf(full, args, out_dir, token_ids=None):
     write_folder(out_dir, out, config)
 
 
-def _check_config(c, hf_dir, accept_tanh_gelu):
+def _check_config(c, hf_dir):
     act = c.get("activation_function", "gelu_new")
-    if act in TANH_GELU and not accept_tanh_gelu:
-        raise ValueError(f"{hf_dir}: activation_function {act!r} is the tanh approximation of "
-                         f"GELU; megatron_cp's MLP computes the exact erf GELU, so the imported "
-                         f"model would differ slightly (the two differ by up to 5e-4). "
-                         f"Pass --hf-accept-tanh-gelu to import it anyway")
     if act not in EXACT_GELU + TANH_GELU:
-        raise ValueError(f"{hf_dir}: activation_function {act!r} is not a GELU; megatron_cp's "
-                         f"MLP has GELU or SwiGLU only")
+        raise ValueError(f"{hf_dir}: activation_function {act!r} is neither the exact GELU "
+                         f"({', '.join(EXACT_GELU)}) nor its tanh approximation "
+                         f"({', '.join(TANH_GELU)}), the two megatron_cp's GPT MLP computes")
     for key, value in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
                        ("add_cross_attention", False)):
         if c.get(key, value) != value:
@@ -101,13 +103,12 @@ def _check_config(c, hf_dir, accept_tanh_gelu):
                              f"(needs {value!r})")
 
 
-def from_hf(hf_dir, accept_tanh_gelu=False):
-    """Read a GPT-2 folder into (full state dict, args dict, meta dict) for save_layout.
-
-    ``accept_tanh_gelu``: import a ``gelu_new`` model (the original GPT-2s) into the exact
-    GELU that megatron_cp computes."""
+def from_hf(hf_dir):
+    """Read a GPT-2 folder into (full state dict, args dict, meta dict) for save_layout; a
+    tanh GELU (``gelu_new``, the original GPT-2s) keeps the bias-GELU fusion on, an exact one
+    turns it off."""
     c = read_config(hf_dir)
-    _check_config(c, hf_dir, accept_tanh_gelu)
+    _check_config(c, hf_dir)
     # old checkpoints have no "transformer." prefix; "attn.bias" is their causal-mask buffer
     w = {k.removeprefix("transformer."): v for k, v in read_weights(hf_dir).items()}
     h, nh, num_layers = c["n_embd"], c["n_head"], c["n_layer"]
@@ -137,6 +138,7 @@ def from_hf(hf_dir, accept_tanh_gelu=False):
             "max_position_embeddings": c["n_positions"], "seq_length": c["n_positions"],
             "norm_epsilon": c.get("layer_norm_epsilon", 1e-5),
             "untie_embeddings_and_output_weights": not tied, **REQUIRED,
+            "bias_gelu_fusion": c.get("activation_function", "gelu_new") in TANH_GELU,
             "true_vocab_size": c["vocab_size"],
             "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}
     return full, args, {"iteration": 0, "consumed_samples": 0}

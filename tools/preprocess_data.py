@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_cp.data.indexed_dataset import (  # noqa: E402
     IndexedDatasetBuilder, data_file_path, index_file_path, optimal_dtype)
-from megatron_cp.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megatron_cp.data.tokenizers import TOKENIZER_TYPES, tokenizer_from_args  # noqa: E402
 
 
 class Encoder:
@@ -35,7 +35,7 @@ class Encoder:
 
     def initializer(self):
         """Build the tokenizer once per worker process."""
-        Encoder.tokenizer = _tokenizer_from_args(self.args)
+        Encoder.tokenizer = tokenizer_from_args(self.args)
 
     def encode(self, line):
         """``line`` -> ({key: token ids}, bytes read); ids are None for a blank line."""
@@ -58,12 +58,6 @@ class Encoder:
         return ids, len(line.encode("utf-8"))
 
 
-def _tokenizer_from_args(args):
-    return build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model,
-                           vocab_file=args.vocab_file, merge_file=args.merge_file,
-                           vocab_size=args.vocab_size)
-
-
 def get_args(argv=None):
     """Parse the command line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -79,6 +73,9 @@ def get_args(argv=None):
     group.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json")
     group.add_argument("--merge-file", default=None, help="GPT-2 merges.txt")
     group.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocab size")
+    group.add_argument("--tokenizer-hf-no-include-special-tokens", action="store_true",
+                       help="HuggingFaceTokenizer: encode without the special tokens (bos, ...) "
+                            "the tokenizer adds by default, as Megatron-LM's flag")
     group.add_argument("--append-eod", action="store_true",
                        help="append the end-of-document token to every document")
     group = parser.add_argument_group("output data")
@@ -108,7 +105,7 @@ def main(argv=None):
     """Run the preprocessing; returns {key: output prefix}."""
     args = get_args(argv)
     encoder = Encoder(args)
-    tokenizer = _tokenizer_from_args(args)  # validates the flags before any worker starts
+    tokenizer = tokenizer_from_args(args)  # validates the flags before any worker starts
     dtype = optimal_dtype(tokenizer.vocab_size)
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     os.makedirs(out_dir, exist_ok=True)

@@ -142,14 +142,13 @@ def our_args(megatron_args):
 
     Megatron's dests are ours; what differs: ``--disable-bias-linear`` is its
     ``add_bias_linear``; it saves the derived ``kv_channels`` and ``num_query_groups`` (1
-    without GQA); and its MLP computes GELU with the tanh approximation when the bias-GELU
-    fusion is on (its default; off without biases): that is our ``openai_gelu``."""
+    without GQA); its ``bias_gelu_fusion`` (the tanh GELU) is ours, off without biases as its
+    arguments.py makes it."""
     m = vars(megatron_args) if isinstance(megatron_args, argparse.Namespace) else dict(megatron_args)
     args = {k: _plain(v) for k, v in m.items()}
     bias = m.get("add_bias_linear", True)
-    gelu = not m.get("swiglu") and not m.get("squared_relu") and not m.get("quick_geglu")
     args["disable_bias_linear"] = not bias
-    args["openai_gelu"] = bool(gelu and bias and m.get("bias_gelu_fusion", True))
+    args["bias_gelu_fusion"] = bool(bias and m.get("bias_gelu_fusion", True))
     heads = m["num_attention_heads"]
     if not m.get("group_query_attention"):
         args["num_query_groups"] = heads
@@ -172,18 +171,12 @@ def megatron_args(ours, defaults, iteration, consumed_samples):
     bias = not ours.get("disable_bias_linear", False)
     heads, hidden = ours["num_attention_heads"], ours["hidden_size"]
     groups = ours.get("num_query_groups") or heads
-    gelu = not ours.get("swiglu") and not ours.get("squared_relu")
-    if ours.get("openai_gelu") and not bias:
-        raise ValueError("the checkpoint computes a tanh GELU without biases (--openai-gelu "
-                         "--disable-bias-linear), which Megatron-LM cannot: its tanh GELU is "
-                         "the bias-GELU fusion, off without biases; export a model with biases "
-                         "or exact GELU")
     dtype = {"torch.bfloat16": torch.bfloat16, "torch.float16": torch.float16}.get(
         str(ours.get("params_dtype")), torch.float32)
     vocab = ours.get("true_vocab_size") or ours.get("padded_vocab_size")
     values.update(
         add_bias_linear=bias, add_qkv_bias=bias or ours.get("add_qkv_bias", False),
-        bias_gelu_fusion=bool(gelu and bias and ours.get("openai_gelu")),
+        bias_gelu_fusion=bool(bias and ours.get("bias_gelu_fusion")),
         group_query_attention=groups != heads, num_query_groups=groups if groups != heads else 1,
         kv_channels=ours.get("kv_channels") or hidden // heads,
         ffn_hidden_size=ours.get("ffn_hidden_size") or 4 * hidden,

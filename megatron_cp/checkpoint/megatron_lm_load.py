@@ -37,11 +37,13 @@ def _copy_into(pieces_by_key, full_by_key, folder):
 def check_args(saved, args, folder):
     """The model of ``args`` must be the checkpoint's (its arguments ``saved``, ours)."""
     files.check_args_match(saved, args)
-    if bool(saved.get("openai_gelu")) != bool(getattr(args, "openai_gelu", False)):
-        implied = "tanh (its bias-GELU fusion is on)" if saved.get("openai_gelu") else "exact"
+    gelu = not getattr(args, "swiglu", False) and not getattr(args, "squared_relu", False)
+    fused = bool(saved.get("bias_gelu_fusion"))
+    if gelu and fused != bool(getattr(args, "bias_gelu_fusion", fused)):
+        implied = "tanh (its bias-GELU fusion is on)" if fused else "exact (erf)"
         raise ValueError(f"the Megatron-LM checkpoint {folder} computes GELU {implied}; "
-                         f"{'pass' if saved.get('openai_gelu') else 'drop'} --openai-gelu "
-                         f"(or use --use-checkpoint-args) so the logits are Megatron-LM's")
+                         f"{'drop' if fused else 'pass'} --no-bias-gelu-fusion (or use "
+                         f"--use-checkpoint-args) so the logits are Megatron-LM's")
 
 
 def load(trainer, root, it):

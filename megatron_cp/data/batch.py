@@ -8,6 +8,8 @@ DP rank ``d`` takes the contiguous share ``[d*G/DP, (d+1)*G/DP)`` of it, in micr
 (under a batch-size schedule each batch starts where the previous one ended and takes the
 size the schedule gives at that sample). :func:`close_data_iterator` ends its loader processes.
 """
+import multiprocessing
+
 import numpy as np
 import torch
 
@@ -164,10 +166,15 @@ def build_data_iterator(dataset, global_batch_size, micro_batch_size, dp_rank, d
 
     Resumes exactly: the same ``consumed_samples`` gives the same following batches.
     Returns None for a None dataset. Uses a torch DataLoader with
-    :class:`DataParallelBatchSampler` (``num_workers`` loader processes).
+    :class:`DataParallelBatchSampler` (``num_workers`` loader processes; none in a daemonic
+    process, which may not start any).
     """
     if dataset is None:
         return None
+    if multiprocessing.current_process().daemon:
+        # Python lets no daemonic process (a test harness's worker) start children; loader
+        # processes only move the reads, so the batches are the same without them
+        num_workers = 0
     sampler = DataParallelBatchSampler(len(dataset), consumed_samples, global_batch_size,
                                        micro_batch_size, dp_rank, dp_size)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,

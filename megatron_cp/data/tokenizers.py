@@ -112,12 +112,18 @@ class GPT2BPETokenizer(_SizedTokenizer):
 
 
 class HuggingFaceTokenizer(_SizedTokenizer):
-    """A local Hugging Face tokenizer: a ``save_pretrained`` folder or a ``tokenizer.json``."""
+    """A local Hugging Face tokenizer: a ``save_pretrained`` folder or a ``tokenizer.json``.
+
+    ``include_special_tokens`` (Megatron-LM's default): encoding adds the special tokens the
+    tokenizer's post-processor adds (a Llama tokenizer's bos, ...) and decoding keeps them;
+    without it (``--tokenizer-hf-no-include-special-tokens``) encoding adds none and decoding
+    drops them, as Megatron-LM's HuggingFaceTokenizer does."""
 
     # eos names looked up in a bare tokenizer.json, which records no eos of its own
     EOS_NAMES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eos|>")
 
-    def __init__(self, path):
+    def __init__(self, path, include_special_tokens=True):
+        self.include_special_tokens = include_special_tokens
         if not os.path.exists(path):
             raise ValueError(f"HuggingFaceTokenizer: {path} does not exist; give a local folder "
                              f"written by save_pretrained or a tokenizer.json file (hub names "
@@ -143,17 +149,19 @@ class HuggingFaceTokenizer(_SizedTokenizer):
         self._eod = int(eos)
 
     def tokenize(self, text):
-        """Token ids of ``text`` (no bos/eos added)."""
+        """Token ids of ``text`` (with the special tokens the tokenizer adds, unless off)."""
+        special = self.include_special_tokens
         if self._hf is not None:
-            return list(self._hf.encode(text, add_special_tokens=False))
-        return self._tok.encode(text, add_special_tokens=False).ids
+            return list(self._hf.encode(text, add_special_tokens=special))
+        return self._tok.encode(text, add_special_tokens=special).ids
 
     def detokenize(self, ids):
-        """Text of ``ids``."""
-        ids = [int(i) for i in ids]
+        """Text of ``ids`` (special tokens dropped when they are not included)."""
+        ids, skip = [int(i) for i in ids], not self.include_special_tokens
         if self._hf is not None:
-            return self._hf.decode(ids, clean_up_tokenization_spaces=False)
-        return self._tok.decode(ids, skip_special_tokens=False)
+            return self._hf.decode(ids, skip_special_tokens=skip,
+                                   clean_up_tokenization_spaces=False)
+        return self._tok.decode(ids, skip_special_tokens=skip)
 
     def token_to_id(self, token):
         """The id of vocabulary entry ``token``, added tokens included (None: not there)."""
@@ -211,8 +219,9 @@ class NullTokenizer:
 
 
 def build_tokenizer(tokenizer_type, tokenizer_model=None, vocab_file=None, merge_file=None,
-                    vocab_size=None):
-    """Build the tokenizer named by ``tokenizer_type`` (one of :data:`TOKENIZER_TYPES`)."""
+                    vocab_size=None, include_special_tokens=True):
+    """Build the tokenizer named by ``tokenizer_type`` (one of :data:`TOKENIZER_TYPES`);
+    ``include_special_tokens``: a Hugging Face tokenizer's (see :class:`HuggingFaceTokenizer`)."""
     if tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
         if not tokenizer_model:
             raise ValueError(f"{tokenizer_type} needs --tokenizer-model (a .model file; "
@@ -227,8 +236,15 @@ def build_tokenizer(tokenizer_type, tokenizer_model=None, vocab_file=None, merge
         if not tokenizer_model:
             raise ValueError("HuggingFaceTokenizer needs --tokenizer-model (a local folder written "
                              "by save_pretrained, or a tokenizer.json file)")
-        return HuggingFaceTokenizer(tokenizer_model)
+        return HuggingFaceTokenizer(tokenizer_model, include_special_tokens)
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
     raise ValueError(f"unknown tokenizer type {tokenizer_type!r}; choose one of "
                      f"{', '.join(TOKENIZER_TYPES)}")
+
+
+def tokenizer_from_args(args):
+    """The tokenizer a command line's tokenizer flags name (NullTokenizer when none)."""
+    return build_tokenizer(args.tokenizer_type or "NullTokenizer", args.tokenizer_model,
+                           args.vocab_file, args.merge_file, args.vocab_size,
+                           not getattr(args, "tokenizer_hf_no_include_special_tokens", False))

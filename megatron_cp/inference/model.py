@@ -11,7 +11,7 @@ import torch
 
 from megatron_cp.checkpoint import files as checkpoint_files
 from megatron_cp.checkpoint import load_save, megatron_lm_format
-from megatron_cp.data import build_tokenizer
+from megatron_cp.data import tokenizer_from_args
 from megatron_cp.model import GPTModel
 from megatron_cp.pipeline_parallel import build_model_chunks, layout_from_args
 from megatron_cp.run_report import print_rank_0
@@ -67,9 +67,7 @@ class InferenceModel:
     def __init__(self, args, state):
         check_checkpoint(args)
         self.args, self.state, self.device = args, state, state.device
-        self.tokenizer = build_tokenizer(args.tokenizer_type or "NullTokenizer",
-                                         args.tokenizer_model, args.vocab_file, args.merge_file,
-                                         args.vocab_size)
+        self.tokenizer = tokenizer_from_args(args)
         self.config = config_from_args(args, self.tokenizer.vocab_size)
         saved = _saved_vocab_size(args.load, getattr(args, "ckpt_step", None))
         if saved is not None and saved != self.config.vocab_size:

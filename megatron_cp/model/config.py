@@ -131,11 +131,15 @@ class GPTConfig:
     squared_relu: bool = setting(False, shapes=True,
                                  help="Use the squared ReLU activation, relu(x)^2, in the MLP "
                                       "(default GeLU; not with --swiglu).")
-    openai_gelu: bool = setting(
-        False, help="Compute GELU with OpenAI's tanh approximation, 0.5 x (1 + tanh(sqrt(2/pi) "
-        "(x + 0.044715 x^3))), instead of the exact erf GELU. Megatron-LM's MLP computes this "
-        "one whenever its bias-GELU fusion is on (its default, with biases): a Megatron-LM "
-        "checkpoint sets it (tools/checkpoint_convert.py, --use-checkpoint-args).")
+    bias_gelu_fusion: bool = setting(
+        False, flag="--no-bias-gelu-fusion", arg="bias_gelu_fusion", store_false=True,
+        fill_arg=True,
+        help="Do not fuse fc1's bias with the GELU, so the MLP computes the exact (erf) GELU. "
+        "Megatron-LM's fusion (on by default with biases; off with --disable-bias-linear) "
+        "computes GELU with the tanh approximation, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 "
+        "x^3))), in the dense MLP and the MTP layers; it refuses --squared-relu and MoE "
+        "experts, which it has no fused kernel for. A config built in Python defaults to "
+        "megatron-core's TransformerConfig (no fusion, erf GELU).")
     add_bias_linear: bool = setting(True, flag="--disable-bias-linear", shapes=True,
                                     help="No biases in linear layers.")
     hidden_dropout: float = setting(0.1, help="Dropout on hidden states.")
@@ -414,12 +418,7 @@ class GPTConfig:
                                  "activations; give one")
             self.activation = "squared_relu"
         self.squared_relu = self.activation == "squared_relu"
-        if self.openai_gelu:
-            if self.activation not in ("gelu", "gelu_tanh"):
-                raise ValueError(f"openai_gelu (True) is a GELU, but the MLP's activation is "
-                                 f"{self.activation!r}; drop --openai-gelu or --swiglu / "
-                                 f"--squared-relu")
-            self.activation = "gelu_tanh"
+        self._resolve_gelu()
         self._check_mla()
         self._check_rotary()
         if self.ffn_hidden_size is None:
@@ -482,6 +481,26 @@ class GPTConfig:
         init_method_std."""
         return self.init_method_std / math.sqrt(self.mup_width_mult) if self.use_mup \
             else self.init_method_std
+
+    def _resolve_gelu(self):
+        """Megatron-LM's GELU: the bias-GELU fusion (``bias_gelu_impl``) computes the tanh
+        approximation, the unfused path ``F.gelu`` (erf); its fusion is off without biases and
+        refuses an activation or an MoE expert it has no fused kernel for."""
+        if not self.add_bias_linear:
+            self.bias_gelu_fusion = False  # Megatron-LM turns it off silently, so do we
+        if not self.bias_gelu_fusion or self.activation not in ("gelu", "gelu_tanh"):
+            if self.bias_gelu_fusion and self.activation == "squared_relu":
+                raise ValueError("--squared-relu with biases meets Megatron-LM's bias-GELU fusion "
+                                 "(on by default), which refuses any activation but GELU: add "
+                                 "--no-bias-gelu-fusion or --disable-bias-linear")
+            return
+        if self.num_moe_experts:
+            raise ValueError(f"--num-experts {self.num_moe_experts} with GELU and biases meets "
+                             f"Megatron-LM's bias-GELU fusion (on by default), which has no "
+                             f"kernel for the routed experts and stops at their first forward: "
+                             f"add --no-bias-gelu-fusion (exact GELU), --disable-bias-linear or "
+                             f"--swiglu")
+        self.activation = "gelu_tanh"
 
     def _check_mla(self):
         """Multi-latent attention's rules (Megatron-LM's MLATransformerConfig and argument

@@ -48,7 +48,7 @@ def activate(h, activation):
         return swiglu(h)
     if activation == "squared_relu":
         return F.relu(h).square()
-    if activation == "gelu_tanh":  # --openai-gelu (Megatron-LM's bias-GELU fusion)
+    if activation == "gelu_tanh":  # Megatron-LM's bias-GELU fusion (its default with biases)
         return F.gelu(h, approximate="tanh")
     return F.gelu(h)
 

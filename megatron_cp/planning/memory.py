@@ -74,13 +74,12 @@ def model_config(args, vocab_size=None):
 
 def tokenizer_vocab_size(args):
     """The vocabulary size of the tokenizer the arguments build (the trainer's own call)."""
-    from megatron_cp.data import build_tokenizer
+    from megatron_cp.data import tokenizer_from_args
     known = getattr(args, "true_vocab_size", None)
     if known:
         return known
     try:
-        return build_tokenizer(args.tokenizer_type or "NullTokenizer", args.tokenizer_model,
-                               args.vocab_file, args.merge_file, args.vocab_size).vocab_size
+        return tokenizer_from_args(args).vocab_size
     except (ValueError, OSError) as error:
         raise ValueError(f"the memory model needs the vocabulary size and could not build the "
                          f"tokenizer ({error}); pass the tokenizer's files or --vocab-size with "
