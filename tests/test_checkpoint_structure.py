@@ -18,7 +18,8 @@ FORMATS = {
     "megatron_lm": ("megatron_lm_format", "megatron_lm_load"),
 }
 # what every format builds on: none of these imports a format or the entry
-SHARED = ("__init__", "state", "files", "faults", "canonical", "pieces", "use_checkpoint_args")
+SHARED = ("__init__", "state", "files", "faults", "canonical", "pieces", "use_checkpoint_args",
+          "old_defaults")
 
 
 def _module_file(name):

@@ -62,12 +62,14 @@ RUNS = {
     "dp2_recompute": (2, STEPS, "--recompute-granularity full --recompute-method uniform "
                                 "--recompute-num-layers 1"),
     "dp2_llama_keep_gathered": (2, f"{STEPS} {LLAMA}", "--torch-fsdp2-no-reshard-after-forward"),
-    # without dropout: with it, FSDP2's bf16 run flips one weight's rounding at step 6 and
-    # the exact zero count moves by 3 (dropout alone, hidden or attention, stays exact)
-    "dp2_bf16": (2, f"{STEPS} --bf16 {LOG}{NO_DROPOUT}", ""),
+    "dp2_bf16": (2, f"{STEPS} --bf16 {LOG}", ""),
     "dp2_fp16": (2, f"{STEPS} {FP16}", ""),
     "dp2_deepseek_pieces": (2, f"{STEPS} {DEEPSEEK}", ""),
-    # without dropout: its grad norm drifts 5e-5 with dropout (losses 1e-7; open question)
+    # without dropout: the GDN kernel's CP state passing sums the A_log / dt_bias gradients
+    # in another order (~2e-8 absolute with or without dropout), and dropout shrinks those
+    # gradients 5x, so their relative error reaches 4e-4 and Adam, which normalises each
+    # gradient, carries it into a grad-norm drift of 5e-5 by step 5 (plain CP2 x DP2 too);
+    # losses still agree to 1e-7
     "cp2_dp2_gated_deltanet": (4, f"{STEPS} {GDN}{NO_DROPOUT}", "--context-parallel-size 2"),
     "dp4": (4, f"{STEPS} {LOG}", ""),
     # (zeros not compared: TP=2 pads 128 more vocabulary rows, whose gradients are zero)
@@ -193,7 +195,15 @@ def test_fsdp2_matches_one_process(results, name):
         assert loss_diff <= tol and norm_diff <= tol
         assert abs(params_norm - ref_params_norm) <= tol * ref_params_norm
         if LOG in model:  # the zeros of the gradient: the same count of the same tensors
-            assert zeros == ref_zeros and all(z is not None for z in zeros)
+            assert all(z is not None for z in zeros)
+            if "--bf16" in model:
+                # Step 1 (the same weights) has only the structural zeros. Later, a weight
+                # may differ by one bf16 ulp, which makes or unmakes an exact cancellation
+                # in a few elements: a count within the unit roundoff of itself.
+                assert zeros[0] == ref_zeros[0]
+                assert all(abs(z - r) <= tol * r for z, r in zip(zeros, ref_zeros)), zeros
+            else:
+                assert zeros == ref_zeros
     if "fp16" in name:
         assert len(kept) < len(ref_norms), "the fp16 run must skip overflowing steps"
 

@@ -26,7 +26,7 @@ from training_utils import TINY, max_rel_diff, train_losses
 MICRO, GLOBAL, SEQ, ITERS = 1, 4, 32, 8
 MOE = ("--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0.01 --moe-z-loss-coeff 0.001 "
        "--moe-ffn-hidden-size 16 --expert-model-parallel-size 2 --mtp-num-layers 1 "
-       "--mtp-loss-scaling-factor 0.3")
+       "--mtp-loss-scaling-factor 0.3 --swiglu --disable-bias-linear")
 
 
 def test_weights_are_the_one_process_objective():
@@ -126,3 +126,35 @@ def test_moe_and_mtp_weighting_match_one_process(corpus, weighting):
         diff = max_rel_diff(losses, reference)
         print(f"MoE + MTP {weighting}: max relative loss difference {diff:.2e}")
         assert diff < 1e-5
+
+
+def _resume(rank, world, argv):
+    """Worker: (the banner notes, the losses) of training ``argv``."""
+    from megatron_cp.arguments import parse_args
+    from megatron_cp.run_report import format_compat_notes
+    from megatron_cp.training import build_parallel_state, pretrain
+    args = parse_args(argv.split(), world_size=world)
+    notes = format_compat_notes(args)
+    return notes, pretrain(args, build_parallel_state(args, torch.device("cpu")))
+
+
+def test_checkpoint_of_the_old_default_resumes_with_the_token_weighted_loss(corpus, tmp_path):
+    """A checkpoint saved before the setting existed (no calculate_per_token_loss in its saved
+    arguments) resumes with the token-weighted loss it was trained with, saying so in one
+    line: the losses of --calculate-per-token-loss, not those of the default."""
+    base, _ = corpus
+    ck = tmp_path / "ck"
+    run = f"{base} --ckpt-format torch --lr-decay-iters {ITERS}"
+    run_workers(train_losses, 1, f"{run} --train-iters 3 --save {ck}")
+    _, default = run_workers(_resume, 1, f"{run} --load {ck}")[0]
+    _, per_token = run_workers(_resume, 1, f"{run} --load {ck} --calculate-per-token-loss")[0]
+    assert max_rel_diff(default, per_token) > 1e-5  # the two weightings differ on this data
+    shard = ck / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt"
+    payload = torch.load(shard, weights_only=False)
+    assert payload["args"]["calculate_per_token_loss"] is False
+    del payload["args"]["calculate_per_token_loss"]
+    torch.save(payload, shard)
+    notes, old = run_workers(_resume, 1, f"{run} --load {ck}")[0]
+    assert old == per_token
+    lines = [line for line in notes.splitlines() if "token-weighted loss" in line]
+    assert len(lines) == 1 and "megatron_cp's earlier default" in lines[0], notes

@@ -196,8 +196,10 @@ def test_old_openai_gelu_checkpoints_keep_their_tanh_gelu():
     from megatron_cp.checkpoint.old_defaults import with_old_defaults
     assert with_old_defaults({"openai_gelu": True})[0]["bias_gelu_fusion"] is True
     assert with_old_defaults({"openai_gelu": False})[0]["bias_gelu_fusion"] is False
-    assert with_old_defaults({"bias_gelu_fusion": True}) == ({"bias_gelu_fusion": True}, [])
+    now = {"bias_gelu_fusion": True, "calculate_per_token_loss": False}
+    assert with_old_defaults(now) == (now, [])
     # a SwiGLU model (a Llama import) computes the same either way: nothing to say
-    assert with_old_defaults({"swiglu": True})[1] == [("bias_gelu_fusion", None)]
+    assert with_old_defaults({"swiglu": True, "calculate_per_token_loss": False})[1] == \
+        [("bias_gelu_fusion", None)]
     with pytest.raises(ValueError, match="--openai-gelu --disable-bias-linear"):
         with_old_defaults({"openai_gelu": True, "disable_bias_linear": True})

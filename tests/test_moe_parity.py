@@ -3,7 +3,8 @@ LM loss, of the logged balancing and z-losses and of the gradient norm (every ex
 counted once) (fp32, CPU).
 
 References: Megatron-LM's defaults (learned absolute positions, tied embeddings, LayerNorm +
-GeLU with biases, NullTokenizer --vocab-size 512, padded by TP) with the default allgather
+GeLU with biases, NullTokenizer --vocab-size 512, padded by TP; the exact GELU of
+--no-bias-gelu-fusion, without which Megatron-LM's routed experts stop) with the default allgather
 dispatcher, the same with packed documents (padding under CP, EOD tokens loss-masked), and a
 Llama/DeepSeek-style MoE (RMSNorm, SwiGLU, no biases, rope, untied; sigmoid scores with the
 aux-loss-free expert bias, group-limited routing, per-sequence balancing loss, a gated shared
@@ -26,7 +27,7 @@ BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32
         "--lr-decay-style cosine --hidden-dropout 0.1 --attention-dropout 0.1 --log-interval 100 "
         "--eval-iters 0 --seed 11 --mock-data --tokenizer-type NullTokenizer --vocab-size 512 "
         "--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0.05 --moe-z-loss-coeff 0.01 "
-        "--moe-ffn-hidden-size 48")
+        "--moe-ffn-hidden-size 48 --no-bias-gelu-fusion")
 PACKED = "--reset-attention-mask --reset-position-ids --eod-mask-loss"
 LLAMA = ("--normalization RMSNorm --swiglu --disable-bias-linear --position-embedding-type rope "
          "--untie-embeddings-and-output-weights --moe-router-score-function sigmoid "

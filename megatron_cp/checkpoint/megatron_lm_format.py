@@ -149,6 +149,8 @@ def our_args(megatron_args):
     bias = m.get("add_bias_linear", True)
     args["disable_bias_linear"] = not bias
     args["bias_gelu_fusion"] = bool(bias and m.get("bias_gelu_fusion", True))
+    # a Megatron-LM older than the flag averaged microbatch means, its later default
+    args.setdefault("calculate_per_token_loss", False)
     heads = m["num_attention_heads"]
     if not m.get("group_query_attention"):
         args["num_query_groups"] = heads

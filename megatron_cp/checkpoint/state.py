@@ -105,8 +105,9 @@ def load_rng(trainer, root, it, saved_layout):
             or not os.path.exists(path):
         if st.global_rank == 0:
             print(" the checkpoint was saved under another parallel layout (or without RNG "
-                  "states): data order and optimizer resume exactly, the RNG streams (dropout) "
-                  "start afresh", flush=True)
+                  "states): the per-rank RNG streams start afresh; data order, optimizer and "
+                  "dropout (drawn from global coordinates, not those streams) resume exactly",
+                  flush=True)
         return
     restore_rng(trainer, files.load_file(path, root, it, keys=RNG_KEYS))
 
