@@ -184,7 +184,7 @@ def _rerun_args(g):
                    help="Take the gradient of the token-weighted mean loss over the whole "
                         "global batch. Without it (Megatron-LM's default) each microbatch's "
                         "loss is the mean over its own loss tokens, averaged over the "
-                        "microbatches (megatron_cp.loss_weighting). The logged lm loss is the "
+                        "microbatches (megatron_cp.pipeline_parallel.loss_weighting). The logged lm loss is the "
                         "token-weighted mean either way.")
 
 

@@ -3,7 +3,7 @@
 One iteration = one global batch: every microbatch of this DP rank is read up front (so the
 number of loss tokens of every microbatch and of the whole global batch is known before any
 backward), run through the schedule with each microbatch's masked loss sum weighted as
-Megatron-LM weights it in one process (:mod:`megatron_cp.loss_weighting`), gradients are
+Megatron-LM weights it in one process (:mod:`megatron_cp.pipeline_parallel.loss_weighting`), gradients are
 SUM-reduced over DP x CP (so every layout takes the one-process gradient), then clipped and
 applied.
 
@@ -31,7 +31,7 @@ from megatron_cp.checkpoint import files as checkpoint_files
 from megatron_cp.checkpoint import load_save
 from megatron_cp import device as device_mod
 from megatron_cp import faults
-from megatron_cp import loss_weighting
+from megatron_cp.pipeline_parallel import loss_weighting
 from megatron_cp import moe
 from megatron_cp import rerun
 from megatron_cp.activation_offload import offload_note

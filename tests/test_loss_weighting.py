@@ -1,4 +1,4 @@
-"""Megatron-LM's loss weighting (megatron_cp/loss_weighting.py) is the one-process function
+"""Megatron-LM's loss weighting (megatron_cp/pipeline_parallel/loss_weighting.py) is the one-process function
 under every layout, including microbatches whose loss tokens are few, absent, or all on one
 CP rank.
 
@@ -20,7 +20,7 @@ import torch
 
 from dist_harness import run_workers
 from megatron_cp.data.indexed_dataset import IndexedDatasetBuilder, index_file_path
-from megatron_cp.loss_weighting import step_weights
+from megatron_cp.pipeline_parallel.loss_weighting import step_weights
 from training_utils import TINY, max_rel_diff, train_losses
 
 MICRO, GLOBAL, SEQ, ITERS = 1, 4, 32, 8

@@ -50,7 +50,7 @@ OLD_DEFAULTS = (
                "the checkpoint was trained with the exact (erf) GELU of megatron_cp's earlier "
                "default; resuming with it (--no-bias-gelu-fusion)", _has_gelu),
     # before Megatron-LM's per-microbatch weighting, the gradient was always the token-weighted
-    # mean over the global batch (megatron_cp.loss_weighting)
+    # mean over the global batch (megatron_cp.pipeline_parallel.loss_weighting)
     OldDefault("calculate_per_token_loss", _always,
                "the checkpoint was trained with the token-weighted loss of megatron_cp's earlier "
                "default; resuming with it (--calculate-per-token-loss)"),

@@ -87,7 +87,7 @@ def mtp_targets(batch):
     """The (tokens, labels, loss mask, weight) of every MTP depth a (prepared) microbatch
     holds, as the model takes them; None when it holds none. The weight of a depth's masked
     loss sum is the training loop's (``batch["mtp_loss_weights"]``, Megatron-LM's weighting:
-    megatron_cp.loss_weighting), None without it."""
+    megatron_cp.pipeline_parallel.loss_weighting), None without it."""
     targets = []
     weights = batch.get("mtp_loss_weights")
     while f"{MTP_KEYS[0]}_{len(targets) + 1}" in batch:

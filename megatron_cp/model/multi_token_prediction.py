@@ -18,10 +18,11 @@ type and never crosses a document.
 
 The training objective adds each depth's loss weighted as Megatron-LM weights it: in one
 microbatch on its own, ``mtp_loss_scaling_factor / D * sum_k loss_k`` with ``loss_k`` the
-depth's mean over its ``N_k`` loss-masked tokens; in training, the weight of each microbatch's
-masked sum comes with the batch (:mod:`megatron_cp.loss_weighting`: Megatron-LM's default or
-``--calculate-per-token-loss``, with counts over the whole microbatch), so it does not change
-with TP, CP, DP, PP or EP. The MTP loss reaches backward through
+depth's mean over its ``N_k`` loss-masked tokens; in training, the weight of each
+microbatch's masked sum comes with the batch (Megatron-LM's default or
+``--calculate-per-token-loss``, with counts over the whole microbatch:
+:mod:`megatron_cp.pipeline_parallel.loss_weighting`), so it does not change with TP, CP, DP,
+PP or EP. The MTP loss reaches backward through
 :class:`~megatron_cp.moe.balancing.AttachLoss` on the model's output (Megatron-LM's
 MTPLossAutoScaler), so the forward value (the LM loss) is unchanged.
 """
