@@ -74,4 +74,6 @@ def test_continues_megatron_cores_losses(megatron_run, layout):
         expected = torch.tensor(theirs[run][mct.SAVED_AT:], dtype=torch.float64)
         got = torch.tensor(ours[run], dtype=torch.float64)
         assert got.shape == expected.shape, (run, ours[run])
+        diff = ((got - expected).abs() / expected.abs()).max().item()
+        print(f"{layout} {run}: max relative difference from megatron-core {diff:.1e}")
         torch.testing.assert_close(got, expected, rtol=TOL, atol=0, msg=f"{layout} {run}")
