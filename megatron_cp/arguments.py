@@ -29,6 +29,7 @@ import sys
 import torch
 
 from megatron_cp import rerun, wandb_logging
+from megatron_cp.checkpoint.old_defaults import apply_old_defaults
 from megatron_cp.checkpoint.use_checkpoint_args import given_on_command_line, take_checkpoint_args
 from megatron_cp.megatron_flags import add_compat_flags, apply_compat_flags
 from megatron_cp.config_flags import (add_config_flags, build_config, config_flag_names,
@@ -184,8 +185,8 @@ def _rerun_args(g):
                    help="Take the gradient of the token-weighted mean loss over the whole "
                         "global batch. Without it (Megatron-LM's default) each microbatch's "
                         "loss is the mean over its own loss tokens, averaged over the "
-                        "microbatches (megatron_cp.pipeline_parallel.loss_weighting). The logged lm loss is the "
-                        "token-weighted mean either way.")
+                        "microbatches (megatron_cp.pipeline_parallel.loss_weighting). The "
+                        "logged lm loss is the token-weighted mean either way.")
 
 
 def _parallel_args(g):
@@ -441,9 +442,11 @@ def parse_args(argv=None, world_size=1, extra_args_provider=None, inference=Fals
     args, problems, values_ok = _parse_collecting(parser, argv)
     if args is None or not values_ok:
         raise ArgumentErrors(problems)
-    if args.use_checkpoint_args:
-        _take_checkpoint_args(args, parser, argv, inference)
-    notes = _old_checkpoint_defaults(args, parser, argv)
+    # the --load checkpoint's saved arguments, read once for both uses
+    saved = _take_checkpoint_args(args, parser, argv, inference) if args.use_checkpoint_args \
+        else _saved_under_load(args)
+    notes = [] if saved is None else \
+        apply_old_defaults(args, saved, given_on_command_line(parser, argv))
     args = validate_args(args, world_size, inference, problems)
     args.compat_notes = list(args.compat_notes) + notes
     return args
@@ -500,32 +503,31 @@ def _drop_flag(argv, name):
 
 def _take_checkpoint_args(args, parser, argv, inference=False):
     """``--use-checkpoint-args``: the model from the checkpoint under ``--load``, never its
-    parallel layout (the rule: :mod:`megatron_cp.checkpoint.use_checkpoint_args`)."""
+    parallel layout (the rule: :mod:`megatron_cp.checkpoint.use_checkpoint_args`); returns
+    the checkpoint's saved arguments."""
     if not args.load:
         raise ValueError("--use-checkpoint-args reads the model flags from a checkpoint: give "
                          "--load DIR")
     from megatron_cp.checkpoint.load_save import saved_args
-    take_checkpoint_args(args, saved_args(args.load, args.ckpt_step), given_on_command_line(parser, argv),
-                         inference)
+    saved = saved_args(args.load, args.ckpt_step)
+    take_checkpoint_args(args, saved, given_on_command_line(parser, argv), inference)
+    return saved
 
 
-def _old_checkpoint_defaults(args, parser, argv):
-    """A checkpoint of an earlier megatron_cp under ``--load`` keeps computing what it was
-    trained with where a default has changed since (:mod:`megatron_cp.checkpoint.old_defaults`);
-    returns the banner's notes. A checkpoint that cannot be read is left to the load, which
-    says why."""
+def _saved_under_load(args):
+    """The saved arguments of the checkpoint under ``--load`` (for the defaults it was trained
+    with: :mod:`megatron_cp.checkpoint.old_defaults`), or None: no ``--load``, no checkpoint
+    there yet, or one that cannot be read (the load says why)."""
     if not args.load:
-        return []
+        return None
     from megatron_cp.checkpoint import files
     from megatron_cp.checkpoint.load_save import saved_args
-    from megatron_cp.checkpoint.old_defaults import apply_old_defaults
     try:
         if files.load_iteration(args.load, args.ckpt_step) is None:
-            return []
-        saved = saved_args(args.load, args.ckpt_step)
+            return None
+        return saved_args(args.load, args.ckpt_step)
     except (OSError, ValueError, KeyError, RuntimeError):
-        return []
-    return apply_old_defaults(args, saved, given_on_command_line(parser, argv))
+        return None
 
 
 class _Checks:

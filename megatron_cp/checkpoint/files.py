@@ -177,14 +177,16 @@ def earlier(root, it):
             f"restore the file from a copy)")
 
 
-def load_file(path, root, it, map_location="cpu", keys=()):
+def load_file(path, root, it, map_location="cpu", keys=(), mmap=False):
     """``torch.load(path)`` of a checkpoint file of iteration ``it`` under ``root``; a
-    missing, truncated or corrupted file, or one without ``keys``, is a ValueError naming it."""
+    missing, truncated or corrupted file, or one without ``keys``, is a ValueError naming it.
+    ``mmap``: map the tensors' storages instead of reading them (for a caller that only
+    wants the file's small entries, such as its arguments)."""
     if not os.path.isfile(path):
         raise ValueError(f"checkpoint file {path} is missing (a partial copy, or saved on "
                          f"another number of ranks?); {earlier(root, it)}")
     try:
-        payload = torch.load(path, map_location=map_location, weights_only=False)
+        payload = torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
     except Exception as error:  # unpickling, zip, EOF and storage errors: the file is damaged
         raise ValueError(f"checkpoint file {path} cannot be read, it is truncated or corrupted "
                          f"({faults.short_reason(error)}); {earlier(root, it)}") from error

@@ -105,4 +105,6 @@ def saved_args(root, step=None):
     if path is None:
         raise ValueError(f"no checkpoint under {root} (no {files.TRACKER}); train one first, or "
                          f"drop --use-checkpoint-args and give the model flags")
-    return files.load_file(path, root, it, keys=("args",))["args"]
+    # a torch checkpoint's arguments share a file with its weights and optimizer state:
+    # mapped, not read
+    return files.load_file(path, root, it, keys=("args",), mmap=True)["args"]

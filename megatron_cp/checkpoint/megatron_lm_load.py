@@ -14,6 +14,7 @@ import torch
 from megatron_cp.checkpoint import files
 from megatron_cp.checkpoint import megatron_lm_format as megatron_lm
 from megatron_cp.checkpoint import state as training_state
+from megatron_cp.checkpoint.old_defaults import computes_gelu
 from megatron_cp.optimizer.inner import set_adam_step
 
 
@@ -37,9 +38,8 @@ def _copy_into(pieces_by_key, full_by_key, folder):
 def check_args(saved, args, folder):
     """The model of ``args`` must be the checkpoint's (its arguments ``saved``, ours)."""
     files.check_args_match(saved, args)
-    gelu = not getattr(args, "swiglu", False) and not getattr(args, "squared_relu", False)
     fused = bool(saved.get("bias_gelu_fusion"))
-    if gelu and fused != bool(getattr(args, "bias_gelu_fusion", fused)):
+    if computes_gelu(vars(args)) and fused != bool(args.bias_gelu_fusion):
         implied = "tanh (its bias-GELU fusion is on)" if fused else "exact (erf)"
         raise ValueError(f"the Megatron-LM checkpoint {folder} computes GELU {implied}; "
                          f"{'drop' if fused else 'pass'} --no-bias-gelu-fusion (or use "

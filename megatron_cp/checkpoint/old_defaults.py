@@ -27,7 +27,9 @@ class OldDefault:
     shows: Callable[[dict], bool] = _always
 
 
-def _has_gelu(saved):
+def computes_gelu(saved):
+    """Whether the model of arguments ``saved`` (a dict) has a GELU MLP (not SwiGLU or
+    squared ReLU): the one the bias-GELU fusion changes."""
     return not saved.get("swiglu") and not saved.get("squared_relu")
 
 
@@ -48,7 +50,7 @@ def _earlier_gelu(saved):
 OLD_DEFAULTS = (
     OldDefault("bias_gelu_fusion", _earlier_gelu,
                "the checkpoint was trained with the exact (erf) GELU of megatron_cp's earlier "
-               "default; resuming with it (--no-bias-gelu-fusion)", _has_gelu),
+               "default; resuming with it (--no-bias-gelu-fusion)", computes_gelu),
     # before Megatron-LM's per-microbatch weighting, the gradient was always the token-weighted
     # mean over the global batch (megatron_cp.pipeline_parallel.loss_weighting)
     OldDefault("calculate_per_token_loss", _always,

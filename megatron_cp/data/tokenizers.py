@@ -247,4 +247,4 @@ def tokenizer_from_args(args):
     """The tokenizer a command line's tokenizer flags name (NullTokenizer when none)."""
     return build_tokenizer(args.tokenizer_type or "NullTokenizer", args.tokenizer_model,
                            args.vocab_file, args.merge_file, args.vocab_size,
-                           not getattr(args, "tokenizer_hf_no_include_special_tokens", False))
+                           not args.tokenizer_hf_no_include_special_tokens)

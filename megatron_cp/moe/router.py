@@ -70,9 +70,7 @@ class TopKRouter(torch.nn.Module):
         dtype = ROUTER_DTYPES[c.moe_router_dtype] or tokens.dtype
         x = tokens.to(dtype)
         if self.training and c.moe_input_jitter_eps:
-            if jitter_states is None:
-                raise ValueError("--moe-input-jitter-eps: the router needs each token's jitter "
-                                 "states (MoELayer passes them)")
+            assert jitter_states is not None, "MoELayer passes each token's jitter states"
             # a function of the token's global coordinates, not of an RNG stream (layer.py)
             x = x * uniform_multiplier(jitter_states, x.shape[-1], c.moe_input_jitter_eps,
                                        dtype)  # [T, h]
