@@ -9,6 +9,7 @@ DP rank ``d`` takes the contiguous share ``[d*G/DP, (d+1)*G/DP)`` of it, in micr
 size the schedule gives at that sample). :func:`close_data_iterator` ends its loader processes.
 """
 import multiprocessing
+import signal
 
 import numpy as np
 import torch
@@ -160,14 +161,17 @@ def _collate_text(samples):
 
 
 def build_data_iterator(dataset, global_batch_size, micro_batch_size, dp_rank, dp_size,
-                        consumed_samples=0, num_workers=0):
+                        consumed_samples=0, num_workers=0, keep_on_sigterm=False):
     """Iterator over this DP rank's microbatches: ``text`` tensors ``[micro_batch_size, s+1]``;
     ``global_batch_size``: a number, or a function of the consumed samples (a schedule).
 
     Resumes exactly: the same ``consumed_samples`` gives the same following batches.
     Returns None for a None dataset. Uses a torch DataLoader with
     :class:`DataParallelBatchSampler` (``num_workers`` loader processes; none in a daemonic
-    process, which may not start any).
+    process, which may not start any). ``keep_on_sigterm`` (``--exit-signal-handler``): the
+    loader processes ignore SIGTERM, as Megatron-LM's do under that flag. SLURM signals every
+    process of a job step; a loader process that died of it would fail the next batch before
+    the training loop could save and exit.
     """
     if dataset is None:
         return None
@@ -180,10 +184,17 @@ def build_data_iterator(dataset, global_batch_size, micro_batch_size, dp_rank, d
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                          collate_fn=_collate_text,
                                          persistent_workers=False, pin_memory=False,
+                                         worker_init_fn=_ignore_sigterm if keep_on_sigterm
+                                         else None,
                                          # its own generator: creating the iterator must not
                                          # draw from the global RNG (exact resume needs that)
                                          generator=torch.Generator().manual_seed(0))
     return iter(loader)
+
+
+def _ignore_sigterm(worker_id):
+    # the main process saves and ends the run; its workers end with it (torch's parent check)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def close_data_iterator(iterator):

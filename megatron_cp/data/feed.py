@@ -49,7 +49,8 @@ class DataFeed:
         self.train_iter = build_data_iterator(train, self.batches.global_batch_size,
                                               a.micro_batch_size,
                                               self.state.rank("dp"), self.state.size("dp"),
-                                              consumed_samples, a.num_workers)
+                                              consumed_samples, a.num_workers,
+                                              a.exit_signal_handler)
         self.valid_dataset = valid
 
     def validation_iterator(self):
@@ -60,7 +61,7 @@ class DataFeed:
         self.valid_iter = build_data_iterator(self.valid_dataset if self.reads else None,
                                               a.eval_global_batch_size, a.eval_micro_batch_size,
                                               self.state.rank("dp"), self.state.size("dp"), 0,
-                                              a.num_workers)
+                                              a.num_workers, a.exit_signal_handler)
         return self.valid_iter
 
     def close(self):
