@@ -120,7 +120,7 @@ def longest_under(a, settings, device):
 def planned_seq(a, settings, device):
     """The planner's longest sequence for this variant under --cap-gib (one rank), floored to
     --granularity."""
-    from megatron_cp.arguments import parse_args
+    from megatron_cp.cli.arguments import parse_args
     from megatron_cp.planning.search import max_seq_length
     values = {"chunk": a.chunk_size, "mlp": a.mlp_chunks}
     argv = (f"--num-layers {a.layers} --hidden-size {a.hidden} --num-attention-heads {a.heads} "

@@ -49,7 +49,7 @@ GOAL_STALL = 0.5  # async stall / synchronous torch_dist save
 
 
 def _trainer(world, argv):
-    from megatron_cp.arguments import parse_args
+    from megatron_cp.cli.arguments import parse_args
     from megatron_cp.training import Trainer, build_parallel_state
     args = parse_args(argv.split(), world_size=world)
     trainer = Trainer(args, build_parallel_state(args, torch.device("cpu")))

@@ -195,7 +195,7 @@ def _instrument(record):
 
 
 def _train_worker(rank, world, argv, threads):
-    from megatron_cp.arguments import parse_args
+    from megatron_cp.cli.arguments import parse_args
     from megatron_cp.training import build_parallel_state, pretrain
     torch.set_num_threads(threads)
     args = parse_args(argv, world_size=world)

@@ -73,7 +73,7 @@ ARGS=("${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${DATA_ARGS[@
 
 # One process checks the flags first: a mistake is one line and exit status 2, not a
 # traceback per rank and torchrun's failure report.
-python -m megatron_cp.check_args --world-size "$NPROC" "${ARGS[@]}"
+python -m megatron_cp.cli.check_args --world-size "$NPROC" "${ARGS[@]}"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 echo "run folder: $RUN_DIR (TP=$TP CP=$CP PP=$PP DP=$DP, $ITERS iterations)"
 torchrun --standalone --nproc-per-node "$NPROC" "$REPO/pretrain_gpt.py" "${ARGS[@]}"

@@ -45,6 +45,6 @@ ARGS=(
     "$@"
 )
 # One process checks the flags for the whole world first: a mistake is one line, exit 2.
-python -m megatron_cp.check_args --world-size "$WORLD" "${ARGS[@]}"
+python -m megatron_cp.cli.check_args --world-size "$WORLD" "${ARGS[@]}"
 torchrun --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK" \
     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" "$REPO/pretrain_gpt.py" "${ARGS[@]}"

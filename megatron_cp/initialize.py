@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_cp import device as device_mod
+from megatron_cp.config.parallel import check_hierarchical_sizes
 
 GROUP_NAMES = ("tp", "cp", "pp", "dp", "dp_cp", "tp_cp", "mp", "embedding", "ep", "etp", "edp",
                "ep_etp")
@@ -335,20 +336,3 @@ def initialize_distributed(backend=None, timeout_minutes=10, environ=None):
             rank=info["rank"], world_size=info["world_size"],
             timeout=datetime.timedelta(minutes=timeout_minutes))
     return info["rank"], info["world_size"], device
-
-
-def check_hierarchical_sizes(hierarchical_sizes, context_parallel_size):
-    """The hierarchical CP sizes (U, R) as a tuple of ints; ValueError unless there are two,
-    each >= 1, whose product is ``context_parallel_size`` (e.g. (2, 4): inner a2a over 2 ranks
-    x outer p2p ring over 4 = CP 8)."""
-    sizes = tuple(int(size) for size in hierarchical_sizes)
-    if len(sizes) != 2:
-        raise ValueError(f"hierarchical_context_parallel_sizes {list(sizes)} must be two sizes, "
-                         f"U (inner a2a) and R (outer p2p), with U x R = context_parallel_size "
-                         f"({context_parallel_size})")
-    product = sizes[0] * sizes[1]
-    if min(sizes) < 1 or product != context_parallel_size:
-        raise ValueError(f"hierarchical_context_parallel_sizes {list(sizes)} multiply to {product}, "
-                         f"not context_parallel_size ({context_parallel_size}); give sizes >= 1 "
-                         f"whose product is {context_parallel_size}")
-    return sizes

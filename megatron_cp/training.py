@@ -35,7 +35,7 @@ from megatron_cp.pipeline_parallel import loss_weighting
 from megatron_cp import moe
 from megatron_cp import rerun
 from megatron_cp.activation_offload import offload_note
-from megatron_cp.config_flags import build_config
+from megatron_cp.config.setting import build_config
 from megatron_cp.context_parallel import resolve_comm_type
 from megatron_cp.data import tokenizer_from_args
 from megatron_cp.data.batch import mtp_targets
@@ -547,7 +547,7 @@ def main(argv=None):
     rerun state machine's exit returns Megatron's 16 (resume elsewhere) or 17 (failed
     result validation) after its log lines and one ``error:`` line; any other exception
     keeps its traceback."""
-    from megatron_cp.check_args import (OTHER_RANK_GRACE_SECONDS, parse_arguments,
+    from megatron_cp.cli.check_args import (OTHER_RANK_GRACE_SECONDS, parse_arguments,
                                         report_user_error)
     from megatron_cp.initialize import distributed_env
     try:

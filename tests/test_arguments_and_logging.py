@@ -6,7 +6,7 @@ import os
 import pytest
 
 from dist_harness import run_workers
-from megatron_cp.arguments import build_parser, parse_args
+from megatron_cp.cli.arguments import build_parser, parse_args
 from training_utils import TINY, train_losses
 
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "

@@ -222,7 +222,8 @@ def test_rank_lost_during_a_save_removes_the_partial_files(tmp_path):
 
 def _main(rank, world, argv):
     """``training.main(argv)``; returns (status, stdout, stderr)."""
-    from megatron_cp import check_args, training
+    from megatron_cp import training
+    from megatron_cp.cli import check_args
     check_args.OTHER_RANK_GRACE_SECONDS = 0.0
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     out, err = io.StringIO(), io.StringIO()
@@ -295,7 +296,7 @@ def test_ckpt_step_names_the_saved_iterations_when_it_has_no_folder(saved):
 
 
 def test_negative_ckpt_step_is_refused_before_start():
-    from megatron_cp.arguments import parse_args
+    from megatron_cp.cli.arguments import parse_args
     with pytest.raises(ValueError, match=r"--ckpt-step \(-1\) is the iteration to load"):
         parse_args(f"{BASE} --load somewhere --ckpt-step -1".split())
 

@@ -95,7 +95,7 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
 def test_use_checkpoint_args_needs_no_model_flags(tmp_path):
     """--use-checkpoint-args takes the model's shape and tokenizer from the checkpoint: a run
     that names no model flag resumes and trains on like one that names them all."""
-    from megatron_cp.arguments import parse_args
+    from megatron_cp.cli.arguments import parse_args
     model = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
              "--group-query-attention --num-query-groups 2 --swiglu --normalization RMSNorm "
              "--position-embedding-type rope --mock-data --tokenizer-type NullTokenizer "

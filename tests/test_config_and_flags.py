@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from dist_harness import run_workers
-from megatron_cp import arguments, training
+from megatron_cp import training
+from megatron_cp.cli import arguments
 from megatron_cp.checkpoint import files as checkpoint_files
-from megatron_cp.arguments import build_parser, parse_args
-from megatron_cp.megatron_flags import COMPAT_FLAGS, MAP, REFUSE, SAME, STORE, all_entries
-from megatron_cp.config_flags import arg_of, checkpoint_args, flag_of, setting
-from megatron_cp.model.config import GPTConfig
+from megatron_cp.cli.arguments import build_parser, parse_args
+from megatron_cp.cli.megatron_flags import COMPAT_FLAGS, MAP, REFUSE, SAME, STORE, all_entries
+from megatron_cp.config.setting import arg_of, checkpoint_args, flag_of, setting
+from megatron_cp.config.model import GPTConfig
 from megatron_cp.optimizer import OptimizerParamScheduler
 from megatron_cp.training import config_from_args
 

@@ -170,7 +170,7 @@ def test_loader_processes_outlive_sigterm_under_exit_signal_handler():
 
 RUN_AND_COUNT = """
 import gc, multiprocessing, sys
-from megatron_cp.arguments import parse_args
+from megatron_cp.cli.arguments import parse_args
 from megatron_cp.training import pretrain
 gc.disable()  # the trainer sits in reference cycles: only an explicit close ends its workers
 pretrain(parse_args(sys.argv[1:], world_size=1))

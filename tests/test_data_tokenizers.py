@@ -194,7 +194,7 @@ def test_hugging_face_special_tokens_as_megatron_lm(tmp_path):
     ``convert_tokens_to_ids(tokenize(text))``; decoding drops the special tokens only then."""
     from transformers import AutoTokenizer
 
-    from megatron_cp.arguments import parse_args
+    from megatron_cp.cli.arguments import parse_args
     from megatron_cp.data.tokenizers import tokenizer_from_args
 
     folder = _bos_adding_folder(tmp_path)

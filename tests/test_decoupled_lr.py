@@ -79,7 +79,7 @@ def _each(rank, world, runs):
 
 def _update_sizes(rank, world, argv):
     """The largest change of the word embedding and of a QKV weight in one step."""
-    from megatron_cp.arguments import parse_args
+    from megatron_cp.cli.arguments import parse_args
     from megatron_cp.training import Trainer, build_parallel_state
     args = parse_args(argv.split(), world_size=world)
     trainer = Trainer(args, build_parallel_state(args, torch.device("cpu")))

@@ -24,7 +24,7 @@ import torch
 
 from dist_harness import WorkerError, run_workers
 from megatron_cp.checkpoint import files, load_save
-from megatron_cp.arguments import parse_args
+from megatron_cp.cli.arguments import parse_args
 from megatron_cp.checkpoint.canonical import param_spec
 from megatron_cp.checkpoint.pieces import Pieces
 from megatron_cp.checkpoint.torch_dist_format import read_full

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from dist_harness import run_workers
-from megatron_cp.arguments import parse_args
+from megatron_cp.cli.arguments import parse_args
 from megatron_cp.initialize import initialize_model_parallel
 from megatron_cp.optimizer import (DistributedDataParallel, DistributedOptimizer,
                                    MixedPrecisionOptimizer, expected_bytes_per_param,

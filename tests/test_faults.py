@@ -138,7 +138,7 @@ def _hung_peer(rank, world, argv):
     for longer than the collective timeout; returns what pretrain raised here, and when."""
     import torch
     from megatron_cp import faults, training
-    from megatron_cp.arguments import parse_args
+    from megatron_cp.cli.arguments import parse_args
     args = parse_args(argv.split(), world_size=world)
     args.distributed_timeout_minutes = 0.04  # 2.4 s (the flag takes whole minutes)
     real_step = training.Trainer.train_step
@@ -173,7 +173,8 @@ def _main_with_bad_value(rank, world, argv, kind, victim, at):
     """Run ``training.main`` with a NaN in rank ``victim``'s loss (``kind`` "loss") or an
     inf in the gradient of its loss ("grad") at iteration ``at``; returns (status, stderr)."""
     import torch
-    from megatron_cp import check_args, training
+    from megatron_cp import training
+    from megatron_cp.cli import check_args
     check_args.OTHER_RANK_GRACE_SECONDS = 0.0  # no launcher here to end the other ranks
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))  # what main parses for
     current = {}
@@ -334,7 +335,7 @@ def _load_errors(rank, world, roots):
     import torch
     from megatron_cp import training
     from megatron_cp.checkpoint import load_save
-    from megatron_cp.arguments import parse_args
+    from megatron_cp.cli.arguments import parse_args
     messages, state = {}, None
     for root in roots:
         args = parse_args(f"{TINY} --train-iters 4 --load {root}".split(), world_size=world)
@@ -367,7 +368,8 @@ def test_damaged_checkpoint_files_are_named(saved, tmp_path):
 
 
 def _main_quietly(rank, world, argv):
-    from megatron_cp import check_args, training
+    from megatron_cp import training
+    from megatron_cp.cli import check_args
     check_args.OTHER_RANK_GRACE_SECONDS = 0.0
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     err = io.StringIO()
@@ -447,7 +449,7 @@ def test_truncated_bin_is_one_error_line_before_and_after_launch(tmp_path):
     assert len(lines) == 1 and lines[0].startswith(f"error: {prefix}.bin is ") and \
         "the .bin file is truncated" in lines[0], err
     # the launch scripts' check before torchrun says the same
-    from megatron_cp import check_args
+    from megatron_cp.cli import check_args
     before = io.StringIO()
     with contextlib.redirect_stderr(before):
         assert check_args.main(["--world-size", "2", *argv.split(), "--train-iters", "4"]) == 2

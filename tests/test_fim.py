@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dist_harness import run_workers
-from megatron_cp.arguments import parse_args
+from megatron_cp.cli.arguments import parse_args
 from megatron_cp.data.builder import build_train_valid_test_datasets
 from megatron_cp.data.fim import FimDataset, FimSettings, FimTransform, fim_settings
 from megatron_cp.data.tokenizers import build_tokenizer

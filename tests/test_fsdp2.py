@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dist_harness import run_workers
-from megatron_cp.arguments import parse_args
+from megatron_cp.cli.arguments import parse_args
 from megatron_cp.optimizer import expected_bytes_per_param, memory_breakdown
 from megatron_cp.optimizer.clip_grads import get_param_norm, grad_of
 from megatron_cp.optimizer.fsdp import is_fully_sharded

@@ -168,7 +168,7 @@ def _our_logits(full, args, tokens):
 
 def _defaults():
     """Every argument's default (the command line's), for a model built from an args dict."""
-    from megatron_cp.arguments import parse_args
+    from megatron_cp.cli.arguments import parse_args
     from training_utils import TINY
     return vars(parse_args(f"{TINY} --train-iters 10".split()))
 

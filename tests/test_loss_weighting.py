@@ -65,7 +65,7 @@ def _write_sparse_corpus(prefix, num_docs=1500, seed=3):
 
 def _loss_masks(rank, world, argv):
     """Worker: the [b, s] loss mask of every microbatch the run trains on, in order."""
-    from megatron_cp.arguments import parse_args
+    from megatron_cp.cli.arguments import parse_args
     from megatron_cp.training import Trainer, build_parallel_state
     args = parse_args(argv.split(), world_size=world)
     trainer = Trainer(args, build_parallel_state(args, torch.device("cpu")))
@@ -130,7 +130,7 @@ def test_moe_and_mtp_weighting_match_one_process(corpus, weighting):
 
 def _resume(rank, world, argv):
     """Worker: (the banner notes, the losses) of training ``argv``."""
-    from megatron_cp.arguments import parse_args
+    from megatron_cp.cli.arguments import parse_args
     from megatron_cp.run_report import format_compat_notes
     from megatron_cp.training import build_parallel_state, pretrain
     args = parse_args(argv.split(), world_size=world)

@@ -43,7 +43,7 @@ def megatron_run(tmp_path_factory):
 def _continue_all(rank, world, prefix, root, layout):
     """Worker: for each megatron-core run, --load its checkpoint and train to the end in
     ``layout``; {run: our logged losses}."""
-    from megatron_cp.arguments import parse_args
+    from megatron_cp.cli.arguments import parse_args
     from megatron_cp.training import build_parallel_state, pretrain
     losses = {}
     for kind, per_token in mct.RUNS:

@@ -1,6 +1,6 @@
 """Every flag Megatron-LM defines is known here, and every flag accepted here is read.
 
-The census (megatron_cp/megatron_lm_flags.json) is the list of flags of Megatron-LM's
+The census (megatron_cp/cli/megatron_lm_flags.json) is the list of flags of Megatron-LM's
 pretraining parser at the commit it records, written by tools/megatron_flag_census.py from
 that parser itself. Each flag is either declared by megatron_cp's own code (a typed config
 field or arguments.py: implemented) or an entry of the table in megatron_flags.py (accepted
@@ -13,12 +13,12 @@ import re
 
 import pytest
 
-from megatron_cp.arguments import build_parser
-from megatron_cp.megatron_flags import (AS_IS, MAP, NOT_BUILT, REFUSE, SAME, all_entries,
+from megatron_cp.cli.arguments import build_parser
+from megatron_cp.cli.megatron_flags import (AS_IS, MAP, NOT_BUILT, REFUSE, SAME, all_entries,
                                         megatron_census)
-from megatron_cp.model.config import GPTConfig
-from megatron_cp.optimizer.config import OptimizerConfig
-from megatron_cp.config_flags import arg_of, flag_of
+from megatron_cp.config.model import GPTConfig
+from megatron_cp.config.optimizer import OptimizerConfig
+from megatron_cp.config.setting import arg_of, flag_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCES = sorted(glob.glob(os.path.join(ROOT, "megatron_cp", "**", "*.py"), recursive=True)

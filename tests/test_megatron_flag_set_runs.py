@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from megatron_cp.arguments import parse_args
+from megatron_cp.cli.arguments import parse_args
 from tools import flag_set_runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

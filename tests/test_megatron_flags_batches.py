@@ -9,7 +9,7 @@ import re
 import pytest
 
 from dist_harness import run_workers
-from megatron_cp.arguments import parse_args
+from megatron_cp.cli.arguments import parse_args
 from megatron_cp.data.batch import DataParallelBatchSampler
 from megatron_cp.data.batch_schedule import BatchSchedule, parse_schedule
 from training_utils import TINY, assert_refused, max_rel_diff, train_losses

@@ -21,7 +21,8 @@ HASHED = TINY + " --train-iters 4 --log-interval 1 --check-weight-hash-across-dp
 def _main(rank, world, argv, perturb_at=None):
     """``pretrain_gpt.py``'s main on this rank; with ``perturb_at``, global rank 1 nudges one
     weight after that iteration (a silent fault of one replica). Returns (status, output)."""
-    from megatron_cp import check_args, training
+    from megatron_cp import training
+    from megatron_cp.cli import check_args
     check_args.OTHER_RANK_GRACE_SECONDS = 0.0  # no launcher here to end the other ranks
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     real_step = training.Trainer.train_step
@@ -91,7 +92,7 @@ def test_verify_integrity_hashes_every_file_and_names_a_changed_one(tmp_path):
 
 
 def test_verify_integrity_goes_with_torch_dist_and_a_manifest(tmp_path):
-    from megatron_cp.arguments import ArgumentErrors, parse_args
+    from megatron_cp.cli.arguments import ArgumentErrors, parse_args
     from megatron_cp.checkpoint import integrity
     with pytest.raises(ArgumentErrors, match=r"^--verify-integrity hashes --ckpt-format "
                                              r"torch_dist checkpoints \(Megatron-LM's rule\), "

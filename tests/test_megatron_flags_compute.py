@@ -59,7 +59,7 @@ def test_num_zeros_in_grad_is_logged_the_same_under_every_layout():
 # ----- --deterministic-mode ---------------------------------------------------------------
 
 def _deterministic_run(rank, world, argv):
-    from megatron_cp.arguments import parse_args
+    from megatron_cp.cli.arguments import parse_args
     losses = train_losses(rank, world, argv)
     args = parse_args(argv.split(), world_size=world)
     return (losses, torch.are_deterministic_algorithms_enabled(), args.attention_kernel,

@@ -16,7 +16,7 @@ import torch
 import megatron.core  # noqa: F401  (a test requirement: scripts/env.sh installs it)
 from dist_harness import run_workers  # noqa: E402
 from megatron_cp.checkpoint import files, load_save  # noqa: E402
-from megatron_cp.arguments import parse_args  # noqa: E402
+from megatron_cp.cli.arguments import parse_args  # noqa: E402
 from megatron_cp.training import Trainer, build_parallel_state, pretrain  # noqa: E402
 import megatron_core_utils as mcu  # noqa: E402
 from tools import checkpoint_convert as convert  # noqa: E402

@@ -15,7 +15,7 @@ import pytest
 from dist_harness import run_workers
 from test_arguments_and_logging import _train_capturing
 
-from megatron_cp.arguments import parse_args
+from megatron_cp.cli.arguments import parse_args
 from megatron_cp.planning.memory import estimate_memory
 
 MODEL = ("--num-layers 4 --hidden-size 128 --num-attention-heads 8 --seq-length 1024 "

@@ -22,7 +22,7 @@ import torch
 from dist_harness import run_workers
 from test_dist_checkpoint import _jobs, _load_and_resave
 from megatron_cp.checkpoint import torch_shards
-from megatron_cp.arguments import parse_args
+from megatron_cp.cli.arguments import parse_args
 from megatron_cp.checkpoint.torch_dist_format import read_full
 from megatron_cp.initialize import ParallelState, rank_layout
 from megatron_cp.training import config_from_args

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dist_harness import run_workers
-from megatron_cp.arguments import parse_args
+from megatron_cp.cli.arguments import parse_args
 from training_utils import max_rel_diff, train_losses
 
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "

@@ -86,7 +86,7 @@ def _train(rank, world, argv, steps=10):
     import torch
 
     from megatron_cp import moe
-    from megatron_cp.arguments import parse_args
+    from megatron_cp.cli.arguments import parse_args
     from megatron_cp.training import Trainer, build_parallel_state
 
     args = parse_args(argv.split() + ["--train-iters", str(steps)], world_size=world)

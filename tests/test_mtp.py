@@ -271,7 +271,7 @@ def _our_mtp_losses(rank, world, root, tokens, labels):
     """Worker: our trainer loads ``root`` (TP=world); (per-token LM loss [b, s] and the MTP
     depth means [D]) on one microbatch, in training mode, no update."""
     import torch.distributed as dist
-    from megatron_cp.arguments import parse_args
+    from megatron_cp.cli.arguments import parse_args
     from megatron_cp.checkpoint import load_save
     from megatron_cp.training import Trainer, build_parallel_state
     args = parse_args(f"{MCORE_RUN} --load {root} --tensor-model-parallel-size {world}".split(),

@@ -11,7 +11,7 @@ from dist_harness import run_workers
 from megatron_cp import tensor_parallel as tpar
 from megatron_cp.initialize import initialize_model_parallel
 from megatron_cp.optimizer import MixedPrecisionOptimizer, get_param_groups
-from megatron_cp.optimizer.config import OptimizerConfig
+from megatron_cp.config.optimizer import OptimizerConfig
 from megatron_cp.optimizer.muon import Orthogonalizer
 from megatron_cp.optimizer.newton_schulz import (COEFFICIENT_SETS, coefficients, newton_schulz,
                                                  update_scale)
@@ -59,6 +59,8 @@ def test_newton_schulz_orthogonalises():
 
 
 def test_coefficient_schedules_and_scales():
+    from megatron_cp.config import optimizer as optimizer_config
+    assert tuple(COEFFICIENT_SETS) == optimizer_config.COEFFICIENT_SETS  # the flag's choices
     quintic, polar = COEFFICIENT_SETS["quintic"], COEFFICIENT_SETS["polar_express"]
     assert coefficients("quintic", 7) == list(quintic) + list(quintic[:2])  # cycles
     assert coefficients("polar_express", 10) == list(polar) + [polar[-1]] * 2  # repeats last
@@ -291,7 +293,7 @@ def test_conversion_carries_the_muon_state(tmp_path):
     ("--lion-beta1 0.9", "--lion-beta1 0.9: SGD and Lion are not built"),
 ])
 def test_bad_muon_flags_name_the_flag(flags, message):
-    from megatron_cp.arguments import parse_args
+    from megatron_cp.cli.arguments import parse_args
     with pytest.raises(ValueError) as error:
         parse_args(f"{TINY} --train-iters 4 {flags}".split())
     lines = error.value.lines
@@ -299,7 +301,7 @@ def test_bad_muon_flags_name_the_flag(flags, message):
 
 
 def test_dist_muon_is_muon_with_the_distributed_optimizer_and_syrk_is_noted():
-    from megatron_cp.arguments import parse_args
+    from megatron_cp.cli.arguments import parse_args
     args = parse_args(f"{TINY} --train-iters 4 --optimizer dist_muon --muon-use-syrk".split())
     assert args.optimizer == "muon" and args.use_distributed_optimizer
     assert any(note.startswith("--muon-use-syrk: Muon's Newton-Schulz Gram matrix")

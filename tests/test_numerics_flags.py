@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_cp.arguments import parse_args
+from megatron_cp.cli.arguments import parse_args
 from megatron_cp.model import GPTModel
 from megatron_cp.model.mlp import MLP
 from megatron_cp.model.rotary import (RotaryEmbedding, rotary_cos_sin, rotate,

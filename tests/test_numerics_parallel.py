@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from dist_harness import run_workers
-from megatron_cp.arguments import parse_args
+from megatron_cp.cli.arguments import parse_args
 from megatron_cp.context_parallel import zigzag_indices, zigzag_split
 from megatron_cp.checkpoint.torch_dist_format import read_full
 from megatron_cp.initialize import initialize_model_parallel

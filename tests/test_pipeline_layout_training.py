@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dist_harness import run_workers
-from megatron_cp.arguments import parse_args
+from megatron_cp.cli.arguments import parse_args
 from megatron_cp.training import build_parallel_state, pretrain
 from tools import checkpoint_convert as convert
 from training_utils import TINY, max_rel_diff, train_losses

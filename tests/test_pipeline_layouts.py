@@ -5,7 +5,7 @@ schedule table, replayed for deadlocks."""
 
 import pytest
 
-from megatron_cp.arguments import parse_args
+from megatron_cp.cli.arguments import parse_args
 from megatron_cp.checkpoint.files import rank_grid
 from megatron_cp.pipeline_parallel import parse_layout, pipeline_layout
 from megatron_cp.pipeline_parallel.interleaved import schedule_table

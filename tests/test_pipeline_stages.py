@@ -4,7 +4,7 @@ rank's schedule replayed against the others (no deadlock, exact theoretical bubb
 import pytest
 import torch
 
-from megatron_cp.arguments import parse_args
+from megatron_cp.cli.arguments import parse_args
 from megatron_cp.pipeline_parallel import P2PCommunicator, pipeline_layout, pipeline_tensor_shape
 from megatron_cp.pipeline_parallel.replay import record_program, simulate
 from megatron_cp.pipeline_parallel.steps import backward_step, deallocate_output_tensor

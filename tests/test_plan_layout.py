@@ -10,7 +10,7 @@ import pytest
 
 from dist_harness import run_workers
 
-from megatron_cp.arguments import parse_args
+from megatron_cp.cli.arguments import parse_args
 from megatron_cp.memory_peak import PeakMemory
 from megatron_cp.planning.search import PlannedLayout, max_seq_length, sequence_unit
 

@@ -33,7 +33,8 @@ def _log(text):
 def _main(rank, world, argv, node=None):
     """``pretrain_gpt.py``'s main on a harness worker: (status, stdout + stderr). ``node``
     replaces the node name that the machine compares on a resumed rerun (another GPU)."""
-    from megatron_cp import check_args, training
+    from megatron_cp import training
+    from megatron_cp.cli import check_args
     check_args.OTHER_RANK_GRACE_SECONDS = 0.0
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     if node is not None:
@@ -298,7 +299,7 @@ def test_disabled_mode_reruns_nothing():
     assert losses == reference and runs == {1: 4, 2: 4, 3: 4}
     for line in ("Result validation enabled", "Need to rerun", "Unexpected result"):
         assert line not in text, text
-    from megatron_cp.arguments import ArgumentErrors, parse_args
+    from megatron_cp.cli.arguments import ArgumentErrors, parse_args
     with pytest.raises(ArgumentErrors, match=re.escape(
             "--error-injection-rate 3 fakes rejected results for the validation of "
             "--rerun-mode validate_results, which --rerun-mode disabled does not run; drop "

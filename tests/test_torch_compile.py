@@ -11,7 +11,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from dist_harness import run_workers
-from megatron_cp.arguments import build_parser, parse_args
+from megatron_cp.cli.arguments import build_parser, parse_args
 from megatron_cp.model.gpt import GPTModel
 from model_utils import tiny_config
 from training_utils import TINY, max_rel_diff, train_losses

@@ -138,7 +138,7 @@ def test_a_parallel_size_below_one_is_one_line(flags, line):
 @pytest.mark.parametrize("flag", ["--num-layers-per-virtual-pipeline-stage",
                                   "--num-virtual-stages-per-pipeline-rank"])
 def test_virtual_stages_below_one_are_one_line(flag):
-    from megatron_cp.arguments import ArgumentErrors, parse_args
+    from megatron_cp.cli.arguments import ArgumentErrors, parse_args
     with pytest.raises(ArgumentErrors) as refused:  # two ranks, so PP 2 tiles the world
         parse_args(f"{TRAIN} --pipeline-model-parallel-size 2 {flag} 0".split(), world_size=2)
     assert refused.value.lines == [f"{flag} (0) must be >= 1"]

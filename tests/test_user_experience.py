@@ -14,7 +14,7 @@ import torch
 
 from dist_harness import WorkerError, run_workers
 from megatron_cp.checkpoint import files
-from megatron_cp.arguments import parse_args
+from megatron_cp.cli.arguments import parse_args
 from megatron_cp.initialize import initialize_model_parallel
 from megatron_cp.training import pretrain
 from training_utils import TINY, train_losses

@@ -5,7 +5,7 @@ mask follows global coordinates, so each layout must still equal one process. A 
 peer runs without dropout (megatron-core, Hugging Face) appends ``NO_DROPOUT``."""
 import torch
 
-from megatron_cp.arguments import ArgumentErrors, parse_args
+from megatron_cp.cli.arguments import ArgumentErrors, parse_args
 from megatron_cp.training import build_parallel_state, pretrain
 
 TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "

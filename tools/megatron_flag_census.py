@@ -1,11 +1,11 @@
 """List every flag Megatron-LM's pretraining parser defines, as a JSON census.
 
-    python tools/megatron_flag_census.py /path/to/Megatron-LM > megatron_cp/megatron_lm_flags.json
+    python tools/megatron_flag_census.py /path/to/Megatron-LM > megatron_cp/cli/megatron_lm_flags.json
 
 The census is a fact about one Megatron-LM commit: for each argparse action of
 ``megatron.training.arguments.add_megatron_arguments``, its option strings, its kind
 (``store``, ``store_true``, ``store_false``, ``boolean_optional``), nargs, value type,
-choices and default. megatron_cp's flag table (megatron_cp/megatron_flags.py) must place
+choices and default. megatron_cp's flag table (megatron_cp/cli/megatron_flags.py) must place
 every one of them; tests/test_megatron_flag_census.py holds the two together.
 
 Megatron-LM's parser is built by importing it, so its imports must resolve: the modules named

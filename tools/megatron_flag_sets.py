@@ -37,7 +37,7 @@ import tempfile
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_cp.arguments import build_parser, parse_args  # noqa: E402
+from megatron_cp.cli.arguments import build_parser, parse_args  # noqa: E402
 from tools.flag_set_runs import (LAUNCHERS, parallel_sizes, path_flags, run,  # noqa: E402
                                  with_data)
 
@@ -239,7 +239,7 @@ def write_sample(sets, path):
     results = check(sets)
     refuse = {name: {"argv": sets[name], "flags": sorted({_kind(l) for l in results[name]})}
               for name in SAMPLE_REFUSE}
-    with open(os.path.join(os.path.dirname(__file__), "..", "megatron_cp",
+    with open(os.path.join(os.path.dirname(__file__), "..", "megatron_cp", "cli",
                            "megatron_lm_flags.json")) as file:
         commit = json.load(file)["commit"]
     with open(path, "w") as file:

@@ -12,7 +12,7 @@ import os
 
 from megatron_cp.checkpoint import files
 from megatron_cp.checkpoint import megatron_lm_format as megatron_lm
-from megatron_cp.megatron_flags import megatron_census
+from megatron_cp.cli.megatron_flags import megatron_census
 
 
 def _true_vocab(args):

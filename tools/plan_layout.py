@@ -96,7 +96,7 @@ def main(argv=None):
     if opts.num_gpus < 1 or opts.gpu_memory_gb <= 0:
         raise SystemExit(f"error: --num-gpus ({opts.num_gpus}) must be at least 1 and "
                          f"--gpu-memory-gb ({opts.gpu_memory_gb}) above 0")
-    from megatron_cp.arguments import build_parser, parse_args
+    from megatron_cp.cli.arguments import build_parser, parse_args
     flags, _ = build_parser().parse_known_args(training_argv)
     dtype = torch.float16 if flags.fp16 else torch.bfloat16 if flags.bf16 else torch.float32
     cap = int(opts.gpu_memory_gb * GIB)

@@ -19,7 +19,7 @@ Read top-down:
 - below them: ``canonical`` (canonical names and shapes, where a rank's piece lies) and
   ``pieces`` (a rank's boxes of one global tensor, and DCP's planners over them).
 - ``use_checkpoint_args``: the ``--use-checkpoint-args`` rule (the model from the checkpoint,
-  never its layout), applied by :func:`megatron_cp.arguments.parse_args`.
+  never its layout), applied by :func:`megatron_cp.cli.arguments.parse_args`.
 
 This file imports nothing, so any of them can be imported alone.
 """

@@ -28,9 +28,9 @@ import shutil
 import torch
 
 from megatron_cp.checkpoint import faults
-from megatron_cp.config_flags import checkpoint_args
+from megatron_cp.config.setting import checkpoint_args
 from megatron_cp.initialize import TP_PP_DP_RANK_ORDER
-from megatron_cp.model.config import GPTConfig
+from megatron_cp.config.model import GPTConfig
 
 TRACKER = "latest_checkpointed_iteration.txt"
 # Arguments that shape the saved tensors: a checkpoint loads only into a model with the same

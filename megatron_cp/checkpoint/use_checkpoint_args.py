@@ -1,6 +1,6 @@
 """``--use-checkpoint-args``: what a checkpoint's saved arguments give a run, as one rule.
 
-A checkpoint gives the MODEL: every model setting (a :class:`~megatron_cp.model.config.GPTConfig`
+A checkpoint gives the MODEL: every model setting (a :class:`~megatron_cp.config.model.GPTConfig`
 field with a flag, and its gate such as ``--group-query-attention``) that defines the function it
 computes -- layers, hidden size, heads, query groups, vocabulary padding, norms, activations,
 positions, biases, tied embeddings, MoE experts and routing -- plus ``--seq-length`` and the
@@ -11,13 +11,13 @@ how a run RUNS (dropout, seed, init, recompute, kernels, compilation, dtype): th
 :data:`LAYOUT_SETTINGS` and :data:`RUN_SETTINGS`. A flag on the command line always wins.
 
 Training (``pretrain_gpt.py``), generation and the tasks all parse their flags through
-:func:`megatron_cp.arguments.parse_args`, which applies this rule (:func:`take_checkpoint_args`).
+:func:`megatron_cp.cli.arguments.parse_args`, which applies this rule (:func:`take_checkpoint_args`).
 """
 import argparse
 import dataclasses
 
-from megatron_cp.config_flags import arg_of
-from megatron_cp.model.config import GPTConfig
+from megatron_cp.config.setting import arg_of
+from megatron_cp.config.model import GPTConfig
 
 # model settings of GPTConfig that place the model on ranks: the command line's
 LAYOUT_SETTINGS = ("sequence_parallel", "cp_comm_type", "hierarchical_context_parallel_sizes",

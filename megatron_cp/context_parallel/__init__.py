@@ -10,12 +10,13 @@ hash mask that every layout draws identically), local.py (no CP), reference.py (
 truth), partition.py and comm.py.
 """
 from megatron_cp.context_parallel.all_gather import all_gather_attention
-from megatron_cp.context_parallel.attention import (COMM_TYPES, ContextParallelAttention,
-                                                    context_parallel_attention, resolve_comm_type)
+from megatron_cp.config.parallel import COMM_TYPES, resolve_comm_type
+from megatron_cp.context_parallel.attention import ContextParallelAttention, context_parallel_attention
 from megatron_cp.context_parallel.blockwise import (Block, block_backward, block_forward,
                                                     masked_attention, merge_partial)
 from megatron_cp.context_parallel.dropout import AttentionDropout, dropout_key, keep_mask
-from megatron_cp.context_parallel.kernels import KERNEL_NAMES, AttentionKernel, attention_kernel
+from megatron_cp.config.model import KERNEL_NAMES
+from megatron_cp.context_parallel.kernels import AttentionKernel, attention_kernel
 from megatron_cp.context_parallel.local import local_attention
 from megatron_cp.context_parallel.partition import (zigzag_all_gather, zigzag_gather,
                                                     zigzag_indices, zigzag_split)

@@ -14,34 +14,7 @@ from megatron_cp.context_parallel.kernels import attention_kernel
 from megatron_cp.context_parallel.local import local_attention
 from megatron_cp.context_parallel.ring import ring_attention
 from megatron_cp.context_parallel.ulysses import plan_heads, ulysses_attention
-from megatron_cp.initialize import check_hierarchical_sizes
-
-COMM_TYPES = ("p2p", "a2a", "a2a+p2p", "all_gather", "auto")
-
-
-def resolve_comm_type(comm_type, num_kv_heads, cp_size, hierarchical_sizes=None):
-    """(comm type, (U, R) or None) actually used; "auto" picks U = gcd(num_kv_heads, cp_size).
-
-    auto: pure a2a when U == cp_size, pure p2p when U == 1, else a2a+p2p with (U, cp/U).
-    The one rule for which hierarchical CP groups a model needs: the trainer calls it before
-    ``initialize_model_parallel`` builds them, each attention layer when it is built.
-    """
-    if comm_type not in COMM_TYPES:
-        raise ValueError(f"cp comm type {comm_type!r} is unknown; use one of {list(COMM_TYPES)}")
-    if comm_type == "auto":
-        inner = math.gcd(num_kv_heads, cp_size)
-        if inner == cp_size:
-            return "a2a", None
-        if inner == 1:
-            return "p2p", None
-        return "a2a+p2p", (inner, cp_size // inner)
-    if comm_type != "a2a+p2p":
-        return comm_type, None
-    if hierarchical_sizes is None or len(hierarchical_sizes) != 2:
-        raise ValueError(f"--cp-comm-type a2a+p2p needs hierarchical_sizes (U, R) with U x R = "
-                         f"cp size ({cp_size}); got {hierarchical_sizes}")
-    return "a2a+p2p", check_hierarchical_sizes(hierarchical_sizes, cp_size)
-
+from megatron_cp.config.parallel import resolve_comm_type
 
 class ContextParallelAttention:
     """Causal (and document-masked) attention of a sequence sharded over ``cp_group``, with

@@ -39,9 +39,9 @@ CudaBackend     cuDNN (sm90+) / flash; fp32: memory-efficient    causal square s
 """
 import torch
 
+from megatron_cp.config.model import KERNEL_NAMES
 from megatron_cp.context_parallel import cuda_kernels
 
-KERNEL_NAMES = ("auto", "torch")
 # Padded dense cuDNN instead of flash varlen while the padding adds at most 25% more scores
 # (cuDNN's dense kernel measured 1.3-1.8x flash's on an H200: benchmarks/gpu.py).
 PADDED_COST_LIMIT = 1.25

@@ -2,7 +2,7 @@
 
 Launched like training (torchrun or srun, the same parallel flags): parse and check the
 arguments before any process group (a user error prints one ``error:`` line on global rank
-0 and exits 2, :mod:`megatron_cp.check_args`), start torch.distributed, build the parallel
+0 and exits 2, :mod:`megatron_cp.cli.check_args`), start torch.distributed, build the parallel
 state and run the script's body; a ValueError raised while running (a checkpoint that does
 not fit the layout, a bad input file) is reported the same way.
 """
@@ -10,7 +10,7 @@ import sys
 
 import torch.distributed as dist
 
-from megatron_cp.check_args import parse_arguments, report_user_error
+from megatron_cp.cli.check_args import parse_arguments, report_user_error
 from megatron_cp.initialize import distributed_env, initialize_distributed
 from megatron_cp.inference.model import check_checkpoint
 

@@ -3,8 +3,8 @@
 optimizer over them (replicated, or sharded with ``--use-distributed-optimizer`` or
 ``--use-torch-fsdp2``; AdamW, or Muon and AdamW with ``--optimizer muon``) and the schedule
 with ``--decoupled-lr``."""
-from megatron_cp.config_flags import build_config
-from megatron_cp.optimizer.config import OptimizerConfig
+from megatron_cp.config.setting import build_config
+from megatron_cp.config.optimizer import OptimizerConfig
 from megatron_cp.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron_cp.optimizer.fsdp import FullyShardedOptimizer, is_fully_sharded
 from megatron_cp.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler

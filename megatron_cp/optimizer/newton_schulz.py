@@ -18,6 +18,8 @@ import itertools
 import torch
 import torch.distributed as dist
 
+from megatron_cp.config.optimizer import SCALE_MODES
+
 # Megatron-LM's sets (emerging_optimizers' NSCoeffT): (a, b, c) per step.
 COEFFICIENT_SETS = {
     "simple": ((3.4445, -4.7750, 2.0315),),
@@ -42,7 +44,6 @@ COEFFICIENT_SETS = {
 }
 # Sets whose last step converges: more steps than listed repeat it (the others cycle).
 REPEAT_LAST = ("polar_express", "cans", "deepseekv4")
-SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
 
 
 def coefficients(kind, steps):

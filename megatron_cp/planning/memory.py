@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_cp.config_flags import build_config
+from megatron_cp.config.setting import build_config
 from megatron_cp.context_parallel import resolve_comm_type
 from megatron_cp.model import GPTConfig
 from megatron_cp.model.gated_delta_rule import CHUNK_SIZE as GDN_CHUNK

@@ -6,13 +6,13 @@ A dimension the command line sets itself (``--tensor-model-parallel-size 2``,
 others are searched: TP, CP with its comm type (p2p ring or a2a Ulysses), PP with 1 or 2
 virtual stages, EP (MoE models), recompute (none, selective, full uniform 1 layer) and the
 distributed optimizer. DP is what is left of the GPU count. Each candidate's layout flags go
-through :func:`megatron_cp.arguments.parse_args` for the GPU count: a layout our validation
+through :func:`megatron_cp.cli.arguments.parse_args` for the GPU count: a layout our validation
 refuses is never listed (the rules live there, once).
 """
 import copy
 from dataclasses import asdict, dataclass
 
-from megatron_cp.arguments import build_parser, parse_args
+from megatron_cp.cli.arguments import build_parser, parse_args
 from megatron_cp.checkpoint.use_checkpoint_args import given_on_command_line
 from megatron_cp.planning.memory import estimate_memory, tokenizer_vocab_size
 from megatron_cp.planning.step_time import predict_step_time

@@ -3,15 +3,18 @@
 Which optimizer (Adam, or Muon for the hidden matrices with Adam for every other
 parameter), Muon's settings, and the decoupled learning rate of the input embedding and
 output layer: Megatron-LM's flags, names and defaults (its ``OptimizerConfig``), declared
-with :func:`megatron_cp.config_flags.setting` and checked in ``__post_init__``. The learning
+with :func:`megatron_cp.config.setting.setting` and checked in ``__post_init__``. The learning
 rate, its schedule and Adam's betas are the run's own flags (arguments.py).
 """
 import dataclasses
 from dataclasses import dataclass
 
-from megatron_cp.config_flags import check_choices, setting
-from megatron_cp.optimizer.newton_schulz import COEFFICIENT_SETS, SCALE_MODES
+from megatron_cp.config.setting import check_choices, setting
 
+# Muon's Newton-Schulz coefficient sets (their values: optimizer/newton_schulz.py) and the
+# factor on an orthogonalised update
+COEFFICIENT_SETS = ("simple", "quintic", "polar_express", "cans", "aol", "deepseekv4")
+SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
 OPTIMIZERS = ("adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon")
 _NOT_BUILT = {
     "sgd": "SGD is not built",

@@ -1,7 +1,7 @@
 """The GPT model's configuration: one dataclass, the one place each model setting lives.
 
 Every field carries its help, its Megatron-LM flag (name and default) and whether it shapes
-saved weights (:func:`megatron_cp.config_flags.setting`); its rules live in ``__post_init__``,
+saved weights (:func:`megatron_cp.config.setting.setting`); its rules live in ``__post_init__``,
 :meth:`GPTConfig.validate_parallel` and :meth:`GPTConfig.check_positions`. The command line,
 the config built from it and the checkpoint resume check are derived from the fields, so a
 new hyper-parameter is one new field.
@@ -13,13 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_cp.config_flags import check_choices, setting
-from megatron_cp.context_parallel.attention import COMM_TYPES, resolve_comm_type
-from megatron_cp.context_parallel.kernels import KERNEL_NAMES
-from megatron_cp.initialize import check_hierarchical_sizes
-from megatron_cp.model.mup import resolve_mup
+from megatron_cp.config.setting import check_choices, setting
+from megatron_cp.config.mup import resolve_mup
+from megatron_cp.config.parallel import COMM_TYPES, check_hierarchical_sizes, resolve_comm_type
 
 
+KERNEL_NAMES = ("auto", "torch")  # --attention-kernel: auto picks per device and shape
 # torch.compile's modes; the last two capture CUDA graphs (refused in GPTConfig.__post_init__)
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
 

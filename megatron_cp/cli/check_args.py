@@ -13,7 +13,7 @@ cause instead of a bare exit code.
 torchrun prints its own failure block whenever a worker exits non-zero, so the example
 scripts first check the arguments in one process, for the world size they will launch::
 
-    python -m megatron_cp.check_args --world-size 8 --num-layers 4 ...   # the training flags
+    python -m megatron_cp.cli.check_args --world-size 8 --num-layers 4 ...   # the training flags
 
 which prints nothing and exits 0 when the arguments are valid, or prints the error lines
 and exits 2. It also opens every ``--data-path`` prefix's .bin/.idx pair and checks that
@@ -42,7 +42,7 @@ def parse_arguments(argv, world_size, **options):
     """``arguments.parse_args`` (its errors are ValueErrors already, every problem at once),
     with its output (``--help``) printed by global rank 0 only. ``options`` go to
     ``parse_args`` (``extra_args_provider``, ``inference``)."""
-    from megatron_cp.arguments import parse_args
+    from megatron_cp.cli.arguments import parse_args
     out = sys.stdout if is_global_rank_zero() else io.StringIO()
     with contextlib.redirect_stdout(out):
         return parse_args(argv, world_size=world_size, **options)
@@ -78,10 +78,10 @@ def main(argv=None):
     """``--world-size N`` then the training flags: 0 when they are valid, else one line and 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) < 2 or argv[0] != "--world-size" or not argv[1].isdigit():
-        print("error: usage: python -m megatron_cp.check_args --world-size N <training flags>",
+        print("error: usage: python -m megatron_cp.cli.check_args --world-size N <training flags>",
               file=sys.stderr)
         return USAGE_ERROR
-    from megatron_cp.arguments import check_data_files
+    from megatron_cp.cli.arguments import check_data_files
     try:
         args = parse_arguments(argv[2:], int(argv[1]))
         if args.data_path and not args.mock_data:  # here, once: the files open and fit

@@ -3,7 +3,7 @@
 Read top-down, a flag's story is:
 
 1. **Declared.** A model setting is a field of the typed config
-   (:class:`~megatron_cp.model.config.GPTConfig`, declared with ``config_flags.setting``),
+   (:class:`~megatron_cp.config.model.GPTConfig`, declared with ``config_flags.setting``),
    which gives its flag, default, choices and help; the run's own flags (batch sizes,
    schedule, parallel sizes, data, checkpoints, logging) are the ``_*_args`` functions below;
    every other Megatron-LM flag is an entry of the table in megatron_flags.py (accepted as
@@ -31,8 +31,8 @@ import torch
 from megatron_cp import rerun, wandb_logging
 from megatron_cp.checkpoint.old_defaults import apply_old_defaults
 from megatron_cp.checkpoint.use_checkpoint_args import given_on_command_line, take_checkpoint_args
-from megatron_cp.megatron_flags import add_compat_flags, apply_compat_flags
-from megatron_cp.config_flags import (add_config_flags, build_config, config_flag_names,
+from megatron_cp.cli.megatron_flags import add_compat_flags, apply_compat_flags
+from megatron_cp.config.setting import (add_config_flags, build_config, config_flag_names,
                                       fill_args, name_flags)
 from megatron_cp.data.batch_schedule import (SIZE_NAME, BatchSchedule, check_divisible,
                                               parse_schedule)
@@ -40,9 +40,9 @@ from megatron_cp.data.fim import add_fim_args, validate_fim_args
 from megatron_cp.data.tokenizers import TOKENIZER_TYPES
 from megatron_cp.data.utils import parse_and_normalize_split
 from megatron_cp.initialize import check_instances, rank_order, validate_sizes
-from megatron_cp.model.config import GPTConfig
+from megatron_cp.config.model import GPTConfig
 from megatron_cp.optimizer import fsdp
-from megatron_cp.optimizer.config import OptimizerConfig
+from megatron_cp.config.optimizer import OptimizerConfig
 from megatron_cp.pipeline_parallel.stages import layout_from_args, validate_interleaved_microbatches
 
 def _model_args(g):

@@ -1,6 +1,6 @@
 """A setting lives in one place: the typed config's dataclass field.
 
-Each field of a config (e.g. :class:`~megatron_cp.model.config.GPTConfig`) is declared with
+Each field of a config (e.g. :class:`~megatron_cp.config.model.GPTConfig`) is declared with
 :func:`setting`, which records its help, its Megatron-LM flag and how the flag maps onto the
 field. From the fields this module derives everything else, so a new hyper-parameter is one
 new field:
