@@ -42,14 +42,13 @@ import torch.distributed as dist
 
 from megatron_cp import device as device_mod
 from megatron_cp import rerun_records as records
+from megatron_cp.config.training import RERUN_MODES
 
 logger = records.logger
 
 EXIT_CODE_RESUME_TO_DISAMBIGUATE = 16  # resume from the checkpoint just saved, elsewhere
 EXIT_CODE_FAILED_ON_RESULT_VALIDATION = 17
 
-MODES = ("disabled", "validate_results", "report_stats")
-INJECTION_TYPES = ("correct_result", "transient_error", "persistent_error")
 SPIKY_LOSS_FACTOR = 10  # a loss this many times the largest seen is a spike
 LARGE_GRADS_FACTOR = 10
 # The forward pass is deterministic; a gradient may not be (atomics in attention backward).
@@ -190,8 +189,8 @@ class RerunStateMachine:
 
     def __init__(self, mode="disabled", *, rank=0, device=torch.device("cpu"),
                  injector=None, tracker_file=None, save_extra=None, restore_extra=None):
-        if mode not in MODES:
-            raise ValueError(f"--rerun-mode {mode!r} is not one of {', '.join(MODES)}")
+        if mode not in RERUN_MODES:
+            raise ValueError(f"--rerun-mode {mode!r} is not one of {', '.join(RERUN_MODES)}")
         self.mode, self.state = mode, State.NOT_RUNNING_YET
         self.rank, self.device = rank, torch.device(device)
         self.injector = injector or ErrorInjector()

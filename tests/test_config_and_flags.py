@@ -44,6 +44,7 @@ class _WithNewSetting(GPTConfig):
 
 def test_a_new_field_is_one_edit(monkeypatch):
     monkeypatch.setattr(arguments, "GPTConfig", _WithNewSetting)
+    monkeypatch.setattr(arguments, "SECTIONS", (_WithNewSetting,) + arguments.SECTIONS[1:])
     monkeypatch.setattr(training, "GPTConfig", _WithNewSetting)
     help_text = build_parser().format_help()
     assert "--attention-temperature" in help_text and "Divide the attention logits" in help_text

@@ -32,339 +32,25 @@ from megatron_cp import rerun, wandb_logging
 from megatron_cp.checkpoint.old_defaults import apply_old_defaults
 from megatron_cp.checkpoint.use_checkpoint_args import given_on_command_line, take_checkpoint_args
 from megatron_cp.cli.megatron_flags import add_compat_flags, apply_compat_flags
+from megatron_cp.config.checkpoint import CheckpointConfig
+from megatron_cp.config.data import DataConfig
+from megatron_cp.config.logging import LoggingConfig
+from megatron_cp.config.model import GPTConfig
+from megatron_cp.config.optimizer import OptimizerConfig
+from megatron_cp.config.parallel import ParallelConfig
 from megatron_cp.config.setting import (add_config_flags, build_config, config_flag_names,
-                                      fill_args, name_flags)
+                                        fill_args, name_flags)
+from megatron_cp.config.training import TrainingConfig
 from megatron_cp.data.batch_schedule import (SIZE_NAME, BatchSchedule, check_divisible,
                                               parse_schedule)
-from megatron_cp.data.fim import add_fim_args, validate_fim_args
-from megatron_cp.data.tokenizers import TOKENIZER_TYPES
 from megatron_cp.data.utils import parse_and_normalize_split
 from megatron_cp.initialize import check_instances, rank_order, validate_sizes
-from megatron_cp.config.model import GPTConfig
 from megatron_cp.optimizer import fsdp
-from megatron_cp.config.optimizer import OptimizerConfig
 from megatron_cp.pipeline_parallel.stages import layout_from_args, validate_interleaved_microbatches
 
-def _model_args(g):
-    # The model's own flags come from GPTConfig's fields (add_config_flags); this one is the
-    # data's length, which the model only meets through --max-position-embeddings.
-    g.add_argument("--seq-length", type=int, required=True, help="Training sequence length.")
-
-
-def _training_args(g):
-    g.add_argument("--micro-batch-size", type=int, required=True, help="Samples per microbatch per DP rank.")
-    g.add_argument("--global-batch-size", type=int, default=None,
-                   help="Samples per optimizer step (default micro batch x DP).")
-    g.add_argument("--step-batch-size-schedule", default=None,
-                   help="Global batch size by training tokens consumed, instead of "
-                        "--global-batch-size: 'THRESHOLD:BATCH_SIZE ...' (e.g. '0:384 200B:768 "
-                        "400B:1152'; K/M/B/T suffixes; thresholds in tokens, divided by "
-                        "--seq-length into samples; the first 0). Each iteration takes the "
-                        "batch size of the largest threshold reached, so the number of "
-                        "microbatches grows (never falls); a checkpoint is saved (with --save) "
-                        "before the first iteration of a new size. The learning-rate schedule "
-                        "then counts samples, as Megatron-LM's does: with --train-iters, its "
-                        "iteration lengths are micro batch x DP samples per iteration.")
-    g.add_argument("--train-iters", type=int, default=None, help="Number of optimizer steps.")
-    g.add_argument("--train-samples", type=int, default=None, help="Train for this many samples instead.")
-    g.add_argument("--lr", type=float, default=None, help="Peak learning rate.")
-    g.add_argument("--min-lr", type=float, default=0.0, help="Learning rate at the end of decay.")
-    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root"],
-                   default="linear", help="Learning rate decay after warmup.")
-    g.add_argument("--lr-warmup-iters", type=int, default=0, help="Linear warmup iterations.")
-    g.add_argument("--lr-warmup-fraction", type=float, default=None,
-                   help="Warmup as a fraction of the decay iterations.")
-    g.add_argument("--lr-decay-iters", type=int, default=None, help="Decay iterations (default train iters).")
-    g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay.")
-    g.add_argument("--apply-wd-to-qk-layernorm", action="store_true",
-                   help="Decay the --qk-layernorm weights (and biases) too; every other norm "
-                        "weight and bias stays undecayed.")
-    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1.")
-    g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2.")
-    g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon.")
-    g.add_argument("--clip-grad", type=float, default=1.0, help="Gradient clipping by global norm (0: off).")
-    g.add_argument("--bf16", action="store_true", help="bf16 model with fp32 main params.")
-    g.add_argument("--fp16", action="store_true", help="fp16 model with fp32 main params and loss scaling.")
-    g.add_argument("--loss-scale", type=float, default=None, help="Constant loss scale for fp16.")
-    g.add_argument("--initial-loss-scale", type=float, default=2 ** 32, help="Initial dynamic loss scale.")
-    g.add_argument("--min-loss-scale", type=float, default=1.0, help="Minimum dynamic loss scale.")
-    g.add_argument("--loss-scale-window", type=int, default=1000, help="Good steps before the scale grows.")
-    g.add_argument("--hysteresis", type=int, default=2, help="Overflows tolerated before backing off.")
-    g.add_argument("--overlap-grad-reduce", action="store_true",
-                   help="Overlap the DP gradient all-reduce (reduce-scatter with the distributed "
-                        "optimizer) with backward.")
-    g.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="ZeRO-1: shard the fp32 main params and Adam state over the data-parallel "
-                        "(DP x CP) ranks; gradients are reduce-scattered and the updated params "
-                        "all-gathered, bucket by bucket.")
-    g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
-                   help="With --use-distributed-optimizer: keep K copies of the sharded "
-                        "optimizer state, each sharded over a 1/K slice of the DP x CP ranks "
-                        "(consecutive ranks of the group): gradients are reduce-scattered "
-                        "inside the slice and all-reduced across the K slices, parameters "
-                        "all-gathered inside it. The same training as K = 1, with the "
-                        "collectives over smaller groups.")
-    g.add_argument("--overlap-param-gather", action="store_true",
-                   help="With --use-distributed-optimizer: run the parameter all-gather in the "
-                        "background after the step; each module's forward waits for its own "
-                        "bucket.")
-    g.add_argument("--use-torch-fsdp2", action="store_true",
-                   help="ZeRO-3 with PyTorch's FSDP2 (fully_shard): every parameter, its "
-                        "gradient, fp32 main copy and Adam state sharded by rows over the DP x "
-                        "CP ranks; each transformer layer gathered just before it runs. Needs "
-                        "--pipeline-model-parallel-size 1, --expert-model-parallel-size 1, no "
-                        "--use-distributed-optimizer and --ckpt-format torch_dist.")
-    g.add_argument("--torch-fsdp2-no-reshard-after-forward",
-                   dest="torch_fsdp2_no_reshard_after_forward", action="store_true",
-                   help="With --use-torch-fsdp2: keep each layer's gathered parameters from "
-                        "its forward to its backward (more memory, one all-gather less).")
-    g.add_argument("--exit-interval", type=int, default=None, help="Exit after iterations divisible by this.")
-    g.add_argument("--exit-duration-in-mins", type=float, default=None, help="Exit after this many minutes.")
-    g.add_argument("--exit-signal-handler", action="store_true",
-                   help="On SIGTERM, save a checkpoint and exit cleanly.")
-    g.add_argument("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
-                   action="store_true", default=True,
-                   help="Stop, naming the iteration and rank, when the training loss or the "
-                        "gradient norm is NaN or inf (the default; with fp16 loss scaling an "
-                        "overflowing gradient is a skipped step instead).")
-    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
-                   action="store_false", help="Train on through a NaN or inf loss or gradient norm.")
-    g.add_argument("--check-for-large-grads", action="store_true",
-                   help="Validate each gradient bucket's norm before its data-parallel "
-                        "reduction against 10x the largest of the first 100 norms; with "
-                        "--rerun-mode validate_results a larger one reruns the step (not "
-                        "fatal: training goes on).")
-    g.add_argument("--result-rejected-tracker-filename", default=None,
-                   help="Append a line for every rejected result and every rerun verdict to "
-                        "this file (Megatron's format); at start-up the iterations it shows "
-                        "rejected twice on one rank, reruns disabled or reproducing them, are "
-                        "skipped (added to --iterations-to-skip).")
-    g.add_argument("--iterations-to-skip", nargs="+", type=int, default=[],
-                   help="Skip these iterations (1-based): their batch is read and counted "
-                        "consumed, with no forward, backward or update.")
-    g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
-                   help="Every this many iterations (and before the first), hash every "
-                        "parameter (SHA-1 of its fp32 values) on each data-parallel replica and "
-                        "compare them over the DP group (expert parameters over the expert-DP "
-                        "group); replicas that differ stop the run naming the ranks and "
-                        "parameters. By default weights are not compared.")
-    g.add_argument("--deterministic-mode", action="store_true",
-                   help="Deterministic execution, so two runs of one job give the same bits "
-                        "(slower): torch's deterministic algorithms (an op without one raises), "
-                        "cuBLAS's fixed workspace (CUBLAS_WORKSPACE_CONFIG), one NCCL algorithm "
-                        "(NCCL_ALGO, Ring unless set) and, unless --attention-kernel is given, "
-                        "the plain-PyTorch attention kernels, whose backward adds no atomics.")
-
-
-def _rerun_args(g):
-    # Megatron-LM's rerun state machine (megatron_cp/rerun.py).
-    g.add_argument("--rerun-mode", choices=list(rerun.MODES), default="validate_results",
-                   help="validate_results (the default): a rejected loss or gradient reruns "
-                        "the step in place to tell a transient fault (exit status 17 when "
-                        "fatal) from a reproducible result (a checkpoint under --save and exit "
-                        "status 16, to rerun it on another GPU); report_stats: run every step "
-                        "twice and print how much the validated results vary; disabled: no "
-                        "rerun.")
-    g.add_argument("--error-injection-rate", type=int, default=0,
-                   help="Fake a rejected result about once in this many validations (0: "
-                        "never), to test the result validation.")
-    g.add_argument("--error-injection-type", choices=list(rerun.INJECTION_TYPES),
-                   default="transient_error",
-                   help="What an injected result turns out to be: a transient error (its "
-                        "rerun differs), a persistent error (the same when rerun here, "
-                        "different on another GPU) or a correct result (the same everywhere).")
-    g.add_argument("--test-mode", action="store_true",
-                   help="Megatron-LM's realtime test: every attention forward checks that the "
-                        "--qk-layernorm weights are equal over the data-parallel replicas "
-                        "(stops naming them if not); nothing else changes.")
-    g.add_argument("--check-for-spiky-loss", action="store_true",
-                   help="Validate each microbatch's loss against 10x the largest of the first "
-                        "100 losses; with --rerun-mode validate_results a spike reruns the step "
-                        "(not fatal: training goes on).")
-    g.add_argument("--calculate-per-token-loss", action="store_true",
-                   help="Take the gradient of the token-weighted mean loss over the whole "
-                        "global batch. Without it (Megatron-LM's default) each microbatch's "
-                        "loss is the mean over its own loss tokens, averaged over the "
-                        "microbatches (megatron_cp.pipeline_parallel.loss_weighting). The "
-                        "logged lm loss is the token-weighted mean either way.")
-
-
-def _parallel_args(g):
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="Tensor parallel size.")
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="Pipeline parallel size.")
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
-                   help="Layers per virtual stage (interleaved 1F1B).")
-    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
-                   help="Virtual stages (model chunks) per pipeline rank, interleaved 1F1B; "
-                        "unlike --num-layers-per-virtual-pipeline-stage it combines with "
-                        "--decoder-first/last-pipeline-num-layers (each rank's layers are cut "
-                        "into this many equal chunks).")
-    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
-                   help="Layers on the first pipeline stage (default: an even split); the "
-                        "middle stages share the rest evenly.")
-    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
-                   help="Layers on the last pipeline stage (default: an even split).")
-    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
-                   help="Count the embedding as one layer when splitting the layers evenly "
-                        "over the pipeline stages: the first stage builds one transformer "
-                        "layer less (none: an embedding-only stage).")
-    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
-                   help="Count the output layer and loss as one layer when splitting the "
-                        "layers evenly: the last stage builds one transformer layer less "
-                        "(none: a loss-only stage).")
-    g.add_argument("--pipeline-model-parallel-layout", type=str, default=None,
-                   help="Write out what every (virtual) stage holds: E embedding, t "
-                        "transformer layer, m MTP layer (one per --mtp-num-layers depth, in the last "
-                        "stage right before L), L loss, '|' between "
-                        "stages, X*N and (...)*N repeat, commas are cosmetic; e.g. "
-                        "\"Et|(tt|)*2,tL\". PP x N stages give N virtual stages per rank, stage i "
-                        "being virtual stage i // PP of rank i %% PP.")
-    g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage",
-                   dest="microbatch_group_size_per_vp_stage", type=int, default=None,
-                   help="Interleaved 1F1B: microbatches each virtual stage runs in a row, "
-                        "forward and backward (default --pipeline-model-parallel-size, the "
-                        "depth-first schedule); it lies between PP and the number of "
-                        "microbatches, and a larger value admits microbatch counts that are "
-                        "not a multiple of PP.")
-    g.add_argument("--use-tp-pp-dp-mapping", action="store_true",
-                   help="Lay the ranks out in Megatron-LM's order tp-cp-ep-pp-dp (data "
-                        "parallel outermost: a replica's ranks are consecutive) instead of "
-                        "its default tp-cp-ep-dp-pp (pipeline outermost: a stage's ranks are "
-                        "consecutive). TP is innermost in both.")
-    g.add_argument("--pipeline-seq-length", type=int, default=None,
-                   help="Fix the sequence length of the pipeline P2P buffers: every microbatch "
-                        "is padded to it. By default the length follows each step's data (packed "
-                        "documents under context parallelism pad each document to a multiple of "
-                        "2 x CP), rounded up so shapes rarely change, and is agreed by the stages "
-                        "before the first send.")
-    g.add_argument("--no-overlap-p2p-communication", dest="overlap_p2p_comm",
-                   action="store_false", default=True,
-                   help="Run the pipeline P2P sends/receives synchronously. By default (as in "
-                        "Megatron-LM) they are posted asynchronously and waited for only when "
-                        "the data is needed, hiding their latency behind the forward/backward "
-                        "compute (1F1B and interleaved 1F1B; no effect at PP=1).")
-    g.add_argument("--overlap-p2p-comm", dest="overlap_p2p_comm", action="store_true",
-                   help="Overlap the pipeline P2P communication (the default).")
-    g.add_argument("--context-parallel-size", type=int, default=1, help="Context parallel size.")
-    g.add_argument("--expert-model-parallel-size", type=int, default=1, help="Expert parallel size.")
-    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                   help="Tensor parallel size of the expert layers (default "
-                        "--tensor-model-parallel-size). The expert mesh re-views each pipeline "
-                        "stage's ranks as expert-data x EP x ETP.")
-    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
-                   help="torch.distributed backend (default nccl with CUDA, else gloo).")
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10,
-                   help="Timeout of collectives, in minutes.")
-
-
-def _data_args(g):
-    g.add_argument("--data-path", nargs="*", default=None,
-                   help="Dataset prefixes, optionally weighted: 'A' or '0.3 A 0.7 B'.")
-    g.add_argument("--split", default="969,30,1", help="Train,valid,test split weights.")
-    g.add_argument("--mock-data", action="store_true", help="Synthetic tokens instead of --data-path.")
-    g.add_argument("--data-cache-path", default=None, help="Where index files are cached.")
-    g.add_argument("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false",
-                   help="Do not memory-map the .bin token files: read each sample with a "
-                        "positioned file read (for file systems where mmap is slow or absent).")
-    g.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES, help="Tokenizer class.")
-    g.add_argument("--tokenizer-model", default=None,
-                   help="sentencepiece model file, or (HuggingFaceTokenizer) a local tokenizer "
-                        "folder or tokenizer.json file.")
-    g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json.")
-    g.add_argument("--merge-file", default=None, help="GPT-2 merges.txt.")
-    g.add_argument("--vocab-size", type=int, default=None, help="Vocab size for NullTokenizer.")
-    g.add_argument("--tokenizer-hf-no-include-special-tokens", action="store_true",
-                   help="HuggingFaceTokenizer: encode text without the special tokens (bos, "
-                        "...) the tokenizer adds, and decode without them (Megatron-LM's "
-                        "default includes them).")
-    g.add_argument("--reset-position-ids", action="store_true", help="Restart position ids after each EOD.")
-    g.add_argument("--reset-attention-mask", action="store_true", help="Keep attention inside documents.")
-    g.add_argument("--eod-mask-loss", action="store_true", help="No loss on EOD tokens.")
-    g.add_argument("--num-workers", type=int, default=2,
-                   help="DataLoader worker processes per rank (Megatron-LM's default 2; 0: the rank "
-                        "reads its samples itself).")
-    add_fim_args(g)
-
-
-def _io_args(g):
-    g.add_argument("--save", default=None, help="Checkpoint directory to save to.")
-    g.add_argument("--load", default=None, help="Checkpoint directory to resume from.")
-    g.add_argument("--ckpt-step", type=int, default=None,
-                   help="Checkpoint step to load model from: the iteration under --load to "
-                        "read instead of the one latest_checkpointed_iteration.txt names.")
-    g.add_argument("--save-interval", "--persistent-save-interval", type=int, default=None, help="Save every this many iterations.")
-    g.add_argument("--save-retain-interval", type=int, default=None,
-                   help="Keep only the checkpoints whose iteration is a multiple of this (and "
-                        "the latest): each save deletes the previous one otherwise. A multiple "
-                        "of --save-interval.")
-    g.add_argument("--verify-integrity", action="store_true",
-                   help="With --ckpt-format torch_dist: write a SHA-256 of every checkpoint "
-                        "file (integrity.json) once a save has finished, and check them before "
-                        "--load reads the checkpoint; a file changed since is an error naming it.")
-    g.add_argument("--async-save", action="store_true",
-                   help="With --ckpt-format torch_dist: copy the state, then write it in the "
-                        "background while training goes on; the tracker file is written once "
-                        "every rank has finished writing.")
-    g.add_argument("--no-load-optim", action="store_true", help="Do not load optimizer state.")
-    g.add_argument("--no-load-rng", action="store_true", help="Do not load RNG state.")
-    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
-                   action="store_true",
-                   help="On load, take the LR schedule from the arguments, not the checkpoint.")
-    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
-                   action="store_true",
-                   help="On load, take the LR schedule from the checkpoint, not the arguments.")
-    g.add_argument("--finetune", action="store_true",
-                   help="Load weights only and start from iteration 0.")
-    g.add_argument("--log-interval", type=int, default=100, help="Print a log line every this many iterations.")
-    g.add_argument("--eval-interval", type=int, default=1000, help="Evaluate every this many iterations.")
-    g.add_argument("--eval-iters", type=int, default=100, help="Batches per evaluation.")
-    g.add_argument("--eval-global-batch-size", type=int, default=None,
-                   help="Samples per evaluation batch (default --global-batch-size, which a "
-                        "--step-batch-size-schedule leaves at micro batch x DP); a multiple of "
-                        "--eval-micro-batch-size x DP. An evaluation reads --eval-iters of them.")
-    g.add_argument("--eval-micro-batch-size", type=int, default=None,
-                   help="Samples per evaluation microbatch per DP rank (default "
-                        "--micro-batch-size).")
-    g.add_argument("--tensorboard-dir", default=None, help="Write tensorboard logs here.")
-    g.add_argument("--no-log-loss-scale-to-tensorboard", "--disable-log-loss-scale-to-tensorboard",
-                   dest="log_loss_scale_to_tensorboard", action="store_false", default=True,
-                   help="Do not write the loss scale to tensorboard (written by default).")
-    g.add_argument("--log-timers-to-tensorboard", action="store_true",
-                   help="Write the iteration time (s), TFLOP/s per GPU and tokens per second "
-                        "to tensorboard.")
-    g.add_argument("--log-memory-to-tensorboard", action="store_true",
-                   help="Write the tensor memory in bytes to tensorboard (mem-allocated-bytes, "
-                        "mem-max-allocated-bytes: megatron_cp.memory_peak's meter, on GPUs "
-                        "and on CPU), with the memory report after the first iterations (on "
-                        "GPUs that report is always printed; on CPU, whose meter is the "
-                        "profiler, only with this flag).")
-    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
-                   help="Write the validation perplexity to tensorboard.")
-    g.add_argument("--log-world-size-to-tensorboard", action="store_true",
-                   help="Write the world size to tensorboard.")
-    g.add_argument("--log-num-zeros-in-grad", action="store_true",
-                   help="Count the zero entries of the gradient (after the data-parallel "
-                        "reduction and unscaling, before clipping; each parameter once) and log "
-                        "them: 'num zeros:' in the log line, 'num-zeros' in tensorboard.")
-    g.add_argument("--logging-level", type=int, default=None,
-                   help="Level of Python's logging for the run (10 debug, 20 info, 30 warning, "
-                        "40 error); by default Python's own (warnings and errors).")
-    g.add_argument("--wandb-project", default=None,
-                   help="Log the run's scalars (the tensorboard ones) to this Weights & Biases "
-                        "project, from the last rank. Needs the wandb package. Offline (a run "
-                        "folder to upload later with 'wandb sync') unless WANDB_MODE is set or "
-                        "a WANDB_API_KEY or wandb login is found.")
-    g.add_argument("--wandb-exp-name", default=None,
-                   help="Name of the Weights & Biases run (default: wandb's own).")
-    g.add_argument("--wandb-save-dir", default=None,
-                   help="Where the Weights & Biases run is written (default: <--save>/wandb).")
-    g.add_argument("--wandb-entity", default=None,
-                   help="The Weights & Biases entity (user or team) of --wandb-project.")
-    g.add_argument("--moe-per-layer-logging", action="store_true",
-                   help="Log the MoE balancing losses and token counts of every MoE layer, not "
-                        "only their mean.")
-
-
+# The typed sections whose fields declare the flags, in --help's order
+SECTIONS = (GPTConfig, OptimizerConfig, DataConfig, TrainingConfig, ParallelConfig,
+            CheckpointConfig, LoggingConfig)
 GROUPS = ("model", "moe", "training", "rerun engine", "parallelism", "data",
           "checkpointing and logging", "compat")
 _GROUP_TITLES = {"moe": "mixture of experts", "compat": "other Megatron-LM flags (accepted, or refused with the reason)"}
@@ -374,12 +60,8 @@ def build_parser(parser_class=argparse.ArgumentParser):
     """The argparse parser with every flag (and its help)."""
     p = parser_class(description="megatron_cp GPT pretraining", allow_abbrev=False)
     groups = {name: p.add_argument_group(_GROUP_TITLES.get(name, name)) for name in GROUPS}
-    add_config_flags(GPTConfig, groups)
-    add_config_flags(OptimizerConfig, groups)
-    for add, name in ((_model_args, "model"), (_training_args, "training"),
-                      (_rerun_args, "rerun engine"), (_parallel_args, "parallelism"),
-                      (_data_args, "data"), (_io_args, "checkpointing and logging")):
-        add(groups[name])
+    for section in SECTIONS:
+        add_config_flags(section, groups)
     add_compat_flags(groups)
     return p
 
@@ -389,8 +71,8 @@ def flag_names(parser=None):
     parser = parser or build_parser()
     names = {action.dest: action.option_strings[0] for action in parser._actions
              if action.option_strings and action.dest != "help"}
-    names.update(config_flag_names(GPTConfig))
-    names.update(config_flag_names(OptimizerConfig))
+    for section in SECTIONS:
+        names.update(config_flag_names(section))
     return names
 
 
@@ -583,7 +265,8 @@ def validate_args(args, world_size, inference=False, problems=()):
     checks.run(_validate_split, args)
     checks.run(_validate_data, args, need_data=not inference)
     checks.run(_validate_tokenizer, args)
-    checks.run(validate_fim_args, args)
+    checks.run(build_config, DataConfig, args)
+    checks.run(build_config, TrainingConfig, args)
     checks.run(_validate_optimizer, args, names)
     checks.run(_validate_optimizer_and_checkpoint, args)
     checks.run(_validate_fsdp2, args)

@@ -75,9 +75,62 @@ class OptimizerConfig:
         "adam", choices=("adam", "lion"), group="training",
         help="Optimizer of the parameters Muon does not take (embedding, output layer, "
              "biases, norms): adam.")
-    # other flags' values, for the rules below
-    fp16: bool = setting(False, flag=None, arg="fp16", help="--fp16 was given.")
-    min_lr: float = setting(0.0, flag=None, arg="min_lr", help="--min-lr.")
+    # the learning rate and its schedule, Adam, clipping, mixed precision, gradient reduction
+    lr: float | None = setting(None, group="training", help="Peak learning rate.")
+    min_lr: float = setting(0.0, group="training", help="Learning rate at the end of decay.")
+    lr_decay_style: str = setting("linear",
+        choices=["constant", "linear", "cosine", "inverse-square-root"], group="training",
+        help="Learning rate decay after warmup.")
+    lr_warmup_iters: int = setting(0, group="training", help="Linear warmup iterations.")
+    lr_warmup_fraction: float | None = setting(None, group="training",
+        help="Warmup as a fraction of the decay iterations.")
+    lr_decay_iters: int | None = setting(None, group="training",
+        help="Decay iterations (default train iters).")
+    weight_decay: float = setting(0.01, group="training", help="AdamW weight decay.")
+    apply_wd_to_qk_layernorm: bool = setting(False, group="training",
+        help="Decay the --qk-layernorm weights (and biases) too; every other norm weight and "
+             "bias stays undecayed.")
+    adam_beta1: float = setting(0.9, group="training", help="Adam beta1.")
+    adam_beta2: float = setting(0.999, group="training", help="Adam beta2.")
+    adam_eps: float = setting(1e-8, group="training", help="Adam epsilon.")
+    clip_grad: float = setting(1.0, group="training",
+        help="Gradient clipping by global norm (0: off).")
+    bf16: bool = setting(False, group="training", help="bf16 model with fp32 main params.")
+    fp16: bool = setting(False, group="training",
+        help="fp16 model with fp32 main params and loss scaling.")
+    loss_scale: float | None = setting(None, group="training",
+        help="Constant loss scale for fp16.")
+    initial_loss_scale: float = setting(2 ** 32, group="training",
+        help="Initial dynamic loss scale.")
+    min_loss_scale: float = setting(1.0, group="training", help="Minimum dynamic loss scale.")
+    loss_scale_window: int = setting(1000, group="training",
+        help="Good steps before the scale grows.")
+    hysteresis: int = setting(2, group="training", help="Overflows tolerated before backing off.")
+    overlap_grad_reduce: bool = setting(False, group="training",
+        help="Overlap the DP gradient all-reduce (reduce-scatter with the distributed optimizer)"
+             " with backward.")
+    use_distributed_optimizer: bool = setting(False, group="training",
+        help="ZeRO-1: shard the fp32 main params and Adam state over the data-parallel (DP x CP)"
+             " ranks; gradients are reduce-scattered and the updated params all-gathered, bucket"
+             " by bucket.")
+    num_distributed_optimizer_instances: int = setting(1, group="training",
+        help="With --use-distributed-optimizer: keep K copies of the sharded optimizer state, "
+             "each sharded over a 1/K slice of the DP x CP ranks (consecutive ranks of the "
+             "group): gradients are reduce-scattered inside the slice and all-reduced across the"
+             " K slices, parameters all-gathered inside it. The same training as K = 1, with the"
+             " collectives over smaller groups.")
+    overlap_param_gather: bool = setting(False, group="training",
+        help="With --use-distributed-optimizer: run the parameter all-gather in the background "
+             "after the step; each module's forward waits for its own bucket.")
+    use_torch_fsdp2: bool = setting(False, group="training",
+        help="ZeRO-3 with PyTorch's FSDP2 (fully_shard): every parameter, its gradient, fp32 "
+             "main copy and Adam state sharded by rows over the DP x CP ranks; each transformer "
+             "layer gathered just before it runs. Needs --pipeline-model-parallel-size 1, "
+             "--expert-model-parallel-size 1, no --use-distributed-optimizer and --ckpt-format "
+             "torch_dist.")
+    torch_fsdp2_no_reshard_after_forward: bool = setting(False, group="training",
+        help="With --use-torch-fsdp2: keep each layer's gathered parameters from its forward to "
+             "its backward (more memory, one all-gather less).")
 
     def __post_init__(self):
         check_choices(self)

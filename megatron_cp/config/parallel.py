@@ -1,6 +1,10 @@
-"""The parallel layout's rules that the model config checks too: context parallelism's
-communication types and the hierarchical (Ulysses x ring) CP sizes."""
+"""The parallel layout section: the sizes of every parallel dimension, the pipeline's split
+and schedule, the process-group backend; and the layout rules the model config checks too
+(context parallelism's communication types, the hierarchical Ulysses x ring CP sizes)."""
 import math
+from dataclasses import dataclass
+
+from megatron_cp.config.setting import check_choices, setting
 
 
 def check_hierarchical_sizes(hierarchical_sizes, context_parallel_size):
@@ -45,3 +49,72 @@ def resolve_comm_type(comm_type, num_kv_heads, cp_size, hierarchical_sizes=None)
         raise ValueError(f"--cp-comm-type a2a+p2p needs hierarchical_sizes (U, R) with U x R = "
                          f"cp size ({cp_size}); got {hierarchical_sizes}")
     return "a2a+p2p", check_hierarchical_sizes(hierarchical_sizes, cp_size)
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    tensor_model_parallel_size: int = setting(1, group="parallelism",
+        help="Tensor parallel size.")
+    pipeline_model_parallel_size: int = setting(1, group="parallelism",
+        help="Pipeline parallel size.")
+    num_layers_per_virtual_pipeline_stage: int | None = setting(None, group="parallelism",
+        help="Layers per virtual stage (interleaved 1F1B).")
+    num_virtual_stages_per_pipeline_rank: int | None = setting(None, group="parallelism",
+        help="Virtual stages (model chunks) per pipeline rank, interleaved 1F1B; unlike "
+             "--num-layers-per-virtual-pipeline-stage it combines with "
+             "--decoder-first/last-pipeline-num-layers (each rank's layers are cut into this "
+             "many equal chunks).")
+    decoder_first_pipeline_num_layers: int | None = setting(None, group="parallelism",
+        help="Layers on the first pipeline stage (default: an even split); the middle stages "
+             "share the rest evenly.")
+    decoder_last_pipeline_num_layers: int | None = setting(None, group="parallelism",
+        help="Layers on the last pipeline stage (default: an even split).")
+    account_for_embedding_in_pipeline_split: bool = setting(False, group="parallelism",
+        help="Count the embedding as one layer when splitting the layers evenly over the "
+             "pipeline stages: the first stage builds one transformer layer less (none: an "
+             "embedding-only stage).")
+    account_for_loss_in_pipeline_split: bool = setting(False, group="parallelism",
+        help="Count the output layer and loss as one layer when splitting the layers evenly: the"
+             " last stage builds one transformer layer less (none: a loss-only stage).")
+    pipeline_model_parallel_layout: str | None = setting(None, group="parallelism",
+        help="Write out what every (virtual) stage holds: E embedding, t transformer layer, m "
+             "MTP layer (one per --mtp-num-layers depth, in the last stage right before L), L "
+             "loss, '|' between stages, X*N and (...)*N repeat, commas are cosmetic; e.g. "
+             "\"Et|(tt|)*2,tL\". PP x N stages give N virtual stages per rank, stage i being "
+             "virtual stage i // PP of rank i % PP.")
+    microbatch_group_size_per_vp_stage: int | None = setting(None,
+        flag="--microbatch-group-size-per-virtual-pipeline-stage",
+        arg="microbatch_group_size_per_vp_stage", group="parallelism",
+        help="Interleaved 1F1B: microbatches each virtual stage runs in a row, forward and "
+             "backward (default --pipeline-model-parallel-size, the depth-first schedule); it "
+             "lies between PP and the number of microbatches, and a larger value admits "
+             "microbatch counts that are not a multiple of PP.")
+    use_tp_pp_dp_mapping: bool = setting(False, group="parallelism",
+        help="Lay the ranks out in Megatron-LM's order tp-cp-ep-pp-dp (data parallel outermost: "
+             "a replica's ranks are consecutive) instead of its default tp-cp-ep-dp-pp (pipeline"
+             " outermost: a stage's ranks are consecutive). TP is innermost in both.")
+    pipeline_seq_length: int | None = setting(None, group="parallelism",
+        help="Fix the sequence length of the pipeline P2P buffers: every microbatch is padded to"
+             " it. By default the length follows each step's data (packed documents under "
+             "context parallelism pad each document to a multiple of 2 x CP), rounded up so "
+             "shapes rarely change, and is agreed by the stages before the first send.")
+    overlap_p2p_comm: bool = setting(True,
+        flag="--overlap-p2p-comm", negative=("--no-overlap-p2p-communication",
+        "Run the pipeline P2P sends/receives synchronously. By default (as in Megatron-LM) "
+        "they are posted asynchronously and waited for only when the data is needed, hiding "
+        "their latency behind the forward/backward compute (1F1B and interleaved 1F1B; no "
+        "effect at PP=1)."), group="parallelism",
+        help="Overlap the pipeline P2P communication (the default).")
+    context_parallel_size: int = setting(1, group="parallelism", help="Context parallel size.")
+    expert_model_parallel_size: int = setting(1, group="parallelism",
+        help="Expert parallel size.")
+    expert_tensor_parallel_size: int | None = setting(None, group="parallelism",
+        help="Tensor parallel size of the expert layers (default --tensor-model-parallel-size). "
+             "The expert mesh re-views each pipeline stage's ranks as expert-data x EP x ETP.")
+    distributed_backend: str | None = setting(None, choices=("nccl", "gloo", None), group="parallelism",
+        help="torch.distributed backend (default nccl with CUDA, else gloo).")
+    distributed_timeout_minutes: int = setting(10, group="parallelism",
+        help="Timeout of collectives, in minutes.")
+
+    def __post_init__(self):
+        check_choices(self)

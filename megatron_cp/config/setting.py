@@ -23,7 +23,8 @@ _UNSET = object()  # "the command line leaves this field at the config's default
 
 def setting(default=dataclasses.MISSING, *, help, flag=_AUTO, arg=None, when_set=_AUTO,
             cli_default=_AUTO, choices=None, group="model", gate=None, shapes=False,
-            fill_arg=False, default_factory=dataclasses.MISSING, aliases=(), store_false=False):
+            fill_arg=False, default_factory=dataclasses.MISSING, aliases=(), store_false=False,
+            negative=None, nargs=None):
     """A dataclass field that also describes its command-line flag.
 
     ``help``: what the setting means (also the flag's help). ``flag``: the flag's name
@@ -42,11 +43,15 @@ def setting(default=dataclasses.MISSING, *, help, flag=_AUTO, arg=None, when_set
     ``store_false``: the flag is Megatron-LM's ``store_false`` switch: the argument ``arg`` holds
     the field's value itself, True unless the flag is given (``--no-bias-gelu-fusion`` ->
     ``bias_gelu_fusion``), so a saved checkpoint records Megatron-LM's name and meaning.
+    ``negative``: ``(flag, help)`` of a second switch that sets a bool field to False, beside
+    the ``store_true`` flag that sets it to True (``--overlap-p2p-comm`` and
+    ``--no-overlap-p2p-communication``; the field's default is either). ``nargs``: argparse's
+    ``nargs`` where the annotation's (``"+"`` for a tuple) is not it (``"*"``).
     """
     metadata = {"help": help, "flag": flag, "arg": arg, "when_set": when_set,
                 "cli_default": cli_default, "choices": choices, "group": group, "gate": gate,
                 "shapes": shapes, "fill_arg": fill_arg, "aliases": tuple(aliases),
-                "store_false": store_false}
+                "store_false": store_false, "negative": negative, "nargs": nargs}
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
 
 
@@ -69,7 +74,8 @@ def arg_of(f):
 
 
 def _is_switch(f):
-    return flag_of(f) is not None and (f.type is bool or f.metadata.get("when_set", _AUTO) is not _AUTO)
+    return (flag_of(f) is not None and not f.metadata.get("negative")
+            and (f.type is bool or f.metadata.get("when_set", _AUTO) is not _AUTO))
 
 
 def _when_set(f):
@@ -102,12 +108,20 @@ def add_config_flags(config_cls, groups):
         if meta.get("store_false"):
             group.add_argument(*names, action="store_false", dest=arg_of(f), help=text)
             continue
-        if _is_switch(f):
-            group.add_argument(*names, action="store_true", help=text)
+        if meta.get("negative"):
+            negative, negative_help = meta["negative"]
+            group.add_argument(*names, action="store_true", dest=arg_of(f), default=f.default,
+                               help=text)
+            group.add_argument(negative, action="store_false", dest=arg_of(f),
+                               help=negative_help.replace("%", "%%"))
             continue
-        kwargs = {"help": text}
+        if _is_switch(f):
+            group.add_argument(*names, action="store_true", dest=arg_of(f), help=text)
+            continue
+        kwargs = {"help": text, "dest": arg_of(f)}
         element, nargs = _flag_type(f.type)
         kwargs["type"] = element
+        nargs = meta.get("nargs") or nargs
         if nargs:
             kwargs["nargs"] = nargs
         if meta.get("choices"):
@@ -130,7 +144,7 @@ def _value_from_args(f, args):
     if gate and not getattr(args, _dest(gate[0]), False):
         return _UNSET
     value = getattr(args, name, None)
-    if f.metadata.get("store_false"):
+    if f.metadata.get("store_false") or f.metadata.get("negative"):
         return _UNSET if value is None else bool(value)
     if _is_switch(f):
         return _when_set(f) if value else _UNSET

@@ -9,6 +9,9 @@ processes (``--num-workers``) when the run ends.
 import torch
 import torch.distributed as dist
 
+from megatron_cp.config.data import DataConfig
+from megatron_cp.config.setting import build_config
+
 from megatron_cp.data.batch import (add_mtp_targets, build_data_iterator, close_data_iterator,
                                     get_ltor_batch)
 from megatron_cp.data.builder import build_train_valid_test_datasets
@@ -30,8 +33,8 @@ class DataFeed:
         self.datasets, self.train_iter, self.valid_dataset = {}, None, None
         self.valid_iter = None  # the latest validation pass's (closed with the feed)
         # checked on every rank at start-up: the tokenizer has the FIM tokens
-        self.fim = FimTransform(fim_settings(args, tokenizer), tokenizer) if args.fim_data \
-            else None
+        self.fim = FimTransform(fim_settings(build_config(DataConfig, args), tokenizer),
+                                tokenizer) if args.fim_data else None
 
     def build(self, consumed_samples):
         """Build the datasets and the training iterator, which resumes after

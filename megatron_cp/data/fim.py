@@ -27,63 +27,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# the five FIM tokens: (flag, argument name, Megatron-LM's default)
-FIM_TOKENS = (("--fim-prefix-token", "fim_prefix_token", "<fim_prefix>"),
-              ("--fim-middle-token", "fim_middle_token", "<fim_middle>"),
-              ("--fim-suffix-token", "fim_suffix_token", "<fim_suffix>"),
-              ("--fim-pad-token", "fim_pad_token", "<fim_pad>"),
-              ("--fim-eod-token", "fim_eod_token", "<|endoftext|>"))
-
-
-def add_fim_args(g):
-    """Megatron-LM's FIM flags (names, types, defaults) on argparse group ``g``."""
-    g.add_argument("--fim-data", action="store_true",
-                   help="Fill-in-the-middle samples (megatron_cp/data/fim.py) from --data-path.")
-    g.add_argument("--fim-rate", type=float, default=0.5,
-                   help="Probability that a segment becomes a FIM sample.")
-    g.add_argument("--fim-spm-rate", type=float, default=0.5,
-                   help="Probability that a FIM sample takes the SPM order over PSM.")
-    g.add_argument("--fim-split-sample", type=str, default=None,
-                   help="A token at which a sample is split into fragments, each FIM'd apart.")
-    g.add_argument("--fim-fragment-rate", type=float, default=None,
-                   help="With --fim-split-sample: the FIM probability of each fragment.")
-    g.add_argument("--fim-no-prefix", type=str, default=None,
-                   help="Segments whose text starts with this string are not FIM'd.")
-    for flag, _, default in FIM_TOKENS:
-        g.add_argument(flag, type=str, default=default,
-                       help=f"FIM {flag[6:-6]} token (default {default}).")
-
-
-def validate_fim_args(args):
-    """Megatron-LM's FIM rules, checked before anything starts."""
-    given = [f for f, name, default in (("--fim-split-sample", "fim_split_sample", None),
-                                        ("--fim-fragment-rate", "fim_fragment_rate", None),
-                                        ("--fim-no-prefix", "fim_no_prefix", None))
-             if getattr(args, name) != default]
-    if not args.fim_data:
-        if given:
-            raise ValueError(f"{', '.join(given)} only apply with --fim-data; add --fim-data or "
-                             f"drop {'them' if len(given) > 1 else 'it'}")
-        return
-    if args.mock_data:
-        raise ValueError("--fim-data transforms the text of --data-path documents; the mock "
-                         "dataset has none (Megatron-LM refuses it too): give --data-path and "
-                         "a tokenizer with the FIM tokens instead of --mock-data")
-    for flag, name in (("--fim-rate", "fim_rate"), ("--fim-spm-rate", "fim_spm_rate")):
-        if not 0.0 < getattr(args, name) <= 1.0:
-            raise ValueError(f"{flag} ({getattr(args, name)}) must be in (0, 1] with --fim-data "
-                             f"(Megatron-LM refuses 0); drop --fim-data for no FIM")
-    if args.fim_split_sample is not None and args.fim_fragment_rate is None:
-        raise ValueError("--fim-split-sample needs --fim-fragment-rate (the FIM probability of "
-                         "each fragment)")
-    if args.fim_fragment_rate is not None and not 0.0 <= args.fim_fragment_rate <= 1.0:
-        raise ValueError(f"--fim-fragment-rate ({args.fim_fragment_rate}) is a probability: "
-                         f"give a value from 0 to 1")
-    if args.tokenizer_type in (None, "NullTokenizer"):
-        raise ValueError(f"--fim-data needs a tokenizer that has the FIM tokens and turns ids "
-                         f"into text, not {args.tokenizer_type or 'NullTokenizer'}; give "
-                         f"--tokenizer-type GPT2BPETokenizer, SentencePieceTokenizer or "
-                         f"HuggingFaceTokenizer")
+# the five FIM tokens: (flag, argument name); their defaults: megatron_cp.config.data
+FIM_TOKENS = (("--fim-prefix-token", "fim_prefix_token"), ("--fim-middle-token", "fim_middle_token"),
+              ("--fim-suffix-token", "fim_suffix_token"), ("--fim-pad-token", "fim_pad_token"),
+              ("--fim-eod-token", "fim_eod_token"))
 
 
 @dataclass(frozen=True)
@@ -101,23 +48,24 @@ class FimSettings:
     no_prefix: str | None = None
 
 
-def fim_settings(args, tokenizer):
-    """The :class:`FimSettings` of ``args`` with ``tokenizer``'s ids of the FIM tokens; a
-    ValueError names every token the tokenizer lacks (Megatron-LM would give them the unknown
-    token's id, GPT-2's ``<|endoftext|>``: every sentinel the EOD)."""
-    names = [(flag, getattr(args, name)) for flag, name, _ in FIM_TOKENS]
-    if args.fim_split_sample is not None:
-        names.append(("--fim-split-sample", args.fim_split_sample))
+def fim_settings(data, tokenizer):
+    """The :class:`FimSettings` of the data section ``data``
+    (:class:`~megatron_cp.config.data.DataConfig`) with ``tokenizer``'s ids of the FIM tokens;
+    a ValueError names every token the tokenizer lacks (Megatron-LM would give them the
+    unknown token's id, GPT-2's ``<|endoftext|>``: every sentinel the EOD)."""
+    names = [(flag, getattr(data, name)) for flag, name in FIM_TOKENS]
+    if data.fim_split_sample is not None:
+        names.append(("--fim-split-sample", data.fim_split_sample))
     ids = {flag: tokenizer.token_to_id(token) for flag, token in names}
     missing = [f"{flag} {token!r}" for flag, token in names if ids[flag] is None]
     if missing:
         raise ValueError(f"the tokenizer has no token {', '.join(missing)}: add "
                          f"{'them' if len(missing) > 1 else 'it'} to its vocabulary (as special "
                          f"tokens) or name tokens it has")
-    return FimSettings(args.fim_rate, args.fim_spm_rate, ids["--fim-prefix-token"],
+    return FimSettings(data.fim_rate, data.fim_spm_rate, ids["--fim-prefix-token"],
                        ids["--fim-middle-token"], ids["--fim-suffix-token"],
                        ids["--fim-pad-token"], ids["--fim-eod-token"],
-                       ids.get("--fim-split-sample"), args.fim_fragment_rate, args.fim_no_prefix)
+                       ids.get("--fim-split-sample"), data.fim_fragment_rate, data.fim_no_prefix)
 
 
 class FimTransform:

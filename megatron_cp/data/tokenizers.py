@@ -21,9 +21,9 @@ entry, None when there is none: FIM's special tokens, data/fim.py):
 import json
 import os
 
+from megatron_cp.config.data import TOKENIZER_TYPES
+
 # GPTSentencePieceTokenizer is accepted as Megatron's name for the same eos-as-eod behaviour.
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "GPT2BPETokenizer",
-                   "HuggingFaceTokenizer", "NullTokenizer")
 
 
 class SentencePieceTokenizer:
