@@ -11,7 +11,7 @@ bisecting) finds the longest s whose step stays under --cap-gib:
 - untiled: the logits [s, b, v] formed whole (Megatron-LM's way);
 - tiled logits: --tiled-logits-chunk-size;
 - + tiled MLP: --mlp-chunks-for-training;
-- + full recompute: --recompute-granularity full --recompute-method uniform.
+- + full recompute: --recompute-granularity full --recompute-method uniform --recompute-num-layers 1.
 
 Goal: tiled logits train at least 1.5x the untiled length under the same cap. Prints a table
 with PASS/FAIL and writes JSON (runs/benchmarks/long_context.json unless --output).

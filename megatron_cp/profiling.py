@@ -1,6 +1,6 @@
 """Megatron-LM's ``--profile``: iterations [--profile-step-start, --profile-step-end) of the
-ranks in --profile-ranks, under torch.profiler (``--use-pytorch-profiler``) or between
-cudaProfilerStart / Stop for an outside ``nsys profile --capture-range=cudaProfilerApi``.
+ranks in --profile-ranks (every rank when it names none, as in Megatron-LM), under
+torch.profiler (``--use-pytorch-profiler``) or between cudaProfilerStart / Stop for an outside ``nsys profile --capture-range=cudaProfilerApi``.
 
 The torch.profiler trace goes to ``--tensorboard-dir`` (tensorboard's profile plugin reads it;
 without the flag, to ``profile/`` under ``--save``, else ``./profile``), and the profiled rank
@@ -21,7 +21,7 @@ class StepProfiler:
     iterations done). Inactive unless --profile is given and this rank is profiled."""
 
     def __init__(self, args, global_rank, device):
-        self.active = args.profile and global_rank in args.profile_ranks
+        self.active = args.profile and (not args.profile_ranks or global_rank in args.profile_ranks)
         self.start, self.end = args.profile_step_start, args.profile_step_end
         self.torch_profiler = args.use_pytorch_profiler
         self.device, self.rank, self.running = device, global_rank, None

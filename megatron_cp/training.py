@@ -430,7 +430,7 @@ def _train_on_data(trainer, started):
         losses, stop_reason = _train(trainer, logger, train_start)
         evaluated = logger.last_validation and logger.last_validation[0] == trainer.iteration
         if losses and stop_reason.startswith("--train-iters") and trainer.evaluates \
-                and args.eval_interval and not evaluated:  # Megatron's end-of-training evaluation
+                and not evaluated:  # Megatron's end-of-training evaluation
             logger.validation(trainer.iteration, trainer.evaluate())
     finally:
         logger.close()  # also when the rerun machine ends the job (RerunExit)

@@ -111,14 +111,16 @@ def test_log_line_validation_line_and_tensorboard(tmp_path, switched):
 
 def test_profile_flags_write_a_trace_of_the_chosen_iterations(tmp_path):
     """Megatron's --profile --use-pytorch-profiler: iterations 3..4 (step start 2, end 4) of
-    rank 0 only, a torch.profiler trace under --tensorboard-dir and the operator table."""
+    every rank (no --profile-ranks, as in Megatron-LM), a torch.profiler trace per rank under
+    --tensorboard-dir and the operator table."""
     argv = (TINY + f" --train-iters 6 --tensorboard-dir {tmp_path} --profile "
             "--use-pytorch-profiler --profile-step-start 2 --profile-step-end 4")
     outs = run_workers(_train_capturing, 2, argv)
     assert "profile of iterations 3..4 on rank 0" in outs[0]
+    assert "profile of iterations 3..4 on rank 1" in outs[1]
     assert "aten::mm" in outs[0] and "# of Calls" in outs[0]
-    traces = [f for f in os.listdir(tmp_path) if f.endswith(".pt.trace.json")]
-    assert len(traces) == 1 and traces[0].startswith("rank0."), traces
+    traces = sorted(f for f in os.listdir(tmp_path) if f.endswith(".pt.trace.json"))
+    assert [t.split(".")[0] for t in traces] == ["rank0", "rank1"], traces
     import json
     with open(os.path.join(tmp_path, traces[0])) as f:
         events = json.load(f)["traceEvents"]

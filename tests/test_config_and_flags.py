@@ -14,7 +14,8 @@ from megatron_cp import training
 from megatron_cp.cli import arguments
 from megatron_cp.checkpoint import files as checkpoint_files
 from megatron_cp.cli.arguments import build_parser, parse_args
-from megatron_cp.cli.megatron_flags import COMPAT_FLAGS, MAP, REFUSE, SAME, STORE, all_entries
+from megatron_cp.cli.megatron_flags import COMPAT_FLAGS, MAP, REFUSE, SAME, all_entries
+from megatron_cp.config.checkpoint import NOT_BUILT_FORMATS
 from megatron_cp.config.setting import arg_of, checkpoint_args, flag_of, setting
 from megatron_cp.config.model import GPTConfig
 from megatron_cp.optimizer import OptimizerParamScheduler
@@ -63,17 +64,18 @@ def test_every_field_has_help_a_flag_or_a_source_and_reaches_the_config():
     options = {o for action in parser._actions for o in action.option_strings}
     args = _parse()
     config = config_from_args(args, 100)
-    for f in dataclasses.fields(GPTConfig):
-        assert f.metadata.get("help"), f"GPTConfig.{f.name} has no help"
-        if flag_of(f) is not None:
-            assert flag_of(f) in options, f.name
-        if arg_of(f) is not None:
-            assert hasattr(args, arg_of(f)), f.name
+    for section in arguments.SECTIONS:
+        for f in dataclasses.fields(section):
+            assert f.metadata.get("help"), f"{section.__name__}.{f.name} has no help"
+            if flag_of(f) is not None:
+                assert flag_of(f) in options, f.name
+            if arg_of(f) is not None:
+                assert hasattr(args, arg_of(f)), f.name
     assert config.vocab_size == 100 and config.params_dtype == torch.float32
     # Megatron-LM's defaults for the flags, where they differ from the config's own
     assert config.position_embedding_type == "learned_absolute"
     assert config.max_position_embeddings == 32 and config.num_query_groups == 4
-    assert config.recompute_num_layers == 1 and config.num_moe_experts == 0
+    assert config.recompute_num_layers is None and config.num_moe_experts == 0
 
 
 def test_shape_args_are_the_shaping_fields_and_never_the_layout():
@@ -213,25 +215,10 @@ def test_flags_with_a_condition_say_what_is_missing(entry):
     assert str(err.value).startswith(entry.flag) and entry.needs[2] in str(err.value)
 
 
-@pytest.mark.parametrize("entry", [e for e in COMPAT_FLAGS if e.kind == STORE],
-                         ids=lambda e: e.flag)
-def test_stored_flags_parse_and_keep_their_value(entry):
-    default = parse_args(BASE.split())
-    assert getattr(default, entry.dest) == entry.argparse.get("default", False)
-    if entry.dest in ("lr_warmup_samples", "lr_decay_samples", "start_weight_decay",
-                      "end_weight_decay", "weight_decay_incr_style", "use_checkpoint_args"):
-        return  # they need companions; see test_sample_based_schedule / test_weight_decay_* /
-        # test_checkpointing.test_use_checkpoint_args_needs_no_model_flags
-    args = parse_args(BASE.split() + _given(entry))
-    words = _given(entry)
-    expected = True if len(words) == 1 else entry.argparse.get("type", str)(words[1])
-    if entry.argparse.get("nargs") in ("+", "*"):
-        expected = [expected]
-    assert getattr(args, entry.dest) == expected and args.compat_notes == []
-
-
 @pytest.mark.parametrize("flag,value,why", [(e.flag, value, why) for e in COMPAT_FLAGS
-                                            for value, why in e.refuse.items()])
+                                            for value, why in e.refuse.items()]
+                         + [("--ckpt-format", value, why)
+                            for value, why in NOT_BUILT_FORMATS.items()])
 def test_refused_values_of_accepted_flags(flag, value, why):
     with pytest.raises(ValueError) as err:
         _parse(f"{flag} {value}")
@@ -273,17 +260,17 @@ def test_distributed_optimizer_and_checkpoint_flags_parse():
 
 def test_accepted_values_and_aliases():
     args = _parse("--ckpt-format torch --optimizer adam --dataloader-type single --vocab-extra-ids 0 "
-                  "--transformer-impl local --attention-backend auto")
+                  "--transformer-impl transformer_engine --attention-backend auto")
     assert args.compat_notes == [] and args.ckpt_format == "torch"
     args = _parse("--recompute-activations")
     assert args.recompute_granularity == "selective"
     assert config_from_args(args, 100).recompute_granularity == "selective"
     args = _parse("--use-rotary-position-embeddings --max-position-embeddings 16")
     assert config_from_args(args, 100).position_embedding_type == "rope"
-    args = _parse("--use-flash-attn --transformer-impl transformer_engine")
+    args = _parse("--use-flash-attn --transformer-impl local")
     assert args.compat_notes == [
         "--use-flash-attn: attention kernels are chosen per device (PyTorch flash/SDPA on CUDA)",
-        "--transformer-impl transformer_engine: layers are megatron_cp's own PyTorch modules; "
+        "--transformer-impl local: layers are megatron_cp's own PyTorch modules; "
         "norms use Transformer Engine when it is installed"]
     assert _parse("--ddp-bucket-size 1000").ddp_bucket_size_mb * 2 ** 20 / 4 == 1000
 
@@ -292,7 +279,7 @@ def test_every_table_flag_is_in_the_parser_with_help():
     parser = build_parser()
     by_flag = {o: a for a in parser._actions for o in a.option_strings}
     for entry in COMPAT_FLAGS:
-        assert entry.kind in (STORE, SAME, MAP, REFUSE) and entry.why
+        assert entry.kind in (SAME, MAP, REFUSE) and entry.why
         assert by_flag[entry.flag].help, entry.flag
     assert "Refused: Megatron-LM deprecated it and ignores it" in parser.format_help()
 

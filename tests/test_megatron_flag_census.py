@@ -2,8 +2,8 @@
 
 The census (megatron_cp/cli/megatron_lm_flags.json) is the list of flags of Megatron-LM's
 pretraining parser at the commit it records, written by tools/megatron_flag_census.py from
-that parser itself. Each flag is either declared by megatron_cp's own code (a typed config
-field or arguments.py: implemented) or an entry of the table in megatron_flags.py (accepted
+that parser itself. Each flag is either declared by megatron_cp's own code (a field of a
+typed config section: implemented) or an entry of the table in megatron_flags.py (accepted
 as what megatron_cp does anyway, an alias, or refused with the reason).
 """
 import dataclasses
@@ -13,11 +13,10 @@ import re
 
 import pytest
 
-from megatron_cp.cli.arguments import build_parser
+from megatron_cp.cli.arguments import SECTIONS, build_parser
 from megatron_cp.cli.megatron_flags import (AS_IS, MAP, NOT_BUILT, REFUSE, SAME, all_entries,
                                         megatron_census)
 from megatron_cp.config.model import GPTConfig
-from megatron_cp.config.optimizer import OptimizerConfig
 from megatron_cp.config.setting import arg_of, flag_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,10 +82,10 @@ def _declares(path, line):
 
 
 def test_no_accepted_flag_is_read_nowhere():
-    """Every flag accepted with an effect (ours, and the table's STORE entries) is read by
-    the code; a SAME entry is accepted because it has none, a REFUSE entry is refused."""
+    """Every flag accepted with an effect (a config section's field) is read by the code; a
+    SAME entry is accepted because it has none, a REFUSE entry is refused."""
     table = {entry.dest: entry for entry in all_entries()}
-    fields = {arg_of(f): f.name for config in (GPTConfig, OptimizerConfig)
+    fields = {arg_of(f): f.name for config in SECTIONS
               for f in dataclasses.fields(config) if flag_of(f)}
     # a gate flag (--group-query-attention) is read through the field it gates
     fields.update({f.metadata["gate"][0][2:].replace("-", "_"): f.name

@@ -61,7 +61,7 @@ LAYOUTS = {
     "ep2_capacity": (2, "capacity", EP2),
     "ep2_padded_capacity": (2, "padded_capacity", EP2),
     "ep2_full_recompute": (2, "llama", f"{EP2} --recompute-granularity full "
-                                       f"--recompute-method uniform"),
+                                       f"--recompute-method uniform --recompute-num-layers 1"),
     "ep2_distributed_optimizer": (2, "defaults", f"{EP2} {A2A} --use-distributed-optimizer "
                                                  f"--overlap-grad-reduce --overlap-param-gather"),
     "ep4": (4, "defaults", f"{EP4} {A2A}"),

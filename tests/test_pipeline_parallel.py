@@ -35,7 +35,8 @@ LAYOUTS = {
     "pp2_vp2_overlap_p2p": (2, "tied", f"{PP2} --num-layers-per-virtual-pipeline-stage 1 "
                                        f"--overlap-p2p-comm --eval-iters 1 --eval-interval 5"),
     "pp2_uneven_recompute": (2, "tied", f"{PP2} --decoder-first-pipeline-num-layers 1 "
-                                        f"--recompute-granularity full --recompute-method uniform"),
+                                        f"--recompute-granularity full --recompute-method uniform "
+                                        f"--recompute-num-layers 1"),
     "pp2_padded_packed": (2, "packed", f"{PP2} {PACKED} --pipeline-seq-length 40"),
     "pp4": (4, "tied", f"{PP4} --eval-iters 1 --eval-interval 5"),
     "tp2_pp2": (4, "tied", f"{TP2} {PP2}"),

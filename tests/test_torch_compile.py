@@ -52,7 +52,7 @@ def reference():
     (4, "--tensor-model-parallel-size 2 --sequence-parallel --context-parallel-size 2 "
         "--cp-comm-type p2p --recompute-granularity selective"),
     (4, "--pipeline-model-parallel-size 2 --recompute-granularity full --recompute-method uniform "
-        "--overlap-grad-reduce"),  # PP=2 x DP=2
+        "--recompute-num-layers 1 --overlap-grad-reduce"),  # PP=2 x DP=2
 ], ids=["tp2sp-cp2-selective", "pp2-dp2-full-recompute"])
 def test_compiled_training_matches_eager_single_process(reference, world, extra):
     results = run_workers(train_losses, world, f"{STEPS} --torch-compile {extra}", timeout=600)

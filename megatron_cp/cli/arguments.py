@@ -265,8 +265,8 @@ def validate_args(args, world_size, inference=False, problems=()):
     checks.run(_validate_split, args)
     checks.run(_validate_data, args, need_data=not inference)
     checks.run(_validate_tokenizer, args)
-    checks.run(build_config, DataConfig, args)
-    checks.run(build_config, TrainingConfig, args)
+    for section in (DataConfig, TrainingConfig, ParallelConfig, CheckpointConfig, LoggingConfig):
+        checks.run(build_config, section, args)  # each section's own rules
     checks.run(_validate_optimizer, args, names)
     checks.run(_validate_optimizer_and_checkpoint, args)
     checks.run(_validate_fsdp2, args)

@@ -4,11 +4,10 @@ The census (``megatron_lm_flags.json``, written by tools/megatron_flag_census.py
 Megatron-LM's own parser at the commit it records) lists all of Megatron-LM's pretraining
 flags. Each one is, in megatron_cp:
 
-- implemented with Megatron's meaning: declared by a typed config field
-  (model/config.py, see config_flags.py) or by arguments.py, and read by the code; or
+- implemented with Megatron's meaning: declared by a field of a typed config section
+  (megatron_cp/config/, see setting.py), and read by the code; or
 - an entry of this table, of one kind:
 
-  - ``STORE``: accepted and kept on ``args`` for the code that reads it.
   - ``SAME``: accepted; it selects what megatron_cp does anyway (a performance, kernel or
     I/O knob with no effect on what is computed, logged or saved). A line saying so goes to
     ``args.compat_notes`` (the start-up banner prints it once).
@@ -31,7 +30,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-STORE, SAME, MAP, REFUSE = "store", "same", "map", "refuse"
+SAME, MAP, REFUSE = "same", "map", "refuse"
 
 
 @dataclass(frozen=True)
@@ -65,35 +64,8 @@ COMPAT_FLAGS = (
                "--apply-wd-to-qk-layernorm (its one value).", group="training",
                argparse=dict(choices=["apply_wd_to_qk_layernorm"], default=None),
                sets=("apply_wd_to_qk_layernorm", True)),
-    # --- accepted, kept on args ---
-    CompatFlag("--use-checkpoint-args", STORE, "Take the model and tokenizer flags not given on "
-               "the command line from the checkpoint under --load.",
-               group="checkpointing and logging"),
-    CompatFlag("--exit-on-missing-checkpoint", STORE, "Exit if --load finds no checkpoint.",
-               group="checkpointing and logging"),
-    CompatFlag("--no-save-optim", STORE, "Do not save optimizer state.",
-               group="checkpointing and logging"),
-    CompatFlag("--no-save-rng", STORE, "Do not save RNG state.", group="checkpointing and logging"),
-    CompatFlag("--ckpt-format", STORE, "Checkpoint format of --save: torch_dist (the default, as "
-               "in Megatron-LM: torch.distributed.checkpoint; every rank writes its shards in "
-               "parallel and --load restores it under any TP/PP/CP/DP/EP layout) or torch (one "
-               "file per model-parallel rank; another layout reshards it on load). --load "
-               "reads either, in any layout.",
-               group="checkpointing and logging",
-               argparse=dict(choices=["torch", "torch_dist", "torch_dcp", "fsdp_dtensor", "zarr"],
-                             default="torch_dist"),
-               refuse={"zarr": "not built; use --ckpt-format torch_dist (same sharded, "
-                               "layout-free checkpoints)",
-                       "torch_dcp": "Megatron-LM's plain-DCP variant is not built; use "
-                                    "--ckpt-format torch_dist (torch.distributed.checkpoint too)",
-                       "fsdp_dtensor": "it saves Megatron-FSDP's DTensor state, and FSDP is not "
-                                       "built; use --ckpt-format torch_dist"}),
     CompatFlag("--log-throughput", SAME, "the log line always shows throughput (TFLOP/s per "
                "GPU, tokens per second)"),
-    CompatFlag("--log-params-norm", STORE, "Log the norm of the parameters.",
-               group="checkpointing and logging"),
-    CompatFlag("--tensorboard-log-interval", STORE, "Write tensorboard scalars every this many "
-               "iterations.", group="checkpointing and logging", argparse=dict(type=int, default=1)),
     CompatFlag("--timing-log-level", SAME, "level 0: the log line times the whole iteration",
                group="checkpointing and logging",
                argparse=dict(type=int, choices=[0, 1, 2], default=0),
@@ -101,40 +73,6 @@ COMPAT_FLAGS = (
                           "the whole iteration (level 0) and --profile traces the phases",
                        2: "per-phase timers (level 1 and 2) are not built; the log line times "
                           "the whole iteration (level 0) and --profile traces the phases"}),
-    CompatFlag("--profile", STORE, "Profile iterations --profile-step-start up to (not "
-               "including) --profile-step-end on the ranks in --profile-ranks: with "
-               "--use-pytorch-profiler a torch.profiler trace under --tensorboard-dir (and a "
-               "table of the costliest operators on stdout), else cudaProfilerStart/Stop for an "
-               "outside nsys.", group="training"),
-    CompatFlag("--use-pytorch-profiler", STORE, "With --profile: use torch.profiler.",
-               group="training"),
-    CompatFlag("--profile-step-start", STORE, "First profiled iteration (with --profile).",
-               group="training", argparse=dict(type=int, default=10)),
-    CompatFlag("--profile-step-end", STORE, "Iteration at which profiling stops (with --profile).",
-               group="training", argparse=dict(type=int, default=12)),
-    CompatFlag("--profile-ranks", STORE, "Global ranks that profile (with --profile).",
-               group="training", argparse=dict(type=int, nargs="+", default=[0])),
-    CompatFlag("--manual-gc", STORE, "Disable automatic Python garbage collection; collect "
-               "every --manual-gc-interval iterations.", group="training"),
-    CompatFlag("--manual-gc-interval", STORE, "Iterations between manual garbage collections "
-               "(0: only at checkpoints and evaluation).", group="training",
-               argparse=dict(type=int, default=0)),
-    CompatFlag("--lr-warmup-init", STORE, "Learning rate at the start of the warmup.",
-               group="training", argparse=dict(type=float, default=0.0)),
-    CompatFlag("--lr-warmup-samples", STORE, "Linear warmup in samples (with --train-samples).",
-               group="training", argparse=dict(type=int, default=0)),
-    CompatFlag("--lr-decay-samples", STORE, "Decay length in samples (with --train-samples; "
-               "default --train-samples).", group="training", argparse=dict(type=int, default=None)),
-    CompatFlag("--start-weight-decay", STORE, "Weight decay at the start (with a non-constant "
-               "--weight-decay-incr-style).", group="training", argparse=dict(type=float, default=None)),
-    CompatFlag("--end-weight-decay", STORE, "Weight decay at the end of training.",
-               group="training", argparse=dict(type=float, default=None)),
-    CompatFlag("--weight-decay-incr-style", STORE, "How the weight decay moves from "
-               "--start-weight-decay to --end-weight-decay over training.", group="training",
-               argparse=dict(choices=["constant", "linear", "cosine"], default="constant")),
-    CompatFlag("--ddp-bucket-size", STORE, "Gradient elements per data-parallel all-reduce bucket "
-               "(default 40 MB of fp32 gradients).", group="training",
-               argparse=dict(type=int, default=None)),
     CompatFlag("--dataloader-type", SAME, "samples are read in order by the single sampler",
                group="data",
                argparse=dict(choices=["single", "cyclic", "external"], default="single"),
@@ -174,7 +112,11 @@ COMPAT_FLAGS = (
                argparse=dict(choices=["auto", "flash", "fused", "unfused", "local"], default="auto")),
     CompatFlag("--transformer-impl", SAME, "layers are megatron_cp's own PyTorch modules; norms "
                "use Transformer Engine when it is installed", argparse=dict(
-                   choices=["local", "transformer_engine"], default="local")),
+                   choices=["local", "transformer_engine", "inference_optimized"],
+                   default="transformer_engine"),
+               refuse={"inference_optimized": "Megatron-LM's inference-only layers are not "
+                                              "built; drop it (the same layers generate text: "
+                                              "tools/run_text_generation.py)"}),
     CompatFlag("--use-mcore-models", SAME, "the model is Megatron-core style already"),
     CompatFlag("--use-cpu-initialization", SAME, "weights are initialised from per-parameter "
                "seeds, identical under every parallel layout, on any device"),

@@ -2,7 +2,17 @@
 Megatron-LM's other checkpoint flags are in the flag table, megatron_cp/cli/megatron_flags.py)."""
 from dataclasses import dataclass
 
-from megatron_cp.config.setting import setting
+from megatron_cp.config.setting import check_choices, setting
+
+CKPT_FORMATS = ("torch", "torch_dist")
+# Megatron-LM's other formats, each refused with the reason
+NOT_BUILT_FORMATS = {
+    "torch_dcp": "Megatron-LM's plain-DCP variant is not built; use --ckpt-format torch_dist "
+                 "(torch.distributed.checkpoint too)",
+    "fsdp_dtensor": "it saves Megatron-FSDP's DTensor state, and FSDP is not built; use "
+                    "--ckpt-format torch_dist",
+    "zarr": "not built; use --ckpt-format torch_dist (same sharded, layout-free checkpoints)",
+}
 
 
 @dataclass(kw_only=True)
@@ -42,3 +52,23 @@ class CheckpointConfig:
         help="On load, take the LR schedule from the checkpoint, not the arguments.")
     finetune: bool = setting(False, group="checkpointing and logging",
         help="Load weights only and start from iteration 0.")
+    use_checkpoint_args: bool = setting(False, group="checkpointing and logging",
+        help="Take the model and tokenizer flags not given on the command line from the "
+             "checkpoint under --load.")
+    exit_on_missing_checkpoint: bool = setting(False, group="checkpointing and logging",
+        help="Exit if --load finds no checkpoint.")
+    no_save_optim: bool = setting(False, group="checkpointing and logging", help="Do not save optimizer state.")
+    no_save_rng: bool = setting(False, group="checkpointing and logging", help="Do not save RNG state.")
+    ckpt_format: str = setting("torch_dist", choices=CKPT_FORMATS + tuple(NOT_BUILT_FORMATS),
+        group="checkpointing and logging",
+        help="Checkpoint format of --save: torch_dist (the default, as in Megatron-LM: "
+             "torch.distributed.checkpoint; every rank writes its shards in parallel and --load "
+             "restores it under any TP/PP/CP/DP/EP layout) or torch (one file per "
+             "model-parallel rank; another layout reshards it on load). --load reads either, "
+             "in any layout.")
+
+    def __post_init__(self):
+        check_choices(self)
+        if self.ckpt_format in NOT_BUILT_FORMATS:
+            raise ValueError(f"--ckpt-format {self.ckpt_format}: "
+                             f"{NOT_BUILT_FORMATS[self.ckpt_format]}")

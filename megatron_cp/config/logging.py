@@ -48,3 +48,21 @@ class LoggingConfig:
     moe_per_layer_logging: bool = setting(False, group="checkpointing and logging",
         help="Log the MoE balancing losses and token counts of every MoE layer, not only their "
              "mean.")
+    log_params_norm: bool = setting(False, group="checkpointing and logging", help="Log the norm of the parameters.")
+    tensorboard_log_interval: int = setting(1, group="checkpointing and logging",
+        help="Write tensorboard scalars every this many iterations.")
+    # profiling (megatron_cp/profiling.py)
+    profile: bool = setting(False, group="training",
+        help="Profile iterations --profile-step-start up to (not including) --profile-step-end "
+             "on the ranks in --profile-ranks: with --use-pytorch-profiler a torch.profiler "
+             "trace under --tensorboard-dir (and a table of the costliest operators on stdout), "
+             "else cudaProfilerStart/Stop for an outside nsys.")
+    use_pytorch_profiler: bool = setting(False, group="training",
+        help="With --profile: use torch.profiler.")
+    profile_step_start: int = setting(10, group="training",
+        help="First profiled iteration (with --profile).")
+    profile_step_end: int = setting(12, group="training",
+        help="Iteration at which profiling stops (with --profile).")
+    profile_ranks: tuple[int, ...] = setting((), group="training",
+        help="Global ranks that profile (with --profile; by default, as in Megatron-LM, every "
+             "rank).")

@@ -222,7 +222,7 @@ class GPTConfig:
     recompute_method: str | None = setting(None, choices=(None, "uniform", "block"), group="training",
                                            help="Which layers to recompute with full granularity.")
     recompute_num_layers: int | None = setting(
-        None, cli_default=1, group="training",
+        None, group="training",
         help="Layers per recompute chunk (uniform) or recomputed layers (block).")
     tiled_logits_chunk_size: int = setting(
         0, group="training",
@@ -472,6 +472,15 @@ class GPTConfig:
         if self.recompute_granularity == "full" and self.recompute_method not in ("uniform", "block"):
             raise ValueError(f"recompute_granularity 'full' needs recompute_method uniform or block "
                              f"(got {self.recompute_method!r})")
+        # Megatron-LM's rules (its TransformerConfig): full recomputation names its layers,
+        # selective recomputation has none to name
+        if self.recompute_granularity == "full" and not (self.recompute_num_layers or 0) >= 1:
+            raise ValueError(f"recompute_granularity 'full' needs recompute_num_layers >= 1 (got "
+                             f"{self.recompute_num_layers}): the layers per recomputed chunk "
+                             f"(uniform) or the recomputed layers of each stage (block)")
+        if self.recompute_granularity == "selective" and self.recompute_num_layers is not None:
+            raise ValueError(f"recompute_num_layers ({self.recompute_num_layers}) applies to "
+                             f"recompute_granularity 'full' only; drop it with 'selective'")
 
     @property
     def hidden_init_std(self):

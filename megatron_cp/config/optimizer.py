@@ -86,10 +86,24 @@ class OptimizerConfig:
         help="Warmup as a fraction of the decay iterations.")
     lr_decay_iters: int | None = setting(None, group="training",
         help="Decay iterations (default train iters).")
+    lr_warmup_init: float = setting(0.0, group="training",
+        help="Learning rate at the start of the warmup.")
+    lr_warmup_samples: int = setting(0, group="training",
+        help="Linear warmup in samples (with --train-samples).")
+    lr_decay_samples: int | None = setting(None, group="training",
+        help="Decay length in samples (with --train-samples; default --train-samples).")
     weight_decay: float = setting(0.01, group="training", help="AdamW weight decay.")
     apply_wd_to_qk_layernorm: bool = setting(False, group="training",
         help="Decay the --qk-layernorm weights (and biases) too; every other norm weight and "
              "bias stays undecayed.")
+    start_weight_decay: float | None = setting(None, group="training",
+        help="Weight decay at the start (with a non-constant --weight-decay-incr-style).")
+    end_weight_decay: float | None = setting(None, group="training",
+        help="Weight decay at the end of training.")
+    weight_decay_incr_style: str = setting("constant", choices=("constant", "linear", "cosine"),
+        group="training",
+        help="How the weight decay moves from --start-weight-decay to --end-weight-decay over "
+             "training.")
     adam_beta1: float = setting(0.9, group="training", help="Adam beta1.")
     adam_beta2: float = setting(0.999, group="training", help="Adam beta2.")
     adam_eps: float = setting(1e-8, group="training", help="Adam epsilon.")
@@ -119,6 +133,9 @@ class OptimizerConfig:
              "group): gradients are reduce-scattered inside the slice and all-reduced across the"
              " K slices, parameters all-gathered inside it. The same training as K = 1, with the"
              " collectives over smaller groups.")
+    ddp_bucket_size: int | None = setting(None, group="training",
+        help="Gradient elements per data-parallel all-reduce bucket (default 40 MB of fp32 "
+             "gradients).")
     overlap_param_gather: bool = setting(False, group="training",
         help="With --use-distributed-optimizer: run the parameter all-gather in the background "
              "after the step; each module's forward waits for its own bucket.")

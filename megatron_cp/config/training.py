@@ -27,8 +27,9 @@ class TrainingConfig:
     train_iters: int | None = setting(None, group="training", help="Number of optimizer steps.")
     train_samples: int | None = setting(None, group="training",
         help="Train for this many samples instead.")
-    eval_interval: int = setting(1000, group="checkpointing and logging",
-        help="Evaluate every this many iterations.")
+    eval_interval: int | None = setting(None, group="checkpointing and logging",
+        help="Evaluate on the validation split every this many iterations (by default, as in "
+             "Megatron-LM, only once training ends).")
     eval_iters: int = setting(100, group="checkpointing and logging",
         help="Batches per evaluation.")
     eval_global_batch_size: int | None = setting(None, group="checkpointing and logging",
@@ -100,6 +101,12 @@ class TrainingConfig:
              " loss tokens, averaged over the microbatches "
              "(megatron_cp.pipeline_parallel.loss_weighting). The logged lm loss is the "
              "token-weighted mean either way.")
+    manual_gc: bool = setting(False, group="training",
+        help="Disable automatic Python garbage collection; collect every --manual-gc-interval "
+             "iterations.")
+    manual_gc_interval: int = setting(0, group="training",
+        help="Iterations between manual garbage collections (0: only at checkpoints and "
+             "evaluation).")
 
     def __post_init__(self):
         check_choices(self)

@@ -40,7 +40,8 @@ class DataFeed:
         """Build the datasets and the training iterator, which resumes after
         ``consumed_samples``."""
         a = self.args
-        eval_rounds = a.train_iters // a.eval_interval + 1 if a.eval_iters > 0 else 0
+        eval_rounds = ((a.train_iters // a.eval_interval if a.eval_interval else 0) + 1
+                       if a.eval_iters > 0 else 0)
         num_samples = (self.batches.samples_after(a.train_iters),
                        eval_rounds * a.eval_iters * a.eval_global_batch_size,
                        a.eval_iters * a.eval_global_batch_size)

@@ -1,0 +1,33 @@
+"""Where megatron_cp deliberately differs from Megatron-LM, each with its reason (the README
+prints this list; tests/test_config_declarations.py holds every default to Megatron-LM's
+census except these), and the defaults Megatron-LM fills in later than its parser.
+"""
+
+# (what, Megatron-LM, megatron_cp, why): the whole list of deliberate differences
+DELIBERATE = (
+    ("padded vocabulary rows", "take part in the softmax as tokens no label names",
+     "are left out of the softmax (their logits -inf, no gradient)",
+     "the loss is then the same under every TP size, whose padding differs"),
+    ("rank order", "tp-cp-ep-dp-pp (pipeline outermost)",
+     "tp-cp-ep-pp-dp (data parallel outermost; Megatron-LM's --use-tp-pp-dp-mapping; "
+     "--rank-order tp-cp-ep-dp-pp gives Megatron-LM's)",
+     "this project's design card: a data-parallel replica is a block of consecutive ranks, "
+     "and the expert mesh is built inside each pipeline stage in either order"),
+    ("--distributed-backend default", "nccl", "nccl where CUDA is available, else gloo",
+     "the same on a GPU cluster; a CPU run (the tests, CI, a laptop) needs no flag"),
+    ("context-parallel loss", "each CP rank divides its loss by its own token count",
+     "the whole microbatch's token count (one all-reduce)",
+     "every layout then equals the one-process run, which Megatron-LM's CP runs do not"),
+)
+
+# flag -> the DELIBERATE row (its first column) that explains its different default
+DEFAULTS_THAT_DIFFER = {"--distributed-backend": "--distributed-backend default"}
+
+# flag -> (the value Megatron-LM uses, where it fills it in): its parser's default is None
+# and its argument checks fill the value ours declares
+FILLED_IN_LATER = {
+    "--dataloader-type": ("single", "megatron/training/arguments.py validate_args: None "
+                                    "becomes 'single'"),
+    "--split": ("969, 30, 1", "megatron/training/arguments.py validate_args: None becomes "
+                              "the legacy split when --data-path is given"),
+}
