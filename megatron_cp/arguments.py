@@ -39,7 +39,8 @@ from megatron_cp.data.batch_schedule import (SIZE_NAME, BatchSchedule, check_div
 from megatron_cp.data.fim import add_fim_args, validate_fim_args
 from megatron_cp.data.tokenizers import TOKENIZER_TYPES
 from megatron_cp.data.utils import parse_and_normalize_split
-from megatron_cp.initialize import check_instances, rank_order, validate_sizes
+from megatron_cp.initialize import (DEFAULT_RANK_ORDER, RANK_ORDERS, check_instances,
+                                    rank_order, validate_sizes)
 from megatron_cp.model.config import GPTConfig
 from megatron_cp.optimizer import fsdp
 from megatron_cp.optimizer.config import OptimizerConfig
@@ -226,11 +227,14 @@ def _parallel_args(g):
                         "depth-first schedule); it lies between PP and the number of "
                         "microbatches, and a larger value admits microbatch counts that are "
                         "not a multiple of PP.")
+    g.add_argument("--rank-order", choices=RANK_ORDERS, default=DEFAULT_RANK_ORDER,
+                   help="How the ranks are laid out, innermost axis first. The default "
+                        "tp-cp-ep-pp-dp puts data parallel outermost, so a data-parallel "
+                        "replica's ranks are consecutive; tp-cp-ep-dp-pp is Megatron-LM's "
+                        "default (pipeline outermost: a stage's ranks are consecutive). TP is "
+                        "innermost in both; experts are laid out inside each stage.")
     g.add_argument("--use-tp-pp-dp-mapping", action="store_true",
-                   help="Lay the ranks out in Megatron-LM's order tp-cp-ep-pp-dp (data "
-                        "parallel outermost: a replica's ranks are consecutive) instead of "
-                        "its default tp-cp-ep-dp-pp (pipeline outermost: a stage's ranks are "
-                        "consecutive). TP is innermost in both.")
+                   help="Megatron-LM's spelling of the default --rank-order tp-cp-ep-pp-dp.")
     g.add_argument("--pipeline-seq-length", type=int, default=None,
                    help="Fix the sequence length of the pipeline P2P buffers: every microbatch "
                         "is padded to it. By default the length follows each step's data (packed "
@@ -616,7 +620,7 @@ def _validate_sizes(args, world_size):
         raise ValueError(f"--expert-model-parallel-size {args.expert_model_parallel_size} splits "
                          f"MoE experts, but the model has none: add --num-experts")
     try:
-        args.rank_order = rank_order(args.use_tp_pp_dp_mapping)
+        args.rank_order = rank_order(args.rank_order, args.use_tp_pp_dp_mapping)
         args.data_parallel_size = validate_sizes(
             world_size, args.tensor_model_parallel_size, args.context_parallel_size,
             args.pipeline_model_parallel_size, args.expert_model_parallel_size,
