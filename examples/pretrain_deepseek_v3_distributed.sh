@@ -8,7 +8,9 @@
 # 14 layers (3 dense first), 64 routed experts of which 8 per token in 4 of 8 groups, and one
 # multi-token-prediction depth (loss x 0.1). Layout: TP 2 + SP, PP 4 with 2 virtual stages
 # per rank (Megatron-LM's layout string, the MTP depth on the last stage), EP 16 (4 experts
-# per rank; EP borrows DP x TP ranks), DP 8, distributed optimizer.
+# per rank; EP borrows DP x TP ranks), DP 8, distributed optimizer. Megatron-LM's rank order
+# (PP outermost): a stage is 2 whole nodes, so the EP all-to-all spans 2 nodes, not all 8
+# as under our default (DP outermost, a DP replica per node).
 # The launch (flag check, torchrun, resume from RUN_DIR/checkpoints) is
 # examples/pretrain_gpt_distributed.sh's; the flags below come after its own, so they win.
 set -euo pipefail
@@ -31,7 +33,7 @@ exec bash "$HERE/pretrain_gpt_distributed.sh" "$1" "$2" \
     --moe-router-topk-scaling-factor 2.5 --moe-router-load-balancing-type seq_aux_loss \
     --moe-aux-loss-coeff 1e-4 --moe-router-dtype fp32 --moe-token-dispatcher-type alltoall \
     --expert-model-parallel-size "$EP" --expert-tensor-parallel-size 1 \
-    --mtp-num-layers 1 --mtp-loss-scaling-factor 0.1 \
+    --rank-order tp-cp-ep-dp-pp --mtp-num-layers 1 --mtp-loss-scaling-factor 0.1 \
     --pipeline-model-parallel-layout 'Et*2|(tt|)*5t|tmL' \
     --micro-batch-size 1 --global-batch-size 512 --lr 1e-5 --min-lr 1e-6 --weight-decay 0.1 \
     --init-method-std 0.02 --use-distributed-optimizer "${@:3}"

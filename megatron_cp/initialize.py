@@ -2,20 +2,22 @@
 
 ``rank_layout`` is a pure function from sizes to the rank lists of every group;
 ``initialize_model_parallel`` validates the sizes, builds one torch.distributed group per
-rank list and returns a :class:`ParallelState`. Ranks are laid out in one of Megatron-LM's
-two orders (its ``RankGenerator`` strings, innermost axis first):
+rank list and returns a :class:`ParallelState`. Ranks are laid out in one of two orders
+(Megatron-LM's ``RankGenerator`` strings, innermost axis first):
 
-    tp-cp-ep-dp-pp (the default)     rank = ((pp * DP + dp) * CP + cp) * TP + tp
-    tp-cp-ep-pp-dp (--use-tp-pp-dp-mapping)  rank = ((dp * PP + pp) * CP + cp) * TP + tp
+    tp-cp-ep-pp-dp (the default)           rank = ((dp * PP + pp) * CP + cp) * TP + tp
+    tp-cp-ep-dp-pp (--rank-order; Megatron-LM's default)
+                                           rank = ((pp * DP + dp) * CP + cp) * TP + tp
 
-TP is innermost in both (a TP group is TP consecutive ranks: one NVLink domain), then CP;
-the default keeps a pipeline stage's ranks together, the other a data-parallel replica's.
+TP is innermost in both (a TP group is TP consecutive ranks: one NVLink domain), then CP.
+The default is the design card's: a data-parallel replica's ranks are consecutive (what
+Megatron-LM's --use-tp-pp-dp-mapping selects); Megatron-LM's default keeps a pipeline
+stage's ranks together instead.
 
-The expert mesh views the same ranks in the same order with EP in CP's place: EDP x EP x
-ETP per stage, ETP innermost (groups ep, etp, edp and ep_etp, the EP x ETP block). Under the
-default order a stage is a block of consecutive ranks re-viewed as EDP x EP x ETP; under
-tp-pp-dp the expert and dense pipeline groups coincide only when EP x ETP = TP x CP, which
-is Megatron-LM's rule for that order.
+The expert mesh is built inside each pipeline stage, the same way in either order: the
+stage's DP x CP x TP ranks, taken dp-major, then cp, then tp (their places in the dense grid),
+are re-viewed as EDP x EP x ETP, ETP innermost (groups ep, etp, edp and ep_etp, the EP x ETP
+block). Any EP x ETP that divides a stage's DP x CP x TP ranks fits, in either order.
 """
 import datetime
 import os
@@ -27,20 +29,29 @@ import torch
 import torch.distributed as dist
 
 from megatron_cp import device as device_mod
-from megatron_cp.config.parallel import check_hierarchical_sizes
+from megatron_cp.config.parallel import (DEFAULT_RANK_ORDER, DP_OUTER_RANK_ORDER,
+                                         PP_OUTER_RANK_ORDER, RANK_ORDERS,
+                                         check_hierarchical_sizes)
 
 GROUP_NAMES = ("tp", "cp", "pp", "dp", "dp_cp", "tp_cp", "mp", "embedding", "ep", "etp", "edp",
                "ep_etp")
 HIERARCHICAL_GROUP_NAMES = ("hcp_inner", "hcp_outer")  # with hierarchical CP sizes only
-# Megatron-LM's RankGenerator orders, innermost axis first: PP outermost (its default), or
-# DP outermost (--use-tp-pp-dp-mapping).
-DEFAULT_RANK_ORDER, TP_PP_DP_RANK_ORDER = "tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"
-RANK_ORDERS = (DEFAULT_RANK_ORDER, TP_PP_DP_RANK_ORDER)
+# The rank orders as Megatron-LM's RankGenerator strings, innermost axis first: DP
+# outermost (the design card's, our default; Megatron-LM's --use-tp-pp-dp-mapping) or PP
+# outermost (Megatron-LM's default).
 
 
-def rank_order(use_tp_pp_dp_mapping):
-    """The rank order that ``--use-tp-pp-dp-mapping`` selects (Megatron-LM's rule)."""
-    return TP_PP_DP_RANK_ORDER if use_tp_pp_dp_mapping else DEFAULT_RANK_ORDER
+def rank_order(order=None, use_tp_pp_dp_mapping=False):
+    """The rank order that ``rank_order`` (``order``; None: the default) and Megatron-LM's
+    ``use_tp_pp_dp_mapping`` (its spelling of our default) select together."""
+    order = DEFAULT_RANK_ORDER if order is None else order
+    if order not in RANK_ORDERS:
+        raise ValueError(f"rank_order {order!r} is not one of {list(RANK_ORDERS)}")
+    if use_tp_pp_dp_mapping and order != DP_OUTER_RANK_ORDER:
+        raise ValueError(f"use_tp_pp_dp_mapping selects rank order {DP_OUTER_RANK_ORDER} but "
+                         f"rank_order is {order}; give one of the two")
+    return order
+
 
 # With K > 1 distributed-optimizer instances only: each dp_cp / edp group cut into K
 # consecutive slices (intra: one instance) and the ranks at one position in every slice
@@ -62,7 +73,7 @@ def validate_sizes(world_size, tensor_model_parallel_size=1, context_parallel_si
     tp, cp, pp = tensor_model_parallel_size, context_parallel_size, pipeline_model_parallel_size
     ep, etp = expert_model_parallel_size, expert_tensor_parallel_size
     if order not in RANK_ORDERS:
-        raise ValueError(f"rank order {order!r} is not one of Megatron-LM's {list(RANK_ORDERS)}")
+        raise ValueError(f"rank order {order!r} is not one of {list(RANK_ORDERS)}")
     _check_positive(world_size=world_size, tensor_model_parallel_size=tp, context_parallel_size=cp,
                     pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
                     expert_tensor_parallel_size=etp)
@@ -78,24 +89,15 @@ def validate_sizes(world_size, tensor_model_parallel_size=1, context_parallel_si
             f"expert_model_parallel_size ({ep}) x expert_tensor_parallel_size ({etp}) = {ep * etp} "
             f"must divide the data x context x tensor parallel ranks of a pipeline stage ({stage}); "
             f"pick EP x ETP among the divisors of {stage}")
-    if order == TP_PP_DP_RANK_ORDER and pp > 1 and ep * etp != tp * cp:
-        # DP outermost: the expert mesh's pipeline groups are the dense ones only if the
-        # expert data-parallel size equals the data-parallel size.
-        raise ValueError(
-            f"rank order {order} (use_tp_pp_dp_mapping) with pipeline_model_parallel_size ({pp}) "
-            f"> 1 needs expert_model_parallel_size ({ep}) x expert_tensor_parallel_size ({etp}) "
-            f"= tensor_model_parallel_size ({tp}) x context_parallel_size ({cp}), so that the "
-            f"attention and MoE layers have one data-parallel size; set EP x ETP to {tp * cp} "
-            f"or drop use_tp_pp_dp_mapping")
     return world_size // model
 
 
-def _mesh(world_size, order, outer, inner, pp):
-    """The ranks as an array ``[outer, PP, *inner]`` (``inner`` innermost last, e.g. CP, TP),
-    whichever of ``outer`` (DP or EDP) and PP is outermost in ``order``."""
-    if order == DEFAULT_RANK_ORDER:  # PP outermost
-        return np.arange(world_size).reshape(pp, outer, *inner).swapaxes(0, 1)
-    return np.arange(world_size).reshape(outer, pp, *inner)
+def _grid(world_size, order, dp, pp, cp, tp):
+    """The ranks as an array ``[DP, PP, CP, TP]``, whichever of DP and PP is outermost in
+    ``order``."""
+    if order == PP_OUTER_RANK_ORDER:
+        return np.arange(world_size).reshape(pp, dp, cp, tp).swapaxes(0, 1)
+    return np.arange(world_size).reshape(dp, pp, cp, tp)
 
 
 def rank_layout(world_size, tensor_model_parallel_size=1, context_parallel_size=1,
@@ -117,7 +119,7 @@ def rank_layout(world_size, tensor_model_parallel_size=1, context_parallel_size=
     tp, cp, pp = tensor_model_parallel_size, context_parallel_size, pipeline_model_parallel_size
     ep, etp = expert_model_parallel_size, expert_tensor_parallel_size
     dp = validate_sizes(world_size, tp, cp, pp, ep, etp, order)
-    grid = _mesh(world_size, order, dp, (cp, tp), pp)  # [DP, PP, CP, TP]
+    grid = _grid(world_size, order, dp, pp, cp, tp)  # [DP, PP, CP, TP]
 
     def lists(array_2d):
         return [list(map(int, row)) for row in array_2d]
@@ -134,14 +136,14 @@ def rank_layout(world_size, tensor_model_parallel_size=1, context_parallel_size=
     }
     firsts_lasts = grid[:, [0, -1]] if pp > 1 else grid[:, [0]]  # [DP, 1|2, CP, TP]
     layout["embedding"] = lists(firsts_lasts.transpose(0, 2, 3, 1).reshape(-1, firsts_lasts.shape[1]))
-    # Expert mesh: the same order with EP in CP's place.
-    edp = world_size // (pp * ep * etp)
-    expert = _mesh(world_size, order, edp, (ep, etp), pp)  # [EDP, PP, EP, ETP]
+    # Expert mesh, inside each stage in either order: the stage's ranks dp-major, then cp,
+    # then tp, re-viewed as EDP x EP x ETP (ETP innermost).
+    edp = dp * cp * tp // (ep * etp)
+    expert = grid.swapaxes(0, 1).reshape(pp, edp, ep, etp)  # [PP, EDP, EP, ETP]
     layout["etp"] = lists(expert.reshape(-1, etp))
     layout["ep"] = lists(expert.transpose(0, 1, 3, 2).reshape(-1, ep))
-    layout["edp"] = lists(expert.transpose(1, 2, 3, 0).reshape(-1, edp))
+    layout["edp"] = lists(expert.transpose(0, 2, 3, 1).reshape(-1, edp))
     layout["ep_etp"] = lists(expert.reshape(-1, ep * etp))  # the allgather dispatcher's group
-    assert sorted(lists(expert.transpose(0, 2, 3, 1).reshape(-1, pp))) == sorted(layout["pp"])
     if hierarchical_context_parallel_sizes is not None:
         inner, outer = check_hierarchical_sizes(hierarchical_context_parallel_sizes, cp)
         cp_groups = np.array(layout["cp"]).reshape(-1, outer, inner)  # [groups, R, U]
@@ -229,8 +231,8 @@ def initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_siz
                               num_distributed_optimizer_instances=1):
     """Validate the sizes, build one process group per rank list and return a ParallelState.
 
-    ``order``: the rank order, one of :data:`RANK_ORDERS` (Megatron-LM's default, PP
-    outermost, unless given). ``torch.distributed`` must already be initialized (see
+    ``order``: the rank order, one of :data:`RANK_ORDERS` (DP outermost, the design card's,
+    unless given). ``torch.distributed`` must already be initialized (see
     :func:`initialize_distributed`).
     ``num_distributed_optimizer_instances``: see :func:`rank_layout`.
     """

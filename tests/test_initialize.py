@@ -3,11 +3,17 @@ import pytest
 import torch.distributed as dist
 
 from dist_harness import run_workers
-from megatron_cp.initialize import (DEFAULT_RANK_ORDER, GROUP_NAMES, TP_PP_DP_RANK_ORDER,
-                                    distributed_env, expand_slurm_nodelist,
+from megatron_cp.config.parallel import DEFAULT_RANK_ORDER, PP_OUTER_RANK_ORDER, RANK_ORDERS
+from megatron_cp.initialize import (GROUP_NAMES, distributed_env, expand_slurm_nodelist,
                                     initialize_model_parallel, rank_layout, rank_order)
 
-GOLDEN_8_TP2_CP2_PP2 = {  # world 8: DP=1
+# Both orders, innermost axis first (Megatron-LM's RankGenerator gives these dense lists):
+#   tp-cp-ep-pp-dp (the default, DP outermost)  rank = ((dp*PP + pp)*CP + cp)*TP + tp
+#   tp-cp-ep-dp-pp (Megatron-LM's default)      rank = ((pp*DP + dp)*CP + cp)*TP + tp
+# The expert mesh, in either order: a stage's ranks dp-major, then cp, then tp, re-viewed as
+# EDP x EP x ETP (ETP innermost).
+
+GOLDEN_8_TP2_CP2_PP2 = {  # world 8: DP=1, so both orders give these lists
     "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
     "cp": [[0, 2], [1, 3], [4, 6], [5, 7]],
     "pp": [[0, 4], [1, 5], [2, 6], [3, 7]],
@@ -19,11 +25,79 @@ GOLDEN_8_TP2_CP2_PP2 = {  # world 8: DP=1
     "etp": [[0], [1], [2], [3], [4], [5], [6], [7]],
     "ep": [[0], [1], [2], [3], [4], [5], [6], [7]],
     "edp": [[0, 1, 2, 3], [4, 5, 6, 7]],
+    "ep_etp": [[0], [1], [2], [3], [4], [5], [6], [7]],
+}
+GOLDEN_8_TP2_CP2_PP2_EP2_ETP2 = dict(  # the same ranks, a stage one EP x ETP block
+    GOLDEN_8_TP2_CP2_PP2,
+    etp=[[0, 1], [2, 3], [4, 5], [6, 7]],
+    ep=[[0, 2], [1, 3], [4, 6], [5, 7]],
+    edp=[[0], [1], [2], [3], [4], [5], [6], [7]],
+    ep_etp=[[0, 1, 2, 3], [4, 5, 6, 7]])
+
+GOLDEN_4_PP2_DP2 = {  # world 4: PP=2, DP=2, the smallest grid the orders move
+    "tp": [[0], [1], [2], [3]],
+    "pp": [[0, 1], [2, 3]],
+    "dp": [[0, 2], [1, 3]],
+    "dp_cp": [[0, 2], [1, 3]],
+    "mp": [[0, 1], [2, 3]],
+    "embedding": [[0, 1], [2, 3]],
+    "edp": [[0, 2], [1, 3]],
+}
+GOLDEN_4_PP2_DP2_PP_OUTER = {
+    "tp": [[0], [1], [2], [3]],
+    "pp": [[0, 2], [1, 3]],
+    "dp": [[0, 1], [2, 3]],
+    "dp_cp": [[0, 1], [2, 3]],
+    "mp": [[0, 2], [1, 3]],
+    "embedding": [[0, 2], [1, 3]],
+    "edp": [[0, 1], [2, 3]],
 }
 
-# world 16: TP=2, CP=2, PP=2, DP=2 in both of Megatron-LM's rank orders (its RankGenerator
-# gives these lists). Default tp-cp-ep-dp-pp: rank = ((pp*DP + dp)*CP + cp)*TP + tp, a stage
-# is 8 consecutive ranks.
+# world 16: TP=2, CP=2, PP=2, DP=2. The default order: a DP replica is 8 consecutive ranks,
+# stage 0 is ranks 0-3 and 8-11, stage 1 ranks 4-7 and 12-15.
+GOLDEN_16_DP2 = {
+    "tp": [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]],
+    "cp": [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]],
+    "pp": [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]],
+    "dp": [[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]],
+    "dp_cp": [[0, 2, 8, 10], [1, 3, 9, 11], [4, 6, 12, 14], [5, 7, 13, 15]],
+    "tp_cp": [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]],
+    "mp": [[0, 1, 4, 5], [2, 3, 6, 7], [8, 9, 12, 13], [10, 11, 14, 15]],
+    "embedding": [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]],
+    # EP = ETP = 1 (dense): the expert-DP group is the whole stage
+    "etp": [[r] for r in range(16)],
+    "ep": [[r] for r in range(16)],
+    "edp": [[0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]],
+    "ep_etp": [[r] for r in range(16)],
+}
+GOLDEN_16_DP2_EP2_ETP2 = dict(  # EP x ETP = TP x CP: the expert-DP group is the DP group
+    GOLDEN_16_DP2,
+    etp=[[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]],
+    ep=[[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]],
+    edp=[[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]],
+    ep_etp=[[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]])
+GOLDEN_16_DP2_EP4 = {  # EP=4, ETP=1: the EP group is a stage's TP x CP block
+    "etp": [[r] for r in range(16)],
+    "ep": [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]],
+    "edp": [[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]],
+    "ep_etp": [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]],
+}
+# EP x ETP unlike TP x CP: EP=2, ETP=1 (4 expert-DP ranks per stage) and EP=4, ETP=2 (an EP
+# group that spans the two DP replicas).
+GOLDEN_16_DP2_EP2 = {
+    "etp": [[r] for r in range(16)],
+    "ep": [[0, 1], [2, 3], [8, 9], [10, 11], [4, 5], [6, 7], [12, 13], [14, 15]],
+    "edp": [[0, 2, 8, 10], [1, 3, 9, 11], [4, 6, 12, 14], [5, 7, 13, 15]],
+    "ep_etp": [[0, 1], [2, 3], [8, 9], [10, 11], [4, 5], [6, 7], [12, 13], [14, 15]],
+}
+GOLDEN_16_DP2_EP4_ETP2 = {
+    "etp": [[0, 1], [2, 3], [8, 9], [10, 11], [4, 5], [6, 7], [12, 13], [14, 15]],
+    "ep": [[0, 2, 8, 10], [1, 3, 9, 11], [4, 6, 12, 14], [5, 7, 13, 15]],
+    "edp": [[r] for r in range(16)],
+    "ep_etp": [[0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]],
+}
+
+# The same 16 ranks in Megatron-LM's order: a stage is 8 consecutive ranks.
 GOLDEN_16_DP2_PP_OUTER = {
     "tp": [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]],
     "cp": [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]],
@@ -33,38 +107,20 @@ GOLDEN_16_DP2_PP_OUTER = {
     "tp_cp": [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]],
     "mp": [[0, 1, 8, 9], [2, 3, 10, 11], [4, 5, 12, 13], [6, 7, 14, 15]],
     "embedding": [[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]],
-    # EP = ETP = 1 (dense): the expert-DP group is the whole stage
     "etp": [[r] for r in range(16)],
     "ep": [[r] for r in range(16)],
     "edp": [[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]],
+    "ep_etp": [[r] for r in range(16)],
 }
-# --use-tp-pp-dp-mapping, tp-cp-ep-pp-dp: rank = ((dp*PP + pp)*CP + cp)*TP + tp, a DP
-# replica is 8 consecutive ranks. EP=2 x ETP=2 = TP x CP (Megatron's rule for this order).
-GOLDEN_16_DP2_DP_OUTER_EP2_ETP2 = {
-    "tp": [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]],
-    "cp": [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]],
-    "pp": [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]],
-    "dp": [[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]],
-    "dp_cp": [[0, 2, 8, 10], [1, 3, 9, 11], [4, 6, 12, 14], [5, 7, 13, 15]],
-    "tp_cp": [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]],
-    "mp": [[0, 1, 4, 5], [2, 3, 6, 7], [8, 9, 12, 13], [10, 11, 14, 15]],
-    "embedding": [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]],
+GOLDEN_16_DP2_EP4_PP_OUTER = dict(
+    GOLDEN_16_DP2_EP4,
+    edp=[[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]])
+GOLDEN_16_DP2_EP4_ETP2_PP_OUTER = {
     "etp": [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]],
-    "ep": [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]],
-    "edp": [[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]],
-    "ep_etp": [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]],
+    "ep": [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]],
+    "edp": [[r] for r in range(16)],
+    "ep_etp": [[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]],
 }
-# The same 16 ranks with EP=4, ETP=1: the EP group is a stage's TP x CP block in both
-# orders; the expert-DP group pairs the blocks of the two DP replicas.
-GOLDEN_16_DP2_EP4_PP_OUTER = {
-    "etp": [[r] for r in range(16)],
-    "ep": [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]],
-    "edp": [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]],
-    "ep_etp": [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]],
-}
-GOLDEN_16_DP2_EP4_DP_OUTER = dict(
-    GOLDEN_16_DP2_EP4_PP_OUTER,
-    edp=[[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]])
 
 GOLDEN_16_TP4_CP2_ETP2_EP2 = {  # world 16: TP=4, CP=2, PP=1, DP=2, EP=2, ETP=2
     "cp": [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]],
@@ -74,17 +130,26 @@ GOLDEN_16_TP4_CP2_ETP2_EP2 = {  # world 16: TP=4, CP=2, PP=1, DP=2, EP=2, ETP=2
     "edp": [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]],
 }
 
+DP_OUTER, PP_OUTER = DEFAULT_RANK_ORDER, PP_OUTER_RANK_ORDER
+
 
 @pytest.mark.parametrize("world,sizes,order,golden", [
-    (8, (2, 2, 2, 1, 1), DEFAULT_RANK_ORDER, GOLDEN_8_TP2_CP2_PP2),
-    (8, (2, 2, 2, 2, 2), TP_PP_DP_RANK_ORDER, {  # DP = 1: both orders agree
-        k: v for k, v in GOLDEN_8_TP2_CP2_PP2.items() if k not in ("etp", "ep", "edp")}),
-    (16, (2, 2, 2, 1, 1), DEFAULT_RANK_ORDER, GOLDEN_16_DP2_PP_OUTER),
-    (16, (2, 2, 2, 2, 2), TP_PP_DP_RANK_ORDER, GOLDEN_16_DP2_DP_OUTER_EP2_ETP2),
-    (16, (2, 2, 2, 4, 1), DEFAULT_RANK_ORDER, GOLDEN_16_DP2_EP4_PP_OUTER),
-    (16, (2, 2, 2, 4, 1), TP_PP_DP_RANK_ORDER, GOLDEN_16_DP2_EP4_DP_OUTER),
-    (16, (4, 2, 1, 2, 2), DEFAULT_RANK_ORDER, GOLDEN_16_TP4_CP2_ETP2_EP2),
-    (16, (4, 2, 1, 2, 2), TP_PP_DP_RANK_ORDER, GOLDEN_16_TP4_CP2_ETP2_EP2),  # PP = 1: the same
+    (8, (2, 2, 2, 1, 1), DP_OUTER, GOLDEN_8_TP2_CP2_PP2),
+    (8, (2, 2, 2, 1, 1), PP_OUTER, GOLDEN_8_TP2_CP2_PP2),  # DP = 1: the orders agree
+    (8, (2, 2, 2, 2, 2), DP_OUTER, GOLDEN_8_TP2_CP2_PP2_EP2_ETP2),
+    (8, (2, 2, 2, 2, 2), PP_OUTER, GOLDEN_8_TP2_CP2_PP2_EP2_ETP2),
+    (4, (1, 1, 2, 1, 1), DP_OUTER, GOLDEN_4_PP2_DP2),
+    (4, (1, 1, 2, 1, 1), PP_OUTER, GOLDEN_4_PP2_DP2_PP_OUTER),
+    (16, (2, 2, 2, 1, 1), DP_OUTER, GOLDEN_16_DP2),
+    (16, (2, 2, 2, 2, 2), DP_OUTER, GOLDEN_16_DP2_EP2_ETP2),
+    (16, (2, 2, 2, 4, 1), DP_OUTER, GOLDEN_16_DP2_EP4),
+    (16, (2, 2, 2, 2, 1), DP_OUTER, GOLDEN_16_DP2_EP2),
+    (16, (2, 2, 2, 4, 2), DP_OUTER, GOLDEN_16_DP2_EP4_ETP2),
+    (16, (2, 2, 2, 1, 1), PP_OUTER, GOLDEN_16_DP2_PP_OUTER),
+    (16, (2, 2, 2, 4, 1), PP_OUTER, GOLDEN_16_DP2_EP4_PP_OUTER),
+    (16, (2, 2, 2, 4, 2), PP_OUTER, GOLDEN_16_DP2_EP4_ETP2_PP_OUTER),
+    (16, (4, 2, 1, 2, 2), DP_OUTER, GOLDEN_16_TP4_CP2_ETP2_EP2),
+    (16, (4, 2, 1, 2, 2), PP_OUTER, GOLDEN_16_TP4_CP2_ETP2_EP2),  # PP = 1: the same
 ])
 def test_golden_tables(world, sizes, order, golden):
     layout = rank_layout(world, *sizes, order=order)
@@ -92,30 +157,39 @@ def test_golden_tables(world, sizes, order, golden):
         assert sorted(layout[name]) == sorted(expected), name
 
 
-def test_default_order_is_megatron_lms_and_the_flag_selects_the_other():
-    assert rank_order(False) == DEFAULT_RANK_ORDER == "tp-cp-ep-dp-pp"
-    assert rank_order(True) == TP_PP_DP_RANK_ORDER == "tp-cp-ep-pp-dp"
+def test_default_order_is_the_design_cards_and_a_flag_selects_megatron_lms():
+    assert rank_order() == DEFAULT_RANK_ORDER == "tp-cp-ep-pp-dp"
+    assert rank_order(None, use_tp_pp_dp_mapping=True) == DEFAULT_RANK_ORDER
+    assert rank_order(DEFAULT_RANK_ORDER, use_tp_pp_dp_mapping=True) == DEFAULT_RANK_ORDER
+    assert rank_order("tp-cp-ep-dp-pp") == PP_OUTER_RANK_ORDER
+    with pytest.raises(ValueError, match="use_tp_pp_dp_mapping selects rank order "
+                                         "tp-cp-ep-pp-dp but rank_order is tp-cp-ep-dp-pp"):
+        rank_order(PP_OUTER_RANK_ORDER, use_tp_pp_dp_mapping=True)
+    with pytest.raises(ValueError, match="rank_order 'dp-pp' is not one of"):
+        rank_order("dp-pp")
     assert rank_layout(16, 2, 2, 2) == rank_layout(16, 2, 2, 2, order=DEFAULT_RANK_ORDER)
 
 
-def test_dp_outer_order_refuses_expert_dp_unlike_dp():
-    """Megatron-LM's rule for tp-pp-dp with PP > 1: EP x ETP = TP x CP (the attention and MoE
-    layers' data-parallel sizes agree), dense models included (ETP defaults to TP)."""
-    with pytest.raises(ValueError, match=r"needs expert_model_parallel_size \(1\) x "
-                                         r"expert_tensor_parallel_size \(1\) = "
-                                         r"tensor_model_parallel_size \(2\) x "
-                                         r"context_parallel_size \(2\)"):
-        rank_layout(16, 2, 2, 2, order=TP_PP_DP_RANK_ORDER)
-    rank_layout(16, 2, 2, 1, order=TP_PP_DP_RANK_ORDER)  # PP = 1: the orders coincide
+@pytest.mark.parametrize("order", RANK_ORDERS)
+def test_any_expert_mesh_that_divides_a_stage_fits_either_order(order):
+    """No EP / ETP size is refused for the order alone (TP=2, CP=2, PP=2, DP=2: 8 ranks a
+    stage); only an EP x ETP that does not divide a stage's ranks is."""
+    for ep, etp in [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (8, 1), (4, 2), (1, 8)]:
+        layout = rank_layout(16, 2, 2, 2, ep, etp, order=order)
+        assert all(len(group) == 8 // (ep * etp) for group in layout["edp"])
+    with pytest.raises(ValueError, match=r"expert_model_parallel_size \(16\) x "
+                                         r"expert_tensor_parallel_size \(1\) = 16 must divide "
+                                         r"the data x context x tensor parallel ranks of a "
+                                         r"pipeline stage \(8\)"):
+        rank_layout(16, 2, 2, 2, 16, 1, order=order)
     with pytest.raises(ValueError, match="rank order 'dp-pp' is not one of"):
         rank_layout(8, order="dp-pp")
 
 
-@pytest.mark.parametrize("order,world,tp,cp,pp,ep,etp", [
-    (DEFAULT_RANK_ORDER, 4096, 8, 4, 8, 8, 1), (DEFAULT_RANK_ORDER, 2048, 4, 2, 4, 16, 2),
-    (DEFAULT_RANK_ORDER, 1536, 8, 2, 3, 4, 4), (DEFAULT_RANK_ORDER, 1024, 1, 1, 1, 64, 1),
-    (TP_PP_DP_RANK_ORDER, 4096, 8, 4, 8, 32, 1), (TP_PP_DP_RANK_ORDER, 2048, 4, 2, 4, 4, 2),
-    (TP_PP_DP_RANK_ORDER, 1536, 8, 2, 3, 4, 4), (TP_PP_DP_RANK_ORDER, 1024, 1, 1, 1, 64, 1)])
+@pytest.mark.parametrize("order", RANK_ORDERS)
+@pytest.mark.parametrize("world,tp,cp,pp,ep,etp", [
+    (4096, 8, 4, 8, 8, 1), (4096, 8, 4, 8, 32, 1), (2048, 4, 2, 4, 16, 2), (2048, 4, 2, 4, 4, 2),
+    (1536, 8, 2, 3, 4, 4), (1024, 1, 1, 1, 64, 1)])
 def test_thousands_of_ranks(order, world, tp, cp, pp, ep, etp):
     layout = rank_layout(world, tp, cp, pp, ep, etp, order=order)
     dp = world // (tp * cp * pp)
@@ -125,7 +199,7 @@ def test_thousands_of_ranks(order, world, tp, cp, pp, ep, etp):
         assert all(len(g) == size for g in layout[name]), name
         assert sorted(r for g in layout[name] for r in g) == list(range(world)), name
 
-    pp_outer = order == DEFAULT_RANK_ORDER
+    pp_outer = order == PP_OUTER_RANK_ORDER
 
     def coords(r):  # the order's formula, innermost axis first
         outer = r // (tp * cp)
@@ -147,9 +221,19 @@ def test_thousands_of_ranks(order, world, tp, cp, pp, ep, etp):
     # embedding: first and last stage; expert groups stay inside one stage, ETP innermost
     for g in layout["embedding"]:
         assert [coords(r)["pp"] for r in g] == ([0, pp - 1] if pp > 1 else [0])
-    for name in ("ep", "etp", "edp", "ep_etp"):
-        for g in layout[name]:
-            assert len({coords(r)["pp"] for r in g}) == 1
+    def expert_coords(r):  # the rank's place in its stage, dp-major, re-viewed EDP x EP x ETP
+        c = coords(r)
+        place = (c["dp"] * cp + c["cp"]) * tp + c["tp"]
+        return {"pp": c["pp"], "etp": place % etp, "ep": place // etp % ep,
+                "edp": place // (ep * etp)}
+    expert_vary = {"etp": {"etp"}, "ep": {"ep"}, "edp": {"edp"}, "ep_etp": {"ep", "etp"}}
+    for name, axes in expert_vary.items():
+        for group in layout[name][:: max(1, len(layout[name]) // 50)]:
+            c0 = expert_coords(group[0])
+            for i, r in enumerate(group):
+                assert all(expert_coords(r)[a] == c0[a] for a in c0 if a not in axes), (name, group)
+                if name != "ep_etp":  # members in group-rank order
+                    assert expert_coords(r)[name] == i, (name, group)
     assert layout["etp"][0] == list(range(etp))
 
 
@@ -178,12 +262,13 @@ def test_slurm_nodelist_and_env():
 
 
 def _state_agrees(rank, world):
-    """Every rank's groups, in both rank orders (TP=2, PP=2, DP=2, EP=2: the orders differ)."""
-    for order in (DEFAULT_RANK_ORDER, TP_PP_DP_RANK_ORDER):
+    """Every rank's groups, in both rank orders (TP=2, PP=2, DP=2, EP=4: the orders differ,
+    and EP x ETP is not TP x CP)."""
+    for order in RANK_ORDERS:
         state = initialize_model_parallel(tensor_model_parallel_size=2,
                                           pipeline_model_parallel_size=2,
-                                          expert_model_parallel_size=2, order=order)
-        layout = rank_layout(world, 2, 1, 2, 2, order=order)
+                                          expert_model_parallel_size=4, order=order)
+        layout = rank_layout(world, 2, 1, 2, 4, order=order)
         assert state.order == order
         for name in GROUP_NAMES:
             ranks = state.group_ranks(name)

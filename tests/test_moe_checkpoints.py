@@ -24,6 +24,7 @@ from test_dist_checkpoint import _jobs, _load_and_resave
 from megatron_cp.checkpoint import torch_shards
 from megatron_cp.cli.arguments import parse_args
 from megatron_cp.checkpoint.torch_dist_format import read_full
+from megatron_cp.config.parallel import RANK_ORDERS
 from megatron_cp.initialize import ParallelState, rank_layout
 from megatron_cp.training import config_from_args
 from tools import checkpoint_convert as convert
@@ -131,17 +132,19 @@ def test_torch_format_resume_under_another_expert_layout_reshards(runs):
     assert max_rel_diff(resumed, straight[3:]) < 1e-5
 
 
+@pytest.mark.parametrize("order", RANK_ORDERS)
 @pytest.mark.parametrize("tp,pp,ep,etp,world,cp", [
     (1, 1, 2, 1, 2, 1), (2, 1, 2, 1, 4, 1), (1, 1, 2, 2, 4, 1), (2, 2, 4, 1, 16, 1),
-    (2, 1, 2, 2, 8, 2), (4, 1, 2, 2, 8, 1), (1, 2, 1, 1, 4, 1)])
-def test_every_shard_is_written_by_exactly_one_rank(tp, pp, ep, etp, world, cp):
-    """Over the rank grid, the writers of a layout write each existing shard name once, and
-    every rank reads a file that is written."""
+    (2, 1, 2, 2, 8, 2), (4, 1, 2, 2, 8, 1), (1, 2, 1, 1, 4, 1), (1, 2, 2, 1, 8, 2)])
+def test_every_shard_is_written_by_exactly_one_rank(tp, pp, ep, etp, world, cp, order):
+    """Over the rank grid, in either rank order, the writers of a layout write each existing
+    shard name once, and every rank reads a file that is written."""
     args = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
             "num_experts": 4, "expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp}
-    layout = rank_layout(world, tp, cp, pp, ep, etp)
+    layout = rank_layout(world, tp, cp, pp, ep, etp, order=order)
     sizes = {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "etp": etp}
-    states = [ParallelState(world, rank, torch.device("cpu"), sizes, layout) for rank in range(world)]
+    states = [ParallelState(world, rank, torch.device("cpu"), sizes, layout, order=order)
+              for rank in range(world)]
     written = [torch_shards.own_shard_name(s, args) for s in states
                if torch_shards.is_shard_writer(s, args)]
     expected = torch_shards.shard_names(tp, pp, ep, etp)

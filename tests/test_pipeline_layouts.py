@@ -102,10 +102,9 @@ LAYOUT, PP2 = "--pipeline-model-parallel-layout", "--pipeline-model-parallel-siz
     (f"{PP2} --num-layers-per-virtual-pipeline-stage 1 --global-batch-size 14 "
      "--microbatch-group-size-per-virtual-pipeline-stage 3", 2,
      "the last group would hold 1, fewer than --pipeline-model-parallel-size (2)"),
-    (f"{PP2} --context-parallel-size 2 --use-tp-pp-dp-mapping", 8,
-     "rank order tp-cp-ep-pp-dp (--use-tp-pp-dp-mapping) with --pipeline-model-parallel-size "
-     "(2) > 1 needs --expert-model-parallel-size (1) x --expert-tensor-parallel-size (1) = "
-     "--tensor-model-parallel-size (1) x --context-parallel-size (2)"),
+    (f"{PP2} --rank-order tp-cp-ep-dp-pp --use-tp-pp-dp-mapping", 4,
+     "--use-tp-pp-dp-mapping selects rank order tp-cp-ep-pp-dp but --rank-order is "
+     "tp-cp-ep-dp-pp; give one of the two"),
 ])
 def test_bad_splits_fail_with_one_line_before_anything_starts(extra, world, message):
     with pytest.raises(ValueError) as error:
@@ -150,6 +149,17 @@ def test_schedule_table_and_replay_with_microbatch_groups():
         simulate(programs, 1.0, 2.0, vp)  # raises on a deadlock or an unmatched message
         simulate([record_program(pp, r, vp, num, forward_only=True, group_size=group)
                   for r in range(pp)], 1.0, 0.0, vp)
+
+
+def test_rank_order_flags():
+    """The default is DP outermost; Megatron-LM's --use-tp-pp-dp-mapping spells it, and
+    --rank-order tp-cp-ep-dp-pp is Megatron-LM's default; no order refuses a size."""
+    argv = f"{BASE} {PP2} --context-parallel-size 2 --expert-model-parallel-size 4"
+    argv += " --num-experts 4 --moe-router-topk 2 --no-bias-gelu-fusion"
+    for extra, order in (("", "tp-cp-ep-pp-dp"), ("--use-tp-pp-dp-mapping", "tp-cp-ep-pp-dp"),
+                         ("--rank-order tp-cp-ep-pp-dp --use-tp-pp-dp-mapping", "tp-cp-ep-pp-dp"),
+                         ("--rank-order tp-cp-ep-dp-pp", "tp-cp-ep-dp-pp")):
+        assert parse_args(f"{argv} {extra}".split(), world_size=8).rank_order == order, extra
 
 
 def test_rng_files_follow_the_rank_order():

@@ -29,7 +29,7 @@ import torch
 
 from megatron_cp.checkpoint import faults
 from megatron_cp.config.setting import checkpoint_args
-from megatron_cp.initialize import TP_PP_DP_RANK_ORDER
+from megatron_cp.config.parallel import DP_OUTER_RANK_ORDER
 from megatron_cp.config.model import GPTConfig
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -232,5 +232,5 @@ def rank_grid(args):
              * (grid["pipeline_model_parallel_size"] or 1))
     dp = (grid["world_size"] or model) // model
     moves = (grid["pipeline_model_parallel_size"] or 1) > 1 and dp > 1
-    grid["rank_order"] = (grid["rank_order"] or TP_PP_DP_RANK_ORDER) if moves else None
+    grid["rank_order"] = (grid["rank_order"] or DP_OUTER_RANK_ORDER) if moves else None
     return grid

@@ -299,7 +299,7 @@ def _validate_sizes(args, world_size):
         raise ValueError(f"--expert-model-parallel-size {args.expert_model_parallel_size} splits "
                          f"MoE experts, but the model has none: add --num-experts")
     try:
-        args.rank_order = rank_order(args.use_tp_pp_dp_mapping)
+        args.rank_order = rank_order(args.rank_order, args.use_tp_pp_dp_mapping)
         args.data_parallel_size = validate_sizes(
             world_size, args.tensor_model_parallel_size, args.context_parallel_size,
             args.pipeline_model_parallel_size, args.expert_model_parallel_size,

@@ -6,6 +6,13 @@ from dataclasses import dataclass
 
 from megatron_cp.config.setting import check_choices, setting
 
+# Rank orders (Megatron-LM's RankGenerator strings, innermost axis first): data parallel
+# outermost (the design card's default; Megatron-LM's --use-tp-pp-dp-mapping) or pipeline
+# outermost (Megatron-LM's default)
+DP_OUTER_RANK_ORDER, PP_OUTER_RANK_ORDER = "tp-cp-ep-pp-dp", "tp-cp-ep-dp-pp"
+DEFAULT_RANK_ORDER = DP_OUTER_RANK_ORDER
+RANK_ORDERS = (DP_OUTER_RANK_ORDER, PP_OUTER_RANK_ORDER)
+
 
 def check_hierarchical_sizes(hierarchical_sizes, context_parallel_size):
     """The hierarchical CP sizes (U, R) as a tuple of ints; ValueError unless there are two,
@@ -89,10 +96,13 @@ class ParallelConfig:
              "backward (default --pipeline-model-parallel-size, the depth-first schedule); it "
              "lies between PP and the number of microbatches, and a larger value admits "
              "microbatch counts that are not a multiple of PP.")
+    rank_order: str = setting(DEFAULT_RANK_ORDER, choices=RANK_ORDERS, group="parallelism",
+        help="How the ranks are laid out, innermost axis first. The default tp-cp-ep-pp-dp "
+             "puts data parallel outermost, so a data-parallel replica's ranks are consecutive; "
+             "tp-cp-ep-dp-pp is Megatron-LM's default (pipeline outermost: a stage's ranks are "
+             "consecutive). TP is innermost in both; experts are laid out inside each stage.")
     use_tp_pp_dp_mapping: bool = setting(False, group="parallelism",
-        help="Lay the ranks out in Megatron-LM's order tp-cp-ep-pp-dp (data parallel outermost: "
-             "a replica's ranks are consecutive) instead of its default tp-cp-ep-dp-pp (pipeline"
-             " outermost: a stage's ranks are consecutive). TP is innermost in both.")
+        help="Megatron-LM's spelling of the default --rank-order tp-cp-ep-pp-dp.")
     pipeline_seq_length: int | None = setting(None, group="parallelism",
         help="Fix the sequence length of the pipeline P2P buffers: every microbatch is padded to"
              " it. By default the length follows each step's data (packed documents under "

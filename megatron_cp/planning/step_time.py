@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from megatron_cp.config.parallel import DEFAULT_RANK_ORDER
+from megatron_cp.initialize import rank_layout
 from megatron_cp.pipeline_parallel import layout_from_args
 from megatron_cp.planning.memory import model_config, routed_tokens, stage_param_counts
 
@@ -162,6 +164,16 @@ def _link(rates, span):
     return rates.inter_node_bytes_per_s
 
 
+def _spans(args):
+    """``{group name: consecutive ranks its first group spans}`` in the run's rank order (a
+    pipeline group is TP x CP ranks apart with DP outermost, a stage apart with PP outermost)."""
+    layout = rank_layout(args.world_size, args.tensor_model_parallel_size,
+                         args.context_parallel_size, args.pipeline_model_parallel_size,
+                         args.expert_model_parallel_size, args.expert_tensor_parallel_size,
+                         order=getattr(args, "rank_order", DEFAULT_RANK_ORDER))
+    return {name: max(groups[0]) - min(groups[0]) + 1 for name, groups in layout.items()}
+
+
 def predict_step_time(args, rates, vocab_size=None):
     """Seconds per iteration of the run ``args`` (validated) describe on ``rates``."""
     c = model_config(args, vocab_size)
@@ -188,8 +200,9 @@ def predict_step_time(args, rates, vocab_size=None):
     # communication of one microbatch through this rank's stage (forward + backward)
     h_bytes = tokens * c.hidden_size * act
     comm = 0.0
+    spans = _spans(args)
     if tp > 1:  # 2 all-reduces (or all-gather + reduce-scatter) forward, 2 backward, per layer
-        comm += layers_per_stage * 4 * 2 * (tp - 1) / tp * h_bytes / _link(rates, tp)
+        comm += layers_per_stage * 4 * 2 * (tp - 1) / tp * h_bytes / _link(rates, spans["tp"])
     if cp > 1:
         kv = 2 * tokens * c.num_query_groups // tp * c.kv_channels * act
         method = c.cp_comm_type
@@ -200,14 +213,14 @@ def predict_step_time(args, rates, vocab_size=None):
             volume = 3 * (cp - 1) * kv
         else:  # ring: K/V blocks forward, again with dK/dV backward
             volume = 3 * (cp - 1) * kv
-        comm += layers_per_stage * volume / _link(rates, tp * cp)
+        comm += layers_per_stage * volume / _link(rates, spans["cp"])
     if ep > 1:
         moe_layers = sum(c.moe_layer_pattern()) / pp
         routed = routed_tokens(c, tokens, ep) * c.hidden_size * act
-        comm += moe_layers * 4 * (ep - 1) / ep * routed / _link(rates, tp * cp * dp)
+        comm += moe_layers * 4 * (ep - 1) / ep * routed / _link(rates, spans["ep"])
     if pp > 1:
         sent = h_bytes / tp if args.sequence_parallel else h_bytes  # [s/cp(/tp), b, h]
-        comm += 2 * sent / _link(rates, tp * cp * pp)  # the activation and its gradient
+        comm += 2 * sent / _link(rates, spans["pp"])  # the activation and its gradient
     microbatches = args.num_microbatches or 1
     layout = layout_from_args(args)
     stage_params = max(sum(stage_param_counts(c, layout, r, tp, ep,
@@ -219,14 +232,14 @@ def predict_step_time(args, rates, vocab_size=None):
         # compute dtype; once with no resharding), fp32 gradients reduce-scattered
         gathers = 1 if args.torch_fsdp2_no_reshard_after_forward else 2
         volume = (group - 1) / group * stage_params * (gathers * act + 4)
-        comm += volume / _link(rates, tp * cp * pp * dp)
+        comm += volume / _link(rates, spans["dp_cp"])
     per_microbatch = compute + comm
     bubble = (pp - 1) / vp * per_microbatch if pp > 1 else 0.0
     # gradient reduction over DP x CP once per step (fp32 grads; the distributed optimizer
     # reduce-scatters them and all-gathers the params: the same volume)
     grad_sync = 0.0
     if group > 1 and not fsdp:
-        grad_sync = 2 * (group - 1) / group * stage_params * 4 / _link(rates, tp * cp * pp * dp)
+        grad_sync = 2 * (group - 1) / group * stage_params * 4 / _link(rates, spans["dp_cp"])
         if getattr(args, "overlap_grad_reduce", False):
             # the buckets reduce during the last microbatch's backward (2/3 of its compute)
             grad_sync = max(0.0, grad_sync - 2 / 3 * compute)
