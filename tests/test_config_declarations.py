@@ -34,14 +34,21 @@ def _field_flags(f):
     return [flag for flag in flags if flag]
 
 
+def _declaring_class(section, name):
+    """The class of ``section``'s MRO whose body declares field ``name`` (a section may
+    inherit its parts: GPTConfig its MoE, MLA, Gated DeltaNet and MTP settings)."""
+    return next(cls for cls in section.__mro__ if name in vars(cls).get("__annotations__", {}))
+
+
 def _declarations():
     """``{flag: [site, ...]}``: where each flag is declared."""
     sites = {}
     for section in arguments.SECTIONS:
-        path = os.path.relpath(inspect.getsourcefile(section), ROOT)
         for f in dataclasses.fields(section):
+            cls = _declaring_class(section, f.name)
+            path = os.path.relpath(inspect.getsourcefile(cls), ROOT)
             for flag in _field_flags(f):
-                sites.setdefault(flag, []).append(f"{path}: {section.__name__}.{f.name}")
+                sites.setdefault(flag, []).append(f"{path}: {cls.__name__}.{f.name}")
     for entry in all_entries():
         flags = [entry.flag, *entry.aliases]
         if entry.argparse.get("action") is argparse.BooleanOptionalAction:
@@ -67,15 +74,15 @@ def test_each_field_is_found_by_its_name_at_one_line():
     section declares a flag for that name."""
     owners = {}
     for section in arguments.SECTIONS:
-        path = inspect.getsourcefile(section)
-        assert os.path.dirname(path) == os.path.join(ROOT, "megatron_cp", "config"), path
-        body = open(path).read()
         for f in dataclasses.fields(section):
             if not _field_flags(f):
                 continue
-            owners.setdefault(f.name, []).append(section.__name__)
+            cls = _declaring_class(section, f.name)
+            path = inspect.getsourcefile(cls)
+            assert os.path.dirname(path) == os.path.join(ROOT, "megatron_cp", "config"), path
+            owners.setdefault(f.name, []).append(cls.__name__)
             pattern = re.compile(rf"^\s+{f.name}: .*= setting\(", re.MULTILINE)
-            assert len(pattern.findall(body)) == 1, (section.__name__, f.name)
+            assert len(pattern.findall(open(path).read())) == 1, (cls.__name__, f.name)
     assert {name: owner for name, owner in owners.items() if len(owner) > 1} == {}
 
 

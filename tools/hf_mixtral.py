@@ -21,7 +21,7 @@ model runs dropless, as Mixtral does.
 """
 import torch
 
-from megatron_cp.config.model import parse_layer_freq
+from megatron_cp.config.layer_pattern import parse_layer_freq
 from tools import hf_llama
 from tools.hf_io import read_config, read_weights, real_rows, write_folder
 

@@ -292,7 +292,7 @@ def _layer_has(local, layer, args):
     if freq.isdigit():
         moe = layer % int(freq) == 0
     else:
-        from megatron_cp.config.model import parse_layer_freq
+        from megatron_cp.config.layer_pattern import parse_layer_freq
         moe = bool(parse_layer_freq(freq, args["num_layers"])[layer])
     is_moe_param = local.startswith(("mlp.router.", "mlp.experts.", "mlp.shared_experts."))
     is_dense_mlp = local.startswith(("mlp.linear_fc1.", "mlp.linear_fc2."))

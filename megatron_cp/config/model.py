@@ -1,4 +1,6 @@
-"""The GPT model's configuration: one dataclass, the one place each model setting lives.
+"""The GPT model's configuration: one dataclass, the one place each model setting lives; its
+MLA, Gated DeltaNet, MoE and MTP parts are declared in mla.py, gated_delta_net.py, moe.py and
+mtp.py, whose classes it inherits.
 
 Every field carries its help, its Megatron-LM flag (name and default) and whether it shapes
 saved weights (:func:`megatron_cp.config.setting.setting`); its rules live in ``__post_init__``,
@@ -6,58 +8,24 @@ saved weights (:func:`megatron_cp.config.setting.setting`); its rules live in ``
 the config built from it and the checkpoint resume check are derived from the fields, so a
 new hyper-parameter is one new field.
 """
-import ast
 import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 
-from megatron_cp.config.setting import check_choices, setting
+from megatron_cp.config.gated_delta_net import GatedDeltaNetSettings
+from megatron_cp.config.mla import MLASettings
+from megatron_cp.config.moe import MoESettings
+from megatron_cp.config.mtp import MTPSettings
 from megatron_cp.config.mup import resolve_mup
-from megatron_cp.config.parallel import COMM_TYPES, check_hierarchical_sizes, resolve_comm_type
+from megatron_cp.config.parallel import COMM_TYPES, check_hierarchical_sizes
+from megatron_cp.config.setting import check_choices, setting
 
 
 KERNEL_NAMES = ("auto", "torch")  # --attention-kernel: auto picks per device and shape
 # torch.compile's modes; the last two capture CUDA graphs (refused in GPTConfig.__post_init__)
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
-
-
-def parse_layer_freq(freq, num_layers, name="moe_layer_freq", every_kth=None):
-    """A per-layer 0/1 pattern flag (``--moe-layer-freq``, ``--linear-attention-freq``) as one
-    0/1 per layer. An integer k gives ``every_kth(k, layer)`` (default: 1 on every k-th layer
-    from layer 0); a pattern is a Python list expression of 0/1 built from ``[..]``, ``+`` and
-    ``*`` (e.g. ``([0]*2+[1]*6)``), one entry per layer. ``name`` names the flag in errors."""
-    text = str(freq).strip()
-    if text.isdigit():
-        k = int(text)
-        if k < 1:
-            raise ValueError(f"{name} ({freq}) must be >= 1 or a 0/1 pattern")
-        rule = every_kth or (lambda k, i: 1 if i % k == 0 else 0)
-        return [rule(k, i) for i in range(num_layers)]
-    try:
-        pattern = _eval_pattern(ast.parse(text, mode="eval").body)
-    except (SyntaxError, ValueError, TypeError):
-        pattern = None
-    if not isinstance(pattern, list) or any(x not in (0, 1) for x in pattern):
-        raise ValueError(f"{name} ({freq}) must be an integer or a 0/1 list such as "
-                         f"'([0]*2+[1]*6)'")
-    if len(pattern) != num_layers:
-        raise ValueError(f"{name} ({freq}) has {len(pattern)} entries for num_layers "
-                         f"({num_layers}); give one 0/1 per layer")
-    return pattern
-
-
-def _eval_pattern(node):
-    """Evaluate a list expression of int literals, list displays, + and * (nothing else)."""
-    if isinstance(node, ast.Constant) and type(node.value) is int:
-        return node.value
-    if isinstance(node, ast.List):
-        return [_eval_pattern(item) for item in node.elts]
-    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
-        left, right = _eval_pattern(node.left), _eval_pattern(node.right)
-        return left + right if isinstance(node.op, ast.Add) else left * right
-    raise ValueError("not a layer pattern")
 
 
 def pad_vocab_size(vocab_size, make_vocab_size_divisible_by=128, tensor_model_parallel_size=1):
@@ -66,8 +34,8 @@ def pad_vocab_size(vocab_size, make_vocab_size_divisible_by=128, tensor_model_pa
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
-@dataclass
-class GPTConfig:
+@dataclass(kw_only=True)
+class GPTConfig(MLASettings, GatedDeltaNetSettings, MoESettings, MTPSettings):
     """Everything that shapes the GPT model. Sizes follow Megatron-LM's argument names."""
     num_layers: int = setting(help="Number of transformer layers.", shapes=True)
     hidden_size: int = setting(help="Transformer hidden size.", shapes=True)
@@ -275,137 +243,6 @@ class GPTConfig:
         False, shapes=True, help="Gate each full-attention head's output by sigmoid(x W_g) "
         "before the output projection (Qwen3-Next); W_g's rows join each query group's rows "
         "of the QKV projection: [q heads | gate heads | k | v].")
-    # Multi-head latent attention (model/multi_latent_attention.py, DeepSeek-V2/V3).
-    # Megatron-LM's flags and defaults.
-    multi_latent_attention: bool = setting(
-        False, shapes=True,
-        help="Multi-head latent attention (DeepSeek-V2/V3): keys and values come from one "
-             "compressed latent per token (--kv-lora-rank) plus one shared rotary key "
-             "(--qk-pos-emb-head-dim); queries from a compressed latent (--q-lora-rank) or "
-             "straight from the hidden states.")
-    q_lora_rank: int | None = setting(
-        None, shapes=True, help="MLA: rank of the query latent (linear_q_down_proj, then "
-        "linear_q_up_proj); none: one linear_q_proj from the hidden states.")
-    kv_lora_rank: int = setting(32, shapes=True, help="MLA: rank of the key/value latent.")
-    qk_head_dim: int = setting(
-        128, shapes=True, help="MLA: per-head query/key channels without position; the "
-        "attention head dim of q and k is qk_head_dim + qk_pos_emb_head_dim.")
-    qk_pos_emb_head_dim: int = setting(
-        64, shapes=True, help="MLA: per-head rotary channels of q, and of the one rotary key "
-        "every head shares.")
-    v_head_dim: int = setting(128, shapes=True, help="MLA: per-head value channels.")
-    rope_type: str | None = setting(
-        None, choices=(None, "rope", "yarn"),
-        help="MLA's rotary embedding: rope, or yarn (the default with "
-             "--multi-latent-attention, using --rotary-scaling-factor, --mscale and "
-             "--mscale-all-dim). Other attention takes rope only (choose YaRN there with "
-             "--position-embedding-type yarn).")
-    # Gated DeltaNet hybrids (model/gated_delta_net.py). Megatron-LM's flags and defaults.
-    experimental_attention_variant: str | None = setting(
-        None, choices=(None, "gdn", "gated_delta_net", "gdn2", "dsa"), shapes=True,
-        help="gdn (or its older name gated_delta_net): Gated DeltaNet linear-attention layers "
-             "where --linear-attention-freq puts them; the others are full attention. gdn2 "
-             "and dsa are not built.")
-    linear_attention_freq: str | None = setting(
-        None, shapes=True,
-        help="Which layers are Gated DeltaNet (1) and which full attention (0): an integer N "
-             "(N-1 GDN layers, then one attention layer, repeated) or a 0/1 pattern with one "
-             "entry per layer, e.g. '([1]*3+[0]*1)*2'.")
-    linear_conv_kernel_dim: int = setting(4, shapes=True,
-                                          help="GDN: width of the causal depthwise conv.")
-    linear_key_head_dim: int = setting(128, shapes=True, help="GDN: query/key head dim.")
-    linear_value_head_dim: int = setting(128, shapes=True, help="GDN: value head dim.")
-    linear_num_key_heads: int = setting(16, shapes=True, help="GDN: query/key heads.")
-    linear_num_value_heads: int = setting(
-        32, shapes=True, help="GDN: value heads (a multiple of the key heads; each key head "
-        "serves that many consecutive value heads).")
-    # MoE (megatron_cp.moe; 0 experts = dense MLP everywhere). Megatron-LM's flags and defaults.
-    num_moe_experts: int = setting(0, flag="--num-experts", cli_default=None, shapes=True,
-                                   group="moe", help="Number of MoE experts (0: a dense model).")
-    moe_ffn_hidden_size: int | None = setting(
-        None, shapes=True, fill_arg=True, group="moe", help="Hidden size of each routed expert (default "
-        "--ffn-hidden-size).")
-    moe_layer_freq: str = setting(
-        "1", shapes=True, group="moe",
-        help="Which layers are MoE: an integer k (every k-th layer, from layer 0) or a 0/1 "
-             "pattern with one entry per layer, e.g. '([0]*2+[1]*6)' (two dense first layers).")
-    moe_shared_expert_intermediate_size: int | None = setting(
-        None, shapes=True, group="moe",
-        help="Hidden size of the shared expert every token goes through (none by default).")
-    moe_shared_expert_gate: bool = setting(
-        False, shapes=True, group="moe",
-        help="Scale the shared expert's output by sigmoid(x . w) of a learned gate.")
-    moe_router_topk: int = setting(2, group="moe", help="Experts each token is routed to.")
-    moe_router_score_function: str = setting(
-        "softmax", choices=("softmax", "sigmoid"), group="moe",
-        help="Router scores: softmax or sigmoid (normalised over the chosen experts when "
-             "top-k > 1).")
-    moe_router_pre_softmax: bool = setting(
-        False, group="moe", help="Softmax over all experts before the top-k (default: softmax "
-        "over the top-k logits).")
-    moe_router_topk_scaling_factor: float | None = setting(
-        None, group="moe", help="Multiply the routing probabilities by this factor.")
-    moe_router_num_groups: int | None = setting(
-        None, group="moe", help="Group-limited routing: experts are split into this many "
-        "groups (e.g. one per node) ...")
-    moe_router_group_topk: int | None = setting(
-        None, group="moe", help="... and each token is routed inside its best this-many "
-        "groups (scored by the sum of their top-(topk/group-topk) scores).")
-    moe_router_dtype: str | None = setting(
-        None, choices=(None, "fp32", "fp64"), group="moe",
-        help="Compute the router (logits, scores, balancing losses) in this dtype "
-             "(default: the model's).")
-    moe_input_jitter_eps: float | None = setting(
-        None, group="moe", help="Multiply the router input by U(1-eps, 1+eps) in training.")
-    moe_router_load_balancing_type: str = setting(
-        "aux_loss", choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"),
-        group="moe",
-        help="Load balancing: aux_loss (per microbatch), seq_aux_loss (per sequence), "
-             "global_aux_loss (over the microbatches the data-parallel ranks run together), "
-             "sinkhorn (S-BASE: in training each token's experts are the top-k of the "
-             "Sinkhorn-balanced router scores of its microbatch; no balancing loss), none. "
-             "Padding and loss-masked tokens are never counted.")
-    moe_aux_loss_coeff: float = setting(0.0, group="moe",
-                                        help="Weight of the load-balancing loss.")
-    moe_z_loss_coeff: float | None = setting(
-        None, group="moe", help="Weight of the router z-loss (mean squared log-sum-exp of the "
-        "router logits).")
-    moe_router_enable_expert_bias: bool = setting(
-        False, shapes=True, group="moe",
-        help="Aux-loss-free balancing: a per-expert bias added to the scores for the top-k "
-             "choice only, moved after each global batch towards equal token counts (with "
-             "--moe-router-score-function sigmoid).")
-    moe_router_bias_update_rate: float = setting(
-        1e-3, group="moe", help="Step of the expert-bias update (sign of the count error).")
-    moe_token_dispatcher_type: str = setting(
-        "allgather", choices=("allgather", "alltoall", "flex"), group="moe",
-        help="How tokens reach their experts over the expert-parallel group: allgather "
-             "(every token to every EP rank) or alltoall (each token to its experts' ranks). "
-             "Megatron-LM's flex exchanges the same tokens through the DeepEP / HybridEP / "
-             "NCCL EP GPU libraries; here it runs the alltoall dispatcher.")
-    moe_expert_capacity_factor: float | None = setting(
-        None, group="moe", help="Drop tokens above capacity = ceil(tokens x topk / experts x "
-        "factor) per expert and rank (default: dropless).")
-    moe_token_drop_policy: str = setting(
-        "probs", choices=("probs", "position"), group="moe",
-        help="Which tokens an expert over capacity keeps: the highest probabilities or the "
-             "first positions.")
-    moe_pad_expert_input_to_capacity: bool = setting(
-        False, group="moe", help="Every expert processes exactly its capacity of tokens "
-        "(unrouted ones with weight 0): fixed shapes.")
-    # Multi-token prediction (model/multi_token_prediction.py), Megatron-LM's flags.
-    mtp_num_layers: int | None = setting(
-        None, shapes=True,
-        help="Multi-token prediction depths (DeepSeek-V3): depth k predicts the token k+1 "
-             "positions ahead from depth k-1's hidden states and the embedding of the token k "
-             "ahead, with one transformer layer of the last decoder layer's kind, sharing the "
-             "embedding and output layer (default: none).")
-    mtp_loss_scaling_factor: float = setting(
-        0.1, help="Weight of the MTP loss: the mean over the depths of their token-mean cross "
-                  "entropies, times this factor, is added to the training loss.")
-    mtp_use_repeated_layer: bool = setting(
-        False, shapes=True, help="Build one MTP layer and run it at every depth (its weights "
-                                 "shared over the depths).")
     extra: dict = setting(default_factory=dict, flag=None,
                           help="Free-form settings for experiments; not on the command line.")
 
@@ -510,53 +347,6 @@ class GPTConfig:
                              f"--swiglu")
         self.activation = "gelu_tanh"
 
-    def _check_mla(self):
-        """Multi-latent attention's rules (Megatron-LM's MLATransformerConfig and argument
-        checks); fills rope_type's MLA default, yarn."""
-        if not self.multi_latent_attention:
-            given = [f"{name} ({getattr(self, name)})" for name in ("q_lora_rank",)
-                     if getattr(self, name) is not None]
-            if self.rope_type == "yarn":
-                given.append("rope_type ('yarn')")
-            if given:
-                raise ValueError(f"{', '.join(given)} applies to multi_latent_attention only; "
-                                 f"add multi_latent_attention or drop it (for YaRN in standard "
-                                 f"attention use position_embedding_type yarn)")
-            return
-        if self.rope_type is None:
-            self.rope_type = "yarn"
-        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} ({getattr(self, name)}) must be positive")
-        if self.q_lora_rank is not None and self.q_lora_rank < 1:
-            raise ValueError(f"q_lora_rank ({self.q_lora_rank}) must be positive, or left out "
-                             f"for no query compression")
-        if self.qk_pos_emb_head_dim % 2:
-            raise ValueError(f"qk_pos_emb_head_dim ({self.qk_pos_emb_head_dim}) must be even: "
-                             f"rotary turns channel pairs")
-        refused = [
-            (self.num_query_groups not in (None, self.num_attention_heads),
-             f"num_query_groups ({self.num_query_groups}): every MLA head has its own key and "
-             f"value (Megatron-LM refuses --group-query-attention with MLA); drop it"),
-            (self.attention_output_gate, "attention_output_gate (True) is not built for MLA "
-             "(nor in Megatron-LM); drop it"),
-            (self.experimental_attention_variant is not None,
-             f"experimental_attention_variant ({self.experimental_attention_variant!r}) layers "
-             f"are not built beside MLA; drop one"),
-            (self.position_embedding_type == "yarn",
-             "position_embedding_type ('yarn') would rotate the hidden states a second time: "
-             "MLA rotates its own rotary channels; use position_embedding_type rope with "
-             "rope_type yarn"),
-            (self.rotary_interleaved, "rotary_interleaved (True): MLA already pairs the "
-             "rotary channels (2i, 2i+1) as DeepSeek does; drop it"),
-        ]
-        for bad, why in refused:
-            if bad:
-                raise ValueError(why)
-        if self.rope_type == "yarn" and self.rotary_percent != 1.0:
-            raise ValueError(f"rotary_percent ({self.rotary_percent}): MLA's YaRN rotates every "
-                             f"rotary channel; drop it or use rope_type rope")
-
     def _check_rotary(self):
         """YaRN's settings mean something with position_embedding_type yarn only, and YaRN
         rotates whole heads in halves (Megatron-LM's YarnRotaryEmbedding)."""
@@ -586,140 +376,6 @@ class GPTConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be positive")
 
-    def _check_linear_attention(self):
-        """Gated DeltaNet settings (Megatron-LM's TransformerConfig checks)."""
-        variant = self.experimental_attention_variant
-        if variant in ("gdn2", "dsa"):
-            raise ValueError(f"experimental_attention_variant ({variant!r}) is not built; use "
-                             f"gdn (Gated DeltaNet) or drop it")
-        if variant == "gated_delta_net":  # Megatron-LM's deprecated spelling
-            self.experimental_attention_variant = variant = "gdn"
-        if variant is None:
-            if self.linear_attention_freq is not None:
-                raise ValueError(f"linear_attention_freq ({self.linear_attention_freq}) places "
-                                 f"Gated DeltaNet layers; add experimental_attention_variant "
-                                 f"gdn or drop it")
-            return
-        if self.linear_attention_freq is None:
-            raise ValueError("experimental_attention_variant gdn needs linear_attention_freq "
-                             "(e.g. 4: three GDN layers, then one attention layer)")
-        for name in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
-                     "linear_num_key_heads", "linear_num_value_heads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} ({getattr(self, name)}) must be positive")
-        if self.linear_num_value_heads % self.linear_num_key_heads:
-            raise ValueError(f"linear_num_value_heads ({self.linear_num_value_heads}) must be a "
-                             f"multiple of linear_num_key_heads ({self.linear_num_key_heads})")
-        if self.activation != "swiglu":
-            raise ValueError(f"Gated DeltaNet layers run SiLU in their conv and output gate "
-                             f"(Megatron-LM's GDN kernels: its activation with --swiglu), but "
-                             f"the MLP has {self.activation!r}: add --swiglu")
-        self.linear_attention_pattern()  # raises on a malformed --linear-attention-freq
-        self._check_mtp()
-
-    def _check_mtp(self):
-        """Multi-token prediction's rules (Megatron-LM's validate_args)."""
-        if self.mtp_num_layers is None:
-            if self.mtp_use_repeated_layer:
-                raise ValueError("mtp_use_repeated_layer (True) repeats an MTP layer, but "
-                                 "mtp_num_layers is None: add --mtp-num-layers or drop it")
-            return
-        if self.mtp_num_layers < 1:
-            raise ValueError(f"mtp_num_layers ({self.mtp_num_layers}) must be >= 1; leave "
-                             f"--mtp-num-layers out for no multi-token prediction")
-        if self.position_embedding_type not in ("rope", "yarn", "none"):
-            raise ValueError(f"multi-token prediction (mtp_num_layers {self.mtp_num_layers}) "
-                             f"needs position_embedding_type rope or none (Megatron-LM's rule), "
-                             f"not {self.position_embedding_type!r}: use --position-embedding-"
-                             f"type rope")
-
-    def mtp_depths(self):
-        """The number of MTP depths (0 without multi-token prediction)."""
-        return self.mtp_num_layers or 0
-
-    def linear_attention_pattern(self):
-        """One bool per layer: is it a Gated DeltaNet layer (all False without gdn). An
-        integer N makes every N-th layer (layers N-1, 2N-1, ...) full attention."""
-        if self.experimental_attention_variant is None:
-            return [False] * self.num_layers
-        return [bool(x) for x in parse_layer_freq(
-            self.linear_attention_freq, self.num_layers, "linear_attention_freq",
-            every_kth=lambda k, i: 0 if (i + 1) % k == 0 else 1)]
-
-    def _check_moe(self):
-        """The MoE rules that need no parallel size (see :meth:`validate_experts`)."""
-        experts, topk = self.num_moe_experts, self.moe_router_topk
-        if self.moe_ffn_hidden_size is None:
-            self.moe_ffn_hidden_size = self.ffn_hidden_size
-        if not 1 <= topk <= experts:
-            raise ValueError(f"moe_router_topk ({topk}) must be between 1 and num_moe_experts "
-                             f"({experts})")
-        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
-        if (groups is None) != (group_topk is None):
-            raise ValueError(f"moe_router_num_groups ({groups}) and moe_router_group_topk "
-                             f"({group_topk}) go together: give both or neither")
-        if groups is not None:
-            if experts % groups or not 1 <= group_topk <= groups or topk % group_topk:
-                raise ValueError(
-                    f"group-limited routing needs num_moe_experts ({experts}) divisible by "
-                    f"moe_router_num_groups ({groups}), 1 <= moe_router_group_topk ({group_topk}) "
-                    f"<= moe_router_num_groups, and moe_router_topk ({topk}) divisible by "
-                    f"moe_router_group_topk")
-            if topk // group_topk > experts // groups:
-                raise ValueError(f"moe_router_topk / moe_router_group_topk ({topk // group_topk}) "
-                                 f"experts per group exceeds the group size "
-                                 f"({experts // groups}); raise moe_router_group_topk")
-        if self.moe_router_load_balancing_type == "sinkhorn":
-            self._check_sinkhorn()
-        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
-            raise ValueError("moe_router_enable_expert_bias needs moe_router_score_function "
-                             "sigmoid (the bias shifts sigmoid scores for the top-k choice)")
-        if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
-            raise ValueError("moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor")
-        if self.moe_expert_capacity_factor is not None and not self.moe_expert_capacity_factor > 0:
-            raise ValueError(f"moe_expert_capacity_factor ({self.moe_expert_capacity_factor}) "
-                             f"must be > 0 (leave it out for dropless routing)")
-        self.moe_layer_pattern()  # raises on a malformed --moe-layer-freq
-
-    def _check_sinkhorn(self):
-        """Sinkhorn routing balances by itself and scores the plain logits its own way
-        (sigmoid for top-1, softmax over all experts otherwise), so the settings of the other
-        routers would be silently ignored: each is refused."""
-        if self.moe_aux_loss_coeff > 0:
-            raise ValueError(f"moe_router_load_balancing_type 'sinkhorn' balances without a "
-                             f"loss, so moe_aux_loss_coeff ({self.moe_aux_loss_coeff}) must be 0 "
-                             f"(Megatron-LM refuses it too); drop moe_aux_loss_coeff")
-        ignored = [name for name, value, default in (
-            ("moe_router_score_function", self.moe_router_score_function, "softmax"),
-            ("moe_router_pre_softmax", self.moe_router_pre_softmax, False),
-            ("moe_router_topk_scaling_factor", self.moe_router_topk_scaling_factor, None),
-            ("moe_router_num_groups", self.moe_router_num_groups, None),
-            ("moe_router_enable_expert_bias", self.moe_router_enable_expert_bias, False))
-            if value != default]
-        if ignored:
-            raise ValueError(f"moe_router_load_balancing_type 'sinkhorn' scores the logits with "
-                             f"sigmoid (top-1) or a softmax over all experts and routes by its "
-                             f"balanced scores, so {', '.join(ignored)} would have no effect; "
-                             f"drop {'it' if len(ignored) == 1 else 'them'}")
-
-    def moe_layer_pattern(self):
-        """One bool per layer: is it an MoE layer (all False for a dense model)."""
-        if not self.num_moe_experts:
-            return [False] * self.num_layers
-        return [bool(x) for x in parse_layer_freq(self.moe_layer_freq, self.num_layers)]
-
-    def validate_experts(self, ep_size, etp_size):
-        """Raise ValueError unless the experts split over ``ep_size`` expert-parallel ranks
-        and their hidden size over ``etp_size`` expert-tensor-parallel ranks."""
-        if not self.num_moe_experts:
-            return
-        if self.num_moe_experts % ep_size:
-            raise ValueError(f"num_moe_experts ({self.num_moe_experts}) must be divisible by "
-                             f"expert_model_parallel_size ({ep_size})")
-        if self.moe_ffn_hidden_size % etp_size:
-            raise ValueError(f"moe_ffn_hidden_size ({self.moe_ffn_hidden_size}) must be divisible "
-                             f"by expert_tensor_parallel_size ({etp_size})")
-
     def validate_parallel(self, tp_size, cp_size=None):
         """Raise ValueError unless the model splits over ``tp_size`` tensor-parallel ranks and
         (when ``cp_size`` is given) runs under ``cp_size`` context-parallel ranks."""
@@ -747,23 +403,6 @@ class GPTConfig:
                              f"with U x R = context_parallel_size ({cp_size})")
         if self.experimental_attention_variant is not None and cp_size > 1:
             self.gdn_cp_comm_type(tp_size, cp_size)
-
-    def gdn_cp_comm_type(self, tp_size, cp_size):
-        """The CP communication of the Gated DeltaNet layers (context_parallel/gated_delta.py):
-        the attention layers' (``cp_comm_type``, "auto" resolved as they resolve it). Its
-        all-to-all (a2a: over CP; a2a+p2p: over the inner U ranks) hands every rank whole
-        key heads with their value heads, so both head counts must split over TP x U."""
-        method, sizes = resolve_comm_type(self.cp_comm_type, self.num_query_groups // tp_size,
-                                          cp_size, self.hierarchical_context_parallel_sizes)
-        inner = {"a2a": cp_size, "a2a+p2p": sizes[0] if sizes else 1}.get(method, 1)
-        for name in ("linear_num_key_heads", "linear_num_value_heads"):
-            if getattr(self, name) % (tp_size * inner):
-                raise ValueError(
-                    f"{name} ({getattr(self, name)}) must be divisible by tensor_model_parallel_"
-                    f"size x the all-to-all size of cp_comm_type {method} ({tp_size} x {inner}): "
-                    f"the Gated DeltaNet all-to-all splits whole heads; use cp_comm_type p2p "
-                    f"(state passing) or a head count divisible by {tp_size * inner}")
-        return method
 
     def check_positions(self, length, length_name="seq_length"):
         """Raise ValueError if learned absolute positions have no row for a ``length``-token
