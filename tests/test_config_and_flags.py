@@ -11,7 +11,7 @@ import torch
 
 from dist_harness import run_workers
 from megatron_cp import training
-from megatron_cp.cli import arguments
+from megatron_cp.cli import arguments, checks
 from megatron_cp.checkpoint import files as checkpoint_files
 from megatron_cp.cli.arguments import build_parser, parse_args
 from megatron_cp.cli.megatron_flags import COMPAT_FLAGS, MAP, REFUSE, SAME, all_entries
@@ -44,7 +44,7 @@ class _WithNewSetting(GPTConfig):
 
 
 def test_a_new_field_is_one_edit(monkeypatch):
-    monkeypatch.setattr(arguments, "GPTConfig", _WithNewSetting)
+    monkeypatch.setattr(checks, "GPTConfig", _WithNewSetting)
     monkeypatch.setattr(arguments, "SECTIONS", (_WithNewSetting,) + arguments.SECTIONS[1:])
     monkeypatch.setattr(training, "GPTConfig", _WithNewSetting)
     help_text = build_parser().format_help()
@@ -396,7 +396,7 @@ def test_save_directory_must_be_writable_before_training(tmp_path, monkeypatch):
     locked = tmp_path / "locked"
     locked.mkdir()
     real_access = os.access
-    monkeypatch.setattr(arguments.os, "access",
+    monkeypatch.setattr(checks.os, "access",
                         lambda p, mode: False if str(p) == str(locked) else real_access(p, mode))
     with pytest.raises(ValueError) as err:
         _parse(f"--save {locked / 'run'}")

@@ -2,7 +2,7 @@
 
 A user error is a ``ValueError`` (a bad flag, a bad combination, a checkpoint that does not
 fit) or an argparse error (unknown flag, bad value); the arguments raise every problem they
-find at once (``arguments.ArgumentErrors``). Each problem is printed as ONE line,
+find at once (``checks.ArgumentErrors``). Each problem is printed as ONE line,
 ``error: <what and the fix>``, on global rank 0 only, and the process exits with status 2,
 argparse's status for usage errors; anything else is a crash and keeps its traceback.
 
@@ -81,7 +81,7 @@ def main(argv=None):
         print("error: usage: python -m megatron_cp.cli.check_args --world-size N <training flags>",
               file=sys.stderr)
         return USAGE_ERROR
-    from megatron_cp.cli.arguments import check_data_files
+    from megatron_cp.cli.checks import check_data_files
     try:
         args = parse_arguments(argv[2:], int(argv[1]))
         if args.data_path and not args.mock_data:  # here, once: the files open and fit
