@@ -85,8 +85,8 @@ def _cause(error, timeout_minutes):
 def lost_contact(error, rank, activity, args, latest=None):
     """The :class:`LostContactError` for gloo/store ``error`` seen by ``rank`` during
     ``activity``; ``latest`` is the last saved iteration under ``--save`` (None: unknown)."""
-    cause = _cause(error, getattr(args, "distributed_timeout_minutes", "?"))
-    save, load = getattr(args, "save", None), getattr(args, "load", None)
+    cause = _cause(error, args.distributed_timeout_minutes)
+    save, load = args.save, args.load
     if save and latest is not None:
         fix = f"re-run with --load {save} to continue from the last checkpoint (iteration {latest})"
     elif save:

@@ -42,16 +42,16 @@ def print_rank_0(text=""):
 def format_arguments(args):
     """Megatron's argument block: every argument, sorted, as ``name ..... value``."""
     lines = ["------------------------ arguments ------------------------"]
-    for name in sorted(vars(args)):
+    for name, value in sorted(vars(args).items()):
         if name not in NOT_ARGUMENTS:
-            lines.append(f"  {name} {'.' * max(48 - len(name), 3)} {getattr(args, name)}")
+            lines.append(f"  {name} {'.' * max(48 - len(name), 3)} {value}")
     lines.append("-------------------- end of arguments ---------------------")
     return "\n".join(lines)
 
 
 def format_compat_notes(args):
     """The Megatron flags accepted because they select what this code does anyway."""
-    notes = list(getattr(args, "compat_notes", None) or [])
+    notes = args.compat_notes  # the argument validation sets it (empty: none)
     return "\n".join(["> compatibility notes:"] + [f"  - {note}" for note in notes]) if notes else ""
 
 
@@ -65,10 +65,10 @@ def format_parallel_sizes(args, state):
             f"pipeline-model-parallel size: {pp}")
     if vp:
         line += f", virtual pipeline stages per rank: {vp}"
-    details = [f"sequence parallel: {bool(getattr(args, 'sequence_parallel', False))}"]
+    details = [f"sequence parallel: {args.sequence_parallel}"]
     if cp > 1:
         details.append(f"cp comm type: {args.cp_comm_type}")
-    if getattr(args, "batch_size_schedule", None):  # Megatron's lines for a schedule
+    if args.step_batch_size_schedule is not None:  # Megatron's lines for a schedule
         schedule = BatchSchedule.from_args(args)
         return (line + "\n> " + ", ".join(details) + "\n> using step batch size schedule: "
                 f"{args.step_batch_size_schedule}\n" + schedule.describe(args.seq_length))

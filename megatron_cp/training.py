@@ -62,15 +62,15 @@ from megatron_cp.weight_hash import check_weight_hashes
 def data_parallel_wrapper(args, model, state):
     """``model`` in its data-parallel wrapper: FSDP2 with --use-torch-fsdp2 (each
     transformer layer one unit), else the DDP of flat gradient buckets."""
-    if getattr(args, "use_torch_fsdp2", False):
+    if args.use_torch_fsdp2:
         return TorchFullyShardedDataParallel(
             model, state, (TransformerLayer,), params_dtype=args.params_dtype,
             reshard_after_forward=not args.torch_fsdp2_no_reshard_after_forward)
     return DistributedDataParallel(
         model, state, bucket_size_mb=args.ddp_bucket_size_mb,
         overlap_grad_reduce=args.overlap_grad_reduce,
-        use_distributed_optimizer=getattr(args, "use_distributed_optimizer", False),
-        overlap_param_gather=getattr(args, "overlap_param_gather", False))
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        overlap_param_gather=args.overlap_param_gather)
 
 
 def config_from_args(args, vocab_size):
@@ -85,13 +85,13 @@ class Trainer:
         self.args, self.state = args, state
         self.device = state.device
         self.progress = faults.Progress()  # what a lost-contact error says the job was doing
-        self.check_for_nan = getattr(args, "check_for_nan_in_loss_and_grad", True)
+        self.check_for_nan = args.check_for_nan_in_loss_and_grad
         self.tokenizer = tokenizer_from_args(args)
         self.config = config_from_args(args, self.tokenizer.vocab_size)
         # saved with the arguments: conversions carry exactly the real vocabulary
         args.true_vocab_size = self.config.vocab_size
         args.padded_vocab_size = self.config.padded_vocab_size(state.size("tp"))
-        vp_args = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+        vp_args = args.virtual_pipeline_model_parallel_size or 1  # None: no virtual stages
         if (state.virtual_pipeline_model_parallel_size or 1) != vp_args:
             raise ValueError(f"the arguments ask for {vp_args} virtual pipeline stages but the "
                              f"ParallelState was built with "
@@ -137,7 +137,7 @@ class Trainer:
         # The P2P buffers between pipeline stages are [length/cp(/tp with SP), b, h]; the
         # length follows each step's data (DataFeed._step_length), the shape is passed per step.
         self.forward_backward = get_forward_backward_func(
-            state, dtype=args.params_dtype, overlap_p2p_comm=getattr(args, "overlap_p2p_comm", False),
+            state, dtype=args.params_dtype, overlap_p2p_comm=args.overlap_p2p_comm,
             microbatch_group_size=args.microbatch_group_size_per_vp_stage)
 
     # ----- data (megatron_cp.data.feed) -------------------------------------------------
@@ -297,7 +297,7 @@ def build_parallel_state(args, device=None):
     return initialize_model_parallel(
         tp, cp, args.pipeline_model_parallel_size, args.expert_model_parallel_size,
         args.expert_tensor_parallel_size,
-        virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         hierarchical_context_parallel_sizes=hierarchical, device=device,
         timeout_minutes=args.distributed_timeout_minutes, order=args.rank_order,
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances)
@@ -448,8 +448,7 @@ def _train(trainer, logger, start):
     and collects after evaluations and saves and every ``--manual-gc-interval`` iterations
     (0: only then) instead (Megatron's flags)."""
     args, state = trainer.args, trainer.state
-    manual_gc = getattr(args, "manual_gc", False)
-    gc_interval = getattr(args, "manual_gc_interval", 0) or 0
+    manual_gc, gc_interval = args.manual_gc, args.manual_gc_interval
     if manual_gc:
         gc.disable()
         gc.collect()

@@ -88,7 +88,7 @@ class TrainingLogger:
         if self.is_writer and args.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
             self.sinks.append(SummaryWriter(log_dir=args.tensorboard_dir))
-        if getattr(args, "wandb_project", None) and state.global_rank == state.world_size - 1:
+        if args.wandb_project and state.global_rank == state.world_size - 1:
             self.sinks.append(wandb_logging.WandbWriter(args, state.global_rank,
                                                         state.world_size))
         self._reset()

@@ -29,8 +29,8 @@ def save_checkpoint(trainer, root):
     in ``--ckpt-format`` (with ``--async-save``, torch_dist, in the background: finish it
     with :func:`wait_for_async_save`)."""
     args = trainer.args
-    if getattr(args, "ckpt_format", "torch_dist") == "torch_dist":
-        return torch_dist_format.save(trainer, root, async_save=getattr(args, "async_save", False))
+    if args.ckpt_format == "torch_dist":
+        return torch_dist_format.save(trainer, root, async_save=args.async_save)
     return torch_format.save(trainer, root)
 
 
@@ -39,9 +39,9 @@ def load_checkpoint(trainer, root):
     ``trainer``, whatever its format and parallel layout (the module docstring); returns
     (iteration, consumed samples)."""
     st, args = trainer.state, trainer.args
-    it = files.load_iteration(root, getattr(args, "ckpt_step", None))
+    it = files.load_iteration(root, args.ckpt_step)
     if it is None:
-        if getattr(args, "exit_on_missing_checkpoint", False):
+        if args.exit_on_missing_checkpoint:
             raise ValueError(f"--exit-on-missing-checkpoint: no checkpoint under --load {root} "
                              f"(no {files.TRACKER}); check the path, or drop the flag to start "
                              f"fresh")
@@ -61,7 +61,7 @@ def _load_torch(trainer, root, it):
     """A ``torch`` checkpoint: each rank its own file when the saved layout spread the model
     over the files as this run does, else every rank reads it whole and reshards."""
     st, args = trainer.state, trainer.args
-    if getattr(args, "verify_integrity", False) and st.global_rank == 0:
+    if args.verify_integrity and st.global_rank == 0:
         print(f" --verify-integrity: the checkpoint under {root} is --ckpt-format torch, which "
               f"has no integrity manifest (Megatron-LM hashes torch_dist checkpoints only); "
               f"loading it unverified", flush=True)

@@ -78,7 +78,7 @@ def apply_old_defaults(args, saved, given):
     upgraded, rows = with_old_defaults(saved)
     notes = []
     for key, note in rows:
-        if key not in given and getattr(args, key, None) != upgraded[key]:
+        if key not in given and vars(args)[key] != upgraded[key]:
             setattr(args, key, upgraded[key])
             if note:
                 notes.append(note)

@@ -136,10 +136,10 @@ def save(trainer, root, async_save=False):
     st, args = trainer.state, trainer.args
     training_state.wait_for_async_save(trainer)
     trainer.optimizer.finish_param_sync()
-    with_optimizer = not getattr(args, "no_save_optim", False)
+    with_optimizer = not args.no_save_optim
     state = training_state.sharded_state(trainer, with_optimizer)
     common = {**training_state.common(trainer, with_optimizer), "ckpt_format": "torch_dist"}
-    rng = None if getattr(args, "no_save_rng", False) else training_state.rng_state(trainer)
+    rng = None if args.no_save_rng else training_state.rng_state(trainer)
     it = trainer.iteration
     tmp = files.iteration_dir(root, it) + ".tmp"
     group = checkpoint_group(trainer)
@@ -160,7 +160,7 @@ def save(trainer, root, async_save=False):
         if st.global_rank == 0:
             if args.verify_integrity:
                 integrity.write_manifest(tmp)
-            files.commit_checkpoint(root, it, getattr(args, "save_retain_interval", None))
+            files.commit_checkpoint(root, it, args.save_retain_interval)
 
     def write():
         attempt.phase(write_files)

@@ -43,7 +43,7 @@ def save(trainer, root):
     tmp = files.iteration_dir(root, it) + ".tmp"
     trainer.optimizer.finish_param_sync()
     # a collective with the distributed optimizer (its shards are gathered): every rank
-    optimizer_state = None if getattr(args, "no_save_optim", False) else trainer.optimizer.state_dict()
+    optimizer_state = None if args.no_save_optim else trainer.optimizer.state_dict()
     attempt = files.save_attempt(root, it)
 
     def write():
@@ -64,7 +64,7 @@ def save(trainer, root):
 
     def commit():
         if st.global_rank == 0:
-            files.commit_checkpoint(root, it, getattr(args, "save_retain_interval", None))
+            files.commit_checkpoint(root, it, args.save_retain_interval)
 
     attempt.start()  # the ranks agree after each phase (where a barrier was)
     attempt.phase(write)

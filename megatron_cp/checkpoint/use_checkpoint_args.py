@@ -75,7 +75,7 @@ def take_checkpoint_args(args, saved, given, inference=False):
     if inference and not (args.bf16 or args.fp16):
         args.bf16, args.fp16 = bool(saved.get("bf16")), bool(saved.get("fp16"))
     missing = [f"--{n.replace('_', '-')}" for n in REQUIRED + ("micro_batch_size",)
-               if getattr(args, n) is None]
+               if vars(args)[n] is None]
     if missing:
         raise ValueError(f"{', '.join(missing)} not given and not in the checkpoint under "
                          f"{args.load}; pass them on the command line")

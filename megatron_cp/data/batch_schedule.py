@@ -86,9 +86,11 @@ class BatchSchedule:
 
     @classmethod
     def from_args(cls, args):
-        """The schedule of a run: ``args.batch_size_schedule`` (parsed from
-        --step-batch-size-schedule) or the constant --global-batch-size."""
-        steps = getattr(args, "batch_size_schedule", None) or [(0, args.global_batch_size)]
+        """The schedule of a run: with --step-batch-size-schedule, its steps (which the
+        argument validation parses into ``args.batch_size_schedule``), else the constant
+        --global-batch-size."""
+        steps = [(0, args.global_batch_size)] if args.step_batch_size_schedule is None \
+            else args.batch_size_schedule
         return cls(steps, args.micro_batch_size, args.data_parallel_size)
 
     def global_batch_size(self, consumed_samples):

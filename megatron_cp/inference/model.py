@@ -33,7 +33,7 @@ def check_checkpoint(args):
     if not args.load:
         raise ValueError("give --load DIR, the checkpoint to evaluate or generate from "
                          "(with --use-checkpoint-args for its model and tokenizer flags)")
-    if checkpoint_files.load_iteration(args.load, getattr(args, "ckpt_step", None)) is None:
+    if checkpoint_files.load_iteration(args.load, args.ckpt_step) is None:
         raise ValueError(f"--load {args.load}: no checkpoint there (no {checkpoint_files.TRACKER}); "
                          f"give the --save folder of a training run")
     if args.tokenizer_type is None and args.vocab_size is None:
@@ -69,7 +69,7 @@ class InferenceModel:
         self.args, self.state, self.device = args, state, state.device
         self.tokenizer = tokenizer_from_args(args)
         self.config = config_from_args(args, self.tokenizer.vocab_size)
-        saved = _saved_vocab_size(args.load, getattr(args, "ckpt_step", None))
+        saved = _saved_vocab_size(args.load, args.ckpt_step)
         if saved is not None and saved != self.config.vocab_size:
             raise ValueError(f"the tokenizer has {self.config.vocab_size} tokens but the "
                              f"checkpoint under {args.load} was trained with {saved}; use its "
@@ -87,7 +87,7 @@ class InferenceModel:
         args.finetune, args.no_load_optim, args.no_load_rng = True, True, True
         print_rank_0(f"> loading weights from {args.load} ...")
         load_save.load_checkpoint(self, args.load)
-        self.iteration = checkpoint_files.load_iteration(args.load, getattr(args, "ckpt_step", None))
+        self.iteration = checkpoint_files.load_iteration(args.load, args.ckpt_step)
         print_rank_0(f" loaded the weights of iteration {self.iteration} "
                      f"(TP={state.size('tp')}, CP={state.size('cp')}, PP={state.size('pp')}, "
                      f"DP={state.size('dp')})")

@@ -28,16 +28,16 @@ def build_optimizer(args, models, model_chunks, state, check_for_nan_in_grad=Tru
     """The optimizer over ``models``' params (``model_chunks``: their DDP wrappers)."""
     config = build_config(OptimizerConfig, args)
     mup = mup_group_overrides(args.mup_width_mult, args.lr, args.min_lr, args.adam_eps,
-                              args.optimizer) if getattr(args, "use_mup", False) else None
+                              args.optimizer) if args.use_mup else None
     groups = get_param_groups(models, args.weight_decay, config.decoupled_lr is not None,
-                              config.uses_muon, getattr(args, "apply_wd_to_qk_layernorm", False),
+                              config.uses_muon, args.apply_wd_to_qk_layernorm,
                               mup)
     settings = dict(lr=args.lr, weight_decay=args.weight_decay,
                     betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
                     clip_grad=args.clip_grad, params_dtype=args.params_dtype,
                     grad_scaler=grad_scaler(args), check_for_nan_in_grad=check_for_nan_in_grad,
                     muon=config if config.uses_muon else None)
-    if getattr(args, "use_distributed_optimizer", False):
+    if args.use_distributed_optimizer:
         return DistributedOptimizer(groups, model_chunks, state, **settings)
     if is_fully_sharded(model_chunks):
         return FullyShardedOptimizer(groups, state, **settings)

@@ -45,7 +45,7 @@ def argument_problems(args):
     Megatron-LM's rules (one pipeline stage, no expert parallelism, no distributed
     optimizer, torch_dist checkpoints) and ours (no Muon, no DP-replica checks: FSDP keeps
     no replicas)."""
-    if not getattr(args, "use_torch_fsdp2", False):
+    if not args.use_torch_fsdp2:
         return []
     rules = [
         (args.pipeline_model_parallel_size == 1,

@@ -73,11 +73,9 @@ def model_config(args, vocab_size=None):
 
 
 def tokenizer_vocab_size(args):
-    """The vocabulary size of the tokenizer the arguments build (the trainer's own call)."""
+    """The vocabulary size of the tokenizer the arguments build (the trainer's own call). A
+    caller that knows it already passes it to the estimates as ``vocab_size`` instead."""
     from megatron_cp.data import tokenizer_from_args
-    known = getattr(args, "true_vocab_size", None)
-    if known:
-        return known
     try:
         return tokenizer_from_args(args).vocab_size
     except (ValueError, OSError) as error:
@@ -407,8 +405,8 @@ def estimate_memory(args, vocab_size=None, device="cpu"):
     gpu = device == "gpu"  # CPU activations live in host memory already: nothing offloads
     sh = _Shapes(args.micro_batch_size, tokens, tokens // tp if sp else tokens, tp, cp, cp_comm,
                  act, gpu, c.cpu_offloading_num_layers if gpu else 0)
-    distributed = getattr(args, "use_distributed_optimizer", False)
-    instances = getattr(args, "num_distributed_optimizer_instances", 1) or 1
+    distributed = args.use_distributed_optimizer
+    instances = args.num_distributed_optimizer_instances  # validated: at least 1
     world = dp * cp * tp * pp
     expert_dp = world // (pp * ep * etp)
     dense_per = expected_bytes_per_param(args.params_dtype, dp * cp // instances, distributed)
@@ -420,7 +418,7 @@ def estimate_memory(args, vocab_size=None, device="cpu"):
     best = None
     for pp_rank in range(pp):
         dense, experts = stage_param_counts(c, layout, pp_rank, tp, ep, etp)
-        if getattr(args, "use_torch_fsdp2", False):
+        if args.use_torch_fsdp2:
             params, state = _fully_sharded_bytes(args, c, layout, dense + experts, act, dp * cp)
         else:
             params = dense * act + experts * act

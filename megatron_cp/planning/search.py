@@ -196,10 +196,10 @@ def _row(args, cap_bytes, rates, device, vocab_size):
         tp=args.tensor_model_parallel_size, cp=cp,
         cp_comm_type=args.cp_comm_type if cp > 1 else "none",
         pp=args.pipeline_model_parallel_size,
-        vp=getattr(args, "virtual_pipeline_model_parallel_size", None) or 1,
+        vp=args.virtual_pipeline_model_parallel_size or 1,
         dp=args.data_parallel_size, ep=args.expert_model_parallel_size,
         recompute=recompute_name(args),
-        distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
+        distributed_optimizer=args.use_distributed_optimizer,
         memory_bytes=memory, step_time_s=predict_step_time(args, rates, vocab_size),
         max_seq_length=max_seq_length(args, cap_bytes, device, vocab_size),
         fits=memory <= cap_bytes)

@@ -180,7 +180,7 @@ def predict_step_time(args, rates, vocab_size=None):
     tp, cp, pp = args.tensor_model_parallel_size, args.context_parallel_size, \
         args.pipeline_model_parallel_size
     ep, dp = args.expert_model_parallel_size, args.data_parallel_size
-    vp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    vp = args.virtual_pipeline_model_parallel_size or 1  # None: no virtual stages
     act = torch.tensor([], dtype=args.params_dtype).element_size()
     s, b = args.seq_length, args.micro_batch_size
     tokens = b * s // cp  # this rank's tokens of one microbatch
@@ -227,7 +227,7 @@ def predict_step_time(args, rates, vocab_size=None):
                                               args.expert_tensor_parallel_size))
                        for r in range(pp))
     group = dp * cp
-    fsdp = getattr(args, "use_torch_fsdp2", False) and group > 1
+    fsdp = args.use_torch_fsdp2 and group > 1
     if fsdp:  # every microbatch: params gathered for forward and again for backward (in the
         # compute dtype; once with no resharding), fp32 gradients reduce-scattered
         gathers = 1 if args.torch_fsdp2_no_reshard_after_forward else 2
@@ -240,7 +240,7 @@ def predict_step_time(args, rates, vocab_size=None):
     grad_sync = 0.0
     if group > 1 and not fsdp:
         grad_sync = 2 * (group - 1) / group * stage_params * 4 / _link(rates, spans["dp_cp"])
-        if getattr(args, "overlap_grad_reduce", False):
+        if args.overlap_grad_reduce:
             # the buckets reduce during the last microbatch's backward (2/3 of its compute)
             grad_sync = max(0.0, grad_sync - 2 / 3 * compute)
     return microbatches * per_microbatch + bubble + grad_sync
