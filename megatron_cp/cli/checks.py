@@ -201,9 +201,10 @@ COUNT_MINIMUMS = (("micro_batch_size", 1), ("global_batch_size", 1), ("log_inter
 
 def _validate_counts(args):
     """Sizes and intervals in range, and one training length (Megatron's rule too)."""
-    problems = [f"--{name.replace('_', '-')} ({getattr(args, name)}) must be at least {minimum}"
+    values = vars(args)
+    problems = [f"--{name.replace('_', '-')} ({values[name]}) must be at least {minimum}"
                 for name, minimum in COUNT_MINIMUMS
-                if getattr(args, name, None) is not None and getattr(args, name) < minimum]
+                if values[name] is not None and values[name] < minimum]
     if args.train_iters is not None and args.train_samples is not None:
         problems.append(f"--train-iters ({args.train_iters}) and --train-samples "
                         f"({args.train_samples}) both give the training length; give one")

@@ -918,13 +918,13 @@ def apply_compat_flags(args, defaults):
     """
     notes, problems = [], []
     for entry in all_entries():
-        value = getattr(args, entry.dest, None)
+        value = vars(args)[entry.dest]
         if entry.flag in _grouped_flags():  # nothing reads it: off the arguments (and banner)
             delattr(args, entry.dest)
         if value == defaults(entry.dest):
             continue
         shown = _given(entry, value)
-        if entry.needs and getattr(args, entry.needs[0]) not in entry.needs[1]:
+        if entry.needs and vars(args)[entry.needs[0]] not in entry.needs[1]:
             problems.append(f"{shown}: {entry.needs[2]}")
         elif entry.kind == REFUSE:
             problems.append(f"{shown}: {entry.why}")
@@ -934,7 +934,7 @@ def apply_compat_flags(args, defaults):
             notes.append(f"{shown}: {entry.why}")
         elif entry.kind == MAP:
             name, target = entry.sets
-            current = getattr(args, name)
+            current = vars(args)[name]
             if current not in (defaults(name), target):
                 problems.append(f"{entry.flag} means --{name.replace('_', '-')} {target}, but "
                                 f"--{name.replace('_', '-')} {current} was given; drop one")

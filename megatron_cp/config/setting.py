@@ -140,10 +140,11 @@ def _value_from_args(f, args):
     name = arg_of(f)
     if name is None:
         return _UNSET
+    values = vars(args)  # a namespace without the name (an old checkpoint's): the field's default
     gate = f.metadata.get("gate")
-    if gate and not getattr(args, _dest(gate[0]), False):
+    if gate and not values.get(_dest(gate[0])):
         return _UNSET
-    value = getattr(args, name, None)
+    value = values.get(name)
     if f.metadata.get("store_false") or f.metadata.get("negative"):
         return _UNSET if value is None else bool(value)
     if _is_switch(f):
