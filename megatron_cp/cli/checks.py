@@ -71,9 +71,9 @@ def validate_args(args, world_size, parser, names, inference=False, problems=())
     sizes_ok = checks.run(_validate_sizes, args, world_size, names)
     batch_ok = counts_ok and sizes_ok and checks.run(_validate_batch, args)
     if batch_ok:
-        checks.run(_validate_eval_batch, args)
-    if batch_ok:
-        checks.run(_validate_pipeline, args, check_microbatches=not inference)
+        eval_ok = checks.run(_validate_eval_batch, args)
+        checks.run(_validate_pipeline, args, check_microbatches=not inference,
+                   eval_counted=eval_ok)
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         args.sequence_parallel = False  # Megatron turns it off silently for TP=1
     if args.deterministic_mode and args.attention_kernel == "auto":
@@ -461,16 +461,16 @@ def _check_tokenizer_files(args):
             raise ValueError(f"{flag} {path}: no such file")
 
 
-def _validate_pipeline(args, check_microbatches=True):
+def _validate_pipeline(args, check_microbatches=True, eval_counted=True):
     """Stage split (the layout the split flags describe), virtual stages, interleaving's
-    microbatch rule (when ``check_microbatches``: evaluation pads its own microbatch count)
-    and the buffer length."""
+    microbatch rule (when ``check_microbatches``: evaluation pads its own microbatch count,
+    known when ``eval_counted``) and the buffer length."""
     pp = args.pipeline_model_parallel_size
     layout = layout_from_args(args)
     args.virtual_pipeline_model_parallel_size = layout.vp_size if layout.vp_size > 1 else None
     if check_microbatches:
-        evaluation = [args.eval_num_microbatches] if args.eval_iters > 0 and getattr(
-            args, "eval_num_microbatches", None) else []
+        evaluation = [args.eval_num_microbatches] if eval_counted and args.eval_iters > 0 \
+            else []
         for count in sorted(set(_microbatch_counts(args) + evaluation)):
             validate_interleaved_microbatches(count, pp, args.virtual_pipeline_model_parallel_size,
                                               args.microbatch_group_size_per_vp_stage)
