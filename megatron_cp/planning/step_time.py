@@ -20,7 +20,6 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from megatron_cp.config.parallel import DEFAULT_RANK_ORDER
 from megatron_cp.initialize import rank_layout
 from megatron_cp.pipeline_parallel import layout_from_args
 from megatron_cp.planning.memory import model_config, routed_tokens, stage_param_counts
@@ -170,7 +169,7 @@ def _spans(args):
     layout = rank_layout(args.world_size, args.tensor_model_parallel_size,
                          args.context_parallel_size, args.pipeline_model_parallel_size,
                          args.expert_model_parallel_size, args.expert_tensor_parallel_size,
-                         order=getattr(args, "rank_order", DEFAULT_RANK_ORDER))
+                         order=args.rank_order)
     return {name: max(groups[0]) - min(groups[0]) + 1 for name, groups in layout.items()}
 
 
