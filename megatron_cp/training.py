@@ -35,6 +35,7 @@ from megatron_cp.pipeline_parallel import loss_weighting
 from megatron_cp import moe
 from megatron_cp import rerun
 from megatron_cp.activation_offload import offload_note
+from megatron_cp.config.run import RunConfig
 from megatron_cp.config.setting import build_config
 from megatron_cp.context_parallel import resolve_comm_type
 from megatron_cp.data import tokenizer_from_args
@@ -59,18 +60,19 @@ from megatron_cp.training_log import TrainingLogger, model_flops_per_token
 from megatron_cp.weight_hash import check_weight_hashes
 
 
-def data_parallel_wrapper(args, model, state):
-    """``model`` in its data-parallel wrapper: FSDP2 with --use-torch-fsdp2 (each
-    transformer layer one unit), else the DDP of flat gradient buckets."""
-    if args.use_torch_fsdp2:
+def data_parallel_wrapper(optimizer, model, state, params_dtype):
+    """``model`` in its data-parallel wrapper, as the optimizer section ``optimizer`` asks:
+    FSDP2 with --use-torch-fsdp2 (each transformer layer one unit), else the DDP of flat
+    gradient buckets."""
+    if optimizer.use_torch_fsdp2:
         return TorchFullyShardedDataParallel(
-            model, state, (TransformerLayer,), params_dtype=args.params_dtype,
-            reshard_after_forward=not args.torch_fsdp2_no_reshard_after_forward)
+            model, state, (TransformerLayer,), params_dtype=params_dtype,
+            reshard_after_forward=not optimizer.torch_fsdp2_no_reshard_after_forward)
     return DistributedDataParallel(
-        model, state, bucket_size_mb=args.ddp_bucket_size_mb,
-        overlap_grad_reduce=args.overlap_grad_reduce,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-        overlap_param_gather=args.overlap_param_gather)
+        model, state, bucket_size_mb=optimizer.ddp_bucket_size_mb,
+        overlap_grad_reduce=optimizer.overlap_grad_reduce,
+        use_distributed_optimizer=optimizer.use_distributed_optimizer,
+        overlap_param_gather=optimizer.overlap_param_gather)
 
 
 def config_from_args(args, vocab_size):
@@ -82,30 +84,34 @@ class Trainer:
     """Everything one training run holds; ``pretrain`` drives it."""
 
     def __init__(self, args, state):
-        self.args, self.state = args, state
+        self.args, self.state = args, state  # args: what checkpoints save (Megatron-LM's names)
         self.device = state.device
         self.progress = faults.Progress()  # what a lost-contact error says the job was doing
         self.check_for_nan = args.check_for_nan_in_loss_and_grad
         self.tokenizer = tokenizer_from_args(args)
-        self.config = config_from_args(args, self.tokenizer.vocab_size)
+        # the run's frozen configuration; each part below is handed its own section
+        self.run = RunConfig.from_args(args, self.tokenizer.vocab_size)
+        self.config = self.run.model
         # saved with the arguments: conversions carry exactly the real vocabulary
         args.true_vocab_size = self.config.vocab_size
         args.padded_vocab_size = self.config.padded_vocab_size(state.size("tp"))
-        vp_args = args.virtual_pipeline_model_parallel_size or 1  # None: no virtual stages
+        parallel = self.run.parallel
+        vp_args = parallel.virtual_pipeline_model_parallel_size or 1  # None: no virtual stages
         if (state.virtual_pipeline_model_parallel_size or 1) != vp_args:
             raise ValueError(f"the arguments ask for {vp_args} virtual pipeline stages but the "
                              f"ParallelState was built with "
                              f"{state.virtual_pipeline_model_parallel_size}; pass "
                              f"virtual_pipeline_model_parallel_size to initialize_model_parallel")
-        if state.order != args.rank_order:
-            raise ValueError(f"the arguments ask for rank order {args.rank_order} but the "
+        if state.order != parallel.rank_order:
+            raise ValueError(f"the arguments ask for rank order {parallel.rank_order} but the "
                              f"ParallelState was built with {state.order}; pass order to "
                              f"initialize_model_parallel")
         if state.size("pp") > 1:  # this rank's stage: one chunk, or one per virtual stage
             models = build_model_chunks(self.config, state, layout_from_args(args))
         else:
             models = [GPTModel(self.config, state=state, device=self.device)]
-        self.model_chunks = [data_parallel_wrapper(args, m, state) for m in models]
+        self.model_chunks = [data_parallel_wrapper(self.run.optimizer, m, state,
+                                                   self.config.params_dtype) for m in models]
         self.model = self.model_chunks[0]
         if args.test_mode:  # Megatron-LM's realtime test: QK norms equal over DP, every forward
             for m in models:
@@ -137,8 +143,8 @@ class Trainer:
         # The P2P buffers between pipeline stages are [length/cp(/tp with SP), b, h]; the
         # length follows each step's data (DataFeed._step_length), the shape is passed per step.
         self.forward_backward = get_forward_backward_func(
-            state, dtype=args.params_dtype, overlap_p2p_comm=args.overlap_p2p_comm,
-            microbatch_group_size=args.microbatch_group_size_per_vp_stage)
+            state, dtype=self.config.params_dtype, overlap_p2p_comm=parallel.overlap_p2p_comm,
+            microbatch_group_size=parallel.microbatch_group_size_per_vp_stage)
 
     # ----- data (megatron_cp.data.feed) -------------------------------------------------
     def build_iterators(self):

@@ -31,7 +31,7 @@ def _parse(extra="", world=1):
 
 
 # ----- one field, everything derived -------------------------------------------------------
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True, frozen=True)
 class _WithNewSetting(GPTConfig):
     """GPTConfig plus one hyper-parameter, declared once, the way a new one is added."""
     attention_temperature: float = setting(1.0, shapes=True,

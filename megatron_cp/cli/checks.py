@@ -140,6 +140,7 @@ def _validate_batch(args):
     """Global batch = micro batch x DP x microbatches: constant, or stepped by
     --step-batch-size-schedule (data/batch_schedule.py)."""
     dp = args.data_parallel_size
+    args.batch_size_schedule = None
     if args.step_batch_size_schedule is not None:
         args.batch_size_schedule = parse_schedule(args.step_batch_size_schedule, args.seq_length)
         # Megatron-LM fills the unused --global-batch-size as without a schedule; its

@@ -15,7 +15,7 @@ NOT_BUILT_FORMATS = {
 }
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class CheckpointConfig:
     save: str | None = setting(None, group="checkpointing and logging",
         help="Checkpoint directory to save to.")

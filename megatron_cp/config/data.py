@@ -8,7 +8,7 @@ TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "GPT2B
                    "HuggingFaceTokenizer", "NullTokenizer")
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class DataConfig:
     seq_length: int = setting(group="model", help="Training sequence length.")
     data_path: tuple[str, ...] | None = setting(None, nargs="*", group="data",

@@ -4,10 +4,10 @@ from dataclasses import dataclass
 
 from megatron_cp.config.layer_pattern import parse_layer_freq
 from megatron_cp.config.parallel import resolve_comm_type
-from megatron_cp.config.setting import setting
+from megatron_cp.config.setting import resolve, setting
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class GatedDeltaNetSettings:
     """Gated DeltaNet's settings, part of :class:`~megatron_cp.config.model.GPTConfig`."""
     experimental_attention_variant: str | None = setting(
@@ -36,7 +36,8 @@ class GatedDeltaNetSettings:
             raise ValueError(f"experimental_attention_variant ({variant!r}) is not built; use "
                              f"gdn (Gated DeltaNet) or drop it")
         if variant == "gated_delta_net":  # Megatron-LM's deprecated spelling
-            self.experimental_attention_variant = variant = "gdn"
+            variant = "gdn"
+            resolve(self, experimental_attention_variant=variant)
         if variant is None:
             if self.linear_attention_freq is not None:
                 raise ValueError(f"linear_attention_freq ({self.linear_attention_freq}) places "

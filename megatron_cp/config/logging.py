@@ -4,7 +4,7 @@ from dataclasses import dataclass
 from megatron_cp.config.setting import setting
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class LoggingConfig:
     log_interval: int = setting(100, group="checkpointing and logging",
         help="Print a log line every this many iterations.")

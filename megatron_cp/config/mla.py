@@ -2,10 +2,10 @@
 Megatron-LM's flags and defaults, and their rules."""
 from dataclasses import dataclass
 
-from megatron_cp.config.setting import setting
+from megatron_cp.config.setting import resolve, setting
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class MLASettings:
     """Multi-head latent attention's settings, part of :class:`~megatron_cp.config.model.GPTConfig`."""
     multi_latent_attention: bool = setting(
@@ -46,7 +46,7 @@ class MLASettings:
                                  f"attention use position_embedding_type yarn)")
             return
         if self.rope_type is None:
-            self.rope_type = "yarn"
+            resolve(self, rope_type="yarn")
         for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be positive")

@@ -20,7 +20,7 @@ from megatron_cp.config.moe import MoESettings
 from megatron_cp.config.mtp import MTPSettings
 from megatron_cp.config.mup import resolve_mup
 from megatron_cp.config.parallel import COMM_TYPES, check_hierarchical_sizes
-from megatron_cp.config.setting import check_choices, setting
+from megatron_cp.config.setting import check_choices, resolve, setting
 
 
 KERNEL_NAMES = ("auto", "torch")  # --attention-kernel: auto picks per device and shape
@@ -34,7 +34,7 @@ def pad_vocab_size(vocab_size, make_vocab_size_divisible_by=128, tensor_model_pa
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class GPTConfig(MLASettings, GatedDeltaNetSettings, MoESettings, MTPSettings):
     """Everything that shapes the GPT model. Sizes follow Megatron-LM's argument names."""
     num_layers: int = setting(help="Number of transformer layers.", shapes=True)
@@ -252,15 +252,15 @@ class GPTConfig(MLASettings, GatedDeltaNetSettings, MoESettings, MTPSettings):
             if self.activation == "swiglu":
                 raise ValueError("squared_relu (True) and activation ('swiglu') are two MLP "
                                  "activations; give one")
-            self.activation = "squared_relu"
-        self.squared_relu = self.activation == "squared_relu"
+            resolve(self, activation="squared_relu")
+        resolve(self, squared_relu=self.activation == "squared_relu")
         self._resolve_gelu()
         self._check_mla()
         self._check_rotary()
         if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
+            resolve(self, ffn_hidden_size=4 * self.hidden_size)
         if self.num_query_groups is None:
-            self.num_query_groups = self.num_attention_heads
+            resolve(self, num_query_groups=self.num_attention_heads)
         if not 0.0 <= self.attention_dropout <= 1.0:
             raise ValueError(f"attention_dropout ({self.attention_dropout}) is a probability: "
                              f"give a value from 0 to 1")
@@ -268,7 +268,7 @@ class GPTConfig(MLASettings, GatedDeltaNetSettings, MoESettings, MTPSettings):
             if self.hidden_size % self.num_attention_heads != 0:
                 raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by "
                                  f"num_attention_heads ({self.num_attention_heads}), or set kv_channels")
-            self.kv_channels = self.hidden_size // self.num_attention_heads
+            resolve(self, kv_channels=self.hidden_size // self.num_attention_heads)
         if self.num_attention_heads % self.num_query_groups != 0:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
                              f"num_query_groups ({self.num_query_groups})")
@@ -332,7 +332,7 @@ class GPTConfig(MLASettings, GatedDeltaNetSettings, MoESettings, MTPSettings):
         approximation, the unfused path ``F.gelu`` (erf); its fusion is off without biases and
         refuses an activation or an MoE expert it has no fused kernel for."""
         if not self.add_bias_linear:
-            self.bias_gelu_fusion = False  # Megatron-LM turns it off silently, so do we
+            resolve(self, bias_gelu_fusion=False)  # Megatron-LM turns it off silently, so do we
         if not self.bias_gelu_fusion or self.activation not in ("gelu", "gelu_tanh"):
             if self.bias_gelu_fusion and self.activation == "squared_relu":
                 raise ValueError("--squared-relu with biases meets Megatron-LM's bias-GELU fusion "
@@ -345,7 +345,7 @@ class GPTConfig(MLASettings, GatedDeltaNetSettings, MoESettings, MTPSettings):
                              f"kernel for the routed experts and stops at their first forward: "
                              f"add --no-bias-gelu-fusion (exact GELU), --disable-bias-linear or "
                              f"--swiglu")
-        self.activation = "gelu_tanh"
+        resolve(self, activation="gelu_tanh")
 
     def _check_rotary(self):
         """YaRN's settings mean something with position_embedding_type yarn only, and YaRN

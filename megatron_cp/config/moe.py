@@ -3,10 +3,10 @@
 from dataclasses import dataclass
 
 from megatron_cp.config.layer_pattern import parse_layer_freq
-from megatron_cp.config.setting import setting
+from megatron_cp.config.setting import resolve, setting
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class MoESettings:
     """The MoE settings, part of :class:`~megatron_cp.config.model.GPTConfig`."""
     num_moe_experts: int = setting(0, flag="--num-experts", cli_default=None, shapes=True,
@@ -87,7 +87,7 @@ class MoESettings:
         """The MoE rules that need no parallel size (see :meth:`validate_experts`)."""
         experts, topk = self.num_moe_experts, self.moe_router_topk
         if self.moe_ffn_hidden_size is None:
-            self.moe_ffn_hidden_size = self.ffn_hidden_size
+            resolve(self, moe_ffn_hidden_size=self.ffn_hidden_size)
         if not 1 <= topk <= experts:
             raise ValueError(f"moe_router_topk ({topk}) must be between 1 and num_moe_experts "
                              f"({experts})")

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 from megatron_cp.config.setting import setting
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class MTPSettings:
     """Multi-token prediction's settings, part of :class:`~megatron_cp.config.model.GPTConfig`."""
     mtp_num_layers: int | None = setting(

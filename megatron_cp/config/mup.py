@@ -22,6 +22,8 @@ This module resolves the derived values when the config is built (:func:`resolve
 """
 import math
 
+from megatron_cp.config.setting import resolve
+
 # the muP settings that mean nothing without --use-mup, with their defaults
 _MUP_SETTINGS = {"mup_width_mult": 1.0, "mup_base_hidden_size": None, "mup_embedding_mult": 1.0,
                  "mup_output_mult": 1.0, "mup_base_head_dim": None, "mup_attn_scale_power": 1.0}
@@ -51,10 +53,11 @@ def resolve_mup(config):
                          f"drop it and set mup_base_hidden_size")
     if config.mup_base_head_dim is not None and not config.mup_base_head_dim > 0:
         raise ValueError(f"mup_base_head_dim ({config.mup_base_head_dim}) must be positive")
-    config.mup_base_hidden_size, config.mup_width_mult = base, width_mult
+    resolve(config, mup_base_hidden_size=base, mup_width_mult=width_mult)
     if config.softmax_scale is None:
         base_dim = config.mup_base_head_dim
         base_scale = 1.0 if base_dim is None else math.sqrt(base_dim)
-        config.softmax_scale = base_scale / config.kv_channels ** config.mup_attn_scale_power
+        resolve(config,
+                softmax_scale=base_scale / config.kv_channels ** config.mup_attn_scale_power)
     if config.mup_output_mult == 1.0 and width_mult != 1.0:
-        config.mup_output_mult = 1.0 / width_mult
+        resolve(config, mup_output_mult=1.0 / width_mult)

@@ -25,7 +25,7 @@ _NOT_BUILT = {
 MUON_TP_MODES = ("blockwise", "duplicated", "distributed")
 
 
-@dataclass
+@dataclass(kw_only=True, frozen=True)
 class OptimizerConfig:
     """How parameters are updated. Field names follow Megatron-LM's OptimizerConfig."""
     optimizer: str = setting(
@@ -148,6 +148,19 @@ class OptimizerConfig:
     torch_fsdp2_no_reshard_after_forward: bool = setting(False, group="training",
         help="With --use-torch-fsdp2: keep each layer's gathered parameters from its forward to "
              "its backward (more memory, one all-gather less).")
+    # derived by the command line's checks (megatron_cp/cli/checks.py)
+    lr_counts_samples: bool = setting(
+        False, flag=None, arg="lr_counts_samples",
+        help="The schedule's lengths count samples (--train-samples or a batch-size schedule), "
+             "not iterations.")
+    lr_warmup_steps: int | None = setting(None, flag=None, arg="lr_warmup_steps",
+                                          help="Warmup length, in the schedule's unit.")
+    lr_decay_steps: int | None = setting(None, flag=None, arg="lr_decay_steps",
+                                         help="Decay length, in the schedule's unit.")
+    wd_incr_steps: int | None = setting(None, flag=None, arg="wd_incr_steps",
+                                        help="Weight-decay schedule length, in its unit.")
+    ddp_bucket_size_mb: float = setting(40.0, flag=None, arg="ddp_bucket_size_mb",
+                                        help="--ddp-bucket-size in MB of fp32 gradients.")
 
     def __post_init__(self):
         check_choices(self)

@@ -58,7 +58,7 @@ def resolve_comm_type(comm_type, num_kv_heads, cp_size, hierarchical_sizes=None)
     return "a2a+p2p", check_hierarchical_sizes(hierarchical_sizes, cp_size)
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class ParallelConfig:
     tensor_model_parallel_size: int = setting(1, group="parallelism",
         help="Tensor parallel size.")
@@ -125,6 +125,15 @@ class ParallelConfig:
         help="torch.distributed backend (default nccl with CUDA, else gloo).")
     distributed_timeout_minutes: int = setting(10, group="parallelism",
         help="Timeout of collectives, in minutes.")
+
+    # derived by the command line's checks (megatron_cp/cli/checks.py)
+    world_size: int = setting(1, flag=None, arg="world_size", help="Ranks in the job.")
+    data_parallel_size: int | None = setting(
+        None, flag=None, arg="data_parallel_size",
+        help="world size / (TP x CP x PP): the data-parallel replicas.")
+    virtual_pipeline_model_parallel_size: int | None = setting(
+        None, flag=None, arg="virtual_pipeline_model_parallel_size",
+        help="Model chunks per pipeline rank (None: no virtual stages).")
 
     def __post_init__(self):
         check_choices(self)

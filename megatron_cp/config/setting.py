@@ -55,6 +55,13 @@ def setting(default=dataclasses.MISSING, *, help, flag=_AUTO, arg=None, when_set
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
 
 
+def resolve(config, **values):
+    """Fill derived ``values`` into a frozen ``config`` while its ``__post_init__`` builds it
+    (e.g. ffn_hidden_size from hidden_size); nothing changes a config once built."""
+    for name, value in values.items():
+        object.__setattr__(config, name, value)
+
+
 def _dest(flag):
     return flag.lstrip("-").replace("-", "_")
 

@@ -10,7 +10,7 @@ RERUN_MODES = ("disabled", "validate_results", "report_stats")
 INJECTION_TYPES = ("correct_result", "transient_error", "persistent_error")
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class TrainingConfig:
     micro_batch_size: int = setting(group="training", help="Samples per microbatch per DP rank.")
     global_batch_size: int | None = setting(None, group="training",
@@ -107,6 +107,16 @@ class TrainingConfig:
     manual_gc_interval: int = setting(0, group="training",
         help="Iterations between manual garbage collections (0: only at checkpoints and "
              "evaluation).")
+    # derived by the command line's checks (megatron_cp/cli/checks.py)
+    num_microbatches: int | None = setting(
+        None, flag=None, arg="num_microbatches",
+        help="Microbatches per step and rank (None: --step-batch-size-schedule decides).")
+    eval_num_microbatches: int | None = setting(
+        None, flag=None, arg="eval_num_microbatches",
+        help="Microbatches per evaluation batch and rank.")
+    batch_size_schedule: tuple | None = setting(
+        None, flag=None, arg="batch_size_schedule",
+        help="--step-batch-size-schedule parsed: (first sample, global batch size) pairs.")
 
     def __post_init__(self):
         check_choices(self)
