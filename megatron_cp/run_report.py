@@ -15,10 +15,13 @@ import os
 import torch
 import torch.distributed as dist
 
+from megatron_cp.config.parallel import ParallelConfig
+from megatron_cp.config.setting import build_config
+from megatron_cp.config.training import TrainingConfig
 from megatron_cp.data.batch_schedule import BatchSchedule
 from megatron_cp.initialize import distributed_env
 from megatron_cp.optimizer.clip_grads import counted_here
-from megatron_cp.pipeline_parallel.stages import layout_from_args
+from megatron_cp.pipeline_parallel.stages import layout_from_config
 
 # Above this many model-parallel ranks the banner summarizes the per-rank counts.
 MAX_RANK_LINES = 8
@@ -69,7 +72,8 @@ def format_parallel_sizes(args, state):
     if cp > 1:
         details.append(f"cp comm type: {args.cp_comm_type}")
     if args.step_batch_size_schedule is not None:  # Megatron's lines for a schedule
-        schedule = BatchSchedule.from_args(args)
+        schedule = BatchSchedule.from_config(build_config(TrainingConfig, args),
+                                             build_config(ParallelConfig, args))
         return (line + "\n> " + ", ".join(details) + "\n> using step batch size schedule: "
                 f"{args.step_batch_size_schedule}\n" + schedule.describe(args.seq_length))
     details.append(f"number of microbatches: {args.num_microbatches} (global batch "
@@ -78,7 +82,8 @@ def format_parallel_sizes(args, state):
     details.append(f"rank order: {state.order}")
     text = line + "\n> " + ", ".join(details)
     if pp > 1:  # what each stage holds, as a layout string and per rank
-        layout = layout_from_args(args)
+        layout = layout_from_config(build_config(ParallelConfig, args), args.num_layers,
+                                    args.mtp_num_layers)
         text += "\n".join([f"\n> pipeline layout: {layout}"] + [f">   {row}" for row in layout.describe()])
     return text
 

@@ -35,10 +35,11 @@ from megatron_cp.pipeline_parallel import loss_weighting
 from megatron_cp import moe
 from megatron_cp import rerun
 from megatron_cp.activation_offload import offload_note
+from megatron_cp.config.data import DataConfig
 from megatron_cp.config.run import RunConfig
 from megatron_cp.config.setting import build_config
 from megatron_cp.context_parallel import resolve_comm_type
-from megatron_cp.data import tokenizer_from_args
+from megatron_cp.data import tokenizer_from_config
 from megatron_cp.data.batch import mtp_targets
 from megatron_cp.data.batch_schedule import BatchSchedule
 from megatron_cp.data.feed import DataFeed
@@ -50,7 +51,7 @@ from megatron_cp.optimizer import (DistributedDataParallel, GradNormNotFinite, b
                                    build_scheduler, finalize_model_grads)
 from megatron_cp.optimizer.fsdp import TorchFullyShardedDataParallel
 from megatron_cp.pipeline_parallel import (build_model_chunks, get_forward_backward_func,
-                                           layout_from_args, pipeline_tensor_shape)
+                                           layout_from_config, pipeline_tensor_shape)
 from megatron_cp.profiling import StepProfiler
 from megatron_cp.run_report import (count_parameters, format_arguments, format_compat_notes,
                                     format_dataset_sizes, format_parallel_sizes,
@@ -88,7 +89,7 @@ class Trainer:
         self.device = state.device
         self.progress = faults.Progress()  # what a lost-contact error says the job was doing
         self.check_for_nan = args.check_for_nan_in_loss_and_grad
-        self.tokenizer = tokenizer_from_args(args)
+        self.tokenizer = tokenizer_from_config(build_config(DataConfig, args))
         # the run's frozen configuration; each part below is handed its own section
         self.run = RunConfig.from_args(args, self.tokenizer.vocab_size)
         self.config = self.run.model
@@ -107,7 +108,8 @@ class Trainer:
                              f"ParallelState was built with {state.order}; pass order to "
                              f"initialize_model_parallel")
         if state.size("pp") > 1:  # this rank's stage: one chunk, or one per virtual stage
-            models = build_model_chunks(self.config, state, layout_from_args(args))
+            models = build_model_chunks(self.config, state, layout_from_config(
+                parallel, self.config.num_layers, self.config.mtp_num_layers))
         else:
             models = [GPTModel(self.config, state=state, device=self.device)]
         self.model_chunks = [data_parallel_wrapper(self.run.optimizer, m, state,
@@ -118,7 +120,8 @@ class Trainer:
                 for module in m.modules():
                     if getattr(module, "q_layernorm", None) is not None:
                         module.replica_check_group = state.group("dp")
-        self.optimizer = build_optimizer(args, models, self.model_chunks, state, self.check_for_nan)
+        self.optimizer = build_optimizer(self.run.optimizer, self.config, models, self.model_chunks,
+                                         state, self.check_for_nan)
         self.optimizer.count_zeros_in_grad = args.log_num_zeros_in_grad
         # --rerun-mode: a rejected loss or gradient reruns the step (megatron_cp.rerun). Under
         # dynamic fp16 loss scaling an overflow is the scaler's signal, not a fault: Megatron
@@ -134,12 +137,12 @@ class Trainer:
         self.skipped_samples = 0  # of the iterations skipped (--iterations-to-skip)
         self.num_zeros = None  # of the latest step, with --log-num-zeros-in-grad
         self.pending_save = None  # the --async-save in flight (megatron_cp.checkpoint.torch_dist_format)
-        self.scheduler = build_scheduler(args, self.optimizer)
+        self.scheduler = build_scheduler(self.run.optimizer, self.run.checkpoint, self.optimizer)
         self.iteration, self.consumed_samples = 0, 0
-        self.batches = BatchSchedule.from_args(args)
+        self.batches = BatchSchedule.from_config(self.run.training, parallel)
         self.global_batch_size = None  # of the latest iteration (the log line's)
-        self.data = DataFeed(args, state, self.tokenizer, self.config.sequence_parallel,
-                             self.batches)
+        self.data = DataFeed(self.run.data, self.run.training, parallel, self.config, state,
+                             self.tokenizer, self.batches)
         # The P2P buffers between pipeline stages are [length/cp(/tp with SP), b, h]; the
         # length follows each step's data (DataFeed._step_length), the shape is passed per step.
         self.forward_backward = get_forward_backward_func(

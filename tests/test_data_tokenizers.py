@@ -195,7 +195,9 @@ def test_hugging_face_special_tokens_as_megatron_lm(tmp_path):
     from transformers import AutoTokenizer
 
     from megatron_cp.cli.arguments import parse_args
-    from megatron_cp.data.tokenizers import tokenizer_from_args
+    from megatron_cp.config.data import DataConfig
+    from megatron_cp.config.setting import build_config
+    from megatron_cp.data.tokenizers import tokenizer_from_config
 
     folder = _bos_adding_folder(tmp_path)
     hf = AutoTokenizer.from_pretrained(folder)
@@ -209,7 +211,7 @@ def test_hugging_face_special_tokens_as_megatron_lm(tmp_path):
         for model in (folder, os.path.join(folder, "tokenizer.json")):
             args = parse_args((base + flag).split(), world_size=1)
             args.tokenizer_model = model
-            tok = tokenizer_from_args(args)
+            tok = tokenizer_from_config(build_config(DataConfig, args))
             assert tok.tokenize(text) == ids, (flag, model)
             assert tok.detokenize(with_bos) == ("<s>" + text if not flag else text), (flag, model)
 

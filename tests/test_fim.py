@@ -11,6 +11,8 @@ import pytest
 
 from dist_harness import run_workers
 from megatron_cp.cli.arguments import parse_args
+from megatron_cp.config.data import DataConfig
+from megatron_cp.config.setting import build_config
 from megatron_cp.data.builder import build_train_valid_test_datasets
 from megatron_cp.data.fim import FimDataset, FimSettings, FimTransform, fim_settings
 from megatron_cp.data.tokenizers import build_tokenizer
@@ -141,7 +143,7 @@ def _datasets(corpus, extra="", seed=5):
     args = _args(corpus, extra)
     tok = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
                           merge_file=args.merge_file)
-    fim = FimTransform(fim_settings(args, tok), tok)
+    fim = FimTransform(fim_settings(build_config(DataConfig, args), tok), tok)
     plain = build_train_valid_test_datasets(args.data_path, "1,0,0", [40, 0, 0], 64, seed, tok,
                                             data_cache_path=None)[0]
     return plain, FimDataset(plain, fim, seed), tok
@@ -155,7 +157,7 @@ def test_samples_are_the_same_in_every_run_and_order(corpus):
     backward = [again[i]["text"] for i in reversed(range(len(again)))][::-1]
     assert all((a == b).all() for a, b in zip(forward, backward))
     assert all(len(t) == 65 for t in forward)
-    ids = fim_settings(_args(corpus), tok)
+    ids = fim_settings(build_config(DataConfig, _args(corpus)), tok)
     changed = [i for i, t in enumerate(forward) if (t != plain[i]["text"]).any()]
     with_sentinels = [i for i, t in enumerate(forward) if (t == ids.prefix).any()]
     assert changed and changed == with_sentinels
@@ -192,5 +194,5 @@ def test_refused_inputs(corpus, tmp_path):
                           merge_file=args.merge_file)
     with pytest.raises(ValueError, match="the tokenizer has no token --fim-middle-token '<mid>', "
                                          "--fim-pad-token '<nothing>'"):
-        fim_settings(args, tok)
+        fim_settings(build_config(DataConfig, args), tok)
 

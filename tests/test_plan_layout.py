@@ -126,14 +126,18 @@ def test_step_time_follows_throughput_and_link_bandwidth():
 def test_fsdp2_plans_one_stage_with_its_state_sharded():
     from megatron_cp.planning.memory import estimate_memory, stage_param_counts, model_config
     from megatron_cp.planning.step_time import DeviceRates, predict_step_time
-    from megatron_cp.pipeline_parallel import layout_from_args
+    from megatron_cp.config.parallel import ParallelConfig
+    from megatron_cp.config.setting import build_config
+    from megatron_cp.pipeline_parallel import layout_from_config
     argv = LLAMA3_8B.split() + ["--use-torch-fsdp2"]
     rows = json.loads(_plan(argv + ["--num-gpus", "8", "--gpu-memory-gb", "80", "--json"]))["layouts"]
     assert rows and all(r["pp"] == 1 and r["ep"] == 1 for r in rows)  # Megatron-LM's rules
     replicated = parse_args(LLAMA3_8B.split(), world_size=8)
     sharded = parse_args(argv, world_size=8)
-    params = sum(stage_param_counts(model_config(replicated), layout_from_args(replicated), 0,
-                                    1, 1, 1))
+    config = model_config(replicated)
+    layout = layout_from_config(build_config(ParallelConfig, replicated), config.num_layers,
+                                config.mtp_num_layers)
+    params = sum(stage_param_counts(config, layout, 0, 1, 1, 1))
     # 18 bytes a bf16 param replicated; 16/8 sharded, plus the gathered embeddings, output
     # layer and one of the 32 layers in bf16
     saved = estimate_memory(replicated).total_bytes - estimate_memory(sharded).total_bytes

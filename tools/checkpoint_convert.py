@@ -198,13 +198,16 @@ def save_layout(full, args, meta, save_dir, tp, pp, split=None, with_optimizer=F
     optimizer = None
     if with_optimizer and meta.get("optimizer"):
         optimizer = {kind: pad_vocab_rows(per, args, tp) for kind, per in meta["optimizer"].items()}
-    from megatron_cp.pipeline_parallel.stages import layout_from_args
+    from megatron_cp.config.parallel import ParallelConfig
+    from megatron_cp.config.setting import build_config
+    from megatron_cp.pipeline_parallel.stages import layout_from_config
     tied = not args["untie_embeddings_and_output_weights"]
     new_args = dict(args, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                     padded_vocab_size=full["embedding.word_embeddings.weight"].shape[0],
                     expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
                     **{name: (split or {}).get(name) for name in SPLIT_ARGS})
-    layout = layout_from_args(new_args)
+    layout = layout_from_config(build_config(ParallelConfig, argparse.Namespace(**new_args)),
+                                new_args["num_layers"], new_args.get("mtp_num_layers"))
     vp = layout.vp_size
     new_args["virtual_pipeline_model_parallel_size"] = vp if vp > 1 else None
     root = files.iteration_dir(save_dir, meta["iteration"])

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_cp.data.indexed_dataset import (  # noqa: E402
     IndexedDatasetBuilder, data_file_path, index_file_path, optimal_dtype)
-from megatron_cp.data.tokenizers import TOKENIZER_TYPES, tokenizer_from_args  # noqa: E402
+from megatron_cp.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 
 
 class Encoder:
@@ -35,7 +35,7 @@ class Encoder:
 
     def initializer(self):
         """Build the tokenizer once per worker process."""
-        Encoder.tokenizer = tokenizer_from_args(self.args)
+        Encoder.tokenizer = tokenizer_of(self.args)
 
     def encode(self, line):
         """``line`` -> ({key: token ids}, bytes read); ids are None for a blank line."""
@@ -56,6 +56,13 @@ class Encoder:
                 tokens.append(Encoder.tokenizer.eod)
             ids[key] = tokens
         return ids, len(line.encode("utf-8"))
+
+
+def tokenizer_of(args):
+    """The tokenizer that this tool's tokenizer flags name."""
+    return build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file,
+                           args.merge_file, args.vocab_size,
+                           not args.tokenizer_hf_no_include_special_tokens)
 
 
 def get_args(argv=None):
@@ -105,7 +112,7 @@ def main(argv=None):
     """Run the preprocessing; returns {key: output prefix}."""
     args = get_args(argv)
     encoder = Encoder(args)
-    tokenizer = tokenizer_from_args(args)  # validates the flags before any worker starts
+    tokenizer = tokenizer_of(args)  # validates the flags before any worker starts
     dtype = optimal_dtype(tokenizer.vocab_size)
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     os.makedirs(out_dir, exist_ok=True)

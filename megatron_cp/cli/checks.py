@@ -23,7 +23,8 @@ from megatron_cp.data.batch_schedule import (SIZE_NAME, BatchSchedule, check_div
 from megatron_cp.data.utils import parse_and_normalize_split
 from megatron_cp.initialize import check_instances, rank_order, validate_sizes
 from megatron_cp.optimizer import fsdp
-from megatron_cp.pipeline_parallel.stages import layout_from_args, validate_interleaved_microbatches
+from megatron_cp.pipeline_parallel.stages import (layout_from_config,
+                                                  validate_interleaved_microbatches)
 
 
 class ArgumentErrors(ValueError):
@@ -87,11 +88,13 @@ def validate_args(args, world_size, parser, names, inference=False, problems=())
     checks.run(_validate_split, args)
     checks.run(_validate_data, args, need_data=not inference)
     checks.run(_validate_tokenizer, args)
-    for section in (DataConfig, TrainingConfig, ParallelConfig, CheckpointConfig, LoggingConfig):
-        checks.run(build_config, section, args)  # each section's own rules
-    checks.run(_validate_optimizer, args, names)
+    built = {section: checks.run(build_config, section, args)  # each section's own rules
+             for section in (DataConfig, TrainingConfig, ParallelConfig, CheckpointConfig,
+                             LoggingConfig)}
+    built[OptimizerConfig] = checks.run(_validate_optimizer, args, names)
     checks.run(_validate_optimizer_and_checkpoint, args)
-    checks.run(_validate_fsdp2, args)
+    if all(built[section] for section in _FSDP2_SECTIONS):  # else their checks said why
+        checks.run(_validate_fsdp2, args)
     checks.run(_validate_rerun_and_wandb, args)
     if args.save:
         checks.run(_check_writable, args.save)
@@ -255,9 +258,15 @@ def _validate_optimizer_and_checkpoint(args):
                          f"multiples, so it must be a positive multiple of {need}")
 
 
+# the sections whose settings --use-torch-fsdp2's companions are (fsdp.argument_problems)
+_FSDP2_SECTIONS = (OptimizerConfig, ParallelConfig, CheckpointConfig, TrainingConfig)
+
+
 def _validate_fsdp2(args):
-    """--use-torch-fsdp2's companions (megatron_cp.optimizer.fsdp)."""
-    problems = fsdp.argument_problems(args)
+    """--use-torch-fsdp2's companions (megatron_cp.optimizer.fsdp), read from the sections
+    that hold them."""
+    problems = fsdp.argument_problems(*(build_config(section, args)
+                                        for section in _FSDP2_SECTIONS))
     if problems:
         raise ArgumentErrors(problems)
 
@@ -323,7 +332,8 @@ def _validate_schedule(args):
         raise ValueError("give the learning-rate schedule in samples (--lr-decay-samples, "
                          "--lr-warmup-samples) or in iterations (--lr-decay-iters, "
                          "--lr-warmup-iters), not both")
-    schedule = BatchSchedule.from_args(args)
+    schedule = BatchSchedule.from_config(build_config(TrainingConfig, args),
+                                         build_config(ParallelConfig, args))
     if schedule.stepped and args.train_samples is not None and (
             args.lr_decay_iters is not None or args.lr_warmup_iters > 0):
         raise ValueError("with --step-batch-size-schedule and --train-samples the "
@@ -467,7 +477,8 @@ def _validate_pipeline(args, check_microbatches=True, eval_counted=True):
     microbatch rule (when ``check_microbatches``: evaluation pads its own microbatch count,
     known when ``eval_counted``) and the buffer length."""
     pp = args.pipeline_model_parallel_size
-    layout = layout_from_args(args)
+    layout = layout_from_config(build_config(ParallelConfig, args), args.num_layers,
+                                args.mtp_num_layers)
     args.virtual_pipeline_model_parallel_size = layout.vp_size if layout.vp_size > 1 else None
     if check_microbatches:
         evaluation = [args.eval_num_microbatches] if eval_counted and args.eval_iters > 0 \

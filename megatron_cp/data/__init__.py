@@ -13,7 +13,7 @@ _EXPORTS = {
     "gpt_dataset": ("GPTDataset", "MockGPTDataset", "MockIndexedDataset"),
     "indexed_dataset": ("DTYPE_CODES", "IndexedDataset", "IndexedDatasetBuilder",
                         "data_file_path", "index_file_path", "optimal_dtype"),
-    "tokenizers": ("TOKENIZER_TYPES", "build_tokenizer", "tokenizer_from_args"),
+    "tokenizers": ("TOKENIZER_TYPES", "build_tokenizer", "tokenizer_from_config"),
     "utils": ("get_split_ranges", "parse_and_normalize_split", "parse_data_path"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}

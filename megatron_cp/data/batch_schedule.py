@@ -85,13 +85,16 @@ class BatchSchedule:
         self.stepped = len(self.sizes) > 1
 
     @classmethod
-    def from_args(cls, args):
-        """The schedule of a run: with --step-batch-size-schedule, its steps (which the
-        argument validation parses into ``args.batch_size_schedule``), else the constant
-        --global-batch-size."""
-        steps = [(0, args.global_batch_size)] if args.step_batch_size_schedule is None \
-            else args.batch_size_schedule
-        return cls(steps, args.micro_batch_size, args.data_parallel_size)
+    def from_config(cls, training, parallel):
+        """The schedule of a run's training section ``training``
+        (:class:`~megatron_cp.config.training.TrainingConfig`): with
+        --step-batch-size-schedule, its steps (which the command line's checks parse into
+        ``training.batch_size_schedule``), else the constant --global-batch-size; over the
+        data-parallel size of its parallel section ``parallel``
+        (:class:`~megatron_cp.config.parallel.ParallelConfig`)."""
+        steps = [(0, training.global_batch_size)] if training.step_batch_size_schedule is None \
+            else training.batch_size_schedule
+        return cls(steps, training.micro_batch_size, parallel.data_parallel_size)
 
     def global_batch_size(self, consumed_samples):
         """The batch size of the iteration that starts after ``consumed_samples``."""

@@ -9,9 +9,6 @@ processes (``--num-workers``) when the run ends.
 import torch
 import torch.distributed as dist
 
-from megatron_cp.config.data import DataConfig
-from megatron_cp.config.setting import build_config
-
 from megatron_cp.data.batch import (add_mtp_targets, build_data_iterator, close_data_iterator,
                                     get_ltor_batch)
 from megatron_cp.data.builder import build_train_valid_test_datasets
@@ -20,52 +17,57 @@ from megatron_cp.data.microbatch import prepare_microbatch, required_length, spl
 
 
 class DataFeed:
-    """The datasets and the per-step microbatches of one run (``args``: its arguments,
-    ``state``: its ParallelState, ``tokenizer``: the run's tokenizer, ``sequence_parallel``:
-    whether the sequence is also split over TP)."""
+    """The datasets and the per-step microbatches of one run, read from its sections:
+    ``data`` (:class:`~megatron_cp.config.data.DataConfig`: the files, split, sample length,
+    document handling, FIM and loader processes), ``training``
+    (:class:`~megatron_cp.config.training.TrainingConfig`: the training and evaluation
+    lengths and batch sizes), ``parallel`` (:class:`~megatron_cp.config.parallel.ParallelConfig`:
+    --pipeline-seq-length) and ``model`` (:class:`~megatron_cp.config.model.GPTConfig`: the
+    seed, the MTP depths and whether the sequence is also split over TP). ``state``: the
+    run's ParallelState, ``tokenizer``: its tokenizer, ``batches``: its BatchSchedule."""
 
-    def __init__(self, args, state, tokenizer, sequence_parallel, batches):
-        self.args, self.state, self.tokenizer = args, state, tokenizer
+    def __init__(self, data, training, parallel, model, state, tokenizer, batches):
+        self.data, self.training, self.parallel, self.model = data, training, parallel, model
+        self.state, self.tokenizer = state, tokenizer
         self.batches = batches  # the global batch size at each sample (BatchSchedule)
-        self.sequence_parallel = sequence_parallel
         self.device = state.device
         self.reads = state.rank("tp") == 0  # TP peers receive their batch by broadcast
         self.datasets, self.train_iter, self.valid_dataset = {}, None, None
         self.valid_iter = None  # the latest validation pass's (closed with the feed)
         # checked on every rank at start-up: the tokenizer has the FIM tokens
-        self.fim = FimTransform(fim_settings(build_config(DataConfig, args), tokenizer),
-                                tokenizer) if args.fim_data else None
+        self.fim = FimTransform(fim_settings(data, tokenizer), tokenizer) \
+            if data.fim_data else None
 
     def build(self, consumed_samples):
         """Build the datasets and the training iterator, which resumes after
         ``consumed_samples``."""
-        a = self.args
-        eval_rounds = ((a.train_iters // a.eval_interval if a.eval_interval else 0) + 1
-                       if a.eval_iters > 0 else 0)
-        num_samples = (self.batches.samples_after(a.train_iters),
-                       eval_rounds * a.eval_iters * a.eval_global_batch_size,
-                       a.eval_iters * a.eval_global_batch_size)
+        d, t = self.data, self.training
+        eval_rounds = ((t.train_iters // t.eval_interval if t.eval_interval else 0) + 1
+                       if t.eval_iters > 0 else 0)
+        num_samples = (self.batches.samples_after(t.train_iters),
+                       eval_rounds * t.eval_iters * t.eval_global_batch_size,
+                       t.eval_iters * t.eval_global_batch_size)
         train, valid, test = build_train_valid_test_datasets(
-            a.data_path, a.split, num_samples, a.seq_length, a.seed, self.tokenizer,
-            mock=a.mock_data, data_cache_path=a.data_cache_path,
-            mmap_bin=a.mmap_bin_files, fim=self.fim) if self.reads else (None,) * 3
+            d.data_path, d.split, num_samples, d.seq_length, self.model.seed, self.tokenizer,
+            mock=d.mock_data, data_cache_path=d.data_cache_path,
+            mmap_bin=d.mmap_bin_files, fim=self.fim) if self.reads else (None,) * 3
         self.datasets = {"train": train, "validation": valid, "test": test}  # for the banner
         self.train_iter = build_data_iterator(train, self.batches.global_batch_size,
-                                              a.micro_batch_size,
+                                              t.micro_batch_size,
                                               self.state.rank("dp"), self.state.size("dp"),
-                                              consumed_samples, a.num_workers,
-                                              a.exit_signal_handler)
+                                              consumed_samples, d.num_workers,
+                                              t.exit_signal_handler)
         self.valid_dataset = valid
 
     def validation_iterator(self):
         """A fresh pass over the validation split, from its start, in evaluation batches
         (--eval-global-batch-size of --eval-micro-batch-size microbatches)."""
-        a = self.args
+        t = self.training
         close_data_iterator(self.valid_iter)  # the previous pass's loader processes
         self.valid_iter = build_data_iterator(self.valid_dataset if self.reads else None,
-                                              a.eval_global_batch_size, a.eval_micro_batch_size,
+                                              t.eval_global_batch_size, t.eval_micro_batch_size,
                                               self.state.rank("dp"), self.state.size("dp"), 0,
-                                              a.num_workers, a.exit_signal_handler)
+                                              self.data.num_workers, t.exit_signal_handler)
         return self.valid_iter
 
     def close(self):
@@ -83,7 +85,7 @@ class DataFeed:
         DP rank d holds from d x G/DP on, as DataParallelBatchSampler deals them): attention
         dropout's mask follows them, so DP ranks drop what one process running the whole
         batch would."""
-        a, st = self.args, self.state
+        d, st = self.data, self.state
         batches = []
         for _ in range(count):
             text = next(iterator) if iterator is not None else None
@@ -91,13 +93,13 @@ class DataFeed:
                 self._check_token_ids(text)
             if st.size("tp") > 1:
                 if text is None:
-                    text = torch.empty(micro_batch_size, a.seq_length + 1, dtype=torch.long)
+                    text = torch.empty(micro_batch_size, d.seq_length + 1, dtype=torch.long)
                 text = text.to(self.device)
                 dist.broadcast(text, src=st.group_ranks("tp")[0], group=st.group("tp"))
             batches.append(add_mtp_targets(
-                get_ltor_batch(text.to(self.device), self.tokenizer.eod, a.reset_position_ids,
-                               a.reset_attention_mask, a.eod_mask_loss),
-                getattr(a, "mtp_num_layers", None) or 0))
+                get_ltor_batch(text.to(self.device), self.tokenizer.eod, d.reset_position_ids,
+                               d.reset_attention_mask, d.eod_mask_loss),
+                self.model.mtp_depths()))
         length = self._step_length(batches)
         first = first_sample + st.rank("dp") * count * micro_batch_size  # G/DP samples a rank
         prepared = []
@@ -126,13 +128,13 @@ class DataFeed:
         else the longest sample once its documents are padded for CP, rounded up (to
         steps of about seq_length / 8 under PP, so buffer shapes rarely change) and, under
         PP, agreed over the pipeline group before any stage sends."""
-        a, st = self.args, self.state
+        st = self.state
         cp, pp = st.size("cp"), st.size("pp")
-        if pp > 1 and getattr(a, "pipeline_seq_length", None):
-            return a.pipeline_seq_length
-        granularity = split_multiple(cp) * (st.size("tp") if self.sequence_parallel else 1)
+        if pp > 1 and self.parallel.pipeline_seq_length:
+            return self.parallel.pipeline_seq_length
+        granularity = split_multiple(cp) * (st.size("tp") if self.model.sequence_parallel else 1)
         needed = max(required_length(batch, cp) for batch in batches)
-        length = step_length(needed, a.seq_length, granularity, bucketed=pp > 1)
+        length = step_length(needed, self.data.seq_length, granularity, bucketed=pp > 1)
         if pp > 1:
             agreed = torch.tensor([length], dtype=torch.long, device=self.device)
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=st.group("pp"))

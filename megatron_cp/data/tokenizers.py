@@ -243,8 +243,9 @@ def build_tokenizer(tokenizer_type, tokenizer_model=None, vocab_file=None, merge
                      f"{', '.join(TOKENIZER_TYPES)}")
 
 
-def tokenizer_from_args(args):
-    """The tokenizer a command line's tokenizer flags name (NullTokenizer when none)."""
-    return build_tokenizer(args.tokenizer_type or "NullTokenizer", args.tokenizer_model,
-                           args.vocab_file, args.merge_file, args.vocab_size,
-                           not args.tokenizer_hf_no_include_special_tokens)
+def tokenizer_from_config(data):
+    """The tokenizer that the data section ``data`` (:class:`~megatron_cp.config.data.DataConfig`)
+    names (NullTokenizer when none)."""
+    return build_tokenizer(data.tokenizer_type or "NullTokenizer", data.tokenizer_model,
+                           data.vocab_file, data.merge_file, data.vocab_size,
+                           not data.tokenizer_hf_no_include_special_tokens)

@@ -11,9 +11,12 @@ import torch
 
 from megatron_cp.checkpoint import files as checkpoint_files
 from megatron_cp.checkpoint import load_save, megatron_lm_format
-from megatron_cp.data import tokenizer_from_args
+from megatron_cp.config.data import DataConfig
+from megatron_cp.config.parallel import ParallelConfig
+from megatron_cp.config.setting import build_config
+from megatron_cp.data import tokenizer_from_config
 from megatron_cp.model import GPTModel
-from megatron_cp.pipeline_parallel import build_model_chunks, layout_from_args
+from megatron_cp.pipeline_parallel import build_model_chunks, layout_from_config
 from megatron_cp.run_report import print_rank_0
 from megatron_cp.training import config_from_args
 
@@ -67,7 +70,7 @@ class InferenceModel:
     def __init__(self, args, state):
         check_checkpoint(args)
         self.args, self.state, self.device = args, state, state.device
-        self.tokenizer = tokenizer_from_args(args)
+        self.tokenizer = tokenizer_from_config(build_config(DataConfig, args))
         self.config = config_from_args(args, self.tokenizer.vocab_size)
         saved = _saved_vocab_size(args.load, args.ckpt_step)
         if saved is not None and saved != self.config.vocab_size:
@@ -75,7 +78,9 @@ class InferenceModel:
                              f"checkpoint under {args.load} was trained with {saved}; use its "
                              f"tokenizer (--use-checkpoint-args)")
         if state.size("pp") > 1:
-            chunks = build_model_chunks(self.config, state, layout_from_args(args))
+            chunks = build_model_chunks(self.config, state, layout_from_config(
+                build_config(ParallelConfig, args), self.config.num_layers,
+                self.config.mtp_num_layers))
         else:
             chunks = [GPTModel(self.config, state=state, device=self.device)]
         for chunk in chunks:

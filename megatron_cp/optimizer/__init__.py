@@ -1,6 +1,6 @@
 """Optimizer side of training: grad buffers and DP reduction, loss scaling, global-norm
 clipping, mixed-precision AdamW and Muon, the distributed (ZeRO-1) optimizer, memory
-accounting and the learning-rate schedule; factory.py builds them from the flags."""
+accounting and the learning-rate schedule; factory.py builds them from the run's sections."""
 from megatron_cp.optimizer.clip_grads import clip_grad_norm, get_grad_norm, grad_of
 from megatron_cp.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron_cp.optimizer.distributed import (DistributedDataParallel, allreduce_embedding_grads,

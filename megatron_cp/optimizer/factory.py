@@ -1,10 +1,11 @@
-"""The optimizer and learning-rate schedule that the parsed flags describe (Megatron-LM's
+"""The optimizer and learning-rate schedule of a run's optimizer section (Megatron-LM's
 ``get_megatron_optimizer`` and ``get_optimizer_param_scheduler``): the param groups, the
 optimizer over them (replicated, or sharded with ``--use-distributed-optimizer`` or
 ``--use-torch-fsdp2``; AdamW, or Muon and AdamW with ``--optimizer muon``) and the schedule
-with ``--decoupled-lr``."""
-from megatron_cp.config.setting import build_config
-from megatron_cp.config.optimizer import OptimizerConfig
+with ``--decoupled-lr``. Each function takes the sections it reads
+(:class:`~megatron_cp.config.optimizer.OptimizerConfig`, the model's
+:class:`~megatron_cp.config.model.GPTConfig`, the checkpoint's
+:class:`~megatron_cp.config.checkpoint.CheckpointConfig`)."""
 from megatron_cp.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron_cp.optimizer.fsdp import FullyShardedOptimizer, is_fully_sharded
 from megatron_cp.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
@@ -13,48 +14,57 @@ from megatron_cp.optimizer.optimizer import (MixedPrecisionOptimizer, get_param_
                                              mup_group_overrides)
 
 
-def grad_scaler(args):
-    """fp16's loss scaler: constant with --loss-scale, else dynamic (None for fp32/bf16)."""
-    if not args.fp16:
+def grad_scaler(optimizer):
+    """fp16's loss scaler of the optimizer section ``optimizer``: constant with --loss-scale,
+    else dynamic (None for fp32/bf16)."""
+    if not optimizer.fp16:
         return None
-    if args.loss_scale:
-        return ConstantGradScaler(args.loss_scale)
-    return DynamicGradScaler(initial_scale=args.initial_loss_scale,
-                             min_scale=args.min_loss_scale, growth_interval=args.loss_scale_window,
-                             hysteresis=args.hysteresis)
+    if optimizer.loss_scale:
+        return ConstantGradScaler(optimizer.loss_scale)
+    return DynamicGradScaler(initial_scale=optimizer.initial_loss_scale,
+                             min_scale=optimizer.min_loss_scale,
+                             growth_interval=optimizer.loss_scale_window,
+                             hysteresis=optimizer.hysteresis)
 
 
-def build_optimizer(args, models, model_chunks, state, check_for_nan_in_grad=True):
-    """The optimizer over ``models``' params (``model_chunks``: their DDP wrappers)."""
-    config = build_config(OptimizerConfig, args)
-    mup = mup_group_overrides(args.mup_width_mult, args.lr, args.min_lr, args.adam_eps,
-                              args.optimizer) if args.use_mup else None
-    groups = get_param_groups(models, args.weight_decay, config.decoupled_lr is not None,
-                              config.uses_muon, args.apply_wd_to_qk_layernorm,
-                              mup)
-    settings = dict(lr=args.lr, weight_decay=args.weight_decay,
-                    betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-                    clip_grad=args.clip_grad, params_dtype=args.params_dtype,
-                    grad_scaler=grad_scaler(args), check_for_nan_in_grad=check_for_nan_in_grad,
-                    muon=config if config.uses_muon else None)
-    if args.use_distributed_optimizer:
+def build_optimizer(optimizer, model, models, model_chunks, state, check_for_nan_in_grad=True):
+    """The optimizer over ``models``' params (``model_chunks``: their DDP wrappers) that the
+    optimizer section ``optimizer`` (:class:`~megatron_cp.config.optimizer.OptimizerConfig`)
+    describes; the model section ``model`` (:class:`~megatron_cp.config.model.GPTConfig`)
+    gives the params' dtype and muP's width multiplier."""
+    mup = mup_group_overrides(model.mup_width_mult, optimizer.lr, optimizer.min_lr,
+                              optimizer.adam_eps, optimizer.optimizer) if model.use_mup else None
+    groups = get_param_groups(models, optimizer.weight_decay, optimizer.decoupled_lr is not None,
+                              optimizer.uses_muon, optimizer.apply_wd_to_qk_layernorm, mup)
+    settings = dict(lr=optimizer.lr, weight_decay=optimizer.weight_decay,
+                    betas=(optimizer.adam_beta1, optimizer.adam_beta2), eps=optimizer.adam_eps,
+                    clip_grad=optimizer.clip_grad, params_dtype=model.params_dtype,
+                    grad_scaler=grad_scaler(optimizer),
+                    check_for_nan_in_grad=check_for_nan_in_grad,
+                    muon=optimizer if optimizer.uses_muon else None)
+    if optimizer.use_distributed_optimizer:
         return DistributedOptimizer(groups, model_chunks, state, **settings)
     if is_fully_sharded(model_chunks):
         return FullyShardedOptimizer(groups, state, **settings)
     return MixedPrecisionOptimizer(groups, state, **settings)
 
 
-def build_scheduler(args, optimizer):
-    """The learning-rate and weight-decay schedule of ``optimizer``'s groups; it counts
-    iterations, or samples under a batch-size schedule (``args.lr_counts_samples``, whose
-    lengths the arguments converted)."""
-    incremented = args.weight_decay_incr_style != "constant"
+def build_scheduler(optimizer, checkpoint, param_optimizer):
+    """The learning-rate and weight-decay schedule of ``param_optimizer``'s groups, as the
+    optimizer section ``optimizer`` (:class:`~megatron_cp.config.optimizer.OptimizerConfig`)
+    gives it; it counts iterations, or samples under a batch-size schedule
+    (``optimizer.lr_counts_samples``, whose lengths the command line's checks converted).
+    The checkpoint section ``checkpoint``
+    (:class:`~megatron_cp.config.checkpoint.CheckpointConfig`) says whether a resumed
+    schedule keeps its saved values or takes these."""
+    incremented = optimizer.weight_decay_incr_style != "constant"
     return OptimizerParamScheduler(
-        optimizer, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_steps,
-        lr_decay_steps=args.lr_decay_steps, lr_decay_style=args.lr_decay_style,
-        init_lr=args.lr_warmup_init, start_wd=args.start_weight_decay,
-        end_wd=args.end_weight_decay, wd_incr_style=args.weight_decay_incr_style,
-        wd_incr_steps=args.wd_incr_steps if incremented else None,
-        use_checkpoint_values=args.use_checkpoint_opt_param_scheduler,
-        override_from_arguments=args.override_opt_param_scheduler,
-        decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr)
+        param_optimizer, max_lr=optimizer.lr, min_lr=optimizer.min_lr,
+        lr_warmup_steps=optimizer.lr_warmup_steps, lr_decay_steps=optimizer.lr_decay_steps,
+        lr_decay_style=optimizer.lr_decay_style, init_lr=optimizer.lr_warmup_init,
+        start_wd=optimizer.start_weight_decay, end_wd=optimizer.end_weight_decay,
+        wd_incr_style=optimizer.weight_decay_incr_style,
+        wd_incr_steps=optimizer.wd_incr_steps if incremented else None,
+        use_checkpoint_values=checkpoint.use_checkpoint_opt_param_scheduler,
+        override_from_arguments=checkpoint.override_opt_param_scheduler,
+        decoupled_lr=optimizer.decoupled_lr, decoupled_min_lr=optimizer.decoupled_min_lr)

@@ -40,36 +40,40 @@ from megatron_cp.optimizer.shards import local_shard, local_tensor
 FLAG = "--use-torch-fsdp2"
 
 
-def argument_problems(args):
-    """One line per flag that --use-torch-fsdp2 cannot go with (none without it):
-    Megatron-LM's rules (one pipeline stage, no expert parallelism, no distributed
-    optimizer, torch_dist checkpoints) and ours (no Muon, no DP-replica checks: FSDP keeps
-    no replicas)."""
-    if not args.use_torch_fsdp2:
+def argument_problems(optimizer, parallel, checkpoint, training):
+    """One line per setting that --use-torch-fsdp2 cannot go with (none without it), read from
+    the run's sections (``optimizer``: :class:`~megatron_cp.config.optimizer.OptimizerConfig`,
+    ``parallel``: :class:`~megatron_cp.config.parallel.ParallelConfig`, ``checkpoint``:
+    :class:`~megatron_cp.config.checkpoint.CheckpointConfig`, ``training``:
+    :class:`~megatron_cp.config.training.TrainingConfig`): Megatron-LM's rules (one pipeline
+    stage, no expert parallelism, no distributed optimizer, torch_dist checkpoints) and ours
+    (no Muon, no DP-replica checks: FSDP keeps no replicas)."""
+    if not optimizer.use_torch_fsdp2:
         return []
+    pp, ep = parallel.pipeline_model_parallel_size, parallel.expert_model_parallel_size
+    tp, etp = parallel.tensor_model_parallel_size, parallel.expert_tensor_parallel_size
     rules = [
-        (args.pipeline_model_parallel_size == 1,
-         f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: {FLAG} "
-         f"shards one whole model per rank; use --pipeline-model-parallel-size 1"),
-        (args.expert_model_parallel_size == 1,
-         f"--expert-model-parallel-size {args.expert_model_parallel_size}: {FLAG} shards the "
-         f"experts over DP x CP too; use --expert-model-parallel-size 1"),
-        (args.expert_tensor_parallel_size in (None, args.tensor_model_parallel_size),
-         f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}: {FLAG} shards "
-         f"every param over one DP x CP group; give it the --tensor-model-parallel-size "
-         f"({args.tensor_model_parallel_size})"),
-        (not args.use_distributed_optimizer,
+        (pp == 1,
+         f"--pipeline-model-parallel-size {pp}: {FLAG} shards one whole model per rank; use "
+         f"--pipeline-model-parallel-size 1"),
+        (ep == 1,
+         f"--expert-model-parallel-size {ep}: {FLAG} shards the experts over DP x CP too; use "
+         f"--expert-model-parallel-size 1"),
+        (etp in (None, tp),
+         f"--expert-tensor-parallel-size {etp}: {FLAG} shards every param over one DP x CP "
+         f"group; give it the --tensor-model-parallel-size ({tp})"),
+        (not optimizer.use_distributed_optimizer,
          f"--use-distributed-optimizer: {FLAG} shards the optimizer state already; drop one"),
-        (args.ckpt_format == "torch_dist",
-         f"--ckpt-format {args.ckpt_format}: {FLAG} saves each rank's shards; use "
+        (checkpoint.ckpt_format == "torch_dist",
+         f"--ckpt-format {checkpoint.ckpt_format}: {FLAG} saves each rank's shards; use "
          f"--ckpt-format torch_dist"),
-        (args.optimizer == "adam",
-         f"--optimizer {args.optimizer}: Muon orthogonalizes whole matrices, which {FLAG} "
+        (optimizer.optimizer == "adam",
+         f"--optimizer {optimizer.optimizer}: Muon orthogonalizes whole matrices, which {FLAG} "
          f"holds in pieces; use --optimizer adam"),
-        (not args.check_weight_hash_across_dp_replicas_interval,
+        (not training.check_weight_hash_across_dp_replicas_interval,
          f"--check-weight-hash-across-dp-replicas-interval: {FLAG} keeps no data-parallel "
          f"replicas to compare; drop one"),
-        (not args.test_mode,
+        (not training.test_mode,
          f"--test-mode compares data-parallel replicas, which {FLAG} does not keep; drop one"),
     ]
     return [line for ok, line in rules if not ok]

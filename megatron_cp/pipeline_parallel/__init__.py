@@ -6,5 +6,5 @@ from megatron_cp.pipeline_parallel.schedules import (  # noqa: F401
     forward_backward_no_pipelining, forward_backward_pipelining_without_interleaving,
     get_forward_backward_func)
 from megatron_cp.pipeline_parallel.stages import (  # noqa: F401
-    build_model_chunks, layout_from_args, pipeline_layout, pipeline_tensor_shape,
+    build_model_chunks, layout_from_config, pipeline_layout, pipeline_tensor_shape,
     validate_interleaved_microbatches)

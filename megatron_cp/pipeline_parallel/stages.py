@@ -141,20 +141,21 @@ def _virtual_stages(counts, per_virtual, virtual, uneven, accounted):
     return vp_size
 
 
-def layout_from_args(args):
-    """The :class:`PipelineLayout` of a run's arguments (a namespace, or a checkpoint's
-    saved dict: flags it predates take their defaults)."""
-    values = args if isinstance(args, dict) else vars(args)
+def layout_from_config(parallel, num_layers, mtp_num_layers=None):
+    """The :class:`PipelineLayout` that a run's parallel section ``parallel``
+    (:class:`~megatron_cp.config.parallel.ParallelConfig`: the pipeline size, its split and
+    virtual stages) gives a model of ``num_layers`` transformer layers and ``mtp_num_layers``
+    MTP depths (the model section's :class:`~megatron_cp.config.model.GPTConfig` fields)."""
     return pipeline_layout(
-        values["num_layers"], values["pipeline_model_parallel_size"],
-        layout=values.get("pipeline_model_parallel_layout"),
-        num_layers_per_virtual_stage=values.get("num_layers_per_virtual_pipeline_stage"),
-        num_virtual_stages=values.get("num_virtual_stages_per_pipeline_rank"),
-        first=values.get("decoder_first_pipeline_num_layers"),
-        last=values.get("decoder_last_pipeline_num_layers"),
-        account_for_embedding=bool(values.get("account_for_embedding_in_pipeline_split")),
-        account_for_loss=bool(values.get("account_for_loss_in_pipeline_split")),
-        mtp_num_layers=values.get("mtp_num_layers"))
+        num_layers, parallel.pipeline_model_parallel_size,
+        layout=parallel.pipeline_model_parallel_layout,
+        num_layers_per_virtual_stage=parallel.num_layers_per_virtual_pipeline_stage,
+        num_virtual_stages=parallel.num_virtual_stages_per_pipeline_rank,
+        first=parallel.decoder_first_pipeline_num_layers,
+        last=parallel.decoder_last_pipeline_num_layers,
+        account_for_embedding=parallel.account_for_embedding_in_pipeline_split,
+        account_for_loss=parallel.account_for_loss_in_pipeline_split,
+        mtp_num_layers=mtp_num_layers)
 
 
 def validate_interleaved_microbatches(num_microbatches, pp_size, vp_size, group_size=None):

@@ -42,12 +42,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_cp.config.data import DataConfig
+from megatron_cp.config.parallel import ParallelConfig
 from megatron_cp.config.setting import build_config
 from megatron_cp.context_parallel import resolve_comm_type
 from megatron_cp.model import GPTConfig
 from megatron_cp.model.gated_delta_rule import CHUNK_SIZE as GDN_CHUNK
 from megatron_cp.optimizer.memory import expected_bytes_per_param
-from megatron_cp.pipeline_parallel import layout_from_args
+from megatron_cp.pipeline_parallel import layout_from_config
 
 FP32 = 4
 INT64 = 8
@@ -75,9 +77,9 @@ def model_config(args, vocab_size=None):
 def tokenizer_vocab_size(args):
     """The vocabulary size of the tokenizer the arguments build (the trainer's own call). A
     caller that knows it already passes it to the estimates as ``vocab_size`` instead."""
-    from megatron_cp.data import tokenizer_from_args
+    from megatron_cp.data import tokenizer_from_config
     try:
-        return tokenizer_from_args(args).vocab_size
+        return tokenizer_from_config(build_config(DataConfig, args)).vocab_size
     except (ValueError, OSError) as error:
         raise ValueError(f"the memory model needs the vocabulary size and could not build the "
                          f"tokenizer ({error}); pass the tokenizer's files or --vocab-size with "
@@ -394,7 +396,7 @@ def estimate_memory(args, vocab_size=None, device="cpu"):
         args.pipeline_model_parallel_size
     ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
     dp = args.data_parallel_size
-    layout = layout_from_args(args)
+    layout = layout_from_config(build_config(ParallelConfig, args), c.num_layers, c.mtp_num_layers)
     cp_comm = None
     if cp > 1:
         cp_comm, _ = resolve_comm_type(c.cp_comm_type, c.num_query_groups // tp, cp,

@@ -20,8 +20,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from megatron_cp.config.parallel import ParallelConfig
+from megatron_cp.config.setting import build_config
 from megatron_cp.initialize import rank_layout
-from megatron_cp.pipeline_parallel import layout_from_args
+from megatron_cp.pipeline_parallel import layout_from_config
 from megatron_cp.planning.memory import model_config, routed_tokens, stage_param_counts
 
 # H100 SXM, bf16: ~60% of the 989 TFLOP/s dense peak for large GEMMs, flash attention a
@@ -221,7 +223,7 @@ def predict_step_time(args, rates, vocab_size=None):
         sent = h_bytes / tp if args.sequence_parallel else h_bytes  # [s/cp(/tp), b, h]
         comm += 2 * sent / _link(rates, spans["pp"])  # the activation and its gradient
     microbatches = args.num_microbatches or 1
-    layout = layout_from_args(args)
+    layout = layout_from_config(build_config(ParallelConfig, args), c.num_layers, c.mtp_num_layers)
     stage_params = max(sum(stage_param_counts(c, layout, r, tp, ep,
                                               args.expert_tensor_parallel_size))
                        for r in range(pp))
