@@ -121,6 +121,10 @@ def planned_seq(a, settings, device):
     """The planner's longest sequence for this variant under --cap-gib (one rank), floored to
     --granularity."""
     from megatron_cp.cli.arguments import parse_args
+    from megatron_cp.config.data import DataConfig
+    from megatron_cp.config.run import RunConfig
+    from megatron_cp.config.setting import build_config
+    from megatron_cp.data import tokenizer_from_config
     from megatron_cp.planning.search import max_seq_length
     values = {"chunk": a.chunk_size, "mlp": a.mlp_chunks}
     argv = (f"--num-layers {a.layers} --hidden-size {a.hidden} --num-attention-heads {a.heads} "
@@ -132,7 +136,9 @@ def planned_seq(a, settings, device):
     for key, value in settings.items():
         argv += [FLAGS[key], str(values.get(value, value) if isinstance(value, str) else value)]
     args = parse_args(argv, world_size=1)
-    longest = max_seq_length(args, a.cap_gib * 2 ** 30, "gpu" if device.type == "cuda" else "cpu",
+    vocab_size = tokenizer_from_config(build_config(DataConfig, args)).vocab_size
+    run = RunConfig.from_args(args, vocab_size)
+    longest = max_seq_length(run, a.cap_gib * 2 ** 30, "gpu" if device.type == "cuda" else "cpu",
                              limit=a.max_seq)
     return longest // a.granularity * a.granularity
 

@@ -64,9 +64,9 @@ def check_task_args(args):
 
 def run_task(args, state):
     """Load the checkpoint, evaluate ``args.task`` and return its result dict (every rank)."""
-    from megatron_cp.inference.model import InferenceModel
+    from megatron_cp.inference.launch import load_model
     from tasks.zeroshot.evaluate import evaluate_lambada, evaluate_wikitext
-    model = InferenceModel(args, state)
+    model = load_model(args, state)
     print_rank_0(f"> evaluating {args.task} on {args.valid_data[0]} ...")
     if args.task == "WIKITEXT103":
         return evaluate_wikitext(model, args.valid_data[0], args.overlapping_eval)

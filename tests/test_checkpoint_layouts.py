@@ -41,8 +41,7 @@ def _infer(rank, world, load, text, extra=""):
     document, which this briefly trained model predicts first) from the checkpoint ``load``,
     in the layout ``extra`` names, the rest from the checkpoint."""
     from megatron_cp.inference.generation import generate
-    from megatron_cp.inference.launch import parse_inference_args
-    from megatron_cp.inference.model import InferenceModel
+    from megatron_cp.inference.launch import load_model, parse_inference_args
     from megatron_cp.inference.sampling import SamplingParams
     from megatron_cp.training import build_parallel_state
     from tasks.main import check_task_args, get_tasks_args, run_task
@@ -53,7 +52,7 @@ def _infer(rank, world, load, text, extra=""):
     task = run_task(args, build_parallel_state(args, torch.device("cpu")))
     args = parse_inference_args(common + ["--prompt", PROMPTS[0]], world, get_generation_args,
                                 check_generation_args)
-    model = InferenceModel(args, build_parallel_state(args, torch.device("cpu")))
+    model = load_model(args, build_parallel_state(args, torch.device("cpu")))
     prompt = torch.tensor([[int(x) for x in p.split()][:3] for p in PROMPTS])  # [3, 3]
     out = generate(model, prompt, NEW_TOKENS, SamplingParams(greedy=True), return_logits=True)
     return task, out.tokens, torch.stack(out.logits)  # [3, 3 + new], [new, 3, v]

@@ -35,12 +35,12 @@ def _generate(rank, world, load, prompt):
     from megatron_cp.inference.gdn_cache import GatedDeltaLayerCache
     from megatron_cp.inference.generation import generate
     from megatron_cp.inference.kv_cache import KVCache, cached_chunk_forward
-    from megatron_cp.inference.model import InferenceModel
+    from megatron_cp.inference.launch import load_model
     from megatron_cp.inference.sampling import SamplingParams
     from megatron_cp.training import build_parallel_state
     from tools.run_text_generation import check_generation_args, get_generation_args
     args = _args(load, world, "--prompt x", get_generation_args, check_generation_args)
-    model = InferenceModel(args, build_parallel_state(args, torch.device("cpu")))
+    model = load_model(args, build_parallel_state(args, torch.device("cpu")))
     runs = [generate(model, prompt, NEW_TOKENS, SamplingParams(greedy=True), use_cache=cache,
                      return_logits=True) for cache in (True, False)]
     chunk, tokens = model.model_chunks[0], runs[0].tokens  # [b, s]

@@ -16,6 +16,10 @@ from dist_harness import run_workers
 from test_arguments_and_logging import _train_capturing
 
 from megatron_cp.cli.arguments import parse_args
+from megatron_cp.config.run import RunConfig
+from megatron_cp.config.data import DataConfig
+from megatron_cp.config.setting import build_config
+from megatron_cp.data import tokenizer_from_config
 from megatron_cp.planning.memory import estimate_memory
 
 MODEL = ("--num-layers 4 --hidden-size 128 --num-attention-heads 8 --seq-length 1024 "
@@ -25,6 +29,12 @@ MODEL = ("--num-layers 4 --hidden-size 128 --num-attention-heads 8 --seq-length 
          "--untie-embeddings-and-output-weights --seed 3 "
          "--log-memory-to-tensorboard")  # on CPU the memory report runs when asked
 TOLERANCE = 0.15
+
+
+def _run(argv, world):
+    """The RunConfig of the training flags ``argv`` on ``world`` ranks."""
+    args = parse_args(argv.split(), world_size=world)
+    return RunConfig.from_args(args, tokenizer_from_config(build_config(DataConfig, args)).vocab_size)
 
 CASES = {
     "one-process": (1, "--global-batch-size 2"),
@@ -69,7 +79,7 @@ def test_predicted_peak_within_15_percent_of_measured(case):
     assert per_rank and peak_mb >= max(per_rank.values())
     if int(peak_rank) in per_rank:
         assert per_rank[int(peak_rank)] == peak_mb
-    predicted = estimate_memory(parse_args(argv.split(), world_size=world)).total_bytes / 2 ** 20
+    predicted = estimate_memory(_run(argv, world)).total_bytes / 2 ** 20
     print(f"{case}: predicted {predicted:.2f} MB, measured {peak_mb:.2f} MB on rank "
           f"{peak_rank:.0f}")
     assert abs(predicted / peak_mb - 1) <= TOLERANCE, (case, predicted, peak_mb)
@@ -80,8 +90,7 @@ def test_offloading_moves_only_gpu_activations():
     # already), so the CPU prediction ignores it; on a GPU the first layers' saved tensors
     # leave the device and one of them comes back at a time in backward
     base = MODEL + " --global-batch-size 2"
-    plain, offload = (parse_args(argv.split(), world_size=1)
-                      for argv in (base, base + " --cpu-offloading-num-layers 2"))
+    plain, offload = (_run(argv, 1) for argv in (base, base + " --cpu-offloading-num-layers 2"))
     assert estimate_memory(offload).total_bytes == estimate_memory(plain).total_bytes
     gpu_plain = estimate_memory(plain, device="gpu").parts
     gpu_offload = estimate_memory(offload, device="gpu").parts

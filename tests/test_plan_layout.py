@@ -31,6 +31,11 @@ FIELDS = {"tp", "cp", "cp_comm_type", "pp", "dp", "ep", "recompute", "memory_byt
 GIB = 2 ** 30
 
 
+def _run(argv, world):
+    """The RunConfig of the training flags ``argv`` on ``world`` ranks, as the planner has it."""
+    return plan_layout.run_config(parse_args(argv, world_size=world))
+
+
 def _plan(argv):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -93,8 +98,8 @@ def test_longest_planned_sequence_trains_within_the_cap(tmp_path):
     row = json.loads(out)["layouts"][0]
     assert os.path.isfile(tmp_path / "calibration.json")  # measured once, then cached
     longest = row["max_seq_length"]
-    args = parse_args(TINY.split(), world_size=1)
-    assert longest == max_seq_length(args, CAP) and longest % sequence_unit(args) == 0
+    run = _run(TINY.split(), 1)
+    assert longest == max_seq_length(run, CAP) and longest % sequence_unit(run) == 0
     assert longest > 1024  # activations dominate the cap: the search means something
     argv = TINY.replace("--seq-length 256", f"--seq-length {longest}")
     peak = run_workers(_peak_at, 1, argv, timeout=120)[0]
@@ -106,14 +111,14 @@ def test_step_time_follows_throughput_and_link_bandwidth():
     from megatron_cp.planning.step_time import DeviceRates, predict_step_time
     fast = DeviceRates(matmul_flops=1e12, attention_flops=1e12, intra_node_bytes_per_s=1e10,
                        inter_node_bytes_per_s=1e9, gpus_per_node=8)
-    one = parse_args(LLAMA3_8B.split(), world_size=1)
+    one = _run(LLAMA3_8B.split(), 1)
     base = predict_step_time(one, fast)
     # one rank, no communication: time is compute, so it scales with 1 / throughput
     slow = DeviceRates(5e11, 5e11, 1e10, 1e9, 8)
     assert abs(predict_step_time(one, slow) / base - 2) < 1e-9
     # TP 2 halves the compute but adds its all-reduces over the intra-node link
-    tp2 = parse_args(LLAMA3_8B.split() + ["--tensor-model-parallel-size", "2",
-                                          "--sequence-parallel"], world_size=2)
+    tp2 = _run(LLAMA3_8B.split() + ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+               2)
     with_tp = predict_step_time(tp2, fast)
     assert with_tp < base
     slower_link = DeviceRates(1e12, 1e12, 1e9, 1e9, 8)
@@ -124,20 +129,14 @@ def test_step_time_follows_throughput_and_link_bandwidth():
 
 
 def test_fsdp2_plans_one_stage_with_its_state_sharded():
-    from megatron_cp.planning.memory import estimate_memory, stage_param_counts, model_config
+    from megatron_cp.planning.memory import estimate_memory, pipeline_layout_of, stage_param_counts
     from megatron_cp.planning.step_time import DeviceRates, predict_step_time
-    from megatron_cp.config.parallel import ParallelConfig
-    from megatron_cp.config.setting import build_config
-    from megatron_cp.pipeline_parallel import layout_from_config
     argv = LLAMA3_8B.split() + ["--use-torch-fsdp2"]
     rows = json.loads(_plan(argv + ["--num-gpus", "8", "--gpu-memory-gb", "80", "--json"]))["layouts"]
     assert rows and all(r["pp"] == 1 and r["ep"] == 1 for r in rows)  # Megatron-LM's rules
-    replicated = parse_args(LLAMA3_8B.split(), world_size=8)
-    sharded = parse_args(argv, world_size=8)
-    config = model_config(replicated)
-    layout = layout_from_config(build_config(ParallelConfig, replicated), config.num_layers,
-                                config.mtp_num_layers)
-    params = sum(stage_param_counts(config, layout, 0, 1, 1, 1))
+    replicated = _run(LLAMA3_8B.split(), 8)
+    sharded = _run(argv, 8)
+    params = sum(stage_param_counts(replicated.model, pipeline_layout_of(replicated), 0, 1, 1, 1))
     # 18 bytes a bf16 param replicated; 16/8 sharded, plus the gathered embeddings, output
     # layer and one of the 32 layers in bf16
     saved = estimate_memory(replicated).total_bytes - estimate_memory(sharded).total_bytes

@@ -50,12 +50,11 @@ def _cache_against_recompute(rank, world, ck_load):
     """Worker: per step logits with and without the cache (TP=world), and the tokens."""
     from megatron_cp.inference.generation import generate
     from megatron_cp.inference.kv_cache import KVCache, cached_chunk_forward
-    from megatron_cp.inference.launch import parse_inference_args
-    from megatron_cp.inference.model import InferenceModel
+    from megatron_cp.inference.launch import load_model, parse_inference_args
     from megatron_cp.training import build_parallel_state
     argv = f"--load {ck_load} --use-checkpoint-args --prompt x --tensor-model-parallel-size {world}"
     args = parse_inference_args(argv.split(), world, get_generation_args, check_generation_args)
-    model = InferenceModel(args, build_parallel_state(args, torch.device("cpu")))
+    model = load_model(args, build_parallel_state(args, torch.device("cpu")))
     ids = model.tokenizer.tokenize(" ".join(PROMPTS))
     prompt = torch.tensor([ids[3 * n:3 * n + 3] for n in range(4)])  # [4, 3]
     runs = [generate(model, prompt, 20, SamplingParams(greedy=True), use_cache=cache,

@@ -24,11 +24,27 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from megatron_cp.cli.arguments import build_parser, parse_args  # noqa: E402
+from megatron_cp.checkpoint.use_checkpoint_args import given_on_command_line  # noqa: E402
+from megatron_cp.config.data import DataConfig  # noqa: E402
+from megatron_cp.config.run import RunConfig  # noqa: E402
+from megatron_cp.config.setting import build_config  # noqa: E402
+from megatron_cp.planning.memory import tokenizer_vocab_size  # noqa: E402
 from megatron_cp.planning.search import plan_layouts  # noqa: E402
 from megatron_cp.planning.step_time import (DEFAULT_CACHE, GPU_DEFAULTS, DeviceRates,  # noqa: E402
                                             calibrate)
 
 GIB = 2 ** 30
+# the arguments each open dimension owns (given on the command line: not searched)
+DIMENSIONS = {
+    "tp": ("tensor_model_parallel_size",),
+    "cp": ("context_parallel_size", "cp_comm_type"),
+    "pp": ("pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+           "num_virtual_stages_per_pipeline_rank"),
+    "ep": ("expert_model_parallel_size",),
+    "recompute": ("recompute_granularity", "recompute_method", "recompute_num_layers"),
+    "distributed_optimizer": ("use_distributed_optimizer",),
+}
 
 
 def planner_parser():
@@ -54,6 +70,77 @@ def planner_parser():
     p.add_argument("--calibration-cache", default=DEFAULT_CACHE,
                    help="JSON file caching this machine's measured throughput.")
     return p
+
+
+def run_config(args, vocab_size=None):
+    """The :class:`RunConfig` of checked arguments ``args`` (:func:`parse_args`), with the
+    vocabulary of the tokenizer they name (``vocab_size`` when known already)."""
+    return RunConfig.from_args(args, vocab_size or tokenizer_vocab_size(
+        build_config(DataConfig, args)))
+
+
+def open_dimensions(argv):
+    """The names of :data:`DIMENSIONS` that the training flags ``argv`` leave open."""
+    given = given_on_command_line(build_parser(), argv)
+    return {dim for dim, dests in DIMENSIONS.items() if not given & set(dests)}
+
+
+def _divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _layout_argvs(argv, num_gpus, open_dims, num_experts):
+    """``argv`` with the flags of every layout of the open dimensions whose sizes divide
+    ``num_gpus``."""
+    base = {"tp": [None], "cp": [(None, None)], "pp": [(None, None)], "ep": [None]}
+    if "tp" in open_dims:
+        base["tp"] = _divisors(num_gpus)
+    if "cp" in open_dims:
+        base["cp"] = [(1, None)] + [(c, t) for c in _divisors(num_gpus) if c > 1
+                                    for t in ("p2p", "a2a")]
+    if "pp" in open_dims:
+        base["pp"] = [(1, None)] + [(p, v) for p in _divisors(num_gpus) if p > 1 for v in (1, 2)]
+    if "ep" in open_dims and num_experts:
+        base["ep"] = [e for e in _divisors(num_gpus) if num_experts % e == 0]
+    for tp in base["tp"]:
+        for cp, comm in base["cp"]:
+            for pp, vp in base["pp"]:
+                for ep in base["ep"]:
+                    sizes = [x or 1 for x in (tp, cp, pp)]
+                    if num_gpus % (sizes[0] * sizes[1] * sizes[2]):
+                        continue
+                    extra = []
+                    if tp is not None:
+                        extra += ["--tensor-model-parallel-size", str(tp)]
+                        if tp > 1:
+                            extra += ["--sequence-parallel"]
+                    if cp is not None:
+                        extra += ["--context-parallel-size", str(cp)]
+                        extra += ["--cp-comm-type", comm] if comm else []
+                    if pp is not None:
+                        extra += ["--pipeline-model-parallel-size", str(pp)]
+                        if vp and vp > 1:
+                            extra += ["--num-virtual-stages-per-pipeline-rank", str(vp)]
+                    if ep is not None:
+                        extra += ["--expert-model-parallel-size", str(ep)]
+                    yield argv + extra
+
+
+def layout_runs(argv, num_gpus, open_dims):
+    """The :class:`RunConfig` of every parallel layout of the training flags ``argv`` on
+    ``num_gpus`` ranks (the open dimensions searched) that the argument validation accepts;
+    the tokenizer is built once, for the first."""
+    num_experts = build_parser().parse_known_args(argv)[0].num_experts \
+        if "ep" in open_dims else None
+    vocab_size = None
+    for candidate in _layout_argvs(list(argv), num_gpus, open_dims, num_experts):
+        try:
+            args = parse_args(candidate, world_size=num_gpus)
+        except ValueError:
+            continue  # the validation refuses this layout
+        run = run_config(args, vocab_size)
+        vocab_size = run.model.vocab_size
+        yield run
 
 
 def device_rates(opts, params_dtype):
@@ -96,12 +183,13 @@ def main(argv=None):
     if opts.num_gpus < 1 or opts.gpu_memory_gb <= 0:
         raise SystemExit(f"error: --num-gpus ({opts.num_gpus}) must be at least 1 and "
                          f"--gpu-memory-gb ({opts.gpu_memory_gb}) above 0")
-    from megatron_cp.cli.arguments import build_parser, parse_args
     flags, _ = build_parser().parse_known_args(training_argv)
     dtype = torch.float16 if flags.fp16 else torch.bfloat16 if flags.bf16 else torch.float32
     cap = int(opts.gpu_memory_gb * GIB)
     rates = device_rates(opts, dtype)
-    rows = plan_layouts(training_argv, opts.num_gpus, cap, rates, opts.device)
+    open_dims = open_dimensions(training_argv)
+    rows = plan_layouts(layout_runs(training_argv, opts.num_gpus, open_dims), open_dims, cap,
+                        rates, opts.device)
     if not rows:  # say why: the line's own problems on this many ranks, one line each
         try:
             parse_args(training_argv, world_size=opts.num_gpus)

@@ -79,8 +79,8 @@ def run_generation(args, state):
     """Load the checkpoint and continue every prompt; returns, on every rank, a list of
     ``{"prompt", "prompt_ids", "ids", "text"}`` (generated ids without the stop token)."""
     from megatron_cp.inference.generation import generate, max_total_length
-    from megatron_cp.inference.model import InferenceModel
-    model = InferenceModel(args, state)
+    from megatron_cp.inference.launch import load_model
+    model = load_model(args, state)
     tok, params = model.tokenizer, sampling_params(args)
     dp_rank, dp_size = prompt_share(state, model.config)
     mine = []

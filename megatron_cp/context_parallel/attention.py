@@ -6,7 +6,6 @@ every user error is raised before any communication; each call validates the inp
 dispatches to ring / Ulysses / hybrid / all-gather attention with the layer's explicit
 kernel choice (:class:`~megatron_cp.context_parallel.kernels.AttentionKernel`).
 """
-import math
 
 from megatron_cp.context_parallel import comm
 from megatron_cp.context_parallel.all_gather import all_gather_attention

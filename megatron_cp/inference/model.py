@@ -1,24 +1,21 @@
 """A checkpoint's model on this rank, for inference: its chunks, tokenizer and config.
 
 :class:`InferenceModel` builds the model chunks this rank holds in the parallel layout of the
-arguments (TP shards, the pipeline stage and its virtual stages) exactly as training builds
-them, in eval mode and without gradients, then loads their weights from ``--load`` with
+run's sections (TP shards, the pipeline stage and its virtual stages) exactly as training
+builds them, in eval mode and without gradients, then loads their weights from ``--load`` with
 :func:`megatron_cp.checkpoint.load_save.load_checkpoint`: a torch or torch_dist checkpoint saved
 under any layout. Only the weights are read: no optimizer, schedule
 or RNG state, and no DDP wrapper or optimizer is built.
 """
+from dataclasses import replace
+
 import torch
 
 from megatron_cp.checkpoint import files as checkpoint_files
 from megatron_cp.checkpoint import load_save, megatron_lm_format
-from megatron_cp.config.data import DataConfig
-from megatron_cp.config.parallel import ParallelConfig
-from megatron_cp.config.setting import build_config
-from megatron_cp.data import tokenizer_from_config
 from megatron_cp.model import GPTModel
 from megatron_cp.pipeline_parallel import build_model_chunks, layout_from_config
 from megatron_cp.run_report import print_rank_0
-from megatron_cp.training import config_from_args
 
 
 class _NoOptimizer:
@@ -31,15 +28,16 @@ class _NoOptimizer:
         """No parameter all-gather is ever in flight."""
 
 
-def check_checkpoint(args):
-    """ValueError unless ``--load`` names a folder with a checkpoint (before any group starts)."""
-    if not args.load:
+def check_checkpoint(checkpoint, data):
+    """ValueError unless the checkpoint section's ``--load`` names a folder with a checkpoint
+    and the data section names a tokenizer (before any group starts)."""
+    if not checkpoint.load:
         raise ValueError("give --load DIR, the checkpoint to evaluate or generate from "
                          "(with --use-checkpoint-args for its model and tokenizer flags)")
-    if checkpoint_files.load_iteration(args.load, args.ckpt_step) is None:
-        raise ValueError(f"--load {args.load}: no checkpoint there (no {checkpoint_files.TRACKER}); "
-                         f"give the --save folder of a training run")
-    if args.tokenizer_type is None and args.vocab_size is None:
+    if checkpoint_files.load_iteration(checkpoint.load, checkpoint.ckpt_step) is None:
+        raise ValueError(f"--load {checkpoint.load}: no checkpoint there (no "
+                         f"{checkpoint_files.TRACKER}); give the --save folder of a training run")
+    if data.tokenizer_type is None and data.vocab_size is None:
         raise ValueError("no tokenizer: add --use-checkpoint-args (the checkpoint names it) or "
                          "give --tokenizer-type and its files")
 
@@ -59,28 +57,38 @@ def _saved_vocab_size(root, step=None):
 
 
 class InferenceModel:
-    """This rank's model chunks of the checkpoint under ``args.load``, loaded, in eval mode.
+    """This rank's model chunks of the checkpoint under ``run.checkpoint.load``, loaded, in
+    eval mode.
 
-    Attributes: ``args``, ``state``, ``device``, ``tokenizer``, ``config`` (the GPTConfig),
-    ``model_chunks`` (one per virtual stage of this pipeline rank), ``iteration`` (of the
-    checkpoint). Also what :func:`~megatron_cp.checkpoint.load_save.load_checkpoint` reads from a
-    trainer.
+    ``run``: the :class:`~megatron_cp.config.run.RunConfig` of the script's checked arguments,
+    built with ``tokenizer``'s vocabulary (:func:`megatron_cp.inference.launch.load_model`
+    builds both). ``checkpoint_args``: the parsed arguments, only for
+    :func:`~megatron_cp.checkpoint.load_save.load_checkpoint`, which reads them from
+    ``trainer.args`` (they are told to load the weights only).
+
+    Attributes: ``run`` (its checkpoint section set to load the weights only), ``state``,
+    ``device``, ``tokenizer``, ``config`` (the GPTConfig), ``model_chunks`` (one per virtual
+    stage of this pipeline rank), ``iteration`` (of the checkpoint). Also what
+    :func:`~megatron_cp.checkpoint.load_save.load_checkpoint` reads from a trainer (``args``,
+    ``optimizer``).
     """
 
-    def __init__(self, args, state):
-        check_checkpoint(args)
-        self.args, self.state, self.device = args, state, state.device
-        self.tokenizer = tokenizer_from_config(build_config(DataConfig, args))
-        self.config = config_from_args(args, self.tokenizer.vocab_size)
-        saved = _saved_vocab_size(args.load, args.ckpt_step)
+    def __init__(self, run, state, tokenizer, *, checkpoint_args):
+        load, step = run.checkpoint.load, run.checkpoint.ckpt_step
+        check_checkpoint(run.checkpoint, run.data)
+        # weights only: the optimizer, schedule and RNG of the run stay in the checkpoint
+        weights_only = {"finetune": True, "no_load_optim": True, "no_load_rng": True}
+        self.run = replace(run, checkpoint=replace(run.checkpoint, **weights_only))
+        self.state, self.device, self.tokenizer = state, state.device, tokenizer
+        self.config = run.model
+        saved = _saved_vocab_size(load, step)
         if saved is not None and saved != self.config.vocab_size:
             raise ValueError(f"the tokenizer has {self.config.vocab_size} tokens but the "
-                             f"checkpoint under {args.load} was trained with {saved}; use its "
+                             f"checkpoint under {load} was trained with {saved}; use its "
                              f"tokenizer (--use-checkpoint-args)")
         if state.size("pp") > 1:
-            chunks = build_model_chunks(self.config, state, layout_from_config(
-                build_config(ParallelConfig, args), self.config.num_layers,
-                self.config.mtp_num_layers))
+            layout = layout_from_config(run.parallel, run.model.num_layers, run.model.mtp_num_layers)
+            chunks = build_model_chunks(self.config, state, layout)
         else:
             chunks = [GPTModel(self.config, state=state, device=self.device)]
         for chunk in chunks:
@@ -88,11 +96,12 @@ class InferenceModel:
             chunk.requires_grad_(False)
         self.model_chunks = chunks
         self.optimizer = _NoOptimizer()
-        # weights only: the optimizer, schedule and RNG of the run stay in the checkpoint
-        args.finetune, args.no_load_optim, args.no_load_rng = True, True, True
-        print_rank_0(f"> loading weights from {args.load} ...")
-        load_save.load_checkpoint(self, args.load)
-        self.iteration = checkpoint_files.load_iteration(args.load, args.ckpt_step)
+        self.args = checkpoint_args
+        for name, value in weights_only.items():
+            setattr(self.args, name, value)
+        print_rank_0(f"> loading weights from {load} ...")
+        load_save.load_checkpoint(self, load)
+        self.iteration = checkpoint_files.load_iteration(load, step)
         print_rank_0(f" loaded the weights of iteration {self.iteration} "
                      f"(TP={state.size('tp')}, CP={state.size('cp')}, PP={state.size('pp')}, "
                      f"DP={state.size('dp')})")

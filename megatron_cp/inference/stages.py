@@ -20,7 +20,7 @@ def forward_through_stages(model, run_chunk, tensor_shape):
         for c in range(len(chunks)):
             output = run_chunk(c, output)
         return output
-    comm = P2PCommunicator.from_state(st, tensor_shape, model.args.params_dtype)
+    comm = P2PCommunicator.from_state(st, tensor_shape, model.config.params_dtype)
     received, output = None, None
     for c in range(len(chunks)):
         for stage in range(pp):

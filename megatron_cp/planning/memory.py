@@ -1,4 +1,5 @@
-"""Predicted peak tensor memory of the most loaded rank of a run, from its validated arguments.
+"""Predicted peak tensor memory of the most loaded rank of a run, from its
+:class:`~megatron_cp.config.run.RunConfig`.
 
 Every term is read off what OUR code holds, not a paper's formula:
 
@@ -42,11 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_cp.config.data import DataConfig
-from megatron_cp.config.parallel import ParallelConfig
-from megatron_cp.config.setting import build_config
 from megatron_cp.context_parallel import resolve_comm_type
-from megatron_cp.model import GPTConfig
 from megatron_cp.model.gated_delta_rule import CHUNK_SIZE as GDN_CHUNK
 from megatron_cp.optimizer.memory import expected_bytes_per_param
 from megatron_cp.pipeline_parallel import layout_from_config
@@ -67,19 +64,14 @@ class MemoryEstimate:
     parts: dict = field(default_factory=dict)
 
 
-def model_config(args, vocab_size=None):
-    """The GPTConfig the arguments describe, with the vocabulary the run's tokenizer will
-    have (``vocab_size`` when given): NullTokenizer's is --vocab-size + 1 (its end-of-document
-    token), and the padding the output layer holds follows from it."""
-    return build_config(GPTConfig, args, vocab_size=vocab_size or tokenizer_vocab_size(args))
-
-
-def tokenizer_vocab_size(args):
-    """The vocabulary size of the tokenizer the arguments build (the trainer's own call). A
-    caller that knows it already passes it to the estimates as ``vocab_size`` instead."""
+def tokenizer_vocab_size(data):
+    """The vocabulary size of the tokenizer that the data section ``data`` (a
+    :class:`~megatron_cp.config.data.DataConfig`) names, as the trainer builds it: the
+    ``vocab_size`` a :class:`~megatron_cp.config.run.RunConfig` is built with (NullTokenizer's
+    is --vocab-size + 1, its end-of-document token; the output layer's padding follows)."""
     from megatron_cp.data import tokenizer_from_config
     try:
-        return tokenizer_from_config(build_config(DataConfig, args)).vocab_size
+        return tokenizer_from_config(data).vocab_size
     except (ValueError, OSError) as error:
         raise ValueError(f"the memory model needs the vocabulary size and could not build the "
                          f"tokenizer ({error}); pass the tokenizer's files or --vocab-size with "
@@ -362,72 +354,80 @@ def _loss_bytes(c, sh, vocab_local, has_padding):
 
 
 # ----- the estimate --------------------------------------------------------------------
-def _fully_sharded_bytes(args, c, layout, stage_params, act, d):
+def pipeline_layout_of(run):
+    """The :class:`~megatron_cp.pipeline_parallel.PipelineLayout` of ``run``: its model's
+    layers over its parallel section's (virtual) stages."""
+    return layout_from_config(run.parallel, run.model.num_layers, run.model.mtp_num_layers)
+
+
+def _fully_sharded_bytes(run, layout, stage_params, act, d):
     """(gathered params, sharded state) bytes under --use-torch-fsdp2 (one stage, EP 1):
     16/d bytes per param sharded (fp32 params, fp32 gradients, Adam), and in the compute
     dtype the root unit (embeddings, output layer, final norm; gathered through the step)
     plus the largest layer, or every layer with --torch-fsdp2-no-reshard-after-forward."""
-    layers = [sum(layer_param_counts(c, n, args.tensor_model_parallel_size, 1,
-                                     args.expert_tensor_parallel_size))
+    c, parallel = run.model, run.parallel
+    layers = [sum(layer_param_counts(c, n, parallel.tensor_model_parallel_size, 1,
+                                     parallel.expert_tensor_parallel_size))
               for n in layout.layer_numbers(0, 0)]
     root = stage_params - sum(layers)
-    held = sum(layers) if args.torch_fsdp2_no_reshard_after_forward else max(layers)
-    state = stage_params * expected_bytes_per_param(args.params_dtype, d, fully_sharded=True)
+    held = sum(layers) if run.optimizer.torch_fsdp2_no_reshard_after_forward else max(layers)
+    state = stage_params * expected_bytes_per_param(c.params_dtype, d, fully_sharded=True)
     return (root + held) * act, int(state)
 
 
-def _in_flight(args, layout, pp_rank, num_microbatches):
+def _in_flight(parallel, layout, pp_rank, num_microbatches):
     """Model chunks of microbatches whose activations a pipeline rank holds at once."""
     pp, vp = layout.pp_size, layout.vp_size
     if pp == 1:
         return 1
     if vp == 1:
         return min(pp - pp_rank, num_microbatches)
-    group = args.microbatch_group_size_per_vp_stage or pp
+    group = parallel.microbatch_group_size_per_vp_stage or pp
     return min(2 * (pp - pp_rank - 1) + (vp - 1) * group, num_microbatches * vp) + 1
 
 
-def estimate_memory(args, vocab_size=None, device="cpu"):
-    """The :class:`MemoryEstimate` of the run ``args`` describe (validated by
-    ``arguments.parse_args`` for its world size). ``device``: "cpu" or "gpu" (which norm
-    kernels run)."""
-    c = model_config(args, vocab_size)
-    tp, cp, pp = args.tensor_model_parallel_size, args.context_parallel_size, \
-        args.pipeline_model_parallel_size
-    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
-    dp = args.data_parallel_size
-    layout = layout_from_config(build_config(ParallelConfig, args), c.num_layers, c.mtp_num_layers)
+def estimate_memory(run, device="cpu"):
+    """The :class:`MemoryEstimate` of ``run`` (a :class:`~megatron_cp.config.run.RunConfig`
+    of checked arguments: its model, layout, optimizer, batch and sequence length).
+    ``device``: "cpu" or "gpu" (which norm kernels run)."""
+    c, parallel, optimizer = run.model, run.parallel, run.optimizer
+    tp, cp, pp = parallel.tensor_model_parallel_size, parallel.context_parallel_size, \
+        parallel.pipeline_model_parallel_size
+    ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size
+    dp = parallel.data_parallel_size
+    layout = pipeline_layout_of(run)
     cp_comm = None
     if cp > 1:
         cp_comm, _ = resolve_comm_type(c.cp_comm_type, c.num_query_groups // tp, cp,
                                        c.hierarchical_context_parallel_sizes)
-    act = torch.tensor([], dtype=args.params_dtype).element_size()
-    tokens = args.micro_batch_size * args.seq_length // cp
-    sp = args.sequence_parallel and tp > 1
+    act = torch.tensor([], dtype=c.params_dtype).element_size()
+    micro_batch = run.training.micro_batch_size
+    tokens = micro_batch * run.data.seq_length // cp
+    sp = c.sequence_parallel and tp > 1
     gpu = device == "gpu"  # CPU activations live in host memory already: nothing offloads
-    sh = _Shapes(args.micro_batch_size, tokens, tokens // tp if sp else tokens, tp, cp, cp_comm,
+    sh = _Shapes(micro_batch, tokens, tokens // tp if sp else tokens, tp, cp, cp_comm,
                  act, gpu, c.cpu_offloading_num_layers if gpu else 0)
-    distributed = args.use_distributed_optimizer
-    instances = args.num_distributed_optimizer_instances  # validated: at least 1
+    distributed = optimizer.use_distributed_optimizer
+    instances = optimizer.num_distributed_optimizer_instances  # validated: at least 1
     world = dp * cp * tp * pp
     expert_dp = world // (pp * ep * etp)
-    dense_per = expected_bytes_per_param(args.params_dtype, dp * cp // instances, distributed)
-    expert_per = expected_bytes_per_param(args.params_dtype, expert_dp // instances, distributed)
-    num_microbatches = args.num_microbatches or 1
+    dense_per = expected_bytes_per_param(c.params_dtype, dp * cp // instances, distributed)
+    expert_per = expected_bytes_per_param(c.params_dtype, expert_dp // instances, distributed)
+    num_microbatches = run.training.num_microbatches or 1
     padded = c.padded_vocab_size(tp)
     vocab_local = padded // tp
     has_padding = padded > c.vocab_size  # the last TP rank's slice holds the padding
     best = None
     for pp_rank in range(pp):
         dense, experts = stage_param_counts(c, layout, pp_rank, tp, ep, etp)
-        if args.use_torch_fsdp2:
-            params, state = _fully_sharded_bytes(args, c, layout, dense + experts, act, dp * cp)
+        if optimizer.use_torch_fsdp2:
+            params, state = _fully_sharded_bytes(run, layout, dense + experts, act, dp * cp)
         else:
             params = dense * act + experts * act
             state = int(dense * dense_per + experts * expert_per) - params
         chunk_layers = layout.chunk_layer_numbers(pp_rank)
         saved, transient = 0, 0
-        flights = _in_flight(args, layout, pp_rank, num_microbatches)
+        flights = _in_flight(parallel, layout, pp_rank, num_microbatches)
         per_chunk = [_chunk_activation_bytes(c, sh, layers, ep, etp) for layers in chunk_layers]
         chunk_saved = max(s for s, _ in per_chunk)
         saved = flights * chunk_saved if layout.vp_size > 1 else flights * per_chunk[0][0]

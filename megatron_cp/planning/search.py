@@ -1,34 +1,26 @@
-"""The layouts a training command line leaves open, the ones the argument validation accepts,
-and their predicted memory, step time and longest sequence, best first.
+"""The layouts a training command line leaves open, ranked by their predicted memory, step
+time and longest sequence, best first.
 
 A dimension the command line sets itself (``--tensor-model-parallel-size 2``,
 ``--recompute-granularity full``, ``--use-distributed-optimizer`` ...) stays as given; the
 others are searched: TP, CP with its comm type (p2p ring or a2a Ulysses), PP with 1 or 2
 virtual stages, EP (MoE models), recompute (none, selective, full uniform 1 layer) and the
-distributed optimizer. DP is what is left of the GPU count. Each candidate's layout flags go
-through :func:`megatron_cp.cli.arguments.parse_args` for the GPU count: a layout our validation
-refuses is never listed (the rules live there, once).
-"""
-import copy
-from dataclasses import asdict, dataclass
+distributed optimizer. DP is what is left of the GPU count.
 
-from megatron_cp.cli.arguments import build_parser, parse_args
-from megatron_cp.checkpoint.use_checkpoint_args import given_on_command_line
-from megatron_cp.planning.memory import estimate_memory, tokenizer_vocab_size
+The parallel layouts come in as runs (:class:`~megatron_cp.config.run.RunConfig`), one per
+layout the argument validation accepts: ``tools/plan_layout.py``, the command-line front, puts
+each candidate's flags through :func:`megatron_cp.cli.arguments.parse_args` for the GPU count,
+so a layout our validation refuses is never listed (the rules live there, once). The recompute
+and optimizer variants of a run replace fields of its sections (``dataclasses.replace``),
+which re-runs the sections' checks.
+"""
+from dataclasses import asdict, dataclass, replace
+
+from megatron_cp.planning.memory import estimate_memory
 from megatron_cp.planning.step_time import predict_step_time
 
 RECOMPUTE = {"none": (None, None, None), "selective": ("selective", None, None),
              "full": ("full", "uniform", 1)}
-# the arguments each open dimension owns (given on the command line: not searched)
-DIMENSIONS = {
-    "tp": ("tensor_model_parallel_size",),
-    "cp": ("context_parallel_size", "cp_comm_type"),
-    "pp": ("pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
-           "num_virtual_stages_per_pipeline_rank"),
-    "ep": ("expert_model_parallel_size",),
-    "recompute": ("recompute_granularity", "recompute_method", "recompute_num_layers"),
-    "distributed_optimizer": ("use_distributed_optimizer",),
-}
 
 
 @dataclass
@@ -49,97 +41,70 @@ class PlannedLayout:
     fits: bool
 
 
-def _divisors(n):
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _layout_argvs(argv, num_gpus, open_dims, num_experts):
-    """(dimension values, extra argv) of every layout whose sizes divide ``num_gpus``."""
-    base = {"tp": [None], "cp": [(None, None)], "pp": [(None, None)], "ep": [None]}
-    if "tp" in open_dims:
-        base["tp"] = _divisors(num_gpus)
-    if "cp" in open_dims:
-        base["cp"] = [(1, None)] + [(c, t) for c in _divisors(num_gpus) if c > 1
-                                    for t in ("p2p", "a2a")]
-    if "pp" in open_dims:
-        base["pp"] = [(1, None)] + [(p, v) for p in _divisors(num_gpus) if p > 1 for v in (1, 2)]
-    if "ep" in open_dims and num_experts:
-        base["ep"] = [e for e in _divisors(num_gpus) if num_experts % e == 0]
-    for tp in base["tp"]:
-        for cp, comm in base["cp"]:
-            for pp, vp in base["pp"]:
-                for ep in base["ep"]:
-                    sizes = [x or 1 for x in (tp, cp, pp)]
-                    if num_gpus % (sizes[0] * sizes[1] * sizes[2]):
-                        continue
-                    extra = []
-                    if tp is not None:
-                        extra += ["--tensor-model-parallel-size", str(tp)]
-                        if tp > 1:
-                            extra += ["--sequence-parallel"]
-                    if cp is not None:
-                        extra += ["--context-parallel-size", str(cp)]
-                        extra += ["--cp-comm-type", comm] if comm else []
-                    if pp is not None:
-                        extra += ["--pipeline-model-parallel-size", str(pp)]
-                        if vp and vp > 1:
-                            extra += ["--num-virtual-stages-per-pipeline-rank", str(vp)]
-                    if ep is not None:
-                        extra += ["--expert-model-parallel-size", str(ep)]
-                    yield argv + extra
-
-
-def _variants(args, open_dims):
-    """Copies of validated ``args`` with each open recompute / optimizer choice."""
+def _variants(run, open_dims):
+    """``run`` with each open recompute / optimizer choice (the model's checks refuse a
+    recompute the model cannot take: that variant is left out)."""
     recomputes = RECOMPUTE if "recompute" in open_dims else {None: None}
-    shards = args.data_parallel_size * args.context_parallel_size > 1
+    parallel = run.parallel
+    shards = parallel.data_parallel_size * parallel.context_parallel_size > 1
     optimizers = [False, True] if "distributed_optimizer" in open_dims and shards else [None]
-    for name, setting in recomputes.items():
+    for setting in recomputes.values():
+        model = run.model
+        if setting is not None:
+            granularity, method, num_layers = setting
+            try:
+                model = replace(model, recompute_granularity=granularity,
+                                recompute_method=method, recompute_num_layers=num_layers)
+            except ValueError:
+                continue
         for distributed in optimizers:
-            variant = copy.copy(args)
-            if setting is not None:
-                (variant.recompute_granularity, variant.recompute_method,
-                 variant.recompute_num_layers) = setting
+            optimizer = run.optimizer
             if distributed is not None:
-                variant.use_distributed_optimizer = distributed
-            yield variant
+                optimizer = replace(optimizer, use_distributed_optimizer=distributed)
+            yield replace(run, model=model, optimizer=optimizer)
 
 
-def recompute_name(args):
-    """"none", "selective", or "full/<method>/<layers>"."""
-    if args.recompute_granularity is None:
+def recompute_name(model):
+    """"none", "selective", or "full/<method>/<layers>" of the model config ``model``."""
+    if model.recompute_granularity is None:
         return "none"
-    if args.recompute_granularity == "selective":
+    if model.recompute_granularity == "selective":
         return "selective"
-    return f"full/{args.recompute_method}/{args.recompute_num_layers or 1}"
+    return f"full/{model.recompute_method}/{model.recompute_num_layers or 1}"
 
 
-def sequence_unit(args):
-    """The step a sequence length must move in for this layout (2 x CP x TP under SP)."""
-    cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
-    return (2 * cp if cp > 1 else 1) * (tp if args.sequence_parallel else 1)
+def sequence_unit(run):
+    """The step a sequence length must move in for ``run``'s layout (2 x CP x TP under SP)."""
+    cp, tp = run.parallel.context_parallel_size, run.parallel.tensor_model_parallel_size
+    return (2 * cp if cp > 1 else 1) * (tp if run.model.sequence_parallel else 1)
 
 
-def max_seq_length(args, cap_bytes, device="cpu", vocab_size=None, limit=2 ** 25):
+def with_seq_length(run, seq_length, positions_follow=False):
+    """``run`` training on sequences of ``seq_length`` tokens; with ``positions_follow`` its
+    learned position table (--max-position-embeddings) as long."""
+    model = run.model
+    if positions_follow:
+        model = replace(model, max_position_embeddings=seq_length)
+    return replace(run, data=replace(run.data, seq_length=seq_length), model=model)
+
+
+def max_seq_length(run, cap_bytes, device="cpu", limit=2 ** 25):
     """The longest sequence (a multiple of :func:`sequence_unit`) whose predicted memory is
     at most ``cap_bytes``; 0 when not even one unit fits. Memory grows with the length: from
     the run's own length, double (or halve) to bracket the answer, then bisect."""
-    unit = sequence_unit(args)
-    vocab_size = vocab_size or tokenizer_vocab_size(args)  # once, not per trial
+    unit = sequence_unit(run)
+    model, seq_length = run.model, run.data.seq_length
     # learned positions: a table of --max-position-embeddings rows, which defaults to the
     # sequence length (arguments.py) and then grows with it; one given caps the length
-    positions_follow = args.max_position_embeddings == args.seq_length
-    if args.position_embedding_type == "learned_absolute" and not positions_follow:
-        limit = min(limit, args.max_position_embeddings)
+    positions_follow = model.max_position_embeddings == seq_length
+    if model.position_embedding_type == "learned_absolute" and not positions_follow:
+        limit = min(limit, model.max_position_embeddings)
     top = limit // unit
 
     def fits(n):
-        trial = copy.copy(args)
-        trial.seq_length = n * unit
-        if positions_follow:
-            trial.max_position_embeddings = trial.seq_length
-        return estimate_memory(trial, vocab_size, device).total_bytes <= cap_bytes
-    n = min(max(1, args.seq_length // unit), top)
+        trial = with_seq_length(run, n * unit, positions_follow)
+        return estimate_memory(trial, device).total_bytes <= cap_bytes
+    n = min(max(1, seq_length // unit), top)
     if fits(n):
         lo, hi = n, min(2 * n, top)
         while hi < top and fits(hi):
@@ -161,45 +126,36 @@ def max_seq_length(args, cap_bytes, device="cpu", vocab_size=None, limit=2 ** 25
     return lo * unit
 
 
-def plan_layouts(argv, num_gpus, cap_bytes, rates, device="cpu", vocab_size=None):
-    """Every accepted layout of ``argv`` (pretrain_gpt.py's flags) on ``num_gpus`` ranks as
+def plan_layouts(runs, open_dims, cap_bytes, rates, device="cpu"):
+    """Every layout of ``runs`` (a RunConfig for each parallel layout the argument validation
+    accepts) with each recompute / distributed optimizer choice of ``open_dims`` (the
+    dimensions the command line leaves open: "recompute", "distributed_optimizer", ...) as
     :class:`PlannedLayout` rows, best first: those that fit, fastest first (the smaller
     memory first among equals), then the rest by memory."""
-    given = given_on_command_line(build_parser(), argv)
-    open_dims = {dim for dim, dests in DIMENSIONS.items() if not given & set(dests)}
-    num_experts = parse_args(argv, world_size=1 if open_dims else num_gpus).num_experts \
-        if "ep" in open_dims else None
     rows, seen = [], set()
-    for candidate in _layout_argvs(list(argv), num_gpus, open_dims, num_experts):
-        try:
-            layout_args = parse_args(candidate, world_size=num_gpus)
-        except ValueError:
-            continue  # the validation refuses this layout
-        vocab_size = vocab_size or tokenizer_vocab_size(layout_args)  # once, not per layout
-        for args in _variants(layout_args, open_dims):
-            row = _row(args, cap_bytes, rates, device, vocab_size)
+    for layout_run in runs:
+        for run in _variants(layout_run, open_dims):
+            row = _row(run, cap_bytes, rates, device)
             key = tuple(asdict(row).items())
-            if row is not None and key not in seen:
+            if key not in seen:
                 seen.add(key)
                 rows.append(row)
     rows.sort(key=lambda r: (not r.fits, r.step_time_s if r.fits else 0, r.memory_bytes))
     return rows
 
 
-def _row(args, cap_bytes, rates, device, vocab_size):
-    try:
-        memory = estimate_memory(args, vocab_size, device).total_bytes
-    except ValueError:  # a recompute variant the model config refuses
-        return None
-    cp = args.context_parallel_size
+def _row(run, cap_bytes, rates, device):
+    memory = estimate_memory(run, device).total_bytes
+    parallel = run.parallel
+    cp = parallel.context_parallel_size
     return PlannedLayout(
-        tp=args.tensor_model_parallel_size, cp=cp,
-        cp_comm_type=args.cp_comm_type if cp > 1 else "none",
-        pp=args.pipeline_model_parallel_size,
-        vp=args.virtual_pipeline_model_parallel_size or 1,
-        dp=args.data_parallel_size, ep=args.expert_model_parallel_size,
-        recompute=recompute_name(args),
-        distributed_optimizer=args.use_distributed_optimizer,
-        memory_bytes=memory, step_time_s=predict_step_time(args, rates, vocab_size),
-        max_seq_length=max_seq_length(args, cap_bytes, device, vocab_size),
+        tp=parallel.tensor_model_parallel_size, cp=cp,
+        cp_comm_type=run.model.cp_comm_type if cp > 1 else "none",
+        pp=parallel.pipeline_model_parallel_size,
+        vp=parallel.virtual_pipeline_model_parallel_size or 1,
+        dp=parallel.data_parallel_size, ep=parallel.expert_model_parallel_size,
+        recompute=recompute_name(run.model),
+        distributed_optimizer=run.optimizer.use_distributed_optimizer,
+        memory_bytes=memory, step_time_s=predict_step_time(run, rates),
+        max_seq_length=max_seq_length(run, cap_bytes, device),
         fits=memory <= cap_bytes)

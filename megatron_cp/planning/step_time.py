@@ -20,11 +20,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from megatron_cp.config.parallel import ParallelConfig
-from megatron_cp.config.setting import build_config
 from megatron_cp.initialize import rank_layout
-from megatron_cp.pipeline_parallel import layout_from_config
-from megatron_cp.planning.memory import model_config, routed_tokens, stage_param_counts
+from megatron_cp.planning.memory import pipeline_layout_of, routed_tokens, stage_param_counts
 
 # H100 SXM, bf16: ~60% of the 989 TFLOP/s dense peak for large GEMMs, flash attention a
 # little lower; NVLink 4 moves ~450 GB/s each way per GPU; an NDR InfiniBand port 50 GB/s.
@@ -165,25 +162,27 @@ def _link(rates, span):
     return rates.inter_node_bytes_per_s
 
 
-def _spans(args):
-    """``{group name: consecutive ranks its first group spans}`` in the run's rank order (a
-    pipeline group is TP x CP ranks apart with DP outermost, a stage apart with PP outermost)."""
-    layout = rank_layout(args.world_size, args.tensor_model_parallel_size,
-                         args.context_parallel_size, args.pipeline_model_parallel_size,
-                         args.expert_model_parallel_size, args.expert_tensor_parallel_size,
-                         order=args.rank_order)
+def _spans(parallel):
+    """``{group name: consecutive ranks its first group spans}`` in the run's rank order
+    (``parallel``: its ParallelConfig; a pipeline group is TP x CP ranks apart with DP
+    outermost, a stage apart with PP outermost)."""
+    layout = rank_layout(parallel.world_size, parallel.tensor_model_parallel_size,
+                         parallel.context_parallel_size, parallel.pipeline_model_parallel_size,
+                         parallel.expert_model_parallel_size,
+                         parallel.expert_tensor_parallel_size, order=parallel.rank_order)
     return {name: max(groups[0]) - min(groups[0]) + 1 for name, groups in layout.items()}
 
 
-def predict_step_time(args, rates, vocab_size=None):
-    """Seconds per iteration of the run ``args`` (validated) describe on ``rates``."""
-    c = model_config(args, vocab_size)
-    tp, cp, pp = args.tensor_model_parallel_size, args.context_parallel_size, \
-        args.pipeline_model_parallel_size
-    ep, dp = args.expert_model_parallel_size, args.data_parallel_size
-    vp = args.virtual_pipeline_model_parallel_size or 1  # None: no virtual stages
-    act = torch.tensor([], dtype=args.params_dtype).element_size()
-    s, b = args.seq_length, args.micro_batch_size
+def predict_step_time(run, rates):
+    """Seconds per iteration of ``run`` (a :class:`~megatron_cp.config.run.RunConfig` of
+    checked arguments) on ``rates``."""
+    c, parallel, optimizer = run.model, run.parallel, run.optimizer
+    tp, cp, pp = parallel.tensor_model_parallel_size, parallel.context_parallel_size, \
+        parallel.pipeline_model_parallel_size
+    ep, dp = parallel.expert_model_parallel_size, parallel.data_parallel_size
+    vp = parallel.virtual_pipeline_model_parallel_size or 1  # None: no virtual stages
+    act = torch.tensor([], dtype=c.params_dtype).element_size()
+    s, b = run.data.seq_length, run.training.micro_batch_size
     tokens = b * s // cp  # this rank's tokens of one microbatch
     layers_per_stage = c.num_layers / pp
     recompute = {"full": 4 / 3, "selective": 1.0}.get(c.recompute_granularity, 1.0)
@@ -201,7 +200,7 @@ def predict_step_time(args, rates, vocab_size=None):
     # communication of one microbatch through this rank's stage (forward + backward)
     h_bytes = tokens * c.hidden_size * act
     comm = 0.0
-    spans = _spans(args)
+    spans = _spans(parallel)
     if tp > 1:  # 2 all-reduces (or all-gather + reduce-scatter) forward, 2 backward, per layer
         comm += layers_per_stage * 4 * 2 * (tp - 1) / tp * h_bytes / _link(rates, spans["tp"])
     if cp > 1:
@@ -220,18 +219,18 @@ def predict_step_time(args, rates, vocab_size=None):
         routed = routed_tokens(c, tokens, ep) * c.hidden_size * act
         comm += moe_layers * 4 * (ep - 1) / ep * routed / _link(rates, spans["ep"])
     if pp > 1:
-        sent = h_bytes / tp if args.sequence_parallel else h_bytes  # [s/cp(/tp), b, h]
+        sent = h_bytes / tp if c.sequence_parallel else h_bytes  # [s/cp(/tp), b, h]
         comm += 2 * sent / _link(rates, spans["pp"])  # the activation and its gradient
-    microbatches = args.num_microbatches or 1
-    layout = layout_from_config(build_config(ParallelConfig, args), c.num_layers, c.mtp_num_layers)
+    microbatches = run.training.num_microbatches or 1
+    layout = pipeline_layout_of(run)
     stage_params = max(sum(stage_param_counts(c, layout, r, tp, ep,
-                                              args.expert_tensor_parallel_size))
+                                              parallel.expert_tensor_parallel_size))
                        for r in range(pp))
     group = dp * cp
-    fsdp = args.use_torch_fsdp2 and group > 1
+    fsdp = optimizer.use_torch_fsdp2 and group > 1
     if fsdp:  # every microbatch: params gathered for forward and again for backward (in the
         # compute dtype; once with no resharding), fp32 gradients reduce-scattered
-        gathers = 1 if args.torch_fsdp2_no_reshard_after_forward else 2
+        gathers = 1 if optimizer.torch_fsdp2_no_reshard_after_forward else 2
         volume = (group - 1) / group * stage_params * (gathers * act + 4)
         comm += volume / _link(rates, spans["dp_cp"])
     per_microbatch = compute + comm
@@ -241,7 +240,7 @@ def predict_step_time(args, rates, vocab_size=None):
     grad_sync = 0.0
     if group > 1 and not fsdp:
         grad_sync = 2 * (group - 1) / group * stage_params * 4 / _link(rates, spans["dp_cp"])
-        if args.overlap_grad_reduce:
+        if optimizer.overlap_grad_reduce:
             # the buckets reduce during the last microbatch's backward (2/3 of its compute)
             grad_sync = max(0.0, grad_sync - 2 / 3 * compute)
     return microbatches * per_microbatch + bubble + grad_sync

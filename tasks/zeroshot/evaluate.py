@@ -57,7 +57,7 @@ def _tensor_batch(samples, length, device):
 def local_share(model, num_samples):
     """This DP rank's sample indices, as microbatches (lists of indices, None for padding);
     every DP rank gets the same number of microbatches (a multiple of PP with virtual stages)."""
-    st, mb = model.state, model.args.micro_batch_size
+    st, mb = model.state, model.run.training.micro_batch_size
     per_rank = -(-num_samples // st.size("dp"))
     first = st.rank("dp") * per_rank
     indices = [i if i < num_samples else None for i in range(first, first + per_rank)]
@@ -72,13 +72,14 @@ def run_microbatches(model, samples, forward_step_func, loss_func):
     """Every local microbatch of ``samples`` through the model, forward only. Yields, per
     group, the (indices, prepared microbatch) pairs and the schedule's per-microbatch
     outputs (``loss_func``'s second value; empty except on the last pipeline stage)."""
-    st, args = model.state, model.args
+    st, config = model.state, model.config
     length = sample_length(model, samples)
     shape = None
     if st.size("pp") > 1:
-        shape = pipeline_tensor_shape(length, args.micro_batch_size, model.config.hidden_size,
-                                      st.size("cp"), st.size("tp"), model.config.sequence_parallel)
-    schedule = get_forward_backward_func(st, dtype=args.params_dtype)
+        shape = pipeline_tensor_shape(length, model.run.training.micro_batch_size,
+                                      config.hidden_size, st.size("cp"), st.size("tp"),
+                                      config.sequence_parallel)
+    schedule = get_forward_backward_func(st, dtype=config.params_dtype)
     micro = local_share(model, len(samples))
     group = _round_up(MICROBATCHES_PER_GROUP, st.size("pp"))
     for begin in range(0, len(micro), group):
@@ -114,10 +115,10 @@ def evaluate_wikitext(model, path, stride=None):
     As in Megatron-LM, ``N`` tokens give ``N - 1`` scored predictions and ``W`` words
     ``W - 1``: ppl = exp(loss / (N - 1)), adjusted ppl = exp(loss / (W - 1)), i.e. the average
     loss scaled by the token ratio (N - 1) / (W - 1)."""
-    args = model.args
+    seq_length = model.run.data.seq_length
     tokens, num_words = wikitext_tokens(path, model.tokenizer)
-    windows = lm_windows(len(tokens), args.seq_length, stride or args.seq_length)
-    samples = [window_sample(tokens, *window, args.seq_length) for window in windows]
+    windows = lm_windows(len(tokens), seq_length, stride or seq_length)
+    samples = [window_sample(tokens, *window, seq_length) for window in windows]
 
     def loss_func(output, batch):  # output: per-token loss [b, s/cp]
         loss_sum = (output.double() * batch["loss_mask"].double()).sum()
@@ -158,9 +159,9 @@ def evaluate_lambada(model, path, strict=False):
     """Cloze accuracy on the LAMBADA-format file ``path``: a dict with the number correct, the
     number of passages, the accuracy, and per passage the target ids, the predicted ids (the
     argmax at each target position) and whether all of them match."""
-    args, st, tok = model.args, model.state, model.tokenizer
+    st, tok, seq_length = model.state, model.tokenizer, model.run.data.seq_length
     pairs = [lambada_tokens(p, tok, strict) for p in read_lambada(path)]
-    samples = [lambada_sample(context, target, args.seq_length) for context, target in pairs]
+    samples = [lambada_sample(context, target, seq_length) for context, target in pairs]
     tp_group = st.group("tp")
 
     def loss_func(output, batch):  # output: logits [s/cp, b, v/tp]
