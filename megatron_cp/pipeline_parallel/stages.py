@@ -24,6 +24,8 @@ layer of a last stage without the embedding is initialized identically (see GPTM
 Everything here checks its input before any process group is touched and raises
 ValueError naming the flags and the fix (Megatron-LM's rules).
 """
+import dataclasses
+
 from megatron_cp.pipeline_parallel.layout import (EMBEDDING, FLAG, LAYER, LOSS, PipelineLayout,
                                                   check_layout, parse_layout)
 
@@ -141,10 +143,8 @@ def _virtual_stages(counts, per_virtual, virtual, uneven, accounted):
     return vp_size
 
 
-def layout_from_args(args):
-    """The :class:`PipelineLayout` of a run's arguments (a namespace, or a checkpoint's
-    saved dict: flags it predates take their defaults)."""
-    values = args if isinstance(args, dict) else vars(args)
+def _layout_of(values):
+    """The :class:`PipelineLayout` of the settings ``values`` (a mapping of their names)."""
     return pipeline_layout(
         values["num_layers"], values["pipeline_model_parallel_size"],
         layout=values.get("pipeline_model_parallel_layout"),
@@ -155,6 +155,20 @@ def layout_from_args(args):
         account_for_embedding=bool(values.get("account_for_embedding_in_pipeline_split")),
         account_for_loss=bool(values.get("account_for_loss_in_pipeline_split")),
         mtp_num_layers=values.get("mtp_num_layers"))
+
+
+def layout_from_args(args):
+    """The :class:`PipelineLayout` of a run's arguments (a namespace, or a checkpoint's
+    saved dict: flags it predates take their defaults)."""
+    return _layout_of(args if isinstance(args, dict) else vars(args))
+
+
+def layout_from_config(model, parallel):
+    """The :class:`PipelineLayout` of a run's sections: the model's (GPTConfig) layers and
+    MTP depths, split as the parallel section (ParallelConfig) says."""
+    values = {f.name: getattr(parallel, f.name) for f in dataclasses.fields(parallel)}
+    values.update(num_layers=model.num_layers, mtp_num_layers=model.mtp_num_layers)
+    return _layout_of(values)
 
 
 def validate_interleaved_microbatches(num_microbatches, pp_size, vp_size, group_size=None):
