@@ -196,10 +196,11 @@ def _instrument(record):
 
 def _train_worker(rank, world, argv, threads):
     from megatron_cp.cli.arguments import parse_args
-    from megatron_cp.training import build_parallel_state, pretrain
+    from megatron_cp.training import build_parallel_state, pretrain, run_config
     torch.set_num_threads(threads)
     args = parse_args(argv, world_size=world)
-    state = build_parallel_state(args, torch.device("cpu"))
+    run = run_config(args)
+    state = build_parallel_state(run.parallel, run.model, run.optimizer, torch.device("cpu"))
     record = {"steps": [], "step": {"row_bytes": 0, "count_bytes": 0, "calls": []}}
     _instrument(record)
     with contextlib.redirect_stdout(io.StringIO()):  # the banner and log lines of rank 0

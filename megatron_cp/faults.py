@@ -82,11 +82,13 @@ def _cause(error, timeout_minutes):
     return f"no answer within --distributed-timeout-minutes {timeout_minutes}"
 
 
-def lost_contact(error, rank, activity, args, latest=None):
+def lost_contact(error, rank, activity, checkpoint, parallel, latest=None):
     """The :class:`LostContactError` for gloo/store ``error`` seen by ``rank`` during
-    ``activity``; ``latest`` is the last saved iteration under ``--save`` (None: unknown)."""
-    cause = _cause(error, args.distributed_timeout_minutes)
-    save, load = args.save, args.load
+    ``activity``; ``checkpoint``: the checkpoint section (--save, --load: where to resume);
+    ``parallel``: the parallel section (--distributed-timeout-minutes); ``latest`` is the last
+    saved iteration under ``--save`` (None: unknown)."""
+    cause = _cause(error, parallel.distributed_timeout_minutes)
+    save, load = checkpoint.save, checkpoint.load
     if save and latest is not None:
         fix = f"re-run with --load {save} to continue from the last checkpoint (iteration {latest})"
     elif save:

@@ -20,12 +20,16 @@ class StepProfiler:
     """Call :meth:`step` once after every training iteration (``iteration`` is the number of
     iterations done). Inactive unless --profile is given and this rank is profiled."""
 
-    def __init__(self, args, global_rank, device):
-        self.active = args.profile and (not args.profile_ranks or global_rank in args.profile_ranks)
-        self.start, self.end = args.profile_step_start, args.profile_step_end
-        self.torch_profiler = args.use_pytorch_profiler
+    def __init__(self, logging, save, global_rank, device):
+        """``logging``: the logging section (its ``profile*`` fields, ``use_pytorch_profiler``
+        and ``tensorboard_dir``); ``save``: the checkpoint folder (--save, or None), under
+        which the trace goes without a tensorboard folder."""
+        self.active = logging.profile and (not logging.profile_ranks
+                                           or global_rank in logging.profile_ranks)
+        self.start, self.end = logging.profile_step_start, logging.profile_step_end
+        self.torch_profiler = logging.use_pytorch_profiler
         self.device, self.rank, self.running = device, global_rank, None
-        self.trace_dir = args.tensorboard_dir or os.path.join(args.save or ".", "profile")
+        self.trace_dir = logging.tensorboard_dir or os.path.join(save or ".", "profile")
 
     def step(self, iteration):
         """Start before iteration ``start`` + 1 runs (i.e. once ``start`` are done), stop

@@ -534,42 +534,47 @@ class RerunStateMachine:
             logger.warning(text)
 
 
-def from_args(args, rank, device, save_extra=None, restore_extra=None):
-    """The machine that the rerun flags describe, for global ``rank`` on ``device``."""
-    injector = ErrorInjector(args.error_injection_rate, args.error_injection_type)
-    return RerunStateMachine(args.rerun_mode, rank=rank, device=device, injector=injector,
-                             tracker_file=args.result_rejected_tracker_filename,
+def from_config(training, rank, device, save_extra=None, restore_extra=None):
+    """The machine that the training section ``training`` describes (its ``rerun_mode``,
+    ``error_injection_rate`` and ``_type`` and ``result_rejected_tracker_filename``), for
+    global ``rank`` on ``device``."""
+    injector = ErrorInjector(training.error_injection_rate, training.error_injection_type)
+    return RerunStateMachine(training.rerun_mode, rank=rank, device=device, injector=injector,
+                             tracker_file=training.result_rejected_tracker_filename,
                              save_extra=save_extra, restore_extra=restore_extra)
 
 
-def flag_problems(args):
-    """The rerun flags' own rules: a line per problem (none: [])."""
+def flag_problems(training):
+    """The rerun settings' own rules, in the training section ``training``: a line per
+    problem (none: [])."""
     problems = []
-    rate = args.error_injection_rate
+    rate = training.error_injection_rate
     if rate < 0:
         problems.append(f"--error-injection-rate ({rate}) must be at least 0 (0: no injection)")
-    elif rate > 0 and args.rerun_mode != "validate_results":
+    elif rate > 0 and training.rerun_mode != "validate_results":
         problems.append(f"--error-injection-rate {rate} fakes rejected results for the "
                         f"validation of --rerun-mode validate_results, which --rerun-mode "
-                        f"{args.rerun_mode} does not run; drop one of the two")
-    bad = [n for n in args.iterations_to_skip if n < 1]
+                        f"{training.rerun_mode} does not run; drop one of the two")
+    bad = [n for n in training.iterations_to_skip if n < 1]
     if bad:
         problems.append(f"--iterations-to-skip {' '.join(map(str, bad))}: iterations count "
                         f"from 1")
-    if args.result_rejected_tracker_filename is not None:
+    if training.result_rejected_tracker_filename is not None:
         try:
-            records.check_appendable(args.result_rejected_tracker_filename)
+            records.check_appendable(training.result_rejected_tracker_filename)
         except ValueError as error:
             problems.append(str(error))
     return problems
 
 
-def iterations_to_skip(args, rank):
-    """``--iterations-to-skip`` and, with ``--result-rejected-tracker-filename``, the
-    iterations that its records mark (logged on rank 0, as Megatron does at start-up)."""
-    skips = set(args.iterations_to_skip or ())
-    if args.result_rejected_tracker_filename is not None:
-        marked, kept = records.iterations_to_skip(args.result_rejected_tracker_filename)
+def iterations_to_skip(training, rank):
+    """The training section's ``iterations_to_skip`` and, with its
+    ``result_rejected_tracker_filename``, the iterations that the file's records mark (logged
+    on rank 0, as Megatron does at start-up)."""
+    skips = set(training.iterations_to_skip)
+    tracker = training.result_rejected_tracker_filename
+    if tracker is not None:
+        marked, kept = records.iterations_to_skip(tracker)
         if rank == 0:
             logger.warning(f"Will skip these iterations from tracker file: {marked}")
             if kept:

@@ -15,9 +15,6 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron_cp.config.parallel import ParallelConfig
-from megatron_cp.config.setting import build_config
-from megatron_cp.config.training import TrainingConfig
 from megatron_cp.data.batch_schedule import BatchSchedule
 from megatron_cp.initialize import distributed_env
 from megatron_cp.optimizer.clip_grads import counted_here
@@ -43,7 +40,9 @@ def print_rank_0(text=""):
 
 
 def format_arguments(args):
-    """Megatron's argument block: every argument, sorted, as ``name ..... value``."""
+    """Megatron's argument block: every argument of the parsed command line ``args``, sorted,
+    as ``name ..... value``. The one report that reads the namespace: it prints the command
+    line as given and checked, the Megatron-LM flags that set no config field included."""
     lines = ["------------------------ arguments ------------------------"]
     for name, value in sorted(vars(args).items()):
         if name not in NOT_ARGUMENTS:
@@ -52,15 +51,19 @@ def format_arguments(args):
     return "\n".join(lines)
 
 
-def format_compat_notes(args):
-    """The Megatron flags accepted because they select what this code does anyway."""
-    notes = args.compat_notes  # the argument validation sets it (empty: none)
+def format_compat_notes(notes):
+    """The Megatron flags accepted because they select what this code does anyway: ``notes``,
+    a note per flag (the run's ``RunConfig.notes``; empty: none)."""
     return "\n".join(["> compatibility notes:"] + [f"  - {note}" for note in notes]) if notes else ""
 
 
-def format_parallel_sizes(args, state):
+def format_parallel_sizes(run, state):
     """World size and every parallel size, as Megatron's ``using world size`` line, plus the
-    microbatch split of the global batch (or Megatron's table of a batch-size schedule)."""
+    microbatch split of the global batch (or Megatron's table of a batch-size schedule).
+    ``run``: the :class:`~megatron_cp.config.run.RunConfig`, whose model (sequence
+    parallelism, CP comm type, layers), parallel (pipeline split), training (batch sizes) and
+    data (sequence length) sections it reads."""
+    model, training = run.model, run.training
     tp, cp, pp, dp = (state.size(n) for n in ("tp", "cp", "pp", "dp"))
     vp = state.virtual_pipeline_model_parallel_size
     line = (f"using world size: {state.world_size}, data-parallel size: {dp}, "
@@ -68,22 +71,21 @@ def format_parallel_sizes(args, state):
             f"pipeline-model-parallel size: {pp}")
     if vp:
         line += f", virtual pipeline stages per rank: {vp}"
-    details = [f"sequence parallel: {args.sequence_parallel}"]
+    details = [f"sequence parallel: {model.sequence_parallel}"]
     if cp > 1:
-        details.append(f"cp comm type: {args.cp_comm_type}")
-    if args.step_batch_size_schedule is not None:  # Megatron's lines for a schedule
-        schedule = BatchSchedule.from_config(build_config(TrainingConfig, args),
-                                             build_config(ParallelConfig, args))
+        details.append(f"cp comm type: {model.cp_comm_type}")
+    if training.step_batch_size_schedule is not None:  # Megatron's lines for a schedule
+        schedule = BatchSchedule.from_config(training, run.parallel)
         return (line + "\n> " + ", ".join(details) + "\n> using step batch size schedule: "
-                f"{args.step_batch_size_schedule}\n" + schedule.describe(args.seq_length))
-    details.append(f"number of microbatches: {args.num_microbatches} (global batch "
-                   f"{args.global_batch_size} = micro batch {args.micro_batch_size} x DP {dp} x "
-                   f"{args.num_microbatches})")
+                f"{training.step_batch_size_schedule}\n"
+                + schedule.describe(run.data.seq_length))
+    details.append(f"number of microbatches: {training.num_microbatches} (global batch "
+                   f"{training.global_batch_size} = micro batch {training.micro_batch_size} x "
+                   f"DP {dp} x {training.num_microbatches})")
     details.append(f"rank order: {state.order}")
     text = line + "\n> " + ", ".join(details)
     if pp > 1:  # what each stage holds, as a layout string and per rank
-        layout = layout_from_config(build_config(ParallelConfig, args), args.num_layers,
-                                    args.mtp_num_layers)
+        layout = layout_from_config(run.parallel, model.num_layers, model.mtp_num_layers)
         text += "\n".join([f"\n> pipeline layout: {layout}"] + [f">   {row}" for row in layout.describe()])
     return text
 
@@ -133,15 +135,18 @@ def format_dataset_sizes(datasets):
     return " > dataset samples: " + ", ".join(parts)
 
 
-def format_summary(args, first_iteration, last_iteration, stop_reason, total_seconds,
+def format_summary(run, first_iteration, last_iteration, stop_reason, total_seconds,
                    train_seconds, validation, latest_checkpoint):
-    """The end-of-run block. ``validation``: (iteration, loss) of the last evaluation or None;
-    ``latest_checkpoint``: the iteration in --save's tracker (None without --save)."""
+    """The end-of-run block. ``run``: the :class:`~megatron_cp.config.run.RunConfig` (its
+    ``train_iters``, --save and tensorboard folder); ``validation``: (iteration, loss) of the
+    last evaluation or None; ``latest_checkpoint``: the iteration in --save's tracker (None
+    without --save)."""
+    save, tensorboard_dir = run.checkpoint.save, run.logging.tensorboard_dir
     ran = last_iteration - first_iteration
     per_iter = f", {train_seconds / ran:.3f} s per iteration" if ran else ""
     lines = ["-------------------------- end of training --------------------------",
              f" iterations: {ran} this run (from {first_iteration} to {last_iteration} of "
-             f"--train-iters {args.train_iters}); stopped by {stop_reason}",
+             f"--train-iters {run.training.train_iters}); stopped by {stop_reason}",
              f" time: {total_seconds:.1f} s in all, {train_seconds:.1f} s training{per_iter}"]
     if validation is not None:
         iteration, loss = validation
@@ -150,13 +155,13 @@ def format_summary(args, first_iteration, last_iteration, stop_reason, total_sec
     else:
         lines.append(" final validation loss: not evaluated (--eval-iters 0, or stopped before "
                      "an evaluation)")
-    if args.save:
-        lines.append(f" checkpoints: {os.path.abspath(args.save)} (latest: iteration "
-                     f"{latest_checkpoint}); resume or extend with --load {args.save}")
+    if save:
+        lines.append(f" checkpoints: {os.path.abspath(save)} (latest: iteration "
+                     f"{latest_checkpoint}); resume or extend with --load {save}")
     else:
         lines.append(" checkpoints: none saved (no --save)")
-    if args.tensorboard_dir:
-        lines.append(f" tensorboard: {os.path.abspath(args.tensorboard_dir)} "
-                     f"(tensorboard --logdir {args.tensorboard_dir})")
+    if tensorboard_dir:
+        lines.append(f" tensorboard: {os.path.abspath(tensorboard_dir)} "
+                     f"(tensorboard --logdir {tensorboard_dir})")
     lines.append("-" * len(lines[0]))
     return "\n".join(lines)

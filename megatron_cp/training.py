@@ -82,16 +82,21 @@ def config_from_args(args, vocab_size):
 
 
 class Trainer:
-    """Everything one training run holds; ``pretrain`` drives it."""
+    """Everything one training run holds; ``pretrain`` drives it.
 
-    def __init__(self, args, state):
+    ``args``: the checked arguments, kept for what checkpoints save (Megatron-LM's names);
+    ``run``: their :class:`~megatron_cp.config.run.RunConfig` where the caller built it
+    (:func:`run_config`; ``pretrain`` does, for its banner), else built here. The trainer and
+    each part it builds read the run's sections."""
+
+    def __init__(self, args, state, run=None):
         self.args, self.state = args, state  # args: what checkpoints save (Megatron-LM's names)
         self.device = state.device
         self.progress = faults.Progress()  # what a lost-contact error says the job was doing
-        self.check_for_nan = args.check_for_nan_in_loss_and_grad
         self.tokenizer = tokenizer_from_config(build_config(DataConfig, args))
         # the run's frozen configuration; each part below is handed its own section
-        self.run = RunConfig.from_args(args, self.tokenizer.vocab_size)
+        self.run = run or RunConfig.from_args(args, self.tokenizer.vocab_size)
+        self.check_for_nan = self.run.training.check_for_nan_in_loss_and_grad
         self.config = self.run.model
         # saved with the arguments: conversions carry exactly the real vocabulary
         args.true_vocab_size = self.config.vocab_size
@@ -115,25 +120,28 @@ class Trainer:
         self.model_chunks = [data_parallel_wrapper(self.run.optimizer, m, state,
                                                    self.config.params_dtype) for m in models]
         self.model = self.model_chunks[0]
-        if args.test_mode:  # Megatron-LM's realtime test: QK norms equal over DP, every forward
+        training = self.run.training
+        if training.test_mode:  # Megatron-LM's realtime test: QK norms equal over DP, each forward
             for m in models:
                 for module in m.modules():
                     if getattr(module, "q_layernorm", None) is not None:
                         module.replica_check_group = state.group("dp")
         self.optimizer = build_optimizer(self.run.optimizer, self.config, models, self.model_chunks,
                                          state, self.check_for_nan)
-        self.optimizer.count_zeros_in_grad = args.log_num_zeros_in_grad
+        self.optimizer.count_zeros_in_grad = self.run.logging.log_num_zeros_in_grad
         # --rerun-mode: a rejected loss or gradient reruns the step (megatron_cp.rerun). Under
         # dynamic fp16 loss scaling an overflow is the scaler's signal, not a fault: Megatron
         # turns the checks off there, and so does this (the loop's NaN checks stay).
-        self.rerun = rerun.from_args(args, state.global_rank, self.device,
-                                     save_extra=self._rerun_extra,
-                                     restore_extra=self._restore_rerun_extra)
-        self.validate_nan = self.check_for_nan and not (args.fp16 and not args.loss_scale)
+        self.rerun = rerun.from_config(training, state.global_rank, self.device,
+                                       save_extra=self._rerun_extra,
+                                       restore_extra=self._restore_rerun_extra)
+        precision = self.run.optimizer
+        dynamic_fp16 = precision.fp16 and not precision.loss_scale
+        self.validate_nan = self.check_for_nan and not dynamic_fp16
         for chunk in self.model_chunks:
             chunk.grad_check = partial(rerun.check_grad_bucket, self.rerun,
                                        check_nan=self.validate_nan,
-                                       check_large=args.check_for_large_grads)
+                                       check_large=training.check_for_large_grads)
         self.skipped_samples = 0  # of the iterations skipped (--iterations-to-skip)
         self.num_zeros = None  # of the latest step, with --log-num-zeros-in-grad
         self.pending_save = None  # the --async-save in flight (megatron_cp.checkpoint.torch_dist_format)
@@ -166,8 +174,8 @@ class Trainer:
         micro_batch_size, length = microbatches[0]["tokens"].shape
         weights = loss_weighting.step_weights(
             counts, totals, num_microbatches=len(microbatches) * st.size("dp"),
-            tokens_per_microbatch=micro_batch_size * self.args.seq_length,
-            per_token_loss=self.args.calculate_per_token_loss,
+            tokens_per_microbatch=micro_batch_size * self.run.data.seq_length,
+            per_token_loss=self.run.training.calculate_per_token_loss,
             mtp_factor=self.config.mtp_loss_scaling_factor,
             loss_scale=1.0 if forward_only else float(self.optimizer.get_loss_scale()))
         for batch, lm, mtp_weights in zip(microbatches, weights.lm, weights.mtp):
@@ -180,13 +188,13 @@ class Trainer:
             loss_sum = (output.float() * batch["loss_mask"]).sum()
             if not forward_only:  # this rank's own loss, before any reduction (Megatron's)
                 rerun.check_loss(self.rerun, loss_sum, self.validate_nan,
-                                 self.args.check_for_spiky_loss)
+                                 self.run.training.check_for_spiky_loss)
             return loss_sum * batch["loss_weight"], loss_sum
 
         shape = None
         if st.size("pp") > 1:  # [length/cp(/tp with SP), b, h], the same on every stage
             shape = pipeline_tensor_shape(length * st.size("cp"), micro_batch_size,
-                                          self.args.hidden_size, st.size("cp"), st.size("tp"),
+                                          self.config.hidden_size, st.size("cp"), st.size("tp"),
                                           self.config.sequence_parallel)
         losses = self.forward_backward(forward_step, loss_func, microbatches, self.model_chunks, st,
                                        forward_only=forward_only, tensor_shape=shape)
@@ -212,11 +220,11 @@ class Trainer:
         :class:`~megatron_cp.rerun.RerunExit` on every rank before the update."""
         current = self.iteration + 1
         self.progress.activity = f"iteration {current}"
-        a = self.args
+        run = self.run
         global_batch_size = self.batches.global_batch_size(self.consumed_samples)
         microbatches = self.data.microbatches(
             self.data.train_iter, self.batches.num_microbatches(self.consumed_samples),
-            a.micro_batch_size, self.consumed_samples)
+            run.training.micro_batch_size, self.consumed_samples)
         while self.rerun.should_run_forward_backward(self.iteration):
             for chunk in self.model_chunks:
                 chunk.train()
@@ -237,12 +245,12 @@ class Trainer:
         except GradNormNotFinite as bad:
             raise faults.non_finite("gradient norm", bad.grad_norm, current, rank, bad.ranks) from None
         if ok:
-            self.scheduler.step(global_batch_size if a.lr_counts_samples else 1)
+            self.scheduler.step(global_batch_size if run.optimizer.lr_counts_samples else 1)
         self.iteration += 1
         self.consumed_samples += global_batch_size
         self.global_batch_size = global_batch_size
-        if getattr(a, "log_params_norm", False) and (self.iteration % a.log_interval == 0
-                                                     or self.iteration == a.train_iters):
+        if run.logging.log_params_norm and (self.iteration % run.logging.log_interval == 0
+                                            or self.iteration == run.training.train_iters):
             self.optimizer.finish_param_sync()  # the norm reads every param: wait for the gathers
         return loss, grad_norm, ok
 
@@ -252,7 +260,7 @@ class Trainer:
         global_batch_size = self.batches.global_batch_size(self.consumed_samples)
         self.data.microbatches(self.data.train_iter,
                                self.batches.num_microbatches(self.consumed_samples),
-                               self.args.micro_batch_size)
+                               self.run.training.micro_batch_size)
         self.iteration += 1
         self.consumed_samples += global_batch_size
         self.skipped_samples += global_batch_size
@@ -277,7 +285,7 @@ class Trainer:
     @property
     def evaluates(self):
         """Evaluation is asked for (--eval-iters > 0) and there is validation data."""
-        return self.args.eval_iters > 0 and getattr(self, "has_validation", True)
+        return self.run.training.eval_iters > 0 and getattr(self, "has_validation", True)
 
     @torch.no_grad()
     def evaluate(self):
@@ -286,30 +294,39 @@ class Trainer:
         for chunk in self.model_chunks:
             chunk.eval()
         total, tokens = 0.0, 0
-        a = self.args
-        for _ in range(a.eval_iters):  # batches of --eval-global-batch-size samples
-            microbatches = self.data.microbatches(it, a.eval_num_microbatches,
-                                                  a.eval_micro_batch_size)
+        training = self.run.training
+        for _ in range(training.eval_iters):  # batches of --eval-global-batch-size samples
+            microbatches = self.data.microbatches(it, training.eval_num_microbatches,
+                                                  training.eval_micro_batch_size)
             loss, n = self._run_batches(microbatches, forward_only=True)
             total, tokens = total + loss * n, tokens + n
         return total / max(tokens, 1)
 
 
-def build_parallel_state(args, device=None):
-    """The ParallelState that ``args`` describe (torch.distributed already started): every
-    group, including the a2a+p2p sub-groups that the CP comm type resolves to."""
-    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
+def run_config(args):
+    """The :class:`~megatron_cp.config.run.RunConfig` of the checked ``args``
+    (:func:`megatron_cp.cli.arguments.parse_args`), with the vocabulary of the tokenizer that
+    their flags name."""
+    return RunConfig.from_args(args, tokenizer_from_config(build_config(DataConfig, args)).vocab_size)
+
+
+def build_parallel_state(parallel, model, optimizer, device=None):
+    """The ParallelState of a run (torch.distributed already started): every group of the
+    parallel section ``parallel`` (sizes, virtual stages, rank order, timeout), including the
+    a2a+p2p sub-groups that the model section's (``model``) CP comm type resolves to and the
+    distributed-optimizer instances of the optimizer section (``optimizer``)."""
+    tp, cp = parallel.tensor_model_parallel_size, parallel.context_parallel_size
     hierarchical = None
     if cp > 1:
-        _, hierarchical = resolve_comm_type(args.cp_comm_type, args.num_query_groups // tp, cp,
-                                            args.hierarchical_context_parallel_sizes)
+        _, hierarchical = resolve_comm_type(model.cp_comm_type, model.num_query_groups // tp, cp,
+                                            model.hierarchical_context_parallel_sizes)
     return initialize_model_parallel(
-        tp, cp, args.pipeline_model_parallel_size, args.expert_model_parallel_size,
-        args.expert_tensor_parallel_size,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        tp, cp, parallel.pipeline_model_parallel_size, parallel.expert_model_parallel_size,
+        parallel.expert_tensor_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         hierarchical_context_parallel_sizes=hierarchical, device=device,
-        timeout_minutes=args.distributed_timeout_minutes, order=args.rank_order,
-        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances)
+        timeout_minutes=parallel.distributed_timeout_minutes, order=parallel.rank_order,
+        num_distributed_optimizer_instances=optimizer.num_distributed_optimizer_instances)
 
 
 def forward_step(model, batch):
@@ -339,6 +356,11 @@ def _any_rank(flag, device):
 def pretrain(args, state=None):
     """Run a whole pretraining job from validated ``args``; returns the list of train losses.
 
+    The front door (``main``, pretrain_gpt.py): the run's sections are built from ``args``
+    first (:func:`run_config`) and everything after reads them; ``args`` itself is printed
+    (the argument banner) and kept for what checkpoints save. ``state``: the ParallelState,
+    when torch.distributed was started already (else started here).
+
     Global rank 0 prints the start-up banner (``run_report``: arguments, sizes, parameter
     and dataset counts, a line before each slow step) and the end summary. A ``--load`` that
     already reached ``--train-iters`` says so and trains nothing. A collective that fails
@@ -347,18 +369,20 @@ def pretrain(args, state=None):
     and the checkpoint to resume from.
     """
     progress = faults.Progress()
+    run = run_config(args)
     try:
-        return _pretrain(args, state, progress)
+        return _pretrain(args, run, state, progress)
     except RuntimeError as error:
         if not faults.is_lost_contact(error) or not dist.is_initialized():
             raise
-        latest = None
-        if args.save:
+        latest, save = None, run.checkpoint.save
+        if save:
             try:
-                latest = checkpoint_files.read_tracker(args.save)
+                latest = checkpoint_files.read_tracker(save)
             except (OSError, ValueError):
                 pass  # the message then names no iteration
-        raise faults.lost_contact(error, dist.get_rank(), progress.activity, args, latest) from error
+        raise faults.lost_contact(error, dist.get_rank(), progress.activity, run.checkpoint,
+                                  run.parallel, latest) from error
 
 
 def _set_logging_level(level):
@@ -382,34 +406,39 @@ def _on_every_rank(step, device):
     return result
 
 
-def _pretrain(args, state, progress):
+def _pretrain(args, run, state, progress):
+    """:func:`pretrain` of ``args`` and their RunConfig ``run``, which it reads (``args`` is
+    printed, and handed to the Trainer for its checkpoints)."""
     started = time.time()
-    if args.logging_level is not None:
-        _set_logging_level(args.logging_level)
-    if args.deterministic_mode:
+    if run.logging.logging_level is not None:
+        _set_logging_level(run.logging.logging_level)
+    if run.training.deterministic_mode:
         device_mod.enable_deterministic_mode()  # before any NCCL communicator exists
     print_rank_0(format_arguments(args))
-    if format_compat_notes(args):
-        print_rank_0(format_compat_notes(args))
+    if format_compat_notes(run.notes):
+        print_rank_0(format_compat_notes(run.notes))
     if state is None:
         print_rank_0("> initializing torch distributed ...")
-        _, _, device = initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
-        state = build_parallel_state(args, device)
-    print_rank_0(format_parallel_sizes(args, state))
-    if offload_note(args.cpu_offloading_num_layers, state.device):
-        print_rank_0(offload_note(args.cpu_offloading_num_layers, state.device))
+        _, _, device = initialize_distributed(run.parallel.distributed_backend,
+                                              run.parallel.distributed_timeout_minutes)
+        state = build_parallel_state(run.parallel, run.model, run.optimizer, device)
+    print_rank_0(format_parallel_sizes(run, state))
+    offloaded = offload_note(run.model.cpu_offloading_num_layers, state.device)
+    if offloaded:
+        print_rank_0(offloaded)
     print_rank_0("> building tokenizer, model and optimizer ...")
-    trainer = Trainer(args, state)
+    trainer = Trainer(args, state, run)
     trainer.progress = progress
     print_rank_0(format_parameter_counts(*count_parameters(trainer.model_chunks, state)))
-    if args.load:
-        print_rank_0(f"> loading checkpoint from {args.load} ...")
-        progress.activity = f"the checkpoint load from {args.load}"
+    if run.checkpoint.load:
+        print_rank_0(f"> loading checkpoint from {run.checkpoint.load} ...")
+        progress.activity = f"the checkpoint load from {run.checkpoint.load}"
         trainer.iteration, trainer.consumed_samples = _on_every_rank(
             lambda: load_save.load_checkpoint(trainer, args.load), state.device)
-        if trainer.iteration >= args.train_iters:
+        train_iters = run.training.train_iters
+        if trainer.iteration >= train_iters:
             print_rank_0(f"checkpoint at iteration {trainer.iteration} already reached --train-iters "
-                         f"{args.train_iters}; raise --train-iters to train on")
+                         f"{train_iters}; raise --train-iters to train on")
             return []
     print_rank_0("> building train, validation and test datasets ...")
     progress.activity = "the dataset build"
@@ -421,19 +450,20 @@ def _pretrain(args, state, progress):
 
 def _train_on_data(trainer, started):
     """Build the data, train, evaluate at the end and print the summary; the losses."""
-    args, state = trainer.args, trainer.state
+    run, state = trainer.run, trainer.state
     _on_every_rank(trainer.build_iterators, state.device)
     if trainer.data.datasets:
         print_rank_0(format_dataset_sizes(trainer.data.datasets))
     # The readers agree (the split is deterministic); the other TP ranks learn it here.
     trainer.has_validation = _any_rank(trainer.data.valid_dataset is not None, state.device)
-    if args.eval_iters > 0 and not trainer.has_validation:
-        print_rank_0(f"> no validation data (--split {args.split} leaves the validation split "
-                     f"empty): evaluation is skipped")
-    logger = TrainingLogger(args, state, model_flops_per_token(trainer.config, args.seq_length))
+    if run.training.eval_iters > 0 and not trainer.has_validation:
+        print_rank_0(f"> no validation data (--split {run.data.split} leaves the validation "
+                     f"split empty): evaluation is skipped")
+    flops_per_token = model_flops_per_token(trainer.config, run.data.seq_length)
+    logger = TrainingLogger(run, state, flops_per_token)
     first = trainer.iteration
     print_rank_0(f"> start-up took {time.time() - started:.1f} s; training from iteration {first} "
-                 f"to {args.train_iters} ...")
+                 f"to {run.training.train_iters} ...")
     train_start = time.time()
     try:
         losses, stop_reason = _train(trainer, logger, train_start)
@@ -444,8 +474,9 @@ def _train_on_data(trainer, started):
     finally:
         logger.close()  # also when the rerun machine ends the job (RerunExit)
     if is_global_rank_zero():
-        latest = checkpoint_files.read_tracker(args.save) if args.save else None
-        print(format_summary(args, first, trainer.iteration, stop_reason, time.time() - started,
+        save = run.checkpoint.save
+        latest = checkpoint_files.read_tracker(save) if save else None
+        print(format_summary(run, first, trainer.iteration, stop_reason, time.time() - started,
                              time.time() - train_start, logger.last_validation, latest), flush=True)
     return losses
 
@@ -455,30 +486,34 @@ def _train(trainer, logger, start):
     before the first iteration of a new --step-batch-size-schedule batch size, as Megatron-LM
     does); returns the losses and what stopped it. ``--manual-gc`` turns Python's collector off during the loop
     and collects after evaluations and saves and every ``--manual-gc-interval`` iterations
-    (0: only then) instead (Megatron's flags)."""
-    args, state = trainer.args, trainer.state
-    manual_gc, gc_interval = args.manual_gc, args.manual_gc_interval
+    (0: only then) instead (Megatron's flags). Reads the run's training section (length,
+    evaluation, exits, checks), its checkpoint section's folders and intervals and its logging
+    section (the profiler)."""
+    state, training, checkpoint = trainer.state, trainer.run.training, trainer.run.checkpoint
+    args = trainer.args  # only the checkpoint calls below read it
+    manual_gc, gc_interval = training.manual_gc, training.manual_gc_interval
     if manual_gc:
         gc.disable()
         gc.collect()
-    sigterm = _SigtermFlag(args.exit_signal_handler)
-    losses, saved_at = [], (trainer.iteration if args.load else None)
-    stop_reason = f"--train-iters {args.train_iters}"
-    profiler = StepProfiler(args, state.global_rank, state.device)
-    skips = rerun.iterations_to_skip(args, state.global_rank)
+    sigterm = _SigtermFlag(training.exit_signal_handler)
+    save = checkpoint.save
+    losses, saved_at = [], (trainer.iteration if checkpoint.load else None)
+    stop_reason = f"--train-iters {training.train_iters}"
+    profiler = StepProfiler(trainer.run.logging, save, state.global_rank, state.device)
+    skips = rerun.iterations_to_skip(training, state.global_rank)
     microbatches = trainer.batches.num_microbatches(trainer.consumed_samples)
-    hash_interval = args.check_weight_hash_across_dp_replicas_interval
+    hash_interval = training.check_weight_hash_across_dp_replicas_interval
     if hash_interval:  # Megatron-LM checks once before the first iteration too
         trainer.check_weight_hashes()
     try:
-        while trainer.iteration < args.train_iters:
+        while trainer.iteration < training.train_iters:
             if trainer.iteration + 1 in skips:
                 trainer.skip_step()
                 continue
             profiler.step(trainer.iteration)
             before, microbatches = microbatches, trainer.batches.num_microbatches(
                 trainer.consumed_samples)
-            if microbatches != before and args.save and saved_at != trainer.iteration:
+            if microbatches != before and save and saved_at != trainer.iteration:
                 # Megatron-LM saves before the first iteration of a new batch size
                 trainer.progress.activity = f"the checkpoint save at iteration {trainer.iteration}"
                 load_save.save_checkpoint(trainer, args.save)
@@ -494,12 +529,13 @@ def _train(trainer, logger, start):
             logger.record(trainer, loss, grad_norm, ok, time.time() - t0)
             it = trainer.iteration
             collect = manual_gc and gc_interval and it % gc_interval == 0
-            if trainer.evaluates and args.eval_interval and it % args.eval_interval == 0:
+            evaluation = training.eval_interval
+            if trainer.evaluates and evaluation and it % evaluation == 0:
                 logger.validation(it, trainer.evaluate())
                 collect = manual_gc
             if hash_interval and it % hash_interval == 0:  # before a save could keep the damage
                 trainer.check_weight_hashes()
-            if args.save and args.save_interval and it % args.save_interval == 0:
+            if save and checkpoint.save_interval and it % checkpoint.save_interval == 0:
                 trainer.progress.activity = f"the checkpoint save at iteration {it}"
                 load_save.save_checkpoint(trainer, args.save)
                 saved_at = it
@@ -507,21 +543,21 @@ def _train(trainer, logger, start):
             if collect:
                 gc.collect()
             stop = None
-            if args.exit_interval and it % args.exit_interval == 0:
-                stop = f"--exit-interval {args.exit_interval}"
-            if args.exit_duration_in_mins and _any_rank(
-                    (time.time() - start) / 60 > args.exit_duration_in_mins, state.device):
-                stop = stop or f"--exit-duration-in-mins {args.exit_duration_in_mins}"
-            if args.exit_signal_handler and _any_rank(sigterm.received, state.device):
+            if training.exit_interval and it % training.exit_interval == 0:
+                stop = f"--exit-interval {training.exit_interval}"
+            minutes = training.exit_duration_in_mins
+            if minutes and _any_rank((time.time() - start) / 60 > minutes, state.device):
+                stop = stop or f"--exit-duration-in-mins {minutes}"
+            if training.exit_signal_handler and _any_rank(sigterm.received, state.device):
                 logger.print(f"received SIGTERM: saving and exiting after iteration {it}")
                 stop = "SIGTERM (--exit-signal-handler)"
             if stop:
                 stop_reason = stop
                 break
         trainer.progress.activity = f"the end of training (iteration {trainer.iteration})"
-        if args.save and saved_at != trainer.iteration:
+        if save and saved_at != trainer.iteration:
             load_save.save_checkpoint(trainer, args.save)
-        if args.save:
+        if save:
             load_save.wait_for_async_save(trainer)  # the tracker is written before we return
         trainer.optimizer.finish_param_sync()  # no all-gather left running (--overlap-param-gather)
     finally:
@@ -535,10 +571,10 @@ def _checkpoint_for_rerun(trainer, stop):
     """Save the checkpoint that a :class:`~megatron_cp.rerun.RerunExit` asks for (the state
     before the failed iteration, with the machine's verdict so far) under ``--save``; returns
     the exit to raise (without ``--save`` there is nothing to resume elsewhere: a failure)."""
-    args = trainer.args
+    args = trainer.args  # only the checkpoint call below reads it
     if not stop.checkpoint:
         return stop
-    if not args.save:
+    if not trainer.run.checkpoint.save:
         return stop.without_checkpoint(" and no --save to keep it for a rerun on another GPU")
     trainer.progress.activity = f"the checkpoint save before iteration {stop.iteration}"
     load_save.save_checkpoint(trainer, args.save)

@@ -77,20 +77,28 @@ def _mla_flops_per_token(config, seq_length):
 
 class TrainingLogger:
     """Prints one line every --log-interval iterations (on global rank 0) and writes the same
-    scalars to tensorboard under --tensorboard-dir and to the --wandb-project run."""
+    scalars to tensorboard under --tensorboard-dir and to the --wandb-project run.
 
-    def __init__(self, args, state, flops_per_token):
-        self.args, self.state, self.flops_per_token = args, state, flops_per_token
+    ``run``: the :class:`~megatron_cp.config.run.RunConfig`; the logger reads its logging
+    section (intervals, sinks, what is logged), the training section's ``train_iters`` and
+    ``micro_batch_size``, the data section's ``seq_length``, and hands the wandb run the
+    checkpoint folder and every setting (its config)."""
+
+    def __init__(self, run, state, flops_per_token):
+        self.logging, self.training = run.logging, run.training
+        self.seq_length = run.data.seq_length
+        self.state, self.flops_per_token = state, flops_per_token
         self.is_writer = state.global_rank == 0
         self.sinks = []  # scalar writers: add_scalar(name, value, iteration), flush, close
         self.last_validation = None  # (iteration, loss) of the latest evaluation
-        self.memory = MemoryReport(args, state)
-        if self.is_writer and args.tensorboard_dir:
+        self.memory = MemoryReport(run.logging, state)
+        if self.is_writer and self.logging.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
-            self.sinks.append(SummaryWriter(log_dir=args.tensorboard_dir))
-        if args.wandb_project and state.global_rank == state.world_size - 1:
-            self.sinks.append(wandb_logging.WandbWriter(args, state.global_rank,
-                                                        state.world_size))
+            self.sinks.append(SummaryWriter(log_dir=self.logging.tensorboard_dir))
+        if self.logging.wandb_project and state.global_rank == state.world_size - 1:
+            self.sinks.append(wandb_logging.WandbWriter(
+                self.logging, run.checkpoint.save, wandb_logging.run_settings(run),
+                state.global_rank, state.world_size))
         self._reset()
 
     def _scalar(self, name, value, iteration):
@@ -111,7 +119,7 @@ class TrainingLogger:
             print(line, flush=True)
 
     def record(self, trainer, loss, grad_norm, ok, seconds):
-        a = self.args
+        log, train_iters = self.logging, self.training.train_iters
         self.time, self.count = self.time + seconds, self.count + 1
         self.loss += loss
         self.samples += trainer.global_batch_size
@@ -126,7 +134,7 @@ class TrainingLogger:
                                for k, x in enumerate(mtp_losses)]
         for k, value in enumerate(mtp_losses):  # Megatron-LM writes them every iteration
             self._scalar(f"mtp_{k + 1} loss", value, it)
-        if self.sinks and it % a.tensorboard_log_interval == 0:
+        if self.sinks and it % log.tensorboard_log_interval == 0:
             w = self._scalar
             w("lm loss", loss, it)
             w("learning-rate", lr, it)
@@ -136,19 +144,19 @@ class TrainingLogger:
             w("batch-size vs samples", trainer.global_batch_size, trainer.consumed_samples)
             if getattr(trainer, "skipped_samples", 0):
                 w("skipped-train-samples", trainer.skipped_samples, it)
-            if a.log_loss_scale_to_tensorboard:  # Megatron's default: on
+            if log.log_loss_scale_to_tensorboard:  # Megatron's default: on
                 w("loss-scale", scale, it)
-            if a.log_world_size_to_tensorboard:
+            if log.log_world_size_to_tensorboard:
                 w("world-size", self.state.world_size, it)
             if getattr(trainer, "num_zeros", None) is not None:
                 w("num-zeros", trainer.num_zeros, it)
-        if it % a.log_interval != 0 and it != a.train_iters:
+        if it % log.log_interval != 0 and it != train_iters:
             return
         per_iter = self.time / self.count
-        tokens_per_s = self.samples * a.seq_length / self.time
+        tokens_per_s = self.samples * self.seq_length / self.time
         tflops = tokens_per_s * self.flops_per_token / self.state.world_size / 1e12
         params_norm = ""
-        if getattr(a, "log_params_norm", False):  # a collective: every rank gets here
+        if log.log_params_norm:  # a collective: every rank gets here
             norm = get_param_norm([p for c in trainer.model_chunks for p in c.parameters()],
                                   self.state, sharded=is_fully_sharded(trainer.model_chunks))
             params_norm = f" params norm: {norm:.3f} |"
@@ -159,7 +167,7 @@ class TrainingLogger:
         skipped = getattr(trainer, "skipped_samples", 0)  # Megatron's, after consumed samples
         skipped = f" skipped samples: {skipped:12d} |" if skipped else ""
         self.print(
-            f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {it:8d}/{a.train_iters:8d} |"
+            f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {it:8d}/{train_iters:8d} |"
             f" consumed samples: {trainer.consumed_samples:12d} |{skipped}"
             f" elapsed time per iteration (ms): {per_iter * 1000:.1f} |"
             f" throughput per GPU (TFLOP/s/GPU): {tflops:.4f} |"
@@ -169,7 +177,7 @@ class TrainingLogger:
             f" grad norm: {grad_norm:.4f} |{zeros}{params_norm}{moe_line}"
             f" number of skipped iterations: {trainer.optimizer.num_skipped_iters:3d} |")
         self.memory.report(it, self.print, self._scalar)
-        if a.log_timers_to_tensorboard:  # Megatron's tags: seconds, TFLOP/s per GPU
+        if log.log_timers_to_tensorboard:  # Megatron's tags: seconds, TFLOP/s per GPU
             self._scalar("iteration-time", per_iter, it)
             self._scalar("throughput", tflops, it)
             self._scalar("tokens-per-second", tokens_per_s, it)
@@ -197,13 +205,13 @@ class TrainingLogger:
         aux, z, tokens = moe.take_stats(trainer.model_chunks, self.state, len(pattern),
                                         config.num_moe_experts)
         layers = [n for n, is_moe in enumerate(pattern) if is_moe]
-        microbatches = self.samples // self.args.micro_batch_size  # over every DP rank
+        microbatches = self.samples // self.training.micro_batch_size  # over every DP rank
         aux, z = aux[layers] / microbatches, z[layers] / microbatches  # [moe layers]
         tokens = tokens[layers] / self.count  # [moe layers, E] per iteration
         fewest, most = tokens.min().item(), tokens.max().item()
         line = (f" load_balancing_loss: {aux.mean().item():.6E} | z_loss: {z.mean().item():.6E} |"
                 f" tokens per expert min/max: {fewest:.0f}/{most:.0f} |")
-        if getattr(self.args, "moe_per_layer_logging", False):
+        if self.logging.moe_per_layer_logging:
             line += "".join(f" layer {n} balancing/z/min/max: {a:.4E}/{b:.4E}/{lo:.0f}/{hi:.0f} |"
                             for n, a, b, lo, hi in zip(layers, aux.tolist(), z.tolist(),
                                                        tokens.min(1).values.tolist(),
@@ -214,7 +222,7 @@ class TrainingLogger:
             w("z_loss", z.mean().item(), it)
             w("moe/tokens-per-expert-min", fewest, it)
             w("moe/tokens-per-expert-max", most, it)
-            if getattr(self.args, "moe_per_layer_logging", False):
+            if self.logging.moe_per_layer_logging:
                 for n, a, b, row in zip(layers, aux.tolist(), z.tolist(), tokens):
                     w(f"moe/load_balancing_loss_layer_{n}", a, it)
                     w(f"moe/z_loss_layer_{n}", b, it)
@@ -229,7 +237,7 @@ class TrainingLogger:
                 f" lm loss PPL: {ppl:.6E} |")
         self.print("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
         self._scalar("lm loss validation", loss, iteration)
-        if self.args.log_validation_ppl_to_tensorboard:
+        if self.logging.log_validation_ppl_to_tensorboard:
             self._scalar("lm loss validation ppl", ppl, iteration)
         self._flush()
 
@@ -248,10 +256,11 @@ class MemoryReport:
     """Per-rank peak tensor memory for Megatron's memory lines (see the module docstring).
 
     ``meter()`` wraps one training iteration; ``report()`` runs at a logged iteration on every
-    rank (it all-reduces the peak) and prints while Megatron's report window is open."""
+    rank (it all-reduces the peak) and prints while Megatron's report window is open.
+    ``logging``: the logging section (``log_memory_to_tensorboard``, ``profile``)."""
 
-    def __init__(self, args, state):
-        self.args, self.state = args, state
+    def __init__(self, logging, state):
+        self.logging, self.state = logging, state
         self.loaded = None  # the iteration the run started from (Megatron's loaded_iteration)
         self.metered = 0  # iterations measured so far
         self.max_allocated = self.allocated = None  # bytes, over the metered iterations
@@ -264,8 +273,8 @@ class MemoryReport:
         if self.loaded is None:
             self.loaded = iteration - 1
         if not self.open or (self.cpu and (self.metered >= CPU_METERED_ITERATIONS
-                                           or not self.args.log_memory_to_tensorboard
-                                           or getattr(self.args, "profile", False))):
+                                           or not self.logging.log_memory_to_tensorboard
+                                           or self.logging.profile)):
             return contextlib.nullcontext()
         return _Metered(self, PeakMemory(self.state.device, measure_baseline=True))
 
@@ -301,7 +310,7 @@ class MemoryReport:
         peak = max(ranks, key=lambda t: (t[0].item(), -t[2].item()))
         print_line(f" peak tensor memory (MB) after {iteration} iterations: "
                    f"{peak[0].item() / mb:.2f} on rank {int(peak[2].item())} (the most loaded)")
-        if self.args.log_memory_to_tensorboard:  # Megatron's tags
+        if self.logging.log_memory_to_tensorboard:  # Megatron's tags
             scalar("mem-allocated-bytes", self.allocated, iteration)
             scalar("mem-max-allocated-bytes", self.max_allocated, iteration)
 

@@ -43,16 +43,16 @@ def _infer(rank, world, load, text, extra=""):
     from megatron_cp.inference.generation import generate
     from megatron_cp.inference.launch import load_model, parse_inference_args
     from megatron_cp.inference.sampling import SamplingParams
-    from megatron_cp.training import build_parallel_state
+    from training_utils import parallel_state
     from tasks.main import check_task_args, get_tasks_args, run_task
     from tools.run_text_generation import check_generation_args, get_generation_args
     common = f"--load {load} --use-checkpoint-args {extra}".split()
     args = parse_inference_args(["--task", "WIKITEXT103", "--valid-data", text] + common, world,
                                 get_tasks_args, check_task_args)
-    task = run_task(args, build_parallel_state(args, torch.device("cpu")))
+    task = run_task(args, parallel_state(args))
     args = parse_inference_args(common + ["--prompt", PROMPTS[0]], world, get_generation_args,
                                 check_generation_args)
-    model = load_model(args, build_parallel_state(args, torch.device("cpu")))
+    model = load_model(args, parallel_state(args))
     prompt = torch.tensor([[int(x) for x in p.split()][:3] for p in PROMPTS])  # [3, 3]
     out = generate(model, prompt, NEW_TOKENS, SamplingParams(greedy=True), return_logits=True)
     return task, out.tokens, torch.stack(out.logits)  # [3, 3 + new], [new, 3, v]
@@ -149,12 +149,12 @@ def _hf_gqa_llama(folder):
 
 def _generate(rank, world, argv):
     from megatron_cp.inference.launch import parse_inference_args
-    from megatron_cp.training import build_parallel_state
+    from training_utils import parallel_state
     from tools.run_text_generation import (check_generation_args, get_generation_args,
                                            run_generation)
     args = parse_inference_args(argv, world, get_generation_args, check_generation_args)
     seen = (args.num_query_groups, args.group_query_attention, args.seq_length)
-    return seen, run_generation(args, build_parallel_state(args, torch.device("cpu")))
+    return seen, run_generation(args, parallel_state(args))
 
 
 def test_hf_gqa_llama_import_loads_with_checkpoint_args(tmp_path):

@@ -10,7 +10,6 @@ import math
 import re
 
 import pytest
-import torch
 
 from dist_harness import run_workers
 from megatron_cp.model import GPTConfig, GPTModel
@@ -80,9 +79,11 @@ def _each(rank, world, runs):
 def _update_sizes(rank, world, argv):
     """The largest change of the word embedding and of a QKV weight in one step."""
     from megatron_cp.cli.arguments import parse_args
-    from megatron_cp.training import Trainer, build_parallel_state
+    from megatron_cp.training import Trainer
+    from training_utils import run_and_state
     args = parse_args(argv.split(), world_size=world)
-    trainer = Trainer(args, build_parallel_state(args, torch.device("cpu")))
+    run, state = run_and_state(args)
+    trainer = Trainer(args, state, run)
     trainer.build_iterators()
     model = trainer.model_chunks[0].module
     weights = (model.embedding.word_embeddings.weight, model.decoder.layers[0].self_attention

@@ -28,8 +28,8 @@ from megatron_cp.cli.arguments import parse_args
 from megatron_cp.checkpoint.canonical import param_spec
 from megatron_cp.checkpoint.pieces import Pieces
 from megatron_cp.checkpoint.torch_dist_format import read_full
-from megatron_cp.training import Trainer, build_parallel_state
-from training_utils import TINY, max_rel_diff, train_losses
+from megatron_cp.training import Trainer
+from training_utils import TINY, max_rel_diff, run_and_state, train_losses
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = (TINY.replace("--num-layers 2", "--num-layers 4")
@@ -48,7 +48,8 @@ SAVED_AT, RESUMED_TO = 5, 7
 def _load_and_resave(rank, world, argv, target_dir):
     """Load the latest checkpoint into a fresh trainer and save it again, unchanged."""
     args = parse_args(argv.split(), world_size=world)
-    trainer = Trainer(args, build_parallel_state(args, torch.device("cpu")))
+    run, state = run_and_state(args)
+    trainer = Trainer(args, state, run)
     trainer.iteration, trainer.consumed_samples = load_save.load_checkpoint(trainer, args.load)
     load_save.save_checkpoint(trainer, target_dir)
     return trainer.iteration

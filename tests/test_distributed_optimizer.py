@@ -22,8 +22,8 @@ from megatron_cp.initialize import initialize_model_parallel
 from megatron_cp.optimizer import (DistributedDataParallel, DistributedOptimizer,
                                    MixedPrecisionOptimizer, expected_bytes_per_param,
                                    finalize_model_grads, get_param_groups, memory_breakdown)
-from megatron_cp.training import Trainer, build_parallel_state
-from training_utils import TINY, max_rel_diff
+from megatron_cp.training import Trainer
+from training_utils import TINY, max_rel_diff, run_and_state
 
 STEPS = TINY.replace("--num-layers 2", "--num-layers 4").replace("--clip-grad 1.0", "--clip-grad 0.5") \
     + " --train-iters 10"
@@ -60,7 +60,8 @@ MEMORY = {f"{dtype}_{name}": (f"{flag} {layout}", d, dist_opt)
 
 def _trainer(rank, world, argv):
     args = parse_args(argv.split(), world_size=world)
-    trainer = Trainer(args, build_parallel_state(args, torch.device("cpu")))
+    run, state = run_and_state(args)
+    trainer = Trainer(args, state, run)
     trainer.build_iterators()
     return trainer
 

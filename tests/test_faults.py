@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from dist_harness import run_workers
-from training_utils import TINY, train_losses
+from training_utils import TINY, parallel_state, train_losses
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # a traceback frame in this repository's code (not in a .venv that lives inside it)
@@ -151,7 +151,7 @@ def _hung_peer(rank, world, argv):
     training.Trainer.train_step = train_step
     started = time.time()
     try:
-        training.pretrain(args, training.build_parallel_state(args, torch.device("cpu")))
+        training.pretrain(args, parallel_state(args))
     except faults.LostContactError as error:
         return str(error), time.time() - started
     return None, time.time() - started
@@ -339,7 +339,7 @@ def _load_errors(rank, world, roots):
     messages, state = {}, None
     for root in roots:
         args = parse_args(f"{TINY} --train-iters 4 --load {root}".split(), world_size=world)
-        state = state or training.build_parallel_state(args, torch.device("cpu"))
+        state = state or parallel_state(args)
         try:
             with contextlib.redirect_stdout(io.StringIO()):
                 load_save.load_checkpoint(training.Trainer(args, state), root)

@@ -27,8 +27,9 @@ from megatron_cp.optimizer import expected_bytes_per_param, memory_breakdown
 from megatron_cp.optimizer.clip_grads import get_param_norm, grad_of
 from megatron_cp.optimizer.fsdp import is_fully_sharded
 from megatron_cp.optimizer.shards import local_shard
-from megatron_cp.training import Trainer, build_parallel_state
-from training_utils import NO_DROPOUT, TINY, assert_refused, max_rel_diff, train_losses
+from megatron_cp.training import Trainer
+from training_utils import (NO_DROPOUT, TINY, assert_refused, max_rel_diff, run_and_state,
+                            train_losses)
 
 FSDP = "--use-torch-fsdp2"
 STEPS = TINY.replace("--num-layers 2", "--num-layers 3") + " --train-iters 6"
@@ -85,7 +86,8 @@ BF16 = f"{STEPS} {LLAMA} --bf16"
 
 def _trainer(argv, world):
     args = parse_args(argv.split(), world_size=world)
-    trainer = Trainer(args, build_parallel_state(args, torch.device("cpu")))
+    run, state = run_and_state(args)
+    trainer = Trainer(args, state, run)
     trainer.build_iterators()
     return trainer
 

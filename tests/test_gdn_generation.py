@@ -37,10 +37,10 @@ def _generate(rank, world, load, prompt):
     from megatron_cp.inference.kv_cache import KVCache, cached_chunk_forward
     from megatron_cp.inference.launch import load_model
     from megatron_cp.inference.sampling import SamplingParams
-    from megatron_cp.training import build_parallel_state
+    from training_utils import parallel_state
     from tools.run_text_generation import check_generation_args, get_generation_args
     args = _args(load, world, "--prompt x", get_generation_args, check_generation_args)
-    model = load_model(args, build_parallel_state(args, torch.device("cpu")))
+    model = load_model(args, parallel_state(args))
     runs = [generate(model, prompt, NEW_TOKENS, SamplingParams(greedy=True), use_cache=cache,
                      return_logits=True) for cache in (True, False)]
     chunk, tokens = model.model_chunks[0], runs[0].tokens  # [b, s]
@@ -102,11 +102,11 @@ def test_cached_greedy_generation_equals_recomputation_and_transformers(imported
 
 def _task_loss(rank, world, load, text):
     """Worker: tasks/main.py's WIKITEXT103 result on ``text``."""
-    from megatron_cp.training import build_parallel_state
+    from training_utils import parallel_state
     from tasks.main import check_task_args, get_tasks_args, run_task
     args = _args(load, world, f"--task WIKITEXT103 --valid-data {text}", get_tasks_args,
                  check_task_args)
-    return run_task(args, build_parallel_state(args, torch.device("cpu")))
+    return run_task(args, parallel_state(args))
 
 
 def test_wikitext_task_gives_transformers_loss(imported, tmp_path):

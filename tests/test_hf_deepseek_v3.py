@@ -77,10 +77,10 @@ def _logits_and_generation(rank, world, load, tokens, prompt):
     from megatron_cp.inference.logits import full_vocab_logits
     from megatron_cp.inference.launch import load_model
     from megatron_cp.inference.sampling import SamplingParams
-    from megatron_cp.training import build_parallel_state
+    from training_utils import parallel_state
     from tools.run_text_generation import check_generation_args, get_generation_args
     args = _args(load, world, "--prompt x", get_generation_args, check_generation_args)
-    model = load_model(args, build_parallel_state(args, torch.device("cpu")))
+    model = load_model(args, parallel_state(args))
     chunk = model.model_chunks[0]
     b, s = tokens.shape
     positions = torch.arange(s).expand(b, s)

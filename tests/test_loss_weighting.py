@@ -66,9 +66,11 @@ def _write_sparse_corpus(prefix, num_docs=1500, seed=3):
 def _loss_masks(rank, world, argv):
     """Worker: the [b, s] loss mask of every microbatch the run trains on, in order."""
     from megatron_cp.cli.arguments import parse_args
-    from megatron_cp.training import Trainer, build_parallel_state
+    from megatron_cp.training import Trainer
+    from training_utils import run_and_state
     args = parse_args(argv.split(), world_size=world)
-    trainer = Trainer(args, build_parallel_state(args, torch.device("cpu")))
+    run, state = run_and_state(args)
+    trainer = Trainer(args, state, run)
     trainer.build_iterators()
     masks = []
     for _ in range(args.train_iters):
@@ -132,10 +134,11 @@ def _resume(rank, world, argv):
     """Worker: (the banner notes, the losses) of training ``argv``."""
     from megatron_cp.cli.arguments import parse_args
     from megatron_cp.run_report import format_compat_notes
-    from megatron_cp.training import build_parallel_state, pretrain
+    from megatron_cp.training import pretrain
+    from training_utils import parallel_state
     args = parse_args(argv.split(), world_size=world)
-    notes = format_compat_notes(args)
-    return notes, pretrain(args, build_parallel_state(args, torch.device("cpu")))
+    notes = format_compat_notes(args.compat_notes)
+    return notes, pretrain(args, parallel_state(args))
 
 
 def test_checkpoint_of_the_old_default_resumes_with_the_token_weighted_loss(corpus, tmp_path):

@@ -44,14 +44,15 @@ def _continue_all(rank, world, prefix, root, layout):
     """Worker: for each megatron-core run, --load its checkpoint and train to the end in
     ``layout``; {run: our logged losses}."""
     from megatron_cp.cli.arguments import parse_args
-    from megatron_cp.training import build_parallel_state, pretrain
+    from megatron_cp.training import pretrain
+    from training_utils import parallel_state
     losses = {}
     for kind, per_token in mct.RUNS:
         argv = (f"{mct.our_flags(prefix)} --load {mct.checkpoint_dir(root, kind, per_token)} "
                 f"--use-checkpoint-args {layout}"
                 + (" --calculate-per-token-loss" if per_token else "")).split()
         args = parse_args(argv, world_size=world)
-        losses[kind, per_token] = pretrain(args, build_parallel_state(args, torch.device("cpu")))
+        losses[kind, per_token] = pretrain(args, parallel_state(args))
     return losses
 
 

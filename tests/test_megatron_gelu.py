@@ -143,9 +143,11 @@ def _resumed_mlp(rank, world, argv, x):
     ``x``, that MLP's fc2(gelu(fc1(x))) with the erf and with the tanh GELU, its activation)."""
     from megatron_cp.checkpoint import load_save
     from megatron_cp.run_report import format_compat_notes
-    from megatron_cp.training import Trainer, build_parallel_state
+    from megatron_cp.training import Trainer
+    from training_utils import run_and_state
     args = parse_args(argv.split(), world_size=world)
-    trainer = Trainer(args, build_parallel_state(args, torch.device("cpu")))
+    run, state = run_and_state(args)
+    trainer = Trainer(args, state, run)
     load_save.load_checkpoint(trainer, args.load)
     model = trainer.model_chunks[0]
     model = getattr(model, "module", model)
@@ -154,7 +156,7 @@ def _resumed_mlp(rank, world, argv, x):
         h = mlp.linear_fc1(x)
         erf = mlp.linear_fc2(torch.nn.functional.gelu(h))
         tanh = mlp.linear_fc2(torch.nn.functional.gelu(h, approximate="tanh"))
-        return format_compat_notes(args), mlp(x), erf, tanh, mlp.activation
+        return format_compat_notes(run.notes), mlp(x), erf, tanh, mlp.activation
 
 
 def test_checkpoint_of_the_old_default_resumes_with_the_erf_gelu(tmp_path):

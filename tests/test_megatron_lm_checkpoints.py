@@ -17,9 +17,10 @@ import megatron.core  # noqa: F401  (a test requirement: scripts/env.sh installs
 from dist_harness import run_workers  # noqa: E402
 from megatron_cp.checkpoint import files, load_save  # noqa: E402
 from megatron_cp.cli.arguments import parse_args  # noqa: E402
-from megatron_cp.training import Trainer, build_parallel_state, pretrain  # noqa: E402
+from megatron_cp.training import Trainer, pretrain  # noqa: E402
 import megatron_core_utils as mcu  # noqa: E402
 from tools import checkpoint_convert as convert  # noqa: E402
+from training_utils import parallel_state, run_and_state  # noqa: E402
 
 RUN = ("--micro-batch-size 4 --global-batch-size 4 --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 2 "
        "--lr-decay-iters 20 --lr-decay-style cosine --train-iters 20 --weight-decay 0.01 "
@@ -37,7 +38,8 @@ def _our_logits(rank, world, root, tokens):
     import torch.distributed as dist
     args = parse_args(f"{RUN} --load {root} --tensor-model-parallel-size {world}".split(),
                       world_size=world)
-    trainer = Trainer(args, build_parallel_state(args, torch.device("cpu")))
+    run, state = run_and_state(args)
+    trainer = Trainer(args, state, run)
     it, consumed = load_save.load_checkpoint(trainer, root)
     model = trainer.model_chunks[0].module if hasattr(trainer.model_chunks[0], "module") \
         else trainer.model_chunks[0]
@@ -53,7 +55,7 @@ def _our_logits(rank, world, root, tokens):
 def _resume(rank, world, root):
     args = parse_args(f"{RUN} --load {root} --tensor-model-parallel-size {world} "
                       f"--train-iters 12".split(), world_size=world)
-    return pretrain(args, build_parallel_state(args, torch.device("cpu")))
+    return pretrain(args, parallel_state(args))
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +96,8 @@ def test_megatron_gelu_is_tanh_unless_fusion_is_off(megatron_checkpoint):
 
 def _refused(rank, world, root, tokens):
     args = parse_args(f"{RUN} --load {root} --no-bias-gelu-fusion".split(), world_size=world)
-    trainer = Trainer(args, build_parallel_state(args, torch.device("cpu")))
+    run, state = run_and_state(args)
+    trainer = Trainer(args, state, run)
     try:
         load_save.load_checkpoint(trainer, root)
     except ValueError as error:
@@ -133,7 +136,7 @@ def _task_loss(rank, world, root, text):
     from tasks.main import check_task_args, get_tasks_args, run_task
     args = parse_inference_args(["--task", "WIKITEXT103", "--valid-data", text, "--load", root,
                                  "--use-checkpoint-args"], world, get_tasks_args, check_task_args)
-    return run_task(args, build_parallel_state(args, torch.device("cpu")))["total_loss"]
+    return run_task(args, parallel_state(args))["total_loss"]
 
 
 def test_wikitext_task_on_a_megatron_checkpoint_gives_megatron_cores_loss(megatron_checkpoint,

@@ -108,9 +108,11 @@ def test_kv_cache_through_moe_layers():
 
 def _expert_bias_after_steps(rank, world, argv, steps):
     from megatron_cp import moe
-    from megatron_cp.training import Trainer, build_parallel_state
+    from megatron_cp.training import Trainer
+    from training_utils import run_and_state
     args = parse_args(argv.split(), world_size=world)
-    trainer = Trainer(args, build_parallel_state(args, torch.device("cpu")))
+    run, state = run_and_state(args)
+    trainer = Trainer(args, state, run)
     trainer.build_iterators()
     (_, layer), = moe.moe_layers(trainer.model_chunks)
     before = layer.router.weight.detach().clone()
@@ -136,11 +138,11 @@ def test_expert_bias_moves_once_per_global_batch_and_is_not_trained():
 
 def _generate(rank, world, argv):
     from megatron_cp.inference.launch import parse_inference_args
-    from megatron_cp.training import build_parallel_state
+    from training_utils import parallel_state
     from tools.run_text_generation import (check_generation_args, get_generation_args,
                                            run_generation)
     args = parse_inference_args(argv, world, get_generation_args, check_generation_args)
-    return run_generation(args, build_parallel_state(args, torch.device("cpu")))
+    return run_generation(args, parallel_state(args))
 
 
 def test_generation_when_experts_span_data_parallel_ranks(tmp_path):

@@ -83,14 +83,14 @@ LAYOUTS = {
 def _train(rank, world, argv, steps=10):
     """Train ``steps`` iterations; per step: (lm loss, summed balancing loss, summed z-loss,
     gradient norm)."""
-    import torch
-
     from megatron_cp import moe
     from megatron_cp.cli.arguments import parse_args
-    from megatron_cp.training import Trainer, build_parallel_state
+    from megatron_cp.training import Trainer
+    from training_utils import run_and_state
 
     args = parse_args(argv.split() + ["--train-iters", str(steps)], world_size=world)
-    trainer = Trainer(args, build_parallel_state(args, torch.device("cpu")))
+    run, state = run_and_state(args)
+    trainer = Trainer(args, state, run)
     trainer.build_iterators()
     out = []
     for _ in range(steps):

@@ -273,10 +273,12 @@ def _our_mtp_losses(rank, world, root, tokens, labels):
     import torch.distributed as dist
     from megatron_cp.cli.arguments import parse_args
     from megatron_cp.checkpoint import load_save
-    from megatron_cp.training import Trainer, build_parallel_state
+    from megatron_cp.training import Trainer
+    from training_utils import run_and_state
     args = parse_args(f"{MCORE_RUN} --load {root} --tensor-model-parallel-size {world}".split(),
                       world_size=world)
-    trainer = Trainer(args, build_parallel_state(args, torch.device("cpu")))
+    run, state = run_and_state(args)
+    trainer = Trainer(args, state, run)
     load_save.load_checkpoint(trainer, root)
     model = trainer.model_chunks[0].module
     model.train()

@@ -14,11 +14,11 @@ from megatron_cp.initialize import initialize_model_parallel
 from megatron_cp.model import GPTModel
 from megatron_cp.optimizer import finalize_model_grads, get_param_groups
 from megatron_cp.tensor_parallel import gather_from_tensor_model_parallel_region
-from megatron_cp.training import Trainer, build_parallel_state
+from megatron_cp.training import Trainer
 from model_utils import gather_full, tiny_config
 from tools import checkpoint_convert as convert
 from tools import hf_convert
-from training_utils import TINY, max_rel_diff, train_losses
+from training_utils import TINY, max_rel_diff, run_and_state, train_losses
 
 close = torch.testing.assert_close
 
@@ -110,7 +110,8 @@ def _trained(rank, world, argv, steps=3):
     """Every parameter after ``steps`` training steps, zero-centred norm weights w given as
     the scale 1 + w they stand for."""
     args = parse_args(argv.split(), world_size=world)
-    trainer = Trainer(args, build_parallel_state(args, torch.device("cpu")))
+    run, state = run_and_state(args)
+    trainer = Trainer(args, state, run)
     trainer.build_iterators()
     for _ in range(steps):
         trainer.train_step()

@@ -12,13 +12,12 @@ layout loads under PP=1 (torch_dist directly; torch through tools/checkpoint_con
 ways) with the same losses; one saved under either rank order resumes under the other.
 """
 import pytest
-import torch
 
 from dist_harness import run_workers
 from megatron_cp.cli.arguments import parse_args
-from megatron_cp.training import build_parallel_state, pretrain
+from megatron_cp.training import pretrain
 from tools import checkpoint_convert as convert
-from training_utils import TINY, max_rel_diff, train_losses, train_runs
+from training_utils import TINY, max_rel_diff, parallel_state, train_losses, train_runs
 
 STEPS = TINY.replace("--num-layers 2", "--num-layers 4") + " --train-iters 10"
 MOE = ("--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 --moe-aux-loss-coeff 0.05 "
@@ -59,7 +58,7 @@ LAYOUTS = {
 
 def _train(rank, world, argv):
     args = parse_args(argv.split(), world_size=world)
-    state = build_parallel_state(args, torch.device("cpu"))
+    state = parallel_state(args)
     groups = {name: state.group_ranks(name) for name in ("pp", "cp", "ep")}
     return {"losses": pretrain(args, state), "groups": groups}
 

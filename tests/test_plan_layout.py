@@ -80,10 +80,11 @@ CAP = 24 * 2 ** 20
 
 
 def _peak_at(rank, world, argv):
-    import torch
-    from megatron_cp.training import Trainer, build_parallel_state
+    from megatron_cp.training import Trainer
+    from training_utils import run_and_state
     args = parse_args(argv.split(), world_size=world)
-    trainer = Trainer(args, build_parallel_state(args, torch.device("cpu")))
+    run, state = run_and_state(args)
+    trainer = Trainer(args, state, run)
     trainer.build_iterators()
     trainer.train_step()  # the Adam state exists from here on
     with PeakMemory("cpu") as meter:

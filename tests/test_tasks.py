@@ -43,11 +43,11 @@ def _task_argvs(ck, layout, load=None):
 def _run_tasks(rank, world, argvs):
     """Worker: every task run of ``argvs`` (each in the layout its flags give)."""
     from megatron_cp.inference.launch import parse_inference_args
-    from megatron_cp.training import build_parallel_state
+    from training_utils import parallel_state
     results = []
     for argv in argvs:
         args = parse_inference_args(argv, world, get_tasks_args, check_task_args)
-        results.append(run_task(args, build_parallel_state(args, torch.device("cpu"))))
+        results.append(run_task(args, parallel_state(args)))
     return results
 
 

@@ -38,11 +38,11 @@ def _argv(ck, extra=""):
 def _generate_all(rank, world, argvs):
     """Worker: run_generation for every argv (each in the layout its flags give)."""
     from megatron_cp.inference.launch import parse_inference_args
-    from megatron_cp.training import build_parallel_state
+    from training_utils import parallel_state
     out = []
     for argv in argvs:
         args = parse_inference_args(argv, world, get_generation_args, check_generation_args)
-        out.append(run_generation(args, build_parallel_state(args, torch.device("cpu"))))
+        out.append(run_generation(args, parallel_state(args)))
     return out
 
 
@@ -51,10 +51,10 @@ def _cache_against_recompute(rank, world, ck_load):
     from megatron_cp.inference.generation import generate
     from megatron_cp.inference.kv_cache import KVCache, cached_chunk_forward
     from megatron_cp.inference.launch import load_model, parse_inference_args
-    from megatron_cp.training import build_parallel_state
+    from training_utils import parallel_state
     argv = f"--load {ck_load} --use-checkpoint-args --prompt x --tensor-model-parallel-size {world}"
     args = parse_inference_args(argv.split(), world, get_generation_args, check_generation_args)
-    model = load_model(args, build_parallel_state(args, torch.device("cpu")))
+    model = load_model(args, parallel_state(args))
     ids = model.tokenizer.tokenize(" ".join(PROMPTS))
     prompt = torch.tensor([ids[3 * n:3 * n + 3] for n in range(4)])  # [4, 3]
     runs = [generate(model, prompt, 20, SamplingParams(greedy=True), use_cache=cache,

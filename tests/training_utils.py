@@ -6,7 +6,7 @@ peer runs without dropout (megatron-core, Hugging Face) appends ``NO_DROPOUT``."
 import torch
 
 from megatron_cp.cli.arguments import ArgumentErrors, parse_args
-from megatron_cp.training import build_parallel_state, pretrain
+from megatron_cp.training import build_parallel_state, pretrain, run_config
 
 TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
         "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 2 "
@@ -16,10 +16,22 @@ TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32
 NO_DROPOUT = " --hidden-dropout 0 --attention-dropout 0"
 
 
+def run_and_state(args):
+    """Worker: the RunConfig of the checked ``args`` and its ParallelState on the CPU (the
+    harness has started torch.distributed)."""
+    run = run_config(args)
+    return run, build_parallel_state(run.parallel, run.model, run.optimizer, torch.device("cpu"))
+
+
+def parallel_state(args):
+    """Worker: the ParallelState of the checked ``args`` (:func:`run_and_state`)."""
+    return run_and_state(args)[1]
+
+
 def train_losses(rank, world, argv):
     """Worker: parse ``argv`` for this world size, train, return the per-iteration losses."""
     args = parse_args(argv.split() if isinstance(argv, str) else argv, world_size=world)
-    return pretrain(args, build_parallel_state(args, torch.device("cpu")))
+    return pretrain(args, parallel_state(args))
 
 
 def train_runs(rank, world, argvs):

@@ -272,8 +272,10 @@ def _validate_fsdp2(args):
 
 
 def _validate_rerun_and_wandb(args):
-    """The rerun engine's flags (rerun.py) and Weights & Biases' (wandb_logging.py)."""
-    problems = rerun.flag_problems(args) + wandb_logging.flag_problems(args)
+    """The rerun engine's flags (rerun.py) and Weights & Biases' (wandb_logging.py), read from
+    the sections they configure."""
+    problems = (rerun.flag_problems(build_config(TrainingConfig, args))
+                + wandb_logging.flag_problems(build_config(LoggingConfig, args), args.save))
     if problems:
         raise ArgumentErrors(problems)
 

@@ -50,7 +50,7 @@ def load_model(args, state):
 def run_inference_script(body, argv, extra_args_provider, check=None):
     """Parse, start the process groups and call ``body(args, state)``; returns the exit
     status (0, or 2 after one ``error:`` line) and leaves the process group destroyed."""
-    from megatron_cp.training import build_parallel_state
+    from megatron_cp.training import build_parallel_state, run_config
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = parse_inference_args(argv, distributed_env()["world_size"], extra_args_provider,
@@ -60,7 +60,8 @@ def run_inference_script(body, argv, extra_args_provider, check=None):
     try:
         _, _, device = initialize_distributed(args.distributed_backend,
                                               args.distributed_timeout_minutes)
-        body(args, build_parallel_state(args, device))
+        run = run_config(args)
+        body(args, build_parallel_state(run.parallel, run.model, run.optimizer, device))
     except ValueError as error:
         return report_user_error(error, after_startup=True)
     if dist.is_initialized():
