@@ -403,7 +403,7 @@ def _pretrain(args, state, progress):
         print_rank_0(f"> loading checkpoint from {args.load} ...")
         progress.activity = f"the checkpoint load from {args.load}"
         trainer.iteration, trainer.consumed_samples = _on_every_rank(
-            lambda: load_save.load_checkpoint(trainer, args.load), state.device)
+            lambda: load_save.load_checkpoint(trainer), state.device)
         if trainer.iteration >= args.train_iters:
             print_rank_0(f"checkpoint at iteration {trainer.iteration} already reached --train-iters "
                          f"{args.train_iters}; raise --train-iters to train on")
@@ -478,7 +478,7 @@ def _train(trainer, logger, start):
             if microbatches != before and args.save and saved_at != trainer.iteration:
                 # Megatron-LM saves before the first iteration of a new batch size
                 trainer.progress.activity = f"the checkpoint save at iteration {trainer.iteration}"
-                load_save.save_checkpoint(trainer, args.save)
+                load_save.save_checkpoint(trainer)
                 saved_at = trainer.iteration
             t0 = time.time()
             try:
@@ -498,7 +498,7 @@ def _train(trainer, logger, start):
                 trainer.check_weight_hashes()
             if args.save and args.save_interval and it % args.save_interval == 0:
                 trainer.progress.activity = f"the checkpoint save at iteration {it}"
-                load_save.save_checkpoint(trainer, args.save)
+                load_save.save_checkpoint(trainer)
                 saved_at = it
                 collect = manual_gc
             if collect:
@@ -517,7 +517,7 @@ def _train(trainer, logger, start):
                 break
         trainer.progress.activity = f"the end of training (iteration {trainer.iteration})"
         if args.save and saved_at != trainer.iteration:
-            load_save.save_checkpoint(trainer, args.save)
+            load_save.save_checkpoint(trainer)
         if args.save:
             load_save.wait_for_async_save(trainer)  # the tracker is written before we return
         trainer.optimizer.finish_param_sync()  # no all-gather left running (--overlap-param-gather)
@@ -538,7 +538,7 @@ def _checkpoint_for_rerun(trainer, stop):
     if not args.save:
         return stop.without_checkpoint(" and no --save to keep it for a rerun on another GPU")
     trainer.progress.activity = f"the checkpoint save before iteration {stop.iteration}"
-    load_save.save_checkpoint(trainer, args.save)
+    load_save.save_checkpoint(trainer)
     load_save.wait_for_async_save(trainer)
     return stop
 

@@ -7,10 +7,13 @@ them, in eval mode and without gradients, then loads their weights from ``--load
 under any layout. Only the weights are read: no optimizer, schedule
 or RNG state, and no DDP wrapper or optimizer is built.
 """
+import dataclasses
+
 import torch
 
 from megatron_cp.checkpoint import files as checkpoint_files
 from megatron_cp.checkpoint import load_save, megatron_lm_format
+from megatron_cp.config.run import RunConfig
 from megatron_cp.data import tokenizer_from_args
 from megatron_cp.model import GPTModel
 from megatron_cp.pipeline_parallel import build_model_chunks, layout_from_args
@@ -61,7 +64,7 @@ class InferenceModel:
     Attributes: ``args``, ``state``, ``device``, ``tokenizer``, ``config`` (the GPTConfig),
     ``model_chunks`` (one per virtual stage of this pipeline rank), ``iteration`` (of the
     checkpoint). Also what :func:`~megatron_cp.checkpoint.load_save.load_checkpoint` reads from a
-    trainer.
+    trainer, ``run`` among them: the run's sections, its checkpoint section weights-only.
     """
 
     def __init__(self, args, state):
@@ -84,9 +87,10 @@ class InferenceModel:
         self.model_chunks = chunks
         self.optimizer = _NoOptimizer()
         # weights only: the optimizer, schedule and RNG of the run stay in the checkpoint
-        args.finetune, args.no_load_optim, args.no_load_rng = True, True, True
+        run = RunConfig.from_args(args, self.tokenizer.vocab_size)
+        self.run = dataclasses.replace(run, checkpoint=load_save.weights_only(run.checkpoint))
         print_rank_0(f"> loading weights from {args.load} ...")
-        load_save.load_checkpoint(self, args.load)
+        load_save.load_checkpoint(self)
         self.iteration = checkpoint_files.load_iteration(args.load, args.ckpt_step)
         print_rank_0(f" loaded the weights of iteration {self.iteration} "
                      f"(TP={state.size('tp')}, CP={state.size('cp')}, PP={state.size('pp')}, "
