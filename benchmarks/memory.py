@@ -21,6 +21,7 @@ synchronous torch_dist save.
 The JSON goes to runs/benchmarks/memory.json (untracked) unless --output says otherwise.
 """
 import argparse
+import dataclasses
 import os
 import shutil
 import sys
@@ -81,6 +82,13 @@ def _dir_bytes(path):
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
+def _save_as(trainer, ckpt_format, async_save):
+    """Point ``trainer``'s checkpoint section at ``ckpt_format`` (and ``--async-save``)."""
+    checkpoint = dataclasses.replace(trainer.run.checkpoint, ckpt_format=ckpt_format,
+                                     async_save=async_save)
+    trainer.run = dataclasses.replace(trainer.run, checkpoint=checkpoint)
+
+
 def _checkpoint_worker(rank, world, model, folder):
     from megatron_cp.checkpoint import load_save
     trainer = _trainer(world, model)
@@ -89,11 +97,11 @@ def _checkpoint_worker(rank, world, model, folder):
     out = {"params": sum(p.numel() for p in trainer.model.parameters()), "train_step_s": step}
     for fmt in ("torch", "torch_dist"):
         root = os.path.join(folder, fmt)
-        trainer.args.ckpt_format, trainer.args.async_save = fmt, False
+        _save_as(trainer, fmt, False)
         out[f"{fmt}_save_s"] = _timed(lambda: load_save.save_checkpoint(trainer, root))
         out[f"{fmt}_bytes"] = _dir_bytes(root) if rank == 0 else None
         out[f"{fmt}_load_s"] = _timed(lambda: load_save.load_checkpoint(trainer, root))
-    trainer.args.ckpt_format, trainer.args.async_save = "torch_dist", True
+    _save_as(trainer, "torch_dist", True)
     root = os.path.join(folder, "async")
     dist.barrier()
     start = time.perf_counter()

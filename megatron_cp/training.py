@@ -434,7 +434,7 @@ def _pretrain(args, run, state, progress):
         print_rank_0(f"> loading checkpoint from {run.checkpoint.load} ...")
         progress.activity = f"the checkpoint load from {run.checkpoint.load}"
         trainer.iteration, trainer.consumed_samples = _on_every_rank(
-            lambda: load_save.load_checkpoint(trainer, args.load), state.device)
+            lambda: load_save.load_checkpoint(trainer), state.device)
         train_iters = run.training.train_iters
         if trainer.iteration >= train_iters:
             print_rank_0(f"checkpoint at iteration {trainer.iteration} already reached --train-iters "
@@ -490,7 +490,6 @@ def _train(trainer, logger, start):
     evaluation, exits, checks), its checkpoint section's folders and intervals and its logging
     section (the profiler)."""
     state, training, checkpoint = trainer.state, trainer.run.training, trainer.run.checkpoint
-    args = trainer.args  # only the checkpoint calls below read it
     manual_gc, gc_interval = training.manual_gc, training.manual_gc_interval
     if manual_gc:
         gc.disable()
@@ -516,7 +515,7 @@ def _train(trainer, logger, start):
             if microbatches != before and save and saved_at != trainer.iteration:
                 # Megatron-LM saves before the first iteration of a new batch size
                 trainer.progress.activity = f"the checkpoint save at iteration {trainer.iteration}"
-                load_save.save_checkpoint(trainer, args.save)
+                load_save.save_checkpoint(trainer)
                 saved_at = trainer.iteration
             t0 = time.time()
             try:
@@ -537,7 +536,7 @@ def _train(trainer, logger, start):
                 trainer.check_weight_hashes()
             if save and checkpoint.save_interval and it % checkpoint.save_interval == 0:
                 trainer.progress.activity = f"the checkpoint save at iteration {it}"
-                load_save.save_checkpoint(trainer, args.save)
+                load_save.save_checkpoint(trainer)
                 saved_at = it
                 collect = manual_gc
             if collect:
@@ -556,7 +555,7 @@ def _train(trainer, logger, start):
                 break
         trainer.progress.activity = f"the end of training (iteration {trainer.iteration})"
         if save and saved_at != trainer.iteration:
-            load_save.save_checkpoint(trainer, args.save)
+            load_save.save_checkpoint(trainer)
         if save:
             load_save.wait_for_async_save(trainer)  # the tracker is written before we return
         trainer.optimizer.finish_param_sync()  # no all-gather left running (--overlap-param-gather)
@@ -571,13 +570,12 @@ def _checkpoint_for_rerun(trainer, stop):
     """Save the checkpoint that a :class:`~megatron_cp.rerun.RerunExit` asks for (the state
     before the failed iteration, with the machine's verdict so far) under ``--save``; returns
     the exit to raise (without ``--save`` there is nothing to resume elsewhere: a failure)."""
-    args = trainer.args  # only the checkpoint call below reads it
     if not stop.checkpoint:
         return stop
     if not trainer.run.checkpoint.save:
         return stop.without_checkpoint(" and no --save to keep it for a rerun on another GPU")
     trainer.progress.activity = f"the checkpoint save before iteration {stop.iteration}"
-    load_save.save_checkpoint(trainer, args.save)
+    load_save.save_checkpoint(trainer)
     load_save.wait_for_async_save(trainer)
     return stop
 

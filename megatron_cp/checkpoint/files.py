@@ -20,6 +20,10 @@ an unpickling or zip traceback.
 And the two rules on saved arguments every format applies: the model's shape must match
 (:func:`check_args_match`, :data:`SHAPE_ARGS`); the parallel layout need not, and
 :func:`rank_grid` says where a run put every rank (RNG states follow only onto the same grid).
+A checkpoint's saved arguments are part of the on-disk format (Megatron-LM's flat argument
+names), so these rules read them as dicts; the running side of a comparison is the run's
+parallel section (:class:`~megatron_cp.config.parallel.ParallelConfig`), or, for the model's
+shape, the arguments the run itself saves.
 """
 import os
 import re
@@ -199,11 +203,13 @@ def load_file(path, root, it, map_location="cpu", keys=(), mmap=False):
 
 # --- the rules on saved arguments --------------------------------------------------------
 
-def check_args_match(saved, args):
+def check_args_match(saved, current):
     """Refuse a checkpoint whose model shape (:data:`SHAPE_ARGS`) differs from this run's,
-    naming every mismatch. The parallel layout never has to match: a torch_dist checkpoint
-    loads into any layout, a torch one is resharded."""
-    current = dict(vars(args), params_dtype=str(args.params_dtype))
+    naming every mismatch. ``saved``: the checkpoint's arguments; ``current``: the arguments
+    this run's checkpoints save (:func:`megatron_cp.checkpoint.state.saved_arguments`), so
+    both sides are compared as the on-disk format names and writes them (the dtype by name).
+    The parallel layout never has to match: a torch_dist checkpoint loads into any layout, a
+    torch one is resharded."""
     differ = [k for k in SHAPE_ARGS if k in saved and saved.get(k) != current.get(k)]
     if differ:
         diffs = "; ".join(f"{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}"
@@ -213,21 +219,25 @@ def check_args_match(saved, args):
                          f"--use-checkpoint-args")
 
 
-def same_model_layout(saved, args):
+def same_model_layout(saved, parallel):
     """True when ``saved`` (a checkpoint's args) spread the layers and their shards over the
-    model-parallel ranks as this run does (:data:`LAYOUT_ARGS`; a dense model has no expert
-    layout), so each rank's pieces are where this run expects them."""
+    model-parallel ranks as this run does (``parallel``: its ParallelConfig;
+    :data:`LAYOUT_ARGS`, its field names; a dense model has no expert layout), so each rank's
+    pieces are where this run expects them."""
     skip = () if saved.get("num_experts") else EXPERT_LAYOUT_ARGS
-    current = vars(args)
-    return all(saved.get(k) == current.get(k) for k in LAYOUT_ARGS if k not in skip)
+    return all(saved.get(k) == getattr(parallel, k) for k in LAYOUT_ARGS if k not in skip)
 
 
-def rank_grid(args):
-    """Where ``args`` (a namespace or the saved dict) put every rank: the values of
-    :data:`RANK_LAYOUT_ARGS`. The rank order counts only when it moves ranks (PP > 1 and
-    DP > 1); checkpoints that predate the setting were saved with data parallel outermost."""
-    values = args if isinstance(args, dict) else vars(args)
-    grid = {k: values.get(k) for k in RANK_LAYOUT_ARGS}
+def rank_grid(layout):
+    """Where ``layout`` put every rank: the values of :data:`RANK_LAYOUT_ARGS` of a running
+    ParallelConfig (they are its field names), or of a checkpoint's saved arguments (a dict:
+    saved data, read as the file format names it; a key it lacks reads None). The rank order
+    counts only when it moves ranks (PP > 1 and DP > 1); checkpoints that predate the setting
+    were saved with data parallel outermost."""
+    if isinstance(layout, dict):
+        grid = {k: layout.get(k) for k in RANK_LAYOUT_ARGS}
+    else:
+        grid = {k: getattr(layout, k) for k in RANK_LAYOUT_ARGS}
     model = ((grid["tensor_model_parallel_size"] or 1) * (grid["context_parallel_size"] or 1)
              * (grid["pipeline_model_parallel_size"] or 1))
     dp = (grid["world_size"] or model) // model

@@ -14,34 +14,55 @@ run was started in:
    file by file, each rank its own (a bit-exact resume), and one of another layout is read
    whole by every rank, which takes its own pieces (resharded on load).
 
+Every decision here and in the formats is read from the trainer's sections: its checkpoint
+section (``trainer.run.checkpoint``: where, the format, what to load, async, integrity, the
+retain interval, ``--finetune``, ``--no-load-*``), the parallel layout (``trainer.run.parallel``)
+and the model and optimizer's. ``trainer.args``, Megatron-LM's flat argument namespace, is
+only what a checkpoint saves as its arguments (part of the on-disk format, which Megatron-LM
+and our tools read), and so what a load compares a checkpoint's saved arguments with for the
+model's shape, name for name.
+
 The formats live in their own modules and know nothing of each other or of this one.
 """
+import dataclasses
 import os
 
 from megatron_cp.checkpoint import files, megatron_lm_format, megatron_lm_load
 from megatron_cp.checkpoint import torch_dist_format, torch_format
+from megatron_cp.checkpoint.state import saved_arguments
 from megatron_cp.checkpoint.state import wait_for_async_save  # noqa: F401 - the save's other half
 from megatron_cp.checkpoint.torch_shards import first_file
 
 
-def save_checkpoint(trainer, root):
-    """Save model, optimizer, scheduler, RNG, consumed samples and arguments atomically,
-    in ``--ckpt-format`` (with ``--async-save``, torch_dist, in the background: finish it
-    with :func:`wait_for_async_save`)."""
-    args = trainer.args
-    if args.ckpt_format == "torch_dist":
-        return torch_dist_format.save(trainer, root, async_save=args.async_save)
+def save_checkpoint(trainer, root=None):
+    """Save model, optimizer, scheduler, RNG, consumed samples and arguments (``trainer.args``)
+    atomically under ``root`` (default ``--save``), as ``trainer.run.checkpoint`` says: in its
+    ``--ckpt-format`` (with ``--async-save``, torch_dist, in the background: finish it with
+    :func:`wait_for_async_save`)."""
+    checkpoint = trainer.run.checkpoint
+    root = checkpoint.save if root is None else root
+    if checkpoint.ckpt_format == "torch_dist":
+        return torch_dist_format.save(trainer, root)
     return torch_format.save(trainer, root)
 
 
-def load_checkpoint(trainer, root):
-    """Load the latest checkpoint under ``root`` (``--ckpt-step``'s when given) into
-    ``trainer``, whatever its format and parallel layout (the module docstring); returns
-    (iteration, consumed samples)."""
-    st, args = trainer.state, trainer.args
-    it = files.load_iteration(root, args.ckpt_step)
+def weights_only(checkpoint):
+    """The checkpoint section ``checkpoint`` (a CheckpointConfig) that loads a model's weights
+    and nothing else: no optimizer, schedule, RNG, iteration or samples (a model for
+    inference)."""
+    return dataclasses.replace(checkpoint, finetune=True, no_load_optim=True, no_load_rng=True)
+
+
+def load_checkpoint(trainer, root=None):
+    """Load the latest checkpoint under ``root`` (default ``--load``; ``--ckpt-step``'s
+    iteration when given) into ``trainer``, whatever its format and parallel layout (the
+    module docstring), as ``trainer.run.checkpoint`` says; returns (iteration, consumed
+    samples)."""
+    st, checkpoint = trainer.state, trainer.run.checkpoint
+    root = checkpoint.load if root is None else root
+    it = files.load_iteration(root, checkpoint.ckpt_step)
     if it is None:
-        if args.exit_on_missing_checkpoint:
+        if checkpoint.exit_on_missing_checkpoint:
             raise ValueError(f"--exit-on-missing-checkpoint: no checkpoint under --load {root} "
                              f"(no {files.TRACKER}); check the path, or drop the flag to start "
                              f"fresh")
@@ -59,16 +80,17 @@ def load_checkpoint(trainer, root):
 
 def _load_torch(trainer, root, it):
     """A ``torch`` checkpoint: each rank its own file when the saved layout spread the model
-    over the files as this run does, else every rank reads it whole and reshards."""
-    st, args = trainer.state, trainer.args
-    if args.verify_integrity and st.global_rank == 0:
+    over the files as this run does (``trainer.run.parallel``), else every rank reads it
+    whole and reshards."""
+    st = trainer.state
+    if trainer.run.checkpoint.verify_integrity and st.global_rank == 0:
         print(f" --verify-integrity: the checkpoint under {root} is --ckpt-format torch, which "
               f"has no integrity manifest (Megatron-LM hashes torch_dist checkpoints only); "
               f"loading it unverified", flush=True)
     payload = torch_format.read_own_file(trainer, root, it)  # or a namesake of another layout
     saved = payload["args"] if payload is not None else torch_format.saved_args(root, it)
-    files.check_args_match(saved, args)
-    same_layout = files.same_model_layout(saved, args)
+    files.check_args_match(saved, saved_arguments(trainer.args))
+    same_layout = files.same_model_layout(saved, trainer.run.parallel)
     if payload is None and same_layout:
         raise ValueError(f"checkpoint file {torch_format.own_file(trainer, root, it)} is missing "
                          f"(the same layout saved it: the copy is incomplete); "
@@ -96,7 +118,9 @@ def args_file(root, step=None):
 
 def saved_args(root, step=None):
     """The arguments the latest checkpoint under ``root`` (iteration ``step`` when given) was
-    saved with (a dict; for one Megatron-LM wrote, its Namespace in our names)."""
+    saved with (a dict; for one Megatron-LM wrote, its Namespace in our names). Argument
+    parsing calls it (``--use-checkpoint-args``, before any section exists), so it takes
+    ``--load`` and ``--ckpt-step`` as values."""
     it = files.load_iteration(root, step)
     if it is not None and megatron_lm_format.is_megatron_lm(files.iteration_dir(root, it)):
         return megatron_lm_format.our_args(

@@ -7,14 +7,15 @@ DP layout and the distributed optimizer load it alike. What carries over: the we
 the iteration, the consumed samples, the learning-rate schedule (its sample counts turned
 into our iterations) and, when Megatron saved them in a form read here, the Adam moments
 and step. One line at start-up says what does not (RNG states, Megatron's padded
-vocabulary rows, an optimizer state it did not save).
+vocabulary rows, an optimizer state it did not save). What it loads follows the trainer's
+sections: the checkpoint's (``trainer.run.checkpoint``: ``--finetune``, ``--no-load-optim``),
+the optimizer's (``trainer.run.optimizer``) and the model (``trainer.run.model``).
 """
 import torch
 
 from megatron_cp.checkpoint import files
 from megatron_cp.checkpoint import megatron_lm_format as megatron_lm
 from megatron_cp.checkpoint import state as training_state
-from megatron_cp.checkpoint.old_defaults import computes_gelu
 from megatron_cp.optimizer.inner import set_adam_step
 
 
@@ -35,11 +36,13 @@ def _copy_into(pieces_by_key, full_by_key, folder):
         pieces.fill_from(_canonical(full_by_key[key], pieces.global_shape))
 
 
-def check_args(saved, args, folder):
-    """The model of ``args`` must be the checkpoint's (its arguments ``saved``, ours)."""
-    files.check_args_match(saved, args)
+def check_args(saved, trainer, folder):
+    """The model of ``trainer`` must be the checkpoint's (its arguments ``saved``, ours):
+    the shape of what the trainer saves (its arguments), and the GELU of its model section."""
+    files.check_args_match(saved, training_state.saved_arguments(trainer.args))
+    model = trainer.run.model
     fused = bool(saved.get("bias_gelu_fusion"))
-    if computes_gelu(vars(args)) and fused != bool(args.bias_gelu_fusion):
+    if model.activation in ("gelu", "gelu_tanh") and fused != bool(model.bias_gelu_fusion):
         implied = "tanh (its bias-GELU fusion is on)" if fused else "exact (erf)"
         raise ValueError(f"the Megatron-LM checkpoint {folder} computes GELU {implied}; "
                          f"{'drop' if fused else 'pass'} --no-bias-gelu-fusion (or use "
@@ -49,15 +52,16 @@ def check_args(saved, args, folder):
 def load(trainer, root, it):
     """Load Megatron-LM's checkpoint of iteration ``it`` under ``root`` into ``trainer``;
     returns (iteration, consumed samples)."""
-    st, args = trainer.state, trainer.args
+    st, checkpoint = trainer.state, trainer.run.checkpoint
+    optimizer = trainer.run.optimizer.optimizer
     folder = files.iteration_dir(root, it)
     vocab = trainer.config.vocab_size
     full, moments, saved, common = megatron_lm.read(folder, vocab_rows=vocab)
-    check_args(saved, args, folder)
+    check_args(saved, trainer, folder)
     trainer.optimizer.finish_param_sync()
     step = megatron_lm.adam_step(common)
-    with_optimizer = (bool(moments) and step is not None and not args.finetune
-                      and not args.no_load_optim and args.optimizer == "adam")
+    with_optimizer = (bool(moments) and step is not None and not checkpoint.finetune
+                      and not checkpoint.no_load_optim and optimizer == "adam")
     state = training_state.sharded_state(trainer, with_optimizer, for_load=True)
     tensors = {f"model.{name}": t for name, t in full.items()}
     if with_optimizer:
@@ -72,17 +76,17 @@ def load(trainer, root, it):
     if not with_optimizer:
         trainer.optimizer.reload_model_params()
         not_carried.append("the optimizer state (" + (
-            "--finetune" if args.finetune else "--no-load-optim" if args.no_load_optim
-            else f"--optimizer {args.optimizer}" if args.optimizer != "adam"
+            "--finetune" if checkpoint.finetune else "--no-load-optim" if checkpoint.no_load_optim
+            else f"--optimizer {optimizer}" if optimizer != "adam"
             else "none saved in a form read here") + ")")
     else:
         set_adam_step(trainer.optimizer.optimizer, step)
-    iteration = 0 if args.finetune else int(common.get("iteration", it))
-    consumed = 0 if args.finetune else int(saved.get("consumed_train_samples") or 0)
-    if not args.finetune and common.get("opt_param_scheduler"):
+    iteration = 0 if checkpoint.finetune else int(common.get("iteration", it))
+    consumed = 0 if checkpoint.finetune else int(saved.get("consumed_train_samples") or 0)
+    if not checkpoint.finetune and common.get("opt_param_scheduler"):
         trainer.scheduler.load_state_dict(megatron_lm.scheduler_state(
-            common, saved["global_batch_size"], args.lr_counts_samples))
-    elif not args.finetune:
+            common, saved["global_batch_size"], trainer.run.optimizer.lr_counts_samples))
+    elif not checkpoint.finetune:
         training_state.resume_schedule_only(trainer, root, it, iteration, consumed)
     if st.global_rank == 0:
         print(f" loaded Megatron-LM checkpoint {root} at iteration {iteration} (weights, "

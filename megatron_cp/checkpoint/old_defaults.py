@@ -6,6 +6,11 @@ start-up banner says so in one line. Each change is one row of :data:`OLD_DEFAUL
 saved-arguments key the change introduced (its absence marks a checkpoint saved before it),
 the value the earlier version computed (read from the saved arguments) and that line. A flag
 given on the command line always wins.
+
+:func:`apply_old_defaults` runs during argument parsing
+(:func:`megatron_cp.cli.arguments.parse_args`), before the config sections are built from the
+arguments, so it reads and sets the argument namespace itself (Megatron-LM's names, as the
+checkpoint saves them) and no section.
 """
 from dataclasses import dataclass
 from typing import Callable

@@ -11,8 +11,16 @@ A checkpoint holds a trainer's
 - scheduler: the learning-rate schedule's state;
 - RNG: every rank's generators (:func:`rng_state`), restored only on the same rank grid;
 - progress: the iteration and the consumed samples;
-- args: the arguments it was saved with (:func:`saved_arguments`), whose model shape a load
-  must match (:func:`megatron_cp.checkpoint.files.check_args_match`).
+- args: the arguments it was saved with (:func:`saved_arguments`: Megatron-LM's flat
+  namespace, ``trainer.args``, part of the on-disk format), whose model shape a load must
+  match (:func:`megatron_cp.checkpoint.files.check_args_match`).
+
+What a save writes and a load restores is decided by the run's sections, not by
+``trainer.args``: the checkpoint section (``trainer.run.checkpoint``: ``--finetune``,
+``--no-load-optim``, ``--no-load-rng``, ...), the parallel layout (``trainer.run.parallel``:
+the rank grid) and the optimizer's (``trainer.run.optimizer``: which optimizer, how the
+schedule counts). ``trainer.args`` is what a checkpoint saves as its arguments, and so what
+the saved arguments' model shape is compared with.
 
 :func:`restore` puts a state back from the canonical record (``common``) and a ``read``
 that fills this rank's boxes, whichever format and layout the tensors come from.
@@ -47,7 +55,9 @@ def _plain(value):
 
 
 def saved_arguments(args):
-    """The arguments a checkpoint records: the plain values of ``args``, the dtype by name."""
+    """The arguments a checkpoint records: the plain values of ``args`` (the trainer's flat
+    argument namespace, Megatron-LM's names: the on-disk format, which Megatron-LM and our
+    tools read), the dtype by name."""
     saved = {k: v for k, v in vars(args).items() if _plain(v)}
     saved["params_dtype"] = str(args.params_dtype)
     return saved
@@ -101,8 +111,8 @@ def load_rng(trainer, root, it, saved_layout):
     into another layout."""
     st = trainer.state
     path = rng_file(root, it, st.global_rank)
-    if saved_layout is None or files.rank_grid(saved_layout) != files.rank_grid(trainer.args) \
-            or not os.path.exists(path):
+    if saved_layout is None or files.rank_grid(saved_layout) != \
+            files.rank_grid(trainer.run.parallel) or not os.path.exists(path):
         if st.global_rank == 0:
             print(" the checkpoint was saved under another parallel layout (or without RNG "
                   "states): the per-rank RNG streams start afresh; data order, optimizer and "
@@ -121,7 +131,8 @@ def resume_schedule_only(trainer, root, it, iteration, consumed_samples):
     schedule), as the iteration count does, instead of warming up again. Returns (iteration,
     consumed samples)."""
     trainer.scheduler.num_steps = 0
-    trainer.scheduler.step(consumed_samples if trainer.args.lr_counts_samples else iteration)
+    counts_samples = trainer.run.optimizer.lr_counts_samples
+    trainer.scheduler.step(consumed_samples if counts_samples else iteration)
     if trainer.state.global_rank == 0:
         print(f" loaded weights only from {root} at iteration {it}: optimizer and RNG "
               f"start fresh, the learning-rate schedule resumes at iteration {iteration}",
@@ -129,13 +140,15 @@ def resume_schedule_only(trainer, root, it, iteration, consumed_samples):
     return iteration, consumed_samples
 
 
-def check_optimizer_matches(saved, args):
+def check_optimizer_matches(saved, optimizer):
     """Refuse to load optimizer state that another ``--optimizer`` saved (Adam's moments are
-    not Muon's momentum)."""
+    not Muon's momentum). ``saved``: the checkpoint's arguments; ``optimizer``: this run's
+    OptimizerConfig."""
     saved_optimizer = saved.get("optimizer", "adam")
-    if saved_optimizer != args.optimizer:
+    if saved_optimizer != optimizer.optimizer:
         raise ValueError(f"the checkpoint holds the optimizer state of --optimizer "
-                         f"{saved_optimizer}, but this run uses --optimizer {args.optimizer}; "
+                         f"{saved_optimizer}, but this run uses --optimizer "
+                         f"{optimizer.optimizer}; "
                          f"resume with --optimizer {saved_optimizer}, or pass --no-load-optim "
                          f"to start the optimizer afresh")
 
@@ -225,14 +238,15 @@ def sharded_state(trainer, with_optimizer, for_load=False):
 
 
 def common(trainer, with_optimizer):
-    """The record of everything but the tensors: progress, args, the rank grid, schedule
-    and the optimizer's scalars. A collective (the Adam step count is agreed by every rank)."""
+    """The record of everything but the tensors: progress, args (``trainer.args``, the saved
+    namespace), the rank grid (of ``trainer.run.parallel``), schedule and the optimizer's
+    scalars. A collective (the Adam step count is agreed by every rank)."""
     opt = trainer.optimizer
     step = torch.tensor([adam_step(opt.optimizer)], dtype=torch.float64)
     dist.all_reduce(step, op=dist.ReduceOp.MAX)  # a distributed-optimizer rank may own nothing
     record = {"iteration": trainer.iteration, "consumed_samples": trainer.consumed_samples,
               "args": saved_arguments(trainer.args), "checkpoint_version": 3.0,
-              "layout": files.rank_grid(trainer.args), "has_optimizer": with_optimizer,
+              "layout": files.rank_grid(trainer.run.parallel), "has_optimizer": with_optimizer,
               "opt_param_scheduler": trainer.scheduler.state_dict()}
     if with_optimizer:
         record.update(adam_step=step.item(), num_skipped_iters=opt.num_skipped_iters,
@@ -245,19 +259,20 @@ def common(trainer, with_optimizer):
 def restore(trainer, root, it, record, read):
     """Restore ``trainer`` from a checkpoint held as canonical tensors: ``record`` is its
     :func:`common` record, ``read(state)`` fills this rank's :func:`sharded_state`
-    (``{key: Pieces}``) from its tensors, whichever layout saved them. Returns (iteration,
-    consumed samples)."""
-    st, args = trainer.state, trainer.args
-    files.check_args_match(record["args"], args)
+    (``{key: Pieces}``) from its tensors, whichever layout saved them; what it restores
+    follows ``trainer.run.checkpoint``. Returns (iteration, consumed samples)."""
+    st, checkpoint = trainer.state, trainer.run.checkpoint
+    files.check_args_match(record["args"], saved_arguments(trainer.args))
     wait_for_async_save(trainer)
     trainer.optimizer.finish_param_sync()
-    with_optimizer = record["has_optimizer"] and not args.finetune and not args.no_load_optim
+    with_optimizer = (record["has_optimizer"] and not checkpoint.finetune
+                      and not checkpoint.no_load_optim)
     if with_optimizer:
-        check_optimizer_matches(record["args"], args)
+        check_optimizer_matches(record["args"], trainer.run.optimizer)
     read(sharded_state(trainer, with_optimizer, for_load=True))
     if not with_optimizer:
         trainer.optimizer.reload_model_params()
-    if args.finetune:
+    if checkpoint.finetune:
         return 0, 0
     if not record["has_optimizer"]:
         return resume_schedule_only(trainer, root, it, record["iteration"],
@@ -265,7 +280,7 @@ def restore(trainer, root, it, record, read):
     if with_optimizer:
         trainer.scheduler.load_state_dict(record["opt_param_scheduler"])
         _restore_optimizer(trainer.optimizer, record)
-    if not args.no_load_rng:
+    if not checkpoint.no_load_rng:
         load_rng(trainer, root, it, record.get("layout"))
     if st.global_rank == 0:
         print(f" loaded checkpoint from {root} at iteration {it}", flush=True)

@@ -29,6 +29,11 @@ waits) and a background thread writes it, coordinated over a gloo group of its o
 save (faults.SaveAttempt) removes its files and raises on every rank; in the
 background, at the next save or at the end of training.
 
+What a save writes (``--no-save-optim``, ``--no-save-rng``, ``--async-save``,
+``--verify-integrity``, ``--save-retain-interval``) and what a load checks follow the
+trainer's checkpoint section (``trainer.run.checkpoint``); ``common.pt`` saves
+``trainer.args`` as the checkpoint's arguments.
+
 A load first reads ``.metadata`` and checks that every file it indexes is there and long
 enough (:func:`check_files`), so a truncated or corrupted file is a ValueError naming it (as
 is one whose tensors cannot be decoded: DCP reads through faults.reader, which
@@ -131,15 +136,18 @@ class AsyncSave:
             raise self.error
 
 
-def save(trainer, root, async_save=False):
-    """Save ``trainer`` under ``root`` (every rank calls it); see the module docstring."""
-    st, args = trainer.state, trainer.args
+def save(trainer, root):
+    """Save ``trainer`` under ``root`` (every rank calls it) as its checkpoint section
+    (``trainer.run.checkpoint``) says: in the background with ``--async-save``; see the
+    module docstring."""
+    st, checkpoint = trainer.state, trainer.run.checkpoint
+    async_save = checkpoint.async_save
     training_state.wait_for_async_save(trainer)
     trainer.optimizer.finish_param_sync()
-    with_optimizer = not args.no_save_optim
+    with_optimizer = not checkpoint.no_save_optim
     state = training_state.sharded_state(trainer, with_optimizer)
     common = {**training_state.common(trainer, with_optimizer), "ckpt_format": "torch_dist"}
-    rng = None if args.no_save_rng else training_state.rng_state(trainer)
+    rng = None if checkpoint.no_save_rng else training_state.rng_state(trainer)
     it = trainer.iteration
     tmp = files.iteration_dir(root, it) + ".tmp"
     group = checkpoint_group(trainer)
@@ -158,9 +166,9 @@ def save(trainer, root, async_save=False):
 
     def commit():  # every rank has written: only now may the tracker move
         if st.global_rank == 0:
-            if args.verify_integrity:
+            if checkpoint.verify_integrity:
                 integrity.write_manifest(tmp)
-            files.commit_checkpoint(root, it, args.save_retain_interval)
+            files.commit_checkpoint(root, it, checkpoint.save_retain_interval)
 
     def write():
         attempt.phase(write_files)
@@ -174,9 +182,10 @@ def save(trainer, root, async_save=False):
 
 def load(trainer, root, it):
     """Load the torch_dist checkpoint of iteration ``it`` under ``root`` into ``trainer``,
-    whatever layout saved it; returns (iteration, consumed samples)."""
+    whatever layout saved it, as its checkpoint section (``trainer.run.checkpoint``) says;
+    returns (iteration, consumed samples)."""
     folder = files.iteration_dir(root, it)
-    if trainer.args.verify_integrity:  # before a byte of it is read
+    if trainer.run.checkpoint.verify_integrity:  # before a byte of it is read
         integrity.verify(folder, checkpoint_group(trainer), files.earlier(root, it))
     common = read_common(folder)
 

@@ -15,6 +15,11 @@ Two loads: :func:`load_own_file` when the running layout spreads the model over 
 the saved one did (each rank reads its own file: a bit-exact resume), and
 :func:`load_resharded` otherwise (every rank reads the checkpoint whole,
 :mod:`megatron_cp.checkpoint.torch_full`, and takes its own pieces).
+
+What a save writes and a load restores follows the trainer's checkpoint section
+(``trainer.run.checkpoint``); the files are named by its parallel layout
+(``trainer.run.parallel``, the model's experts). ``trainer.args`` is only what a file saves
+as its arguments.
 """
 import os
 
@@ -35,23 +40,30 @@ def _model_states(trainer):
     return {**{f"model{i}": c.state_dict() for i, c in enumerate(chunks)}, **layers}
 
 
+def _sizes(trainer):
+    """The (TP, PP, EP, ETP) sizes that name this run's files."""
+    return torch_shards.run_file_layout(trainer.run.parallel, trainer.run.model)
+
+
 def save(trainer, root):
     """Save ``trainer`` under ``root`` (every rank calls it): each shard writer its file,
-    every rank its RNG states, then one rank commits."""
-    args = trainer.args
-    st, it = trainer.state, trainer.iteration
+    every rank its RNG states, then one rank commits. ``trainer.run.checkpoint`` says what
+    (``--no-save-optim``) and which older checkpoint to keep (``--save-retain-interval``);
+    each file saves ``trainer.args`` as its arguments."""
+    checkpoint = trainer.run.checkpoint
+    st, it, sizes = trainer.state, trainer.iteration, _sizes(trainer)
     tmp = files.iteration_dir(root, it) + ".tmp"
     trainer.optimizer.finish_param_sync()
     # a collective with the distributed optimizer (its shards are gathered): every rank
-    optimizer_state = None if args.no_save_optim else trainer.optimizer.state_dict()
+    optimizer_state = None if checkpoint.no_save_optim else trainer.optimizer.state_dict()
     attempt = files.save_attempt(root, it)
 
     def write():
-        if torch_shards.is_shard_writer(st, args):
-            shard = os.path.join(tmp, torch_shards.own_shard_name(st, args))
+        if torch_shards.is_shard_writer(st, sizes):
+            shard = os.path.join(tmp, torch_shards.own_shard_name(st, sizes))
             os.makedirs(shard, exist_ok=True)
             payload = {"iteration": it, "consumed_samples": trainer.consumed_samples,
-                       "args": training_state.saved_arguments(args),
+                       "args": training_state.saved_arguments(trainer.args),
                        "opt_param_scheduler": trainer.scheduler.state_dict(),
                        "checkpoint_version": 3.0, **_model_states(trainer)}
             if optimizer_state is not None:
@@ -64,7 +76,7 @@ def save(trainer, root):
 
     def commit():
         if st.global_rank == 0:
-            files.commit_checkpoint(root, it, args.save_retain_interval)
+            files.commit_checkpoint(root, it, checkpoint.save_retain_interval)
 
     attempt.start()  # the ranks agree after each phase (where a barrier was)
     attempt.phase(write)
@@ -74,7 +86,7 @@ def save(trainer, root):
 def own_file(trainer, root, it):
     """The path of this rank's file of iteration ``it`` under ``root``, in this run's layout."""
     folder = files.iteration_dir(root, it)
-    return os.path.join(folder, torch_shards.own_shard_name(trainer.state, trainer.args),
+    return os.path.join(folder, torch_shards.own_shard_name(trainer.state, _sizes(trainer)),
                         torch_shards.SHARD_FILE)
 
 
@@ -97,22 +109,23 @@ def saved_args(root, it):
 def load_own_file(trainer, root, it, payload):
     """Load ``payload``, this rank's file of iteration ``it`` under ``root`` saved in this
     run's layout, into ``trainer``: weights, then the optimizer, schedule and RNG states as
-    the flags allow. Returns (iteration, consumed samples)."""
-    st, args = trainer.state, trainer.args
+    its checkpoint section (``trainer.run.checkpoint``) allows. Returns (iteration, consumed
+    samples)."""
+    st, checkpoint = trainer.state, trainer.run.checkpoint
     chunks = training_state.model_chunks(trainer)
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(payload["model"] if len(chunks) == 1 else payload[f"model{i}"])
     trainer.optimizer.reload_model_params()  # fp32 main params follow the loaded weights
-    if args.finetune:
+    if checkpoint.finetune:
         return 0, 0
     if payload.get("converted") or "opt_param_scheduler" not in payload:
         return training_state.resume_schedule_only(trainer, root, it, payload["iteration"],
                                                    payload["consumed_samples"])
-    if not args.no_load_optim:
-        training_state.check_optimizer_matches(payload["args"], args)
+    if not checkpoint.no_load_optim:
+        training_state.check_optimizer_matches(payload["args"], trainer.run.optimizer)
         trainer.scheduler.load_state_dict(payload["opt_param_scheduler"])  # names the flags
         trainer.optimizer.load_state_dict(payload["optimizer"])
-    if not args.no_load_rng:
+    if not checkpoint.no_load_rng:
         # a conversion to another layout (tools/checkpoint_convert.py) carries no RNG states
         training_state.load_rng(trainer, root, it, None if payload.get("no_rng") else payload["args"])
     if st.global_rank == 0:

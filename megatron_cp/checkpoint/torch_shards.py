@@ -35,15 +35,28 @@ def shard_name(tp_rank, pp_rank, pp_size, ep_rank=0, ep_size=1, etp_rank=0, etp_
     return name
 
 
-def file_layout(args):
-    """``(TP, PP, EP, ETP)`` sizes that name the files of a run with ``args`` (a namespace
-    or the saved dict): a dense model has EP 1 and ETP = TP, whatever the flags say."""
-    values = args if isinstance(args, dict) else vars(args)
-    tp, pp = values["tensor_model_parallel_size"], values["pipeline_model_parallel_size"]
-    if not values.get("num_experts"):
+def _sizes(tp, pp, num_experts, ep, etp):
+    """``(TP, PP, EP, ETP)``: a dense model has EP 1 and ETP = TP, whatever the flags say."""
+    if not num_experts:
         return tp, pp, 1, tp
-    return (tp, pp, values.get("expert_model_parallel_size") or 1,
-            values.get("expert_tensor_parallel_size") or tp)
+    return tp, pp, ep or 1, etp or tp
+
+
+def file_layout(args):
+    """``(TP, PP, EP, ETP)`` sizes that name the files of a checkpoint saved with ``args``
+    (its saved arguments, a dict: the file format's names; a namespace reads the same)."""
+    values = args if isinstance(args, dict) else vars(args)
+    return _sizes(values["tensor_model_parallel_size"], values["pipeline_model_parallel_size"],
+                  values.get("num_experts"), values.get("expert_model_parallel_size"),
+                  values.get("expert_tensor_parallel_size"))
+
+
+def run_file_layout(parallel, model):
+    """``(TP, PP, EP, ETP)`` sizes that name the files of a run with the parallel section
+    ``parallel`` (a ParallelConfig) and the model ``model`` (a GPTConfig: its experts)."""
+    return _sizes(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+                  model.num_moe_experts, parallel.expert_model_parallel_size,
+                  parallel.expert_tensor_parallel_size)
 
 
 def shard_names(tp, pp, ep=1, etp=None):
@@ -66,9 +79,9 @@ def _shard_coords(sizes, tp_rank, pp_rank, ep_rank, etp_rank):
     return tp_rank, pp_rank, ep_rank if ep > 1 else 0, etp_key
 
 
-def own_shard_name(state, args):
-    """The shard folder this rank's state goes to (and loads from)."""
-    sizes = file_layout(args)
+def own_shard_name(state, sizes):
+    """The shard folder this rank's state goes to (and loads from) under the file sizes
+    ``sizes`` (:func:`run_file_layout`, or :func:`file_layout` of saved arguments)."""
     key = _shard_coords(sizes, state.rank("tp"), state.rank("pp"), state.rank("ep"),
                         state.rank("etp"))
     names = shard_names(*sizes)
@@ -76,10 +89,11 @@ def own_shard_name(state, args):
     return names[key]
 
 
-def is_shard_writer(state, args):
-    """True on the lowest global rank of this rank's shard combination: the one that writes
-    it (every rank of a combination holds the same weights and optimizer state)."""
-    sizes, names = file_layout(args), ("tp", "pp", "ep", "etp")
+def is_shard_writer(state, sizes):
+    """True on the lowest global rank of this rank's shard combination under the file sizes
+    ``sizes`` (as :func:`own_shard_name`): the one that writes it (every rank of a
+    combination holds the same weights and optimizer state)."""
+    names = ("tp", "pp", "ep", "etp")
     group_rank = {name: {} for name in names}  # {group name: {global rank: rank in group}}
     for name in names:
         for ranks in state.layout[name]:

@@ -12,6 +12,9 @@ how a run RUNS (dropout, seed, init, recompute, kernels, compilation, dtype): th
 
 Training (``pretrain_gpt.py``), generation and the tasks all parse their flags through
 :func:`megatron_cp.cli.arguments.parse_args`, which applies this rule (:func:`take_checkpoint_args`).
+It runs during argument parsing, before the config sections are built from the arguments, so
+it reads and sets the argument namespace itself (Megatron-LM's names, as the checkpoint saves
+them) and no section.
 """
 import argparse
 import dataclasses

@@ -62,9 +62,9 @@ class InferenceModel:
 
     ``run``: the :class:`~megatron_cp.config.run.RunConfig` of the script's checked arguments,
     built with ``tokenizer``'s vocabulary (:func:`megatron_cp.inference.launch.load_model`
-    builds both). ``checkpoint_args``: the parsed arguments, only for
-    :func:`~megatron_cp.checkpoint.load_save.load_checkpoint`, which reads them from
-    ``trainer.args`` (they are told to load the weights only).
+    builds both). ``checkpoint_args``: the parsed arguments, which
+    :func:`~megatron_cp.checkpoint.load_save.load_checkpoint` compares with the checkpoint's
+    saved ones (``trainer.args``).
 
     Attributes: ``run`` (its checkpoint section set to load the weights only), ``state``,
     ``device``, ``tokenizer``, ``config`` (the GPTConfig), ``model_chunks`` (one per virtual
@@ -77,8 +77,7 @@ class InferenceModel:
         load, step = run.checkpoint.load, run.checkpoint.ckpt_step
         check_checkpoint(run.checkpoint, run.data)
         # weights only: the optimizer, schedule and RNG of the run stay in the checkpoint
-        weights_only = {"finetune": True, "no_load_optim": True, "no_load_rng": True}
-        self.run = replace(run, checkpoint=replace(run.checkpoint, **weights_only))
+        self.run = replace(run, checkpoint=load_save.weights_only(run.checkpoint))
         self.state, self.device, self.tokenizer = state, state.device, tokenizer
         self.config = run.model
         saved = _saved_vocab_size(load, step)
@@ -97,10 +96,8 @@ class InferenceModel:
         self.model_chunks = chunks
         self.optimizer = _NoOptimizer()
         self.args = checkpoint_args
-        for name, value in weights_only.items():
-            setattr(self.args, name, value)
         print_rank_0(f"> loading weights from {load} ...")
-        load_save.load_checkpoint(self, load)
+        load_save.load_checkpoint(self)
         self.iteration = checkpoint_files.load_iteration(load, step)
         print_rank_0(f" loaded the weights of iteration {self.iteration} "
                      f"(TP={state.size('tp')}, CP={state.size('cp')}, PP={state.size('pp')}, "
