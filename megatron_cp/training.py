@@ -86,14 +86,16 @@ class Trainer:
 
     ``args``: the checked arguments, kept for what checkpoints save (Megatron-LM's names);
     ``run``: their :class:`~megatron_cp.config.run.RunConfig` where the caller built it
-    (:func:`run_config`; ``pretrain`` does, for its banner), else built here. The trainer and
-    each part it builds read the run's sections."""
+    (:func:`run_config`; ``pretrain`` does, for its banner), else built here; ``tokenizer``:
+    the one ``run`` was built with, where the caller has it (else built from the data section,
+    so the job builds it once). The trainer and each part it builds read the run's sections."""
 
-    def __init__(self, args, state, run=None):
+    def __init__(self, args, state, run=None, tokenizer=None):
         self.args, self.state = args, state  # args: what checkpoints save (Megatron-LM's names)
         self.device = state.device
         self.progress = faults.Progress()  # what a lost-contact error says the job was doing
-        self.tokenizer = tokenizer_from_config(build_config(DataConfig, args))
+        self.tokenizer = tokenizer or tokenizer_from_config(
+            run.data if run is not None else build_config(DataConfig, args))
         # the run's frozen configuration; each part below is handed its own section
         self.run = run or RunConfig.from_args(args, self.tokenizer.vocab_size)
         self.check_for_nan = self.run.training.check_for_nan_in_loss_and_grad
@@ -303,11 +305,17 @@ class Trainer:
         return total / max(tokens, 1)
 
 
+def tokenizer_and_run(args):
+    """The tokenizer that the checked ``args`` (:func:`megatron_cp.cli.arguments.parse_args`)
+    name, and their :class:`~megatron_cp.config.run.RunConfig`, built with its vocabulary."""
+    tokenizer = tokenizer_from_config(build_config(DataConfig, args))
+    return tokenizer, RunConfig.from_args(args, tokenizer.vocab_size)
+
+
 def run_config(args):
     """The :class:`~megatron_cp.config.run.RunConfig` of the checked ``args``
-    (:func:`megatron_cp.cli.arguments.parse_args`), with the vocabulary of the tokenizer that
-    their flags name."""
-    return RunConfig.from_args(args, tokenizer_from_config(build_config(DataConfig, args)).vocab_size)
+    (:func:`tokenizer_and_run`)."""
+    return tokenizer_and_run(args)[1]
 
 
 def build_parallel_state(parallel, model, optimizer, device=None):
@@ -369,9 +377,9 @@ def pretrain(args, state=None):
     and the checkpoint to resume from.
     """
     progress = faults.Progress()
-    run = run_config(args)
+    tokenizer, run = tokenizer_and_run(args)  # the run's sections, for the banner too
     try:
-        return _pretrain(args, run, state, progress)
+        return _pretrain(args, run, tokenizer, state, progress)
     except RuntimeError as error:
         if not faults.is_lost_contact(error) or not dist.is_initialized():
             raise
@@ -406,9 +414,10 @@ def _on_every_rank(step, device):
     return result
 
 
-def _pretrain(args, run, state, progress):
+def _pretrain(args, run, tokenizer, state, progress):
     """:func:`pretrain` of ``args`` and their RunConfig ``run``, which it reads (``args`` is
-    printed, and handed to the Trainer for its checkpoints)."""
+    printed, and handed to the Trainer for its checkpoints); ``tokenizer``: the one ``run``
+    was built with, handed to the Trainer."""
     started = time.time()
     if run.logging.logging_level is not None:
         _set_logging_level(run.logging.logging_level)
@@ -427,7 +436,7 @@ def _pretrain(args, run, state, progress):
     if offloaded:
         print_rank_0(offloaded)
     print_rank_0("> building tokenizer, model and optimizer ...")
-    trainer = Trainer(args, state, run)
+    trainer = Trainer(args, state, run, tokenizer)
     trainer.progress = progress
     print_rank_0(format_parameter_counts(*count_parameters(trainer.model_chunks, state)))
     if run.checkpoint.load:
