@@ -90,7 +90,8 @@ def run_pretrain(m, device, compiled):
         raise RuntimeError(f"pretrain_gpt.py failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     tflops = [float(x) for x in re.findall(r"throughput per GPU \(TFLOP/s/GPU\): ([0-9.]+)",
                                            proc.stdout)]
-    memory = re.findall(r"memory \(MB\) \| [a-z ]+: ([0-9.]+)", proc.stdout)
+    # the memory line: "[Rank 0] (after N iterations) memory (MB) | allocated: A | max allocated: M"
+    memory = re.findall(r"memory \(MB\) \|.*\| max allocated: ([0-9.]+)", proc.stdout)
     return {"tflops": tflops[-1], "peak_memory_mb": float(memory[-1]) if memory else None}
 
 
@@ -214,6 +215,17 @@ def block_rates(s, device, dtype, heads=16, dim=128, documents=8):
 
 
 # ----------------------------------------------------------------------------- main
+def versions(device):
+    """The GPU and the library versions a result was measured with."""
+    import transformers
+    text = f"torch {torch.__version__}, transformers {transformers.__version__}"
+    if device.type == "cuda":
+        text = (f"{device_mod.device_name(device)}, cuda {torch.version.cuda}, cudnn "
+                f"{torch.backends.cudnn.version()}, {text}")
+    return text
+
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -226,7 +238,8 @@ def main():
     a = p.parse_args()
     device = torch.device(a.device)
     m = MODEL_SMOKE if a.smoke else MODEL_1P3B
-    out, checks = {"device": str(device), "torch": torch.__version__, "smoke": a.smoke}, []
+    out, checks = {"device": str(device), "torch": torch.__version__, "smoke": a.smoke,
+                   "date": time.strftime("%Y-%m-%d"), "versions": versions(device)}, []
     if a.only in (None, "models"):
         runs = {"megatron_cp eager": run_pretrain(m, device, False),
                 "megatron_cp compiled": run_pretrain(m, device, True),

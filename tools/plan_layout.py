@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from megatron_cp.device import accelerator_available  # noqa: E402
 from megatron_cp.cli.arguments import build_parser, parse_args  # noqa: E402
 from megatron_cp.checkpoint.use_checkpoint_args import given_on_command_line  # noqa: E402
 from megatron_cp.config.data import DataConfig  # noqa: E402
@@ -147,7 +148,7 @@ def device_rates(opts, params_dtype):
     """The throughputs the step-time model divides by, measured or documented, overridden."""
     if opts.device == "cpu":
         rates = calibrate("cpu", opts.calibration_cache, params_dtype)
-    elif torch.cuda.is_available():
+    elif accelerator_available():
         rates = calibrate("cuda", opts.calibration_cache, params_dtype)
     else:
         rates = DeviceRates(**GPU_DEFAULTS)

@@ -55,6 +55,16 @@ def site_key(seed, site, number):
     return chain(absorb_64(seed, HIDDEN_START), site, number)
 
 
+def layer_site_keys(seed, number, device=None):
+    """int64 [3]: the keys of layer ``number``'s sites (after attention, after the MLP, the
+    router's jitter) as a tensor. A compiled layer reads them as a buffer, an input of its
+    graph, so layers of different numbers share one graph: an int key would be a constant
+    that Dynamo guards on, one recompilation per layer until its recompile limit (8) leaves
+    the deeper layers eager."""
+    keys = [site_key(seed, site, number) for site in (SITE_ATTENTION, SITE_MLP, SITE_JITTER)]
+    return torch.tensor(keys, dtype=torch.int64, device=device)
+
+
 def sequence_shard(tp_group, sequence_parallel):
     """(rank, size) of this rank's slice of the local sequence: the TP rank and size under
     sequence parallelism, else (0, 1) (TP ranks hold the whole, replicated)."""
@@ -80,7 +90,8 @@ def token_coordinates(ids, x, shard):
 
 
 def token_states(key, coords):
-    """int64 [s_x, b] in [0, 2^32): the hash of (key, sample, position) of every token."""
+    """int64 [s_x, b] in [0, 2^32): the hash of (key, sample, position) of every token
+    (``key`` an int or a 0-d int64 tensor: the same bits)."""
     state = absorb_64(coords.samples, key)  # [b]
     return absorb(coords.positions, state[:, None]).t()  # [b, s_x] -> [s_x, b]
 

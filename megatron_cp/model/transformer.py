@@ -18,8 +18,8 @@ from megatron_cp.model.attention import SelfAttention
 from megatron_cp.model.compile_layers import compile_layer
 from megatron_cp.model.fused import norm_for
 from megatron_cp.model.gated_delta_net import GatedDeltaNet
-from megatron_cp.model.hidden_dropout import (SITE_ATTENTION, SITE_MLP, hidden_dropout,
-                                              sequence_shard, site_key, token_coordinates)
+from megatron_cp.model.hidden_dropout import (hidden_dropout, layer_site_keys, sequence_shard,
+                                              token_coordinates)
 from megatron_cp.model.mlp import MLP, chunked_mlp
 from megatron_cp.model.multi_latent_attention import MultiLatentAttention
 # a module reference: megatron_cp.moe.layer imports the MLP from this package (import cycle)
@@ -47,6 +47,10 @@ class TransformerLayer(torch.nn.Module):
         kind_of = layer_number if kind_of is None else kind_of
         self.config, self.rng_tracker, self.layer_number = config, rng_tracker, layer_number
         self.shard = sequence_shard(tp_group, config.sequence_parallel)  # of the local sequence
+        # [3]: the keys of this layer's dropout sites and router jitter (a buffer, not ints:
+        # compiled layers share one graph; hidden_dropout.layer_site_keys)
+        self.register_buffer("site_keys", layer_site_keys(config.seed, layer_number, device),
+                             persistent=False)
         self.input_layernorm = norm_for(config, config.hidden_size, device)
         hierarchical = None  # the a2a+p2p sub-groups, when the state was built with them
         if state is not None and state.group("hcp_inner") is not None:
@@ -75,23 +79,22 @@ class TransformerLayer(torch.nn.Module):
         ``site_number``: the number its random draws are keyed by (default the layer number;
         a repeated MTP layer passes each depth's)."""
         c = self.config
-        number = self.layer_number if site_number is None else site_number
+        keys = (self.site_keys if site_number is None else
+                layer_site_keys(c.seed, site_number, x.device))  # [3]
         coords = None  # built only when something is drawn
         if self.training and (c.hidden_dropout > 0 or (self.is_moe and c.moe_input_jitter_eps)):
             coords = token_coordinates(dropout_ids, x, self.shard)
         attn = self.self_attention(self.input_layernorm(x), position_ids, token_index, document_ids,
                                    dropout_ids)
-        x = x + hidden_dropout(attn, c.hidden_dropout, self.training,
-                               site_key(c.seed, SITE_ATTENTION, number), coords)
+        x = x + hidden_dropout(attn, c.hidden_dropout, self.training, keys[0], coords)
         h = self.pre_mlp_layernorm(x)
         if self.is_moe:
-            mlp = self.mlp(h, loss_mask, coords, number)
+            mlp = self.mlp(h, loss_mask, coords, keys[2])
         elif c.mlp_chunks_for_training > 1 and self.training:
             mlp = chunked_mlp(self.mlp, h, c.mlp_chunks_for_training, self.rng_tracker)
         else:
             mlp = self.mlp(h)
-        return x + hidden_dropout(mlp, c.hidden_dropout, self.training,
-                                  site_key(c.seed, SITE_MLP, number), coords)
+        return x + hidden_dropout(mlp, c.hidden_dropout, self.training, keys[1], coords)
 
 
 class TransformerBlock(torch.nn.Module):

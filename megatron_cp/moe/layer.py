@@ -76,7 +76,7 @@ class MoELayer(torch.nn.Module):
             mask = mask[self.tp_rank * length:(self.tp_rank + 1) * length]  # [s/tp, b]
         return mask.reshape(-1).float()
 
-    def _jitter_states(self, x, coords, layer_number):
+    def _jitter_states(self, x, coords, jitter_key):
         """int64 [T] hash states of the router's input jitter (row t = i * b + j, as the
         tokens), or None when there is no jitter."""
         if not (self.training and self.config.moe_input_jitter_eps):
@@ -84,16 +84,17 @@ class MoELayer(torch.nn.Module):
         if coords is None:  # a caller without coordinates: the fallback's
             coords = token_coordinates(None, x, sequence_shard(self.tp_group,
                                                                self.sequence_parallel))
-        key = site_key(self.config.seed, SITE_JITTER, layer_number)
-        return token_states(key, coords).reshape(-1)  # [s(/tp), b] -> [T]
+        if jitter_key is None:  # a caller without a key: layer 0's
+            jitter_key = site_key(self.config.seed, SITE_JITTER, 0)
+        return token_states(jitter_key, coords).reshape(-1)  # [s(/tp), b] -> [T]
 
     @torch.compiler.disable  # host-side counts and uneven collectives: eager under --torch-compile
-    def forward(self, x, loss_mask=None, coords=None, layer_number=0):
+    def forward(self, x, loss_mask=None, coords=None, jitter_key=None):
         length, batch, hidden = x.shape
         tokens = x.reshape(-1, hidden)  # [T, h], T = length * b
         weights = self._token_weights(loss_mask, length, batch, x.device)  # [T]
         seq_ids = torch.arange(batch, device=x.device).repeat(length)  # [T]
-        jitter = self._jitter_states(x, coords, layer_number)  # [T] or None
+        jitter = self._jitter_states(x, coords, jitter_key)  # [T] or None
         split = self.tp_size > 1 and not self.sequence_parallel
         if split:  # TP ranks hold the same tokens: each routes its share (module docstring)
             counts = comm.even_counts(tokens.shape[0], self.tp_size)
