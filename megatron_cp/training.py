@@ -63,12 +63,14 @@ from megatron_cp.weight_hash import check_weight_hashes
 
 def data_parallel_wrapper(optimizer, model, state, params_dtype):
     """``model`` in its data-parallel wrapper, as the optimizer section ``optimizer`` asks:
-    FSDP2 with --use-torch-fsdp2 (each transformer layer one unit), else the DDP of flat
-    gradient buckets."""
-    if optimizer.use_torch_fsdp2:
+    FSDP2 with --use-torch-fsdp2 or Megatron-FSDP's optim_grads(_params) (each transformer
+    layer one unit; optim_grads keeps the gathered params to the step), else the DDP of flat
+    gradient buckets (with or without the distributed optimizer)."""
+    if optimizer.fully_sharded:
         return TorchFullyShardedDataParallel(
             model, state, (TransformerLayer,), params_dtype=params_dtype,
-            reshard_after_forward=not optimizer.torch_fsdp2_no_reshard_after_forward)
+            reshard_after_forward=not optimizer.torch_fsdp2_no_reshard_after_forward,
+            keep_params_whole=optimizer.keeps_params_whole)
     return DistributedDataParallel(
         model, state, bucket_size_mb=optimizer.ddp_bucket_size_mb,
         overlap_grad_reduce=optimizer.overlap_grad_reduce,

@@ -230,8 +230,8 @@ def test_refused_values_of_accepted_flags(flag, value, why):
     ("--overlap-param-gather", "--overlap-param-gather overlaps the distributed optimizer's "
                                "parameter all-gather: add --use-distributed-optimizer"),
     ("--async-save --save ck --ckpt-format torch", "--async-save writes --ckpt-format "
-                                                   "torch_dist checkpoints, not torch; add "
-                                                   "--ckpt-format torch_dist"),
+                                                   "torch_dist or fsdp_dtensor checkpoints, not "
+                                                   "torch; add --ckpt-format torch_dist"),
     ("--optimizer sgd", "--optimizer ('sgd'): SGD is not built; use adam or muon"),
     ("--dataloader-type cyclic", "--dataloader-type cyclic: the cyclic"),
     ("--rampup-batch-size 8 8 100", "--rampup-batch-size 8 8 100: Megatron-LM deprecated it "

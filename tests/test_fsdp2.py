@@ -22,14 +22,12 @@ import torch
 import torch.distributed as dist
 
 from dist_harness import run_workers
-from megatron_cp.cli.arguments import parse_args
 from megatron_cp.optimizer import expected_bytes_per_param, memory_breakdown
 from megatron_cp.optimizer.clip_grads import get_param_norm, grad_of
 from megatron_cp.optimizer.fsdp import is_fully_sharded
 from megatron_cp.optimizer.shards import local_shard
-from megatron_cp.training import Trainer
-from training_utils import (NO_DROPOUT, TINY, assert_refused, max_rel_diff, run_and_state,
-                            train_losses)
+from training_utils import (NO_DROPOUT, TINY, assert_refused, max_rel_diff, train_losses,
+                            trainer_of)
 
 FSDP = "--use-torch-fsdp2"
 STEPS = TINY.replace("--num-layers 2", "--num-layers 3") + " --train-iters 6"
@@ -85,11 +83,7 @@ BF16 = f"{STEPS} {LLAMA} --bf16"
 
 
 def _trainer(argv, world):
-    args = parse_args(argv.split(), world_size=world)
-    run, state = run_and_state(args)
-    trainer = Trainer(args, state, run)
-    trainer.build_iterators()
-    return trainer
+    return trainer_of(argv, world)
 
 
 def _steps(rank, world, argv):

@@ -6,7 +6,7 @@ peer runs without dropout (megatron-core, Hugging Face) appends ``NO_DROPOUT``."
 import torch
 
 from megatron_cp.cli.arguments import ArgumentErrors, parse_args
-from megatron_cp.training import build_parallel_state, pretrain, run_config
+from megatron_cp.training import Trainer, build_parallel_state, pretrain, run_config
 
 TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
         "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 2 "
@@ -26,6 +26,15 @@ def run_and_state(args):
 def parallel_state(args):
     """Worker: the ParallelState of the checked ``args`` (:func:`run_and_state`)."""
     return run_and_state(args)[1]
+
+
+def trainer_of(argv, world):
+    """Worker: the Trainer of ``argv`` parsed for this world size, its iterators built."""
+    args = parse_args(argv.split(), world_size=world)
+    run, state = run_and_state(args)
+    trainer = Trainer(args, state, run)
+    trainer.build_iterators()
+    return trainer
 
 
 def train_losses(rank, world, argv):

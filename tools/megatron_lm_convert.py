@@ -12,7 +12,6 @@ import os
 
 from megatron_cp.checkpoint import files
 from megatron_cp.checkpoint import megatron_lm_format as megatron_lm
-from megatron_cp.cli.megatron_flags import megatron_census
 
 
 def _true_vocab(args):
@@ -42,12 +41,7 @@ def import_megatron(folder):
 def megatron_defaults():
     """Megatron-LM's argument defaults by dest, from the flag census (None where the
     default is an object the census could only print, e.g. an enum)."""
-    out = {}
-    for action in megatron_census()["actions"]:
-        default = action.get("default")
-        out[action["dest"]] = None if isinstance(default, str) and default.startswith("<") \
-            else default
-    return out
+    return megatron_lm.megatron_census_defaults()
 
 
 def export_megatron(full, args, meta, save_dir):

@@ -1,13 +1,14 @@
 """How a save picks its format, and how a load picks the format and the layout: the one place.
 
 A save writes ``--ckpt-format``: ``torch_dist`` (the default, as in Megatron-LM; with
-``--async-save`` in the background) or ``torch``.
+``--async-save`` in the background), ``fsdp_dtensor`` (Megatron-FSDP's layout) or ``torch``.
 
 A load reads whatever ``--load`` holds, whatever ``--ckpt-format`` says, into the layout this
 run was started in:
 
 1. the iteration: ``--ckpt-step``, else the tracker's (none: start from scratch);
 2. the format, told by the iteration folder: Megatron-LM's own (its ``metadata.json``),
+   ``fsdp_dtensor`` (a DCP ``.metadata`` holding ``checkpoint_version``; ours or Megatron-LM's),
    ours ``torch_dist`` (a DCP ``.metadata``), else ours ``torch`` (``mp_rank_*`` files);
 3. the layout: ``torch_dist`` and Megatron-LM's load into any layout (each rank reads its
    boxes of the canonical tensors); a ``torch`` checkpoint saved in this run's layout is read
@@ -27,7 +28,7 @@ The formats live in their own modules and know nothing of each other or of this 
 import dataclasses
 import os
 
-from megatron_cp.checkpoint import files, megatron_lm_format, megatron_lm_load
+from megatron_cp.checkpoint import files, fsdp_dtensor_format, megatron_lm_format, megatron_lm_load
 from megatron_cp.checkpoint import torch_dist_format, torch_format
 from megatron_cp.checkpoint.state import saved_arguments
 from megatron_cp.checkpoint.state import wait_for_async_save  # noqa: F401 - the save's other half
@@ -43,6 +44,8 @@ def save_checkpoint(trainer, root=None):
     root = checkpoint.save if root is None else root
     if checkpoint.ckpt_format == "torch_dist":
         return torch_dist_format.save(trainer, root)
+    if checkpoint.ckpt_format == "fsdp_dtensor":
+        return fsdp_dtensor_format.save(trainer, root)
     return torch_format.save(trainer, root)
 
 
@@ -73,6 +76,8 @@ def load_checkpoint(trainer, root=None):
     folder = files.iteration_dir(root, it)
     if megatron_lm_format.is_megatron_lm(folder):  # written by Megatron-LM itself
         return megatron_lm_load.load(trainer, root, it)
+    if fsdp_dtensor_format.is_fsdp_dtensor(folder):  # Megatron-FSDP's layout, ours or its own
+        return fsdp_dtensor_format.load(trainer, root, it)
     if torch_dist_format.is_torch_dist(folder):
         return torch_dist_format.load(trainer, root, it)
     return _load_torch(trainer, root, it)
@@ -122,6 +127,8 @@ def saved_args(root, step=None):
     parsing calls it (``--use-checkpoint-args``, before any section exists), so it takes
     ``--load`` and ``--ckpt-step`` as values."""
     it = files.load_iteration(root, step)
+    if it is not None and fsdp_dtensor_format.is_fsdp_dtensor(files.iteration_dir(root, it)):
+        return fsdp_dtensor_format.saved_args(files.iteration_dir(root, it))
     if it is not None and megatron_lm_format.is_megatron_lm(files.iteration_dir(root, it)):
         return megatron_lm_format.our_args(
             megatron_lm_format.read_common(files.iteration_dir(root, it))["args"])

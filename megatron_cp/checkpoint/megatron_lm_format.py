@@ -164,6 +164,15 @@ def our_args(megatron_args):
     return args
 
 
+def megatron_census_defaults():
+    """Megatron-LM's argument defaults by dest, from the flag census (None where the
+    default is an object the census could only print, e.g. an enum)."""
+    from megatron_cp.cli.megatron_flags import megatron_census
+    return {action["dest"]: None if isinstance(action.get("default"), str)
+            and action["default"].startswith("<") else action.get("default")
+            for action in megatron_census()["actions"]}
+
+
 def megatron_args(ours, defaults, iteration, consumed_samples):
     """An argparse Namespace Megatron-LM reads (``--use-checkpoint-args``, its load path)
     from our argument dict ``ours``: Megatron's defaults (``defaults``: dest -> default, from

@@ -175,8 +175,10 @@ def _restore_optimizer(opt, common):
 COPIES_OF_THE_EMBEDDING = ("output_layer.weight", "mtp_word_embeddings.weight")
 
 
-def _param_specs(trainer):
-    """{id(param): (CanonicalSpec, is the last stage's tied copy)} for this rank's params."""
+def _param_specs(trainer, padded_vocab=False):
+    """{id(param): (CanonicalSpec, is the last stage's tied copy)} for this rank's params
+    (``padded_vocab``: the vocabulary params with their padded rows, as Megatron-LM saves
+    them)."""
     st = trainer.state
     out = {}
     for chunk in model_chunks(trainer):
@@ -190,7 +192,7 @@ def _param_specs(trainer):
                                          st.size("etp"), st.rank("etp"))
             else:
                 spec = param_spec(canon, param, st.size("tp"), st.rank("tp"),
-                                  trainer.config.vocab_size)
+                                  None if padded_vocab else trainer.config.vocab_size)
             out[id(param)] = (spec, tied_copy)
     return out
 
@@ -205,11 +207,12 @@ def _persistent_buffers(chunk):
             yield canonical_name(name, layers), buffer
 
 
-def sharded_state(trainer, with_optimizer, for_load=False):
+def sharded_state(trainer, with_optimizer, for_load=False, padded_vocab=False):
     """``{key: Pieces}`` of this rank: live views of the model params and, with
     ``with_optimizer``, of the optimizer shards. ``for_load`` includes the tied copy (it
-    reads the embedding's key); a save leaves it out."""
-    specs = _param_specs(trainer)
+    reads the embedding's key); a save leaves it out. ``padded_vocab``: the vocabulary
+    params whole, padded rows included."""
+    specs = _param_specs(trainer, padded_vocab)
     state = {}
 
     def put(key, spec, flat, start, stop):

@@ -140,13 +140,22 @@ def save(trainer, root):
     """Save ``trainer`` under ``root`` (every rank calls it) as its checkpoint section
     (``trainer.run.checkpoint``) says: in the background with ``--async-save``; see the
     module docstring."""
-    st, checkpoint = trainer.state, trainer.run.checkpoint
-    async_save = checkpoint.async_save
+    checkpoint = trainer.run.checkpoint
     training_state.wait_for_async_save(trainer)
     trainer.optimizer.finish_param_sync()
     with_optimizer = not checkpoint.no_save_optim
     state = training_state.sharded_state(trainer, with_optimizer)
     common = {**training_state.common(trainer, with_optimizer), "ckpt_format": "torch_dist"}
+    write(trainer, root, state, PiecesSavePlanner, common)
+
+
+def write(trainer, root, state, planner, common=None):
+    """Write ``state`` (``{key: Pieces}``, or what ``planner``, a PiecesSavePlanner class,
+    takes) with DCP, this rank's RNG states (unless --no-save-rng) and ``common`` (when
+    given: common.pt) as iteration ``trainer.iteration`` under ``root``: atomically, in the
+    background with ``--async-save`` (the state staged first)."""
+    st, checkpoint = trainer.state, trainer.run.checkpoint
+    async_save = checkpoint.async_save
     rng = None if checkpoint.no_save_rng else training_state.rng_state(trainer)
     it = trainer.iteration
     tmp = files.iteration_dir(root, it) + ".tmp"
@@ -154,14 +163,15 @@ def save(trainer, root):
     attempt = files.save_attempt(root, it, group)
     attempt.start()  # the ranks agree after each phase (where a barrier was)
     if async_save:
-        state = {key: pieces.staged() for key, pieces in state.items()}
+        state = {key: value.staged() if hasattr(value, "staged") else value
+                 for key, value in state.items()}
 
     def write_files():
         dcp.save(state, storage_writer=faults.writer(tmp),
-                 planner=PiecesSavePlanner(), process_group=group)
+                 planner=planner(), process_group=group)
         if rng is not None:
             files.atomic_torch_save(rng, os.path.join(tmp, "rng", f"rank_{st.global_rank:05d}.pt"))
-        if st.global_rank == 0:
+        if st.global_rank == 0 and common is not None:
             files.atomic_torch_save(common, os.path.join(tmp, COMMON))
 
     def commit():  # every rank has written: only now may the tracker move
@@ -191,18 +201,25 @@ def load(trainer, root, it):
 
     def read(state):
         check_files(folder)
-        try:
-            dcp.load(state, storage_reader=faults.reader(folder),
-                     planner=PiecesLoadPlanner(), process_group=checkpoint_group(trainer))
-        except (Exception, CheckpointException) as error:  # DCP gathers every rank's read error
-            if training_faults.is_lost_contact(error):
-                raise
-            found = faults.find(error, faults.UnreadableFile)
-            damage = (str(found[1]) if found else f"the tensors of checkpoint {folder} cannot be "
-                      f"read ({faults.short_reason(error)})")
-            raise ValueError(f"{damage}; {files.earlier(root, it)}") from error
+        read_dcp(folder, state, PiecesLoadPlanner(), checkpoint_group(trainer))
 
     return training_state.restore(trainer, root, it, common, read)
+
+
+def read_dcp(folder, state, planner, group):
+    """DCP's load of ``state`` from the iteration folder ``folder`` with ``planner`` over
+    ``group``; a damaged or unreadable file is a ValueError naming it."""
+    root, it = _root_and_iteration(folder)
+    try:
+        dcp.load(state, storage_reader=faults.reader(folder), planner=planner,
+                 process_group=group)
+    except (Exception, CheckpointException) as error:  # DCP gathers every rank's read error
+        if training_faults.is_lost_contact(error):
+            raise
+        found = faults.find(error, faults.UnreadableFile)
+        damage = (str(found[1]) if found else f"the tensors of checkpoint {folder} cannot be "
+                  f"read ({faults.short_reason(error)})")
+        raise ValueError(f"{damage}; {files.earlier(root, it)}") from error
 
 
 # --- one process, whole tensors -----------------------------------------------------------

@@ -105,7 +105,10 @@ def validate_args(args, world_size, parser, names, inference=False, problems=())
 def _apply_megatron_flags(args, defaults):
     """The table of further Megatron-LM flags (megatron_flags.py): notes for the banner,
     aliases rewritten, every refused flag a problem."""
+    fsdp_problems = fsdp.megatron_fsdp_flag_problems(args)  # before the table drops its flags
     args.compat_notes, problems = apply_compat_flags(args, defaults)
+    args.compat_notes += fsdp.apply_megatron_fsdp(args)
+    problems += fsdp_problems
     if problems:
         raise ArgumentErrors(problems)
 
@@ -237,13 +240,14 @@ def _validate_optimizer_and_checkpoint(args):
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise ValueError("--overlap-param-gather overlaps the distributed optimizer's parameter "
                          "all-gather: add --use-distributed-optimizer")
-    if args.num_distributed_optimizer_instances > 1 and not args.use_distributed_optimizer:
+    if args.num_distributed_optimizer_instances > 1 and not args.use_distributed_optimizer \
+            and not args.use_megatron_fsdp:  # its strategies' own rule (fsdp.argument_problems)
         raise ValueError(f"--num-distributed-optimizer-instances "
                          f"({args.num_distributed_optimizer_instances}) copies the distributed "
                          f"optimizer: add --use-distributed-optimizer")
-    if args.async_save and args.ckpt_format != "torch_dist":
-        raise ValueError(f"--async-save writes --ckpt-format torch_dist checkpoints, not "
-                         f"{args.ckpt_format}; add --ckpt-format torch_dist")
+    if args.async_save and args.ckpt_format not in ("torch_dist", "fsdp_dtensor"):
+        raise ValueError(f"--async-save writes --ckpt-format torch_dist or fsdp_dtensor "
+                         f"checkpoints, not {args.ckpt_format}; add --ckpt-format torch_dist")
     if args.verify_integrity and args.ckpt_format != "torch_dist":
         raise ValueError(f"--verify-integrity hashes --ckpt-format torch_dist checkpoints "
                          f"(Megatron-LM's rule), not {args.ckpt_format}; add --ckpt-format "
@@ -258,13 +262,13 @@ def _validate_optimizer_and_checkpoint(args):
                          f"multiples, so it must be a positive multiple of {need}")
 
 
-# the sections whose settings --use-torch-fsdp2's companions are (fsdp.argument_problems)
+# the sections whose settings the FSDPs' companions are (fsdp.argument_problems)
 _FSDP2_SECTIONS = (OptimizerConfig, ParallelConfig, CheckpointConfig, TrainingConfig)
 
 
 def _validate_fsdp2(args):
-    """--use-torch-fsdp2's companions (megatron_cp.optimizer.fsdp), read from the sections
-    that hold them."""
+    """--use-torch-fsdp2's and --use-megatron-fsdp's companions (megatron_cp.optimizer.fsdp),
+    and --ckpt-format fsdp_dtensor's, read from the sections that hold them."""
     problems = fsdp.argument_problems(*(build_config(section, args)
                                         for section in _FSDP2_SECTIONS))
     if problems:

@@ -186,6 +186,55 @@ COMPAT_FLAGS = (
                needs=("reset_attention_mask", (False,),
                       "Megatron-LM then drops --reset-attention-mask and attends across "
                       "documents, while megatron_cp keeps them apart; drop one of the two")),
+    # --- Megatron-FSDP's knobs (--use-megatron-fsdp runs on FSDP2 / the distributed
+    # optimizer: megatron_cp/optimizer/fsdp.py; its flags' rules: megatron_fsdp_problems) ---
+    CompatFlag("--megatron-fsdp-version", SAME, "version 1, Megatron-FSDP's default, is the one "
+               "mapped onto megatron_cp's FSDP2 and distributed optimizer",
+               argparse=dict(type=int, choices=[1, 2], default=1),
+               refuse={2: "Megatron-FSDP v2 (its experimental fully_shard rewrite) is not "
+                          "built; drop it (version 1 computes the same)"}),
+    CompatFlag("--fsdp-manual-registration", REFUSE, "it registers Megatron-FSDP's buffers "
+               "with NCCL user buffers, which need --use-nccl-ub (not built; Megatron-LM "
+               "refuses it without); drop it"),
+    CompatFlag("--outer-dp-sharding-strategy", SAME, "it shards over the outer group of "
+               "Megatron-FSDP's hybrid sharding (HSDP, --num-distributed-optimizer-instances "
+               "> 1), which this run does not have: nothing changes, as in Megatron-LM",
+               argparse=dict(choices=["no_shard", "optim"], default="no_shard")),
+    CompatFlag("--enable-full-sharding-in-hsdp", SAME, "it changes Megatron-FSDP's hybrid "
+               "sharding (HSDP, --num-distributed-optimizer-instances > 1), which this run "
+               "does not have: nothing changes, as in Megatron-LM"),
+    CompatFlag("--fsdp-double-buffer", SAME, "it double-buffers Megatron-FSDP's "
+               "communication memory; FSDP2 allocates and reuses its own all-gather and "
+               "reduce-scatter buffers (memory only)"),
+    CompatFlag("--megatron-fsdp-max-pool-double-buffer", SAME, "it picks the allocator of "
+               "Megatron-FSDP's communication double buffer; FSDP2 manages its own buffers "
+               "(memory only)"),
+    CompatFlag("--fsdp-db-use-persist-buf-on-alloc-fail", SAME, "it keeps Megatron-FSDP's "
+               "double buffer when an allocation fails; FSDP2 manages its own buffers "
+               "(memory only)"),
+    CompatFlag("--suggested-communication-unit-size", SAME, "it sizes Megatron-FSDP's "
+               "communication buckets and prefetch; FSDP2 gathers and reduces one layer (FSDP "
+               "unit) at a time (speed and memory only)", argparse=dict(type=int, default=None)),
+    CompatFlag("--megatron-fsdp-enable-fine-grained-param-gather", SAME, "it gathers each "
+               "submodule's params apart in Megatron-FSDP; FSDP2 gathers one layer at a time "
+               "(speed and memory only)"),
+    CompatFlag("--keep-fp8-transpose-cache", SAME, "it keeps FP8 weights' transpose caches; "
+               "without FP8 (refused here) no weight has one"),
+    CompatFlag("--megatron-fsdp-main-params-dtype", SAME, "fp32 main params are what the "
+               "optimizer steps",
+               argparse=dict(choices=["fp32", "bf16", "fp16", "auto"], default="fp32"),
+               refuse={d: "the optimizer steps fp32 main params here; main params in the "
+                          "model's dtype are not built, drop it" for d in ("bf16", "fp16", "auto")}),
+    CompatFlag("--megatron-fsdp-main-grads-dtype", SAME, "gradients accumulate in fp32 main "
+               "grads (Megatron-FSDP's default, auto, would take the model's dtype)",
+               argparse=dict(choices=["fp32", "bf16", "fp16", "auto"], default="auto"),
+               refuse={d: "gradients accumulate in fp32 here; bf16/fp16 main grads are not "
+                          "built, drop it" for d in ("bf16", "fp16")}),
+    CompatFlag("--megatron-fsdp-grad-comm-dtype", SAME, "gradients are reduced in fp32 "
+               "(Megatron-FSDP's default, auto, would take the main grads' dtype)",
+               argparse=dict(choices=["fp32", "fp16", "bf16", "auto"], default="auto"),
+               refuse={d: "gradients are reduced in fp32 here; a bf16/fp16 reduction is not "
+                          "built, drop it" for d in ("bf16", "fp16")}),
 )
 
 
@@ -500,13 +549,6 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
     ("only PyTorch's own checkpoint cache files are used; writing a DCP distribution cache "
      "is not built, drop it",
      ("--ckpt-pg-tensors-cache-create",)),
-    ("Megatron's own FSDP (Megatron-FSDP) is not built; use --use-torch-fsdp2 (PyTorch's "
-     "FSDP2, ZeRO-3) or --use-distributed-optimizer (ZeRO-1) and drop it",
-     ("--no-strict-fsdp-dtensor-load", "--use-megatron-fsdp",
-      "--megatron-fsdp-version", "--fsdp-manual-registration",
-      "--data-parallel-sharding-strategy", "--outer-dp-sharding-strategy",
-      "--fsdp-double-buffer", "--suggested-communication-unit-size",
-      "--keep-fp8-transpose-cache", "--enable-full-sharding-in-hsdp",)),
     ("the pre-Megatron-Core-0.14 checkpoint save format is not built; drop it",
      ("--dist-ckpt-save-pre-mcore-014",)),
     ("deprecated Megatron spellings; use --ckpt-format torch_dist",
@@ -716,11 +758,6 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
      "params, grads and Adam moments stay fp32, drop these",
      ("--use-precision-aware-optimizer", "--main-grads-dtype", "--main-params-dtype",
       "--exp-avg-dtype", "--exp-avg-sq-dtype",)),
-    ("fully sharded data parallelism (Megatron-FSDP) is not part of megatron_cp; shard "
-     "optimizer state with --use-distributed-optimizer instead",
-     ("--megatron-fsdp-main-params-dtype", "--megatron-fsdp-main-grads-dtype",
-      "--megatron-fsdp-grad-comm-dtype", "--megatron-fsdp-enable-fine-grained-param-gather",
-      "--megatron-fsdp-max-pool-double-buffer", "--fsdp-db-use-persist-buf-on-alloc-fail",)),
     ("megatron_cp has no fault injector, so no hang or crash can be injected; drop the fault "
      "injector flags",
      ("--fault-injector-ranks", "--fault-injector-num-ranks", "--fault-injector-fault-types",

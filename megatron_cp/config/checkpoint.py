@@ -4,13 +4,11 @@ from dataclasses import dataclass
 
 from megatron_cp.config.setting import check_choices, setting
 
-CKPT_FORMATS = ("torch", "torch_dist")
+CKPT_FORMATS = ("torch", "torch_dist", "fsdp_dtensor")
 # Megatron-LM's other formats, each refused with the reason
 NOT_BUILT_FORMATS = {
     "torch_dcp": "Megatron-LM's plain-DCP variant is not built; use --ckpt-format torch_dist "
                  "(torch.distributed.checkpoint too)",
-    "fsdp_dtensor": "it saves Megatron-FSDP's DTensor state, and FSDP is not built; use "
-                    "--ckpt-format torch_dist",
     "zarr": "not built; use --ckpt-format torch_dist (same sharded, layout-free checkpoints)",
 }
 
@@ -59,12 +57,20 @@ class CheckpointConfig:
         help="Exit if --load finds no checkpoint.")
     no_save_optim: bool = setting(False, group="checkpointing and logging", help="Do not save optimizer state.")
     no_save_rng: bool = setting(False, group="checkpointing and logging", help="Do not save RNG state.")
+    strict_fsdp_dtensor_load: bool = setting(True,
+        flag="--no-strict-fsdp-dtensor-load", arg="strict_fsdp_dtensor_load", store_false=True,
+        aliases=("--disable-strict-fsdp-dtensor-load",), group="checkpointing and logging",
+        help="A --load of an fsdp_dtensor checkpoint may lack tensors of the optimizer state: "
+             "those start afresh (the model's weights must all be there, unless --finetune), "
+             "as Megatron-LM's partial load.")
     ckpt_format: str = setting("torch_dist", choices=CKPT_FORMATS + tuple(NOT_BUILT_FORMATS),
         group="checkpointing and logging",
         help="Checkpoint format of --save: torch_dist (the default, as in Megatron-LM: "
              "torch.distributed.checkpoint; every rank writes its shards in parallel and --load "
-             "restores it under any TP/PP/CP/DP/EP layout) or torch (one file per "
-             "model-parallel rank; another layout reshards it on load). --load reads either, "
+             "restores it under any TP/PP/CP/DP/EP layout), torch (one file per "
+             "model-parallel rank; another layout reshards it on load) or fsdp_dtensor "
+             "(Megatron-FSDP's: torch.distributed.checkpoint with Megatron-LM's parameter "
+             "names and fp32 weights; with --use-megatron-fsdp). --load reads any of them, "
              "in any layout.")
 
     def __post_init__(self):

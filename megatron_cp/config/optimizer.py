@@ -23,6 +23,8 @@ _NOT_BUILT = {
     "adaptive_muon": "adaptive Muon (a second moment after the orthogonalisation) is not built",
 }
 MUON_TP_MODES = ("blockwise", "duplicated", "distributed")
+# Megatron-FSDP's --data-parallel-sharding-strategy, ZeRO-0 to ZeRO-3
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -148,6 +150,18 @@ class OptimizerConfig:
     torch_fsdp2_no_reshard_after_forward: bool = setting(False, group="training",
         help="With --use-torch-fsdp2: keep each layer's gathered parameters from its forward to "
              "its backward (more memory, one all-gather less).")
+    use_megatron_fsdp: bool = setting(False, group="training",
+        help="Megatron-LM's own FSDP, run on megatron_cp's machinery with the meaning of "
+             "--data-parallel-sharding-strategy (what is sharded over the DP x CP ranks). "
+             "Needs --ckpt-format fsdp_dtensor, as in Megatron-LM.")
+    data_parallel_sharding_strategy: str = setting("optim_grads_params",
+        choices=SHARDING_STRATEGIES, group="training",
+        help="With --use-megatron-fsdp, what is sharded over the DP x CP ranks (ZeRO-0 to 3): "
+             "no_shard, nothing (DDP); optim, the fp32 main params and Adam state (the "
+             "distributed optimizer); optim_grads, also the gradients (FSDP2 reduce-scattering "
+             "each microbatch, the gathered params kept whole from the step's first forward to "
+             "its last backward); optim_grads_params, also the params (FSDP2, each layer gathered just "
+             "before it runs, as --use-torch-fsdp2).")
     # derived by the command line's checks (megatron_cp/cli/checks.py)
     lr_counts_samples: bool = setting(
         False, flag=None, arg="lr_counts_samples",
@@ -179,6 +193,20 @@ class OptimizerConfig:
                                  f"({self.optimizer!r}) is not Muon; add --optimizer muon or "
                                  f"drop {'it' if len(given) == 1 else 'them'}")
         self._check_decoupled_lr()
+
+    @property
+    def fully_sharded(self):
+        """The gradients are sharded over DP x CP (FSDP2): --use-torch-fsdp2, or
+        --use-megatron-fsdp with optim_grads or optim_grads_params."""
+        return self.use_torch_fsdp2 or (self.use_megatron_fsdp and self.data_parallel_sharding_strategy
+                                        in ("optim_grads", "optim_grads_params"))
+
+    @property
+    def keeps_params_whole(self):
+        """FSDP2 that keeps the gathered params from a step's first forward to its last
+        backward (ZeRO-2: Megatron-FSDP's optim_grads; --torch-fsdp2-no-reshard-after-forward
+        keeps them from each forward to its backward only)."""
+        return self.use_megatron_fsdp and self.data_parallel_sharding_strategy == "optim_grads"
 
     @property
     def uses_muon(self):

@@ -45,7 +45,7 @@ def build_optimizer(optimizer, model, models, model_chunks, state, check_for_nan
     if optimizer.use_distributed_optimizer:
         return DistributedOptimizer(groups, model_chunks, state, **settings)
     if is_fully_sharded(model_chunks):
-        return FullyShardedOptimizer(groups, state, **settings)
+        return FullyShardedOptimizer(groups, state, model_chunks=model_chunks, **settings)
     return MixedPrecisionOptimizer(groups, state, **settings)
 
 

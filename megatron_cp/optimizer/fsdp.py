@@ -38,18 +38,87 @@ from megatron_cp.optimizer.optimizer import _PARAM_ATTRS, MixedPrecisionOptimize
 from megatron_cp.optimizer.shards import local_shard, local_tensor
 
 FLAG = "--use-torch-fsdp2"
+MEGATRON_FLAG = "--use-megatron-fsdp"
+
+
+def _flag(optimizer):
+    """The flag that asked for the sharding: Megatron-FSDP's or FSDP2's."""
+    if optimizer.use_megatron_fsdp:
+        return f"{MEGATRON_FLAG} --data-parallel-sharding-strategy " \
+               f"{optimizer.data_parallel_sharding_strategy}"
+    return FLAG
 
 
 def argument_problems(optimizer, parallel, checkpoint, training):
-    """One line per setting that --use-torch-fsdp2 cannot go with (none without it), read from
-    the run's sections (``optimizer``: :class:`~megatron_cp.config.optimizer.OptimizerConfig`,
-    ``parallel``: :class:`~megatron_cp.config.parallel.ParallelConfig`, ``checkpoint``:
+    """One line per setting that the run's data-parallel sharding cannot go with (none
+    without it), read from the run's sections (``optimizer``:
+    :class:`~megatron_cp.config.optimizer.OptimizerConfig`, ``parallel``:
+    :class:`~megatron_cp.config.parallel.ParallelConfig`, ``checkpoint``:
     :class:`~megatron_cp.config.checkpoint.CheckpointConfig`, ``training``:
-    :class:`~megatron_cp.config.training.TrainingConfig`): Megatron-LM's rules (one pipeline
-    stage, no expert parallelism, no distributed optimizer, torch_dist checkpoints) and ours
-    (no Muon, no DP-replica checks: FSDP keeps no replicas)."""
-    if not optimizer.use_torch_fsdp2:
-        return []
+    :class:`~megatron_cp.config.training.TrainingConfig`).
+
+    --use-torch-fsdp2: Megatron-LM's rules (one pipeline stage, no expert parallelism, no
+    distributed optimizer, torch_dist checkpoints) and ours (no Muon, no DP-replica checks:
+    FSDP keeps no replicas). --use-megatron-fsdp: Megatron-LM's rules (Adam, fsdp_dtensor
+    checkpoints both ways, no weight-hash check under optim_grads_params, not with
+    --use-torch-fsdp2) and ours for the strategies that run on FSDP2 (one pipeline stage, no
+    hybrid sharding, no DP-replica checks)."""
+    problems = []
+    if checkpoint.ckpt_format == "fsdp_dtensor" and not optimizer.use_megatron_fsdp:
+        problems.append(f"--ckpt-format fsdp_dtensor: Megatron-LM writes it with "
+                        f"{MEGATRON_FLAG} only; add {MEGATRON_FLAG} or use --ckpt-format "
+                        f"torch_dist")
+    if optimizer.use_megatron_fsdp:
+        problems += _megatron_fsdp_problems(optimizer, parallel, checkpoint, training)
+    elif optimizer.use_torch_fsdp2:
+        problems += _torch_fsdp2_problems(optimizer, parallel, checkpoint, training)
+    return problems
+
+
+def _megatron_fsdp_problems(optimizer, parallel, checkpoint, training):
+    strategy, flag = optimizer.data_parallel_sharding_strategy, _flag(optimizer)
+    pp = parallel.pipeline_model_parallel_size
+    rules = [
+        (not optimizer.use_torch_fsdp2,
+         f"{FLAG} and {MEGATRON_FLAG} are two FSDPs (Megatron-LM's checks cannot pass both: "
+         f"their checkpoint formats differ); give one"),
+        (checkpoint.ckpt_format == "fsdp_dtensor",
+         f"--ckpt-format {checkpoint.ckpt_format}: {MEGATRON_FLAG} saves --ckpt-format "
+         f"fsdp_dtensor (Megatron-LM's rule); use it"),
+        (optimizer.optimizer == "adam",
+         f"--optimizer {optimizer.optimizer}: Megatron-FSDP takes Adam only (Megatron-LM's "
+         f"rule); use --optimizer adam"),
+        (not (strategy == "optim_grads_params"
+              and training.check_weight_hash_across_dp_replicas_interval),
+         "--check-weight-hash-across-dp-replicas-interval is not supported with "
+         "optim_grads_params (Megatron-LM's rule: no replicas to compare); drop one"),
+    ]
+    if optimizer.fully_sharded:  # on FSDP2: its limits
+        rules += [
+            (pp == 1,
+             f"--pipeline-model-parallel-size {pp}: {flag} runs on FSDP2 here, which shards "
+             f"one whole model per rank; use --pipeline-model-parallel-size 1 or "
+             f"--data-parallel-sharding-strategy optim"),
+            (optimizer.num_distributed_optimizer_instances == 1,
+             f"--num-distributed-optimizer-instances "
+             f"{optimizer.num_distributed_optimizer_instances}: Megatron-FSDP's hybrid "
+             f"sharding (HSDP) is not built for {flag}; drop it or use "
+             f"--data-parallel-sharding-strategy optim"),
+            (not training.check_weight_hash_across_dp_replicas_interval,
+             f"--check-weight-hash-across-dp-replicas-interval: {flag} keeps no "
+             f"data-parallel replicas of the params between steps; drop one"),
+            (not training.test_mode,
+             f"--test-mode compares data-parallel replicas, which {flag} does not keep; "
+             f"drop one"),
+        ]
+    elif strategy == "no_shard" and optimizer.num_distributed_optimizer_instances > 1:
+        rules.append((False, f"--num-distributed-optimizer-instances "
+                             f"{optimizer.num_distributed_optimizer_instances}: {flag} "
+                             f"shards no optimizer state to copy; drop one"))
+    return [line for ok, line in rules if not ok]
+
+
+def _torch_fsdp2_problems(optimizer, parallel, checkpoint, training):
     pp, ep = parallel.pipeline_model_parallel_size, parallel.expert_model_parallel_size
     tp, etp = parallel.tensor_model_parallel_size, parallel.expert_tensor_parallel_size
     rules = [
@@ -79,6 +148,80 @@ def argument_problems(optimizer, parallel, checkpoint, training):
     return [line for ok, line in rules if not ok]
 
 
+def megatron_fsdp_flag_problems(args):
+    """Megatron-LM's rules for --use-megatron-fsdp (and for its hybrid-sharding flags) that
+    involve flags of the compat table (megatron_cp/cli/megatron_flags.py), read before the
+    table drops them from ``args``; one line each."""
+    given = vars(args)
+    hybrid = given.get("num_distributed_optimizer_instances", 1) > 1
+    rules = [
+        (not (hybrid and given.get("outer_dp_sharding_strategy") == "optim"),
+         "--outer-dp-sharding-strategy optim: sharding the optimizer state over the outer "
+         "group of Megatron-FSDP's hybrid sharding is not built (Megatron-LM takes it with "
+         "optim_grads_params only); drop it (no_shard: the K optimizer copies of "
+         "--num-distributed-optimizer-instances)"),
+        (not (hybrid and given.get("enable_full_sharding_in_hsdp")),
+         "--enable-full-sharding-in-hsdp: full sharding in Megatron-FSDP's hybrid sharding "
+         "(HSDP) is not built; drop it"),
+    ]
+    if not given.get("use_megatron_fsdp"):
+        return [line for ok, line in rules if not ok]
+    rules += [
+        (not (given.get("moe_single_grouped_weight") or given.get("moe_single_grouped_bias")),
+         "--moe-single-grouped-weight / --moe-single-grouped-bias: Megatron-FSDP does not "
+         "support single grouped MoE params (Megatron-LM's rule); drop them"),
+        (not (given.get("init_model_with_meta_device")
+              and given.get("data_parallel_sharding_strategy") == "no_shard"),
+         "--init-model-with-meta-device is not supported or needed with "
+         "--data-parallel-sharding-strategy no_shard (Megatron-LM's rule); drop one"),
+        (not ((given.get("fsdp_double_buffer") or given.get("megatron_fsdp_max_pool_double_buffer"))
+              and given.get("overlap_moe_expert_parallel_comm")),
+         "--fsdp-double-buffer: Megatron-FSDP's 1F1B overlap "
+         "(--overlap-moe-expert-parallel-comm) does not support the double buffer "
+         "(Megatron-LM's rule); drop one"),
+    ]
+    return [line for ok, line in rules if not ok]
+
+
+def apply_megatron_fsdp(args):
+    """Map --use-megatron-fsdp onto megatron_cp's machinery (the README's table): optim is
+    the distributed optimizer, no_shard plain DDP, optim_grads and optim_grads_params FSDP2
+    (:attr:`~megatron_cp.config.optimizer.OptimizerConfig.fully_sharded`). Megatron-FSDP v1
+    steps its own sharded optimizer whatever --use-distributed-optimizer says, so here the
+    strategy decides it; the parameter all-gather overlap of a strategy without the
+    distributed optimizer is FSDP2's prefetch (or nothing to gather). Returns the start-up
+    notes."""
+    if not args.use_megatron_fsdp:
+        return []
+    strategy, notes = args.data_parallel_sharding_strategy, []
+    args.use_distributed_optimizer = strategy == "optim"
+    if args.overlap_param_gather and strategy != "optim":
+        args.overlap_param_gather = False
+        notes.append(f"--overlap-param-gather: under --data-parallel-sharding-strategy "
+                     f"{strategy} " + ("FSDP2 prefetches the next layer's all-gather itself"
+                                       if strategy != "no_shard" else
+                                       "no parameter is sharded, so none is gathered"))
+    if args.overlap_grad_reduce and strategy in ("optim_grads", "optim_grads_params"):
+        notes.append(f"--overlap-grad-reduce: under --data-parallel-sharding-strategy "
+                     f"{strategy} FSDP2 reduce-scatters each layer's gradients as soon as its "
+                     f"backward is done")
+    return notes
+
+
+def _expert_modules(module):
+    """The outermost submodules all of whose params are routed experts' (``is_expert``):
+    the modules whose forward runs the experts, each one FSDP unit."""
+    found, inside = [], set()
+    for sub in module.modules():
+        if id(sub) in inside:
+            continue
+        params = list(sub.parameters())
+        if params and all(getattr(p, "is_expert", False) for p in params):
+            found.append(sub)
+            inside.update(id(m) for m in sub.modules())
+    return found
+
+
 def is_fully_sharded(model_chunks):
     """True when the chunks are :class:`TorchFullyShardedDataParallel` wrappers."""
     return any(isinstance(c, TorchFullyShardedDataParallel) for c in model_chunks)
@@ -97,10 +240,11 @@ class TorchFullyShardedDataParallel(nn.Module):
     use_distributed_optimizer = False
 
     def __init__(self, module, state, unit_types, params_dtype=torch.float32,
-                 reshard_after_forward=True):
+                 reshard_after_forward=True, keep_params_whole=False):
         super().__init__()
         self.module, self.state = module, state
         self.grad_check = None
+        self.keep_params_whole = keep_params_whole
         half = params_dtype in (torch.bfloat16, torch.float16)
         # fully_shard replaces each param by a DTensor and drops the attributes set on it
         # (tensor_model_parallel, sequence_parallel, ...): keep them and put them back.
@@ -115,14 +259,25 @@ class TorchFullyShardedDataParallel(nn.Module):
         # inputs keep their dtypes: the model casts what it computes with itself
         policy = MixedPrecisionPolicy(param_dtype=params_dtype if half else None,
                                       reduce_dtype=torch.float32, cast_forward_inputs=False)
-        settings = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        settings = dict(mesh=mesh, reshard_after_forward=reshard_after_forward and
+                        not keep_params_whole, mp_policy=policy)
+        # routed experts (EP > 1 or not) are their own units over the expert-DP group, the
+        # ranks that hold the same experts, as the DDP reduces their gradients
+        experts = _expert_modules(module)
+        if experts:
+            expert_mesh = DeviceMesh.from_group(state.group("edp"), state.device.type)
+            for unit in experts:
+                fully_shard(unit, **{**settings, "mesh": expert_mesh})
         units = [m for m in module.modules() if isinstance(m, tuple(unit_types))]
         for unit in units:
             fully_shard(unit, **settings)
         fully_shard(module, **settings)
-        for unit in units + [module]:
+        self.units = experts + units + [module]
+        for unit in self.units:
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
+            if keep_params_whole:  # ZeRO-2: gathered once per step (reshard_params)
+                unit.set_reshard_after_backward(False)
         self.params = []
         for name, param in module.named_parameters():
             for key, value in attrs[name].items():
@@ -150,7 +305,11 @@ class TorchFullyShardedDataParallel(nn.Module):
         return contextlib.nullcontext()
 
     def finish_grad_sync(self):
-        """FSDP reduced every gradient during backward; run the rerun checks on the shards."""
+        """FSDP reduced every gradient during backward; run the rerun checks on the shards.
+        Params kept whole (ZeRO-2) are freed here, after the step's last backward: the module
+        holds its sharded params again (what the gradient steps after this read), and the
+        next forward gathers them updated."""
+        self.reshard_params()
         if self.grad_check is not None:
             for index, param in enumerate(self.params):
                 self.grad_check(index, param.main_grad)
@@ -163,6 +322,14 @@ class TorchFullyShardedDataParallel(nn.Module):
 
     def start_param_sync(self, force_sync=False):
         """Nothing to gather after a step: FSDP gathers each layer when it runs."""
+
+    def reshard_params(self):
+        """Free the gathered params (kept whole with ``keep_params_whole``), so the next
+        forward gathers the updated shards: after the step's last backward, after each step
+        (an evaluation may have gathered them) and after a load."""
+        if self.keep_params_whole:
+            for unit in self.units:
+                unit.reshard()
 
     def finish_param_sync(self):
         """Nothing is in flight between steps."""
@@ -201,7 +368,8 @@ class FullyShardedOptimizer(MixedPrecisionOptimizer):
 
     def __init__(self, model_params, state, lr, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8,
                  clip_grad=1.0, params_dtype=torch.float32, grad_scaler=None, use_fused=None,
-                 check_for_nan_in_grad=False, muon=None):
+                 check_for_nan_in_grad=False, muon=None, model_chunks=()):
+        self._chunks = list(model_chunks)  # their gathered params are stale after a step
         if muon is not None:
             raise ValueError(f"{FLAG} shards every matrix, and Muon orthogonalizes whole "
                              f"matrices: use --optimizer adam, or drop {FLAG}")
@@ -239,7 +407,10 @@ class FullyShardedOptimizer(MixedPrecisionOptimizer):
             s.main.grad = None
 
     def _copy_main_to_model(self):
-        """The main params are the model's shards: nothing to copy."""
+        """The main params are the model's shards: nothing to copy; params kept whole
+        (ZeRO-2) are freed, to be gathered updated by the next forward."""
+        for chunk in self._chunks:
+            chunk.reshard_params()
 
     def zero_grad(self, set_to_none=True):
         """Drop the shard grads (``zero_grad_buffer`` zeroes the ``main_grad``)."""
@@ -247,7 +418,10 @@ class FullyShardedOptimizer(MixedPrecisionOptimizer):
             s.main.grad = None
 
     def reload_model_params(self):
-        """The main params are the model's shards: nothing to refresh after a load."""
+        """The main params are the model's shards: nothing to refresh after a load but the
+        params kept whole (ZeRO-2), freed to be gathered anew."""
+        for chunk in self._chunks:
+            chunk.reshard_params()
 
     def param_shards(self):
         """A :class:`ParamShard` per param: this rank's rows, in param-group order; the fp32

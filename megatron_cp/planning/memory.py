@@ -370,7 +370,8 @@ def _fully_sharded_bytes(run, layout, stage_params, act, d):
                                      parallel.expert_tensor_parallel_size))
               for n in layout.layer_numbers(0, 0)]
     root = stage_params - sum(layers)
-    held = sum(layers) if run.optimizer.torch_fsdp2_no_reshard_after_forward else max(layers)
+    whole = run.optimizer.torch_fsdp2_no_reshard_after_forward or run.optimizer.keeps_params_whole
+    held = sum(layers) if whole else max(layers)
     state = stage_params * expected_bytes_per_param(c.params_dtype, d, fully_sharded=True)
     return (root + held) * act, int(state)
 
@@ -420,7 +421,7 @@ def estimate_memory(run, device="cpu"):
     best = None
     for pp_rank in range(pp):
         dense, experts = stage_param_counts(c, layout, pp_rank, tp, ep, etp)
-        if optimizer.use_torch_fsdp2:
+        if optimizer.fully_sharded:
             params, state = _fully_sharded_bytes(run, layout, dense + experts, act, dp * cp)
         else:
             params = dense * act + experts * act

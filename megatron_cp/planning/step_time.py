@@ -227,10 +227,12 @@ def predict_step_time(run, rates):
                                               parallel.expert_tensor_parallel_size))
                        for r in range(pp))
     group = dp * cp
-    fsdp = optimizer.use_torch_fsdp2 and group > 1
+    fsdp = optimizer.fully_sharded and group > 1
     if fsdp:  # every microbatch: params gathered for forward and again for backward (in the
         # compute dtype; once with no resharding), fp32 gradients reduce-scattered
         gathers = 1 if optimizer.torch_fsdp2_no_reshard_after_forward else 2
+        if optimizer.keeps_params_whole:  # optim_grads: gathered once per step
+            gathers = 1 / (run.training.num_microbatches or 1)
         volume = (group - 1) / group * stage_params * (gathers * act + 4)
         comm += volume / _link(rates, spans["dp_cp"])
     per_microbatch = compute + comm
