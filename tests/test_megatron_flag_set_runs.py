@@ -39,7 +39,7 @@ def test_megatron_lm_flag_set_trains_three_iterations(name, tmp_path):
 def test_refused_flag_set_stops_with_one_line_per_flag(name, tmp_path):
     """A set megatron_cp cannot honour stops while its flags are read (before any process
     group), one line per flag naming it and why (GPU-only features such as FP8 and CUDA
-    graphs, and what is not built: Megatron-FSDP, DeepEP dispatch)."""
+    graphs, and what is not built)."""
     argv = SAMPLE["refuse"][name]["argv"] + flag_set_runs.path_flags(str(tmp_path))
     with pytest.raises(ValueError) as err:
         parse_args(argv, world_size=flag_set_runs.parallel_sizes(argv)[3])

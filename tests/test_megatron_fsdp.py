@@ -5,13 +5,14 @@ process from the same weights.
   optim_grads: FSDP2 keeping the gathered params to the step; optim_grads_params: FSDP2)
   gives the one-process losses and gradient norms at DP=2 (fp32, and bf16), at TP=2 x DP=2
   with SP (Megatron-LM's defaults), and with routed experts under EP=2 x DP=2 (the experts
-  sharded over the expert-DP group), within the tolerance of the precision (test_fsdp2's).
+  sharded over the expert-DP group) and TP=2 x EP=2 with SP, within the tolerance of the precision (test_fsdp2's).
 - Each allocates what its strategy implies (bytes per parameter of each rank); optim_grads
   holds the gathered params from the forward to the step, then frees them.
 - --ckpt-format fsdp_dtensor: Megatron-LM's layout (its key names, the fp32 masters as the
   weights, SwiGLU's fc1 split, per-expert keys, the padded vocabulary); saved under FSDP2 at
   DP=2 it resumes in one process (a plain run) and under the distributed optimizer at DP=2,
-  each equal to the straight run.
+  and saved in the background at TP=2 x DP=2 (tied, 512 padded rows) in one process (384
+  rows), each equal to the straight run.
 - What Megatron-LM refuses with these flags is refused in one line each.
 """
 import pytest
@@ -38,8 +39,14 @@ RUNS = {**{f"dp2_{s}": (2, STEPS, f"{MFSDP} {s}") for s in STRATEGIES},
         "tp2_dp2_optim_grads_megatron_defaults": (
             4, MEGATRON, f"{MFSDP} optim_grads --tensor-model-parallel-size 2 --sequence-parallel"),
         "ep2_dp4_moe_optim_grads_params": (
-            4, f"{STEPS} {MOE}", f"{MFSDP} optim_grads_params --expert-model-parallel-size 2")}
+            4, f"{STEPS} {MOE}", f"{MFSDP} optim_grads_params --expert-model-parallel-size 2"),
+        # the layout of Megatron-LM's 8experts2parallel set: TP2 x EP2 (ETP2) with SP
+        "tp2_ep2_moe_sp_optim_grads_params": (
+            4, f"{STEPS} {MOE}", f"{MFSDP} optim_grads_params --expert-model-parallel-size 2 "
+                                 f"--tensor-model-parallel-size 2 --sequence-parallel")}
 BF16 = f"{STEPS} {LLAMA} --bf16"
+# the fsdp_dtensor sets' model: Megatron-LM's defaults (tied, padded to 384 / 512 rows)
+TIED = f"{MEGATRON} --bf16 --calculate-per-token-loss"
 EXPECTED = {"no_shard": dict(), "optim": dict(distributed=True),
             "optim_grads": dict(fully_sharded=True), "optim_grads_params": dict(fully_sharded=True)}
 
@@ -78,10 +85,11 @@ def _jobs(rank, world, jobs):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mfsdp")
-    ck = str(tmp / "ck")
+    ck, tied = str(tmp / "ck"), str(tmp / "tied")
     out = {}
     one = {f"ref:{model}": (_steps, model) for _, model, _ in RUNS.values()}
     one["straight"] = (train_losses, BF16)
+    one["tied_straight"] = (train_losses, TIED)
     out.update(run_workers(_jobs, 1, one, timeout=500)[0])
     for world in (2, 4):
         jobs = {name: (_steps, f"{model} {layout}")
@@ -92,10 +100,16 @@ def results(tmp_path_factory):
                                             f"{STEPS} {MFSDP} optim_grads")
             jobs["first"] = (train_losses, f"{BF16} {MFSDP} optim_grads_params "
                                            f"--exit-interval 3 --save {ck}")
+        else:
+            jobs["tied_first"] = (train_losses, f"{TIED} {MFSDP} optim_grads_params --async-save "
+                                                f"--tensor-model-parallel-size 2 --sequence-parallel "
+                                                f"--exit-interval 3 --save {tied}")
         out[world] = run_workers(_jobs, world, jobs, timeout=600)
     out["dp2_optim_from_fsdp"] = run_workers(
         train_losses, 2, f"{BF16} {MFSDP} optim --load {ck}", timeout=300)
     out["plain_from_fsdp"] = run_workers(train_losses, 1, f"{BF16} --load {ck}", timeout=300)[0]
+    out["tied_plain_from_tp2"] = run_workers(train_losses, 1, f"{TIED} --load {tied}",
+                                             timeout=300)[0]
     out["metadata"] = dcp.FileSystemReader(f"{ck}/iter_0000003").read_metadata().state_dict_metadata
     return out
 
@@ -157,6 +171,11 @@ def test_fsdp_dtensor_resumes_in_other_layouts_as_the_straight_run(results):
     for losses in results["dp2_optim_from_fsdp"]:
         assert max_rel_diff(losses, straight[3:]) <= TOL["bf16"]
     assert max_rel_diff(results["plain_from_fsdp"], straight[3:]) <= TOL["bf16"]
+    # TP2 x DP2 with SP, saved in the background (512 padded rows) -> one process (384 rows)
+    tied = results["tied_straight"]
+    for rank_results in results[4]:
+        assert max_rel_diff(rank_results["tied_first"], tied[:3]) <= TOL["bf16"]
+    assert max_rel_diff(results["tied_plain_from_tp2"], tied[3:]) <= TOL["bf16"]
 
 
 @pytest.mark.parametrize("extra,line", [
