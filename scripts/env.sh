@@ -44,4 +44,10 @@ if ! python -c 'import importlib.metadata as m, sys; sys.exit(m.version("megatro
     echo "> installing $MCORE_PIN (tests only, --no-deps) into $VENV"
     pip install --quiet --no-deps "$MCORE_PIN"
 fi
+# einops: megatron-core's Megatron-FSDP builds its device meshes with it
+# (tests/test_megatron_fsdp.py saves a checkpoint with it); test-only as well
+if ! python -c 'import einops' 2>/dev/null; then
+    echo "> installing einops==0.8.2 (tests only) into $VENV"
+    pip install --quiet --no-deps "einops==0.8.2"
+fi
 cd "$ROOT"

@@ -251,3 +251,98 @@ def _load_strict_model(kind, folder):
                                      strict=StrictHandling.RAISE_ALL)
     model.load_state_dict(loaded["model"], strict=True)
     return model, loaded
+
+
+# --- Megatron-FSDP (megatron-core's own FSDP) on CPU -------------------------------------------
+
+class _NoStream:
+    """A CUDA stream or event that does nothing (CPU ops are synchronous): every method
+    returns another (an event recorded on it)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: _NoStream()
+
+
+def _patch_fsdp_cpu():
+    """Megatron-FSDP's CUDA calls pointed at the CPU: streams and events do nothing, its device
+    meshes are CPU meshes, and a tensor it asks for on CUDA is made on the CPU."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.overrides import TorchFunctionMode
+    torch.cuda.Stream = torch.cuda.Event = _NoStream
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    torch.cuda.current_stream = lambda *a, **k: _NoStream()
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.empty_cache = lambda: None
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    from_group = DeviceMesh.from_group
+
+    def cpu_mesh(group, device_type=None, *args, **kwargs):
+        return from_group(group, "cpu", *args, **kwargs)
+    DeviceMesh.from_group = staticmethod(cpu_mesh)
+
+    class OnCpu(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = dict(kwargs or {})
+            device = kwargs.get("device")
+            if device is not None and (isinstance(device, int) or "cuda" in str(device)):
+                kwargs["device"] = "cpu"
+            return func(*args, **kwargs)
+    OnCpu().__enter__()
+
+
+def fsdp_train_and_save(rank, world, kind, root, tokens):
+    """Worker: megatron-core's GPTModel of ``kind`` under its Megatron-FSDP
+    (optim_grads_params) and DistributedOptimizer trains two steps on ``tokens``, and is saved
+    as Megatron-LM's training saves --ckpt-format fsdp_dtensor at ITERATION, without its
+    optimizer state (--no-save-optim); its logits after (rank 0's)."""
+    import torch.distributed.checkpoint as dcp
+    model = build(kind)
+    _patch_fsdp_cpu()
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
+        preprocess_state_dict_for_uneven_dtensor)
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import fsdp_dtensor_checkpoint as fdc
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+    config = DistributedDataParallelConfig(
+        use_megatron_fsdp=True, use_distributed_optimizer=True,
+        data_parallel_sharding_strategy="optim_grads_params",
+        gradient_reduce_div_fusion=False)  # gloo has no PREMUL_SUM
+    wrapped = FullyShardedDataParallel(model.config, config, model,
+                                       fsdp_unit_modules=[TransformerLayer],
+                                       device=torch.device("cpu"))
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True, clip_grad=0.0),
+        [wrapped])
+    positions = torch.arange(SEQ).expand_as(tokens)
+    mask = torch.triu(torch.ones(SEQ, SEQ), diagonal=1).bool()[None, None]
+    for _ in range(2):
+        wrapped.zero_grad_buffer()
+        optimizer.zero_grad()
+        out = wrapped(tokens, positions, mask)  # [b, s, v]
+        F.cross_entropy(out[:, :-1].reshape(-1, PADDED), tokens[:, 1:].reshape(-1)).backward()
+        wrapped.finish_grad_sync()
+        optimizer.step()
+    state = {"args": megatron_args(kind, ckpt_format="fsdp_dtensor", use_megatron_fsdp=True,
+                                   use_distributed_optimizer=True, transformer_impl="local",
+                                   data_parallel_size=world, world_size=world),
+             "checkpoint_version": 3.0, "iteration": ITERATION,
+             "model": wrapped.state_dict_for_save_checkpoint()}
+    # (no optimizer state: a param of this tiny model may have no element on a rank, which
+    # then holds no Adam state for it, and the uneven-DTensor preprocessing below runs one
+    # collective per DTensor: different counts on the two ranks hang it)
+    state["opt_param_scheduler"] = scheduler_state()
+    state["num_floating_point_operations_so_far"] = 0
+    fdc.handle_fp8_extra_state_case(state["model"])  # its preprocess (no SwiGLU, no experts)
+    preprocess_state_dict_for_uneven_dtensor(state)
+    folder = os.path.join(root, f"iter_{ITERATION:07d}")
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(folder))
+    if rank == 0:
+        with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as file:
+            file.write(str(ITERATION))
+    with torch.no_grad():
+        return wrapped(tokens, positions, mask).float()

@@ -215,3 +215,18 @@ def test_fsdp_dtensor_needs_megatron_fsdp_and_optim_strategies_take_their_compan
     notes = " ".join(args.compat_notes)
     assert "--fsdp-double-buffer" in notes and "--megatron-fsdp-main-grads-dtype fp32" in notes
     assert "FSDP2 prefetches" in notes
+
+
+def test_megatron_cores_fsdp_dtensor_checkpoint_loads_with_its_logits(tmp_path):
+    """megatron-core's own Megatron-FSDP (on CPU, DP=2) trains two steps and saves
+    --ckpt-format fsdp_dtensor as Megatron-LM's training does; one process here loads it
+    (--use-checkpoint-args) and computes its logits, at its iteration and samples."""
+    pytest.importorskip("einops")  # Megatron-FSDP's device meshes need it (scripts/env.sh)
+    import megatron_core_utils as mcu
+    from test_megatron_lm_checkpoints import _our_logits, _tokens
+    tokens = _tokens()
+    theirs = run_workers(mcu.fsdp_train_and_save, 2, "gpt", str(tmp_path), tokens,
+                         timeout=300)[0]
+    ours, it, consumed = run_workers(_our_logits, 1, str(tmp_path), tokens, timeout=300)[0]
+    assert (it, consumed) == (mcu.ITERATION, mcu.ITERATION * mcu.GBS)
+    torch.testing.assert_close(ours, theirs[..., :mcu.VOCAB], rtol=1e-5, atol=1e-5)
