@@ -13,6 +13,8 @@ process from the same weights.
   DP=2 it resumes in one process (a plain run) and under the distributed optimizer at DP=2,
   and saved in the background at TP=2 x DP=2 (tied, 512 padded rows) in one process (384
   rows), each equal to the straight run.
+- megatron-core's own Megatron-FSDP (on CPU) writes an fsdp_dtensor checkpoint that one
+  process here loads with its logits, iteration and samples.
 - What Megatron-LM refuses with these flags is refused in one line each.
 """
 import pytest
