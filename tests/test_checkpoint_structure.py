@@ -15,11 +15,12 @@ ENTRY = f"{PACKAGE}.load_save"
 FORMATS = {
     "torch": ("torch_format", "torch_shards", "torch_full"),
     "torch_dist": ("torch_dist_format", "integrity"),
-    "megatron_lm": ("megatron_lm_format", "megatron_lm_load"),
+    # Megatron-LM's own formats: its torch_dist, and Megatron-FSDP's fsdp_dtensor
+    "megatron_lm": ("megatron_lm_format", "megatron_lm_load", "fsdp_dtensor_format"),
 }
 # what every format builds on: none of these imports a format or the entry
 SHARED = ("__init__", "state", "files", "faults", "canonical", "pieces", "use_checkpoint_args",
-          "old_defaults")
+          "old_defaults", "dcp_files")
 
 
 def _module_file(name):

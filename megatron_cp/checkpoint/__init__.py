@@ -14,10 +14,12 @@ Read top-down:
   ``torch_format`` (ours, a file per model-parallel rank; names: ``torch_shards``, read
   whole to reshard: ``torch_full``), ``torch_dist_format`` (ours, layout-free, on
   torch.distributed.checkpoint; ``integrity``: ``--verify-integrity``'s hashes) and
-  ``megatron_lm_format`` (Megatron-LM's names and files; a trainer's load from them:
-  ``megatron_lm_load``).
-- below them: ``canonical`` (canonical names and shapes, where a rank's piece lies) and
-  ``pieces`` (a rank's boxes of one global tensor, and DCP's planners over them).
+  Megatron-LM's own: ``megatron_lm_format`` (its torch_dist names and files; a trainer's
+  load from them: ``megatron_lm_load``) and ``fsdp_dtensor_format`` (Megatron-FSDP's
+  ``--ckpt-format fsdp_dtensor``, written and read in any layout).
+- below them: ``canonical`` (canonical names and shapes, where a rank's piece lies),
+  ``pieces`` (a rank's boxes of one global tensor, and DCP's planners over them) and
+  ``dcp_files`` (the DCP formats' atomic, optionally background, write and checked read).
 - ``use_checkpoint_args``: the ``--use-checkpoint-args`` rule (the model from the checkpoint,
   never its layout), applied by :func:`megatron_cp.cli.arguments.parse_args`.
 

@@ -47,10 +47,9 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan
 from torch.distributed.checkpoint.planner_helpers import (_create_read_items, _create_write_items,
                                                           create_read_items_for_chunk_list)
 
-from megatron_cp.checkpoint import files
+from megatron_cp.checkpoint import dcp_files, files
 from megatron_cp.checkpoint import megatron_lm_format as megatron_lm
 from megatron_cp.checkpoint import state as training_state
-from megatron_cp.checkpoint import torch_dist_format
 from megatron_cp.checkpoint.canonical import VOCAB_PARAMS
 from megatron_cp.checkpoint.pieces import Pieces, PiecesLoadPlanner, PiecesSavePlanner, check_saved
 
@@ -271,7 +270,7 @@ def save(trainer, root):
     state.update({"args": _megatron_args(trainer, record), "checkpoint_version": 3.0,
                   "iteration": record["iteration"], RECORD: record,
                   "num_floating_point_operations_so_far": 0})
-    torch_dist_format.write(trainer, root, state, _SavePlanner)
+    dcp_files.write(trainer, root, state, _SavePlanner)
 
 
 # --- loading -------------------------------------------------------------------------------
@@ -333,7 +332,7 @@ def _read(folder, group, entries=None, objects=()):
     """Read ``entries`` ({dest: _Entry}) and the plain ``objects`` of ``folder``; returns
     the objects."""
     planner = _LoadPlanner(objects)
-    torch_dist_format.read_dcp(folder, entries or {}, planner, group)
+    dcp_files.read_dcp(folder, entries or {}, planner, group)
     return planner.objects
 
 
@@ -357,8 +356,8 @@ def load(trainer, root, it):
     Megatron-LM's) into ``trainer``, whatever layout saved it; returns (iteration, consumed
     samples)."""
     folder = files.iteration_dir(root, it)
-    torch_dist_format.check_files(folder)
-    group = torch_dist_format.checkpoint_group(trainer)
+    dcp_files.check_files(folder)
+    group = dcp_files.checkpoint_group(trainer)
     saved = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
     if RECORD in saved:
         record = _read(folder, group, objects=[RECORD])[RECORD]

@@ -35,7 +35,7 @@ trainer's checkpoint section (``trainer.run.checkpoint``); ``common.pt`` saves
 ``trainer.args`` as the checkpoint's arguments.
 
 A load first reads ``.metadata`` and checks that every file it indexes is there and long
-enough (:func:`check_files`), so a truncated or corrupted file is a ValueError naming it (as
+enough (:func:`~megatron_cp.checkpoint.dcp_files.check_files`), so a truncated or corrupted file is a ValueError naming it (as
 is one whose tensors cannot be decoded: DCP reads through faults.reader, which
 names the file), never a raw DCP or unpickling traceback.
 
@@ -46,18 +46,14 @@ which DCP reshards to any layout on load like any other.
 """
 import os
 import shutil
-import threading
 import warnings
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from megatron_cp import faults as training_faults
-from megatron_cp.checkpoint import faults, files, integrity
+from megatron_cp.checkpoint import dcp_files, files, integrity
 from megatron_cp.checkpoint import state as training_state
 from megatron_cp.checkpoint.pieces import PiecesLoadPlanner, PiecesSavePlanner
 
@@ -69,71 +65,12 @@ def is_torch_dist(folder):
     return os.path.exists(os.path.join(folder, ".metadata"))
 
 
-def _root_and_iteration(folder):
-    name = os.path.basename(os.path.normpath(folder))
-    it = int(name[5:]) if name.startswith("iter_") and name[5:].isdigit() else None
-    return os.path.dirname(os.path.normpath(folder)), it
-
-
 def read_common(folder):
     """The common (non-tensor) state of the torch_dist checkpoint in ``folder`` (ValueError
     naming the file when it is missing, truncated or corrupted)."""
-    root, it = _root_and_iteration(folder)
+    root, it = dcp_files.root_and_iteration(folder)
     return files.load_file(os.path.join(folder, COMMON), root, it,
                            keys=("iteration", "consumed_samples", "args", "has_optimizer"))
-
-
-def check_files(folder):
-    """Read the DCP index ``.metadata`` of ``folder`` and check that every file it names
-    exists and holds the bytes it indexes; ValueError naming the first damaged file."""
-    root, it = _root_and_iteration(folder)
-    index = os.path.join(folder, ".metadata")
-    try:
-        needed = faults.distcp_index(folder)
-    except Exception as error:  # unpickling errors, or an object of another shape
-        raise ValueError(f"checkpoint index {index} cannot be read, it is truncated or corrupted "
-                         f"({faults.short_reason(error)}); "
-                         f"{files.earlier(root, it)}") from error
-    for name, end in sorted(needed.items()):
-        path = os.path.join(folder, name)
-        if not os.path.isfile(path):
-            raise ValueError(f"checkpoint file {path} (named in {index}) is missing; "
-                             f"{files.earlier(root, it)}")
-        size = os.path.getsize(path)
-        if size < end:
-            raise ValueError(f"checkpoint file {path} is {size} bytes but {index} indexes {end}: "
-                             f"it is truncated; {files.earlier(root, it)}")
-
-
-def checkpoint_group(trainer):
-    """A gloo group over every rank for checkpoint coordination (created once, collectively),
-    so a background save never shares a communicator with training."""
-    group = getattr(trainer, "_checkpoint_group", None)
-    if group is None:
-        group = dist.new_group(backend="gloo")
-        trainer._checkpoint_group = group
-    return group
-
-
-class AsyncSave:
-    """One background save: a thread writing staged copies; :meth:`wait` re-raises its error."""
-
-    def __init__(self, target):
-        self.error = None
-
-        def run():
-            try:
-                target()
-            except BaseException as error:  # reported by wait() on the training thread
-                self.error = error
-
-        self.thread = threading.Thread(target=run, name="async-checkpoint-save", daemon=True)
-        self.thread.start()
-
-    def wait(self):
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
 
 
 def save(trainer, root):
@@ -146,48 +83,16 @@ def save(trainer, root):
     with_optimizer = not checkpoint.no_save_optim
     state = training_state.sharded_state(trainer, with_optimizer)
     common = {**training_state.common(trainer, with_optimizer), "ckpt_format": "torch_dist"}
-    write(trainer, root, state, PiecesSavePlanner, common)
+    checkpoint = trainer.run.checkpoint
 
+    def common_file(tmp):
+        files.atomic_torch_save(common, os.path.join(tmp, COMMON))
 
-def write(trainer, root, state, planner, common=None):
-    """Write ``state`` (``{key: Pieces}``, or what ``planner``, a PiecesSavePlanner class,
-    takes) with DCP, this rank's RNG states (unless --no-save-rng) and ``common`` (when
-    given: common.pt) as iteration ``trainer.iteration`` under ``root``: atomically, in the
-    background with ``--async-save`` (the state staged first)."""
-    st, checkpoint = trainer.state, trainer.run.checkpoint
-    async_save = checkpoint.async_save
-    rng = None if checkpoint.no_save_rng else training_state.rng_state(trainer)
-    it = trainer.iteration
-    tmp = files.iteration_dir(root, it) + ".tmp"
-    group = checkpoint_group(trainer)
-    attempt = files.save_attempt(root, it, group)
-    attempt.start()  # the ranks agree after each phase (where a barrier was)
-    if async_save:
-        state = {key: value.staged() if hasattr(value, "staged") else value
-                 for key, value in state.items()}
+    def manifest(tmp):
+        if checkpoint.verify_integrity:
+            integrity.write_manifest(tmp)
 
-    def write_files():
-        dcp.save(state, storage_writer=faults.writer(tmp),
-                 planner=planner(), process_group=group)
-        if rng is not None:
-            files.atomic_torch_save(rng, os.path.join(tmp, "rng", f"rank_{st.global_rank:05d}.pt"))
-        if st.global_rank == 0 and common is not None:
-            files.atomic_torch_save(common, os.path.join(tmp, COMMON))
-
-    def commit():  # every rank has written: only now may the tracker move
-        if st.global_rank == 0:
-            if checkpoint.verify_integrity:
-                integrity.write_manifest(tmp)
-            files.commit_checkpoint(root, it, checkpoint.save_retain_interval)
-
-    def write():
-        attempt.phase(write_files)
-        attempt.phase(commit)
-
-    if async_save:
-        trainer.pending_save = AsyncSave(write)
-    else:
-        write()
+    dcp_files.write(trainer, root, state, PiecesSavePlanner, common_file, manifest)
 
 
 def load(trainer, root, it):
@@ -196,30 +101,14 @@ def load(trainer, root, it):
     returns (iteration, consumed samples)."""
     folder = files.iteration_dir(root, it)
     if trainer.run.checkpoint.verify_integrity:  # before a byte of it is read
-        integrity.verify(folder, checkpoint_group(trainer), files.earlier(root, it))
+        integrity.verify(folder, dcp_files.checkpoint_group(trainer), files.earlier(root, it))
     common = read_common(folder)
 
     def read(state):
-        check_files(folder)
-        read_dcp(folder, state, PiecesLoadPlanner(), checkpoint_group(trainer))
+        dcp_files.check_files(folder)
+        dcp_files.read_dcp(folder, state, PiecesLoadPlanner(), dcp_files.checkpoint_group(trainer))
 
     return training_state.restore(trainer, root, it, common, read)
-
-
-def read_dcp(folder, state, planner, group):
-    """DCP's load of ``state`` from the iteration folder ``folder`` with ``planner`` over
-    ``group``; a damaged or unreadable file is a ValueError naming it."""
-    root, it = _root_and_iteration(folder)
-    try:
-        dcp.load(state, storage_reader=faults.reader(folder), planner=planner,
-                 process_group=group)
-    except (Exception, CheckpointException) as error:  # DCP gathers every rank's read error
-        if training_faults.is_lost_contact(error):
-            raise
-        found = faults.find(error, faults.UnreadableFile)
-        damage = (str(found[1]) if found else f"the tensors of checkpoint {folder} cannot be "
-                  f"read ({faults.short_reason(error)})")
-        raise ValueError(f"{damage}; {files.earlier(root, it)}") from error
 
 
 # --- one process, whole tensors -----------------------------------------------------------
