@@ -264,7 +264,7 @@ def save(trainer, root):
                 for setting, value in _group_meta(trainer.run.optimizer, group).items():
                     state[f"{meta}.{setting}"] = value
         schedule = megatron_lm.scheduler_to_megatron(
-            record["opt_param_scheduler"], trainer.args.global_batch_size,
+            record["opt_param_scheduler"], record["args"].get("global_batch_size") or 1,
             trainer.run.optimizer.lr_counts_samples)
         state.update({f"opt_param_scheduler.{k}": v for k, v in schedule.items()})
     state.update({"args": _megatron_args(trainer, record), "checkpoint_version": 3.0,
