@@ -43,7 +43,8 @@ from megatron_cp.data import tokenizer_from_config
 from megatron_cp.data.batch import mtp_targets
 from megatron_cp.data.batch_schedule import BatchSchedule
 from megatron_cp.data.feed import DataFeed
-from megatron_cp.initialize import initialize_distributed, initialize_model_parallel
+from megatron_cp.initialize import (initialize_distributed, initialize_model_parallel,
+                                   set_group_timeouts)
 from megatron_cp.model import GPTConfig, GPTModel
 from megatron_cp.model import multi_token_prediction as mtp
 from megatron_cp.model.transformer import TransformerLayer
@@ -234,6 +235,8 @@ class Trainer:
             self.optimizer.zero_grad()
             loss, _ = self._run_batches(microbatches, forward_only=False)
             finalize_model_grads(self.model_chunks, self.state)
+        if run.training.empty_unused_memory_level >= 1:
+            device_mod.empty_cache(self.device)
         stop = self.rerun.step_exit()
         if stop is not None:
             raise stop
@@ -248,6 +251,8 @@ class Trainer:
             raise faults.non_finite("gradient norm", bad.grad_norm, current, rank, bad.ranks) from None
         if ok:
             self.scheduler.step(global_batch_size if run.optimizer.lr_counts_samples else 1)
+        if run.training.empty_unused_memory_level >= 2:
+            device_mod.empty_cache(self.device)
         self.iteration += 1
         self.consumed_samples += global_batch_size
         self.global_batch_size = global_batch_size
@@ -302,6 +307,8 @@ class Trainer:
                                                   training.eval_micro_batch_size)
             loss, n = self._run_batches(microbatches, forward_only=True)
             total, tokens = total + loss * n, tokens + n
+            if training.empty_unused_memory_level >= 1:
+                device_mod.empty_cache(self.device)
         return total / max(tokens, 1)
 
 
@@ -533,6 +540,8 @@ def _train(trainer, logger, start):
             except rerun.RerunExit as stop:
                 raise _checkpoint_for_rerun(trainer, stop) from None
             device_mod.synchronize(state.device)
+            if len(losses) == 0 and trainer.run.parallel.distributed_timeout_seconds_after_init:
+                set_group_timeouts(state, trainer.run.parallel.distributed_timeout_seconds_after_init)
             losses.append(loss)
             logger.record(trainer, loss, grad_norm, ok, time.time() - t0)
             it = trainer.iteration

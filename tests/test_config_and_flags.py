@@ -14,7 +14,7 @@ from megatron_cp import training
 from megatron_cp.cli import arguments, checks
 from megatron_cp.checkpoint import files as checkpoint_files
 from megatron_cp.cli.arguments import build_parser, parse_args
-from megatron_cp.cli.megatron_flags import COMPAT_FLAGS, MAP, REFUSE, SAME, all_entries
+from megatron_cp.cli.megatron_flags import COMPAT_FLAGS, IGNORED, MAP, REFUSE, SAME, all_entries
 from megatron_cp.config.checkpoint import NOT_BUILT_FORMATS
 from megatron_cp.config.setting import arg_of, checkpoint_args, flag_of, setting
 from megatron_cp.config.model import GPTConfig
@@ -269,9 +269,11 @@ def test_accepted_values_and_aliases():
     assert config_from_args(args, 100).position_embedding_type == "rope"
     args = _parse("--use-flash-attn --transformer-impl local")
     assert args.compat_notes == [
-        "--use-flash-attn: attention kernels are chosen per device (PyTorch flash/SDPA on CUDA)",
-        "--transformer-impl local: layers are megatron_cp's own PyTorch modules; "
-        "norms use Transformer Engine when it is installed"]
+        "--use-flash-attn: Megatron-LM reads it nowhere at this commit; attention kernels are "
+        "chosen per device (cuDNN or flash SDPA on CUDA)",
+        "--transformer-impl local: ignored (speed): in Megatron-LM it selects Transformer "
+        "Engine's or the local layer implementation (here megatron_cp's own PyTorch layers run "
+        "either way; norms use Transformer Engine when it is installed)"]
     assert _parse("--ddp-bucket-size 1000").ddp_bucket_size_mb * 2 ** 20 / 4 == 1000
 
 
@@ -279,7 +281,7 @@ def test_every_table_flag_is_in_the_parser_with_help():
     parser = build_parser()
     by_flag = {o: a for a in parser._actions for o in a.option_strings}
     for entry in COMPAT_FLAGS:
-        assert entry.kind in (SAME, MAP, REFUSE) and entry.why
+        assert entry.kind in (SAME, IGNORED, MAP, REFUSE) and entry.why
         assert by_flag[entry.flag].help, entry.flag
     assert "Refused: Megatron-LM deprecated it and ignores it" in parser.format_help()
 

@@ -57,7 +57,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron_cp import faults as training_faults
-from megatron_cp.checkpoint import faults, files, integrity
+from megatron_cp.checkpoint import faults, files, integrity, strictness
 from megatron_cp.checkpoint import state as training_state
 from megatron_cp.checkpoint.pieces import PiecesLoadPlanner, PiecesSavePlanner
 
@@ -105,9 +105,24 @@ def check_files(folder):
                              f"it is truncated; {files.earlier(root, it)}")
 
 
+def saved_keys(folder):
+    """The tensor keys the checkpoint in ``folder`` holds (its DCP index)."""
+    return set(dcp.FileSystemReader(folder).read_metadata().state_dict_metadata)
+
+
+def _say(trainer):
+    def say(line):
+        if trainer.state.global_rank == 0:
+            print(f" {line}", flush=True)
+    return say
+
+
 def checkpoint_group(trainer):
     """A gloo group over every rank for checkpoint coordination (created once, collectively),
-    so a background save never shares a communicator with training."""
+    so a background save never shares a communicator with training; the default group (None)
+    under --disable-gloo-process-groups, which writes an --async-save synchronously."""
+    if not trainer.run.parallel.use_gloo_process_groups:
+        return None
     group = getattr(trainer, "_checkpoint_group", None)
     if group is None:
         group = dist.new_group(backend="gloo")
@@ -141,7 +156,9 @@ def save(trainer, root):
     (``trainer.run.checkpoint``) says: in the background with ``--async-save``; see the
     module docstring."""
     st, checkpoint = trainer.state, trainer.run.checkpoint
-    async_save = checkpoint.async_save
+    # a background writer coordinates over a gloo group of its own: without gloo groups
+    # (--disable-gloo-process-groups) the save is written before training goes on
+    async_save = checkpoint.async_save and trainer.run.parallel.use_gloo_process_groups
     training_state.wait_for_async_save(trainer)
     trainer.optimizer.finish_param_sync()
     with_optimizer = not checkpoint.no_save_optim
@@ -191,6 +208,9 @@ def load(trainer, root, it):
 
     def read(state):
         check_files(folder)
+        state = strictness.apply(trainer.run.checkpoint.dist_ckpt_strictness, state,
+                                 saved_keys(folder), folder, _say(trainer),
+                                 checkpoint_group(trainer))
         try:
             dcp.load(state, storage_reader=faults.reader(folder),
                      planner=PiecesLoadPlanner(), process_group=checkpoint_group(trainer))

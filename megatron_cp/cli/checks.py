@@ -9,7 +9,7 @@ import os
 import torch
 
 from megatron_cp import rerun, wandb_logging
-from megatron_cp.cli.megatron_flags import apply_compat_flags
+from megatron_cp.cli.megatron_flags import apply_compat_flags, dispatcher_note
 from megatron_cp.config.checkpoint import CheckpointConfig
 from megatron_cp.config.data import DataConfig
 from megatron_cp.config.logging import LoggingConfig
@@ -106,6 +106,13 @@ def _apply_megatron_flags(args, defaults):
     """The table of further Megatron-LM flags (megatron_flags.py): notes for the banner,
     aliases rewritten, every refused flag a problem."""
     args.compat_notes, problems = apply_compat_flags(args, defaults)
+    if args.moe_token_dispatcher_type == "flex":
+        args.compat_notes.append(dispatcher_note("flex"))
+    if args.async_save and not args.use_gloo_process_groups:
+        args.compat_notes.append(
+            "--async-save with --disable-gloo-process-groups: ignored (speed): each save is "
+            "written before training goes on; megatron_cp's background writer coordinates over "
+            "a gloo group of its own, which the flag does not create")
     if problems:
         raise ArgumentErrors(problems)
 
@@ -244,6 +251,11 @@ def _validate_optimizer_and_checkpoint(args):
     if args.async_save and args.ckpt_format != "torch_dist":
         raise ValueError(f"--async-save writes --ckpt-format torch_dist checkpoints, not "
                          f"{args.ckpt_format}; add --ckpt-format torch_dist")
+    if (args.distributed_timeout_seconds_after_init is not None
+            and args.distributed_timeout_seconds_after_init <= 0):
+        raise ValueError(f"--distributed-timeout-seconds-after-init "
+                         f"({args.distributed_timeout_seconds_after_init}) is a timeout in "
+                         f"seconds: give a positive number")
     if args.verify_integrity and args.ckpt_format != "torch_dist":
         raise ValueError(f"--verify-integrity hashes --ckpt-format torch_dist checkpoints "
                          f"(Megatron-LM's rule), not {args.ckpt_format}; add --ckpt-format "
