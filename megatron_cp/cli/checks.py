@@ -369,6 +369,7 @@ def _validate_schedule(args):
             raise ValueError(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than "
                              f"--lr-decay-iters ({args.lr_decay_iters}, default --train-iters); "
                              f"shorten the warmup or lengthen the decay")
+    args.wsd_decay_steps = _wsd_decay_steps(args, schedule.stepped)
     given = [flag for flag, value in (("--start-weight-decay", args.start_weight_decay),
                                       ("--end-weight-decay", args.end_weight_decay))
              if value is not None]
@@ -385,6 +386,43 @@ def _validate_schedule(args):
     # DDP takes the bucket size in MB of its fp32 gradient buffer; Megatron counts elements.
     args.ddp_bucket_size_mb = 40.0 if args.ddp_bucket_size is None else \
         args.ddp_bucket_size * 4 / 2 ** 20
+
+
+def _wsd_decay_steps(args, in_samples):
+    """WSD's annealing length in the scheduler's unit (samples when ``in_samples``, else
+    iterations), None without WSD. As Megatron-LM: --lr-wsd-decay-iters with --train-iters
+    (times --global-batch-size in samples), --lr-wsd-decay-samples with --train-samples; its
+    scheduler stops without the one its training length reads."""
+    by_samples = args.train_samples is not None
+    flags = {"--lr-wsd-decay-iters": args.lr_wsd_decay_iters,
+             "--lr-wsd-decay-samples": args.lr_wsd_decay_samples}
+    given = [flag for flag, value in flags.items() if value is not None]
+    if args.lr_decay_style != "WSD":
+        if args.lr_wsd_decay_style != "exponential":
+            given.append(f"--lr-wsd-decay-style {args.lr_wsd_decay_style}")
+        if given:
+            one = len(given) == 1
+            raise ValueError(f"{' and '.join(given)} {'shapes' if one else 'shape'} the "
+                             f"annealing of --lr-decay-style WSD, and the decay style is "
+                             f"{args.lr_decay_style}; add --lr-decay-style WSD or drop "
+                             f"{'it' if one else 'them'}")
+        return None
+    flag, length = ("--train-samples", "--train-iters") if by_samples else \
+        ("--train-iters", "--train-samples")
+    own = "--lr-wsd-decay-samples" if by_samples else "--lr-wsd-decay-iters"
+    other = "--lr-wsd-decay-iters" if by_samples else "--lr-wsd-decay-samples"
+    if flags[other] is not None:
+        raise ValueError(f"{other} goes with {length}; with {flag} give the annealing phase "
+                         f"of --lr-decay-style WSD as {own}")
+    value = flags[own]
+    if value is None:
+        raise ValueError(f"--lr-decay-style WSD needs {own} (the length of its annealing "
+                         f"phase, at the end of the decay) with {flag}")
+    if value < 0:
+        raise ValueError(f"{own} ({value}) must be >= 0")
+    if by_samples:
+        return value if in_samples else _samples_to_iters(value, args.global_batch_size)
+    return value * args.global_batch_size if in_samples else value
 
 
 def _lr_lengths_in_samples(args):

@@ -617,9 +617,6 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
       "--moe-routing-trace-dump-weights",)),
     ("SGD and Lion are not built (--optimizer adam or muon); drop these optimizer settings",
      ("--sgd-momentum", "--lion-beta1", "--lion-beta2",)),
-    ("the WSD learning-rate schedule is not built; use --lr-decay-style "
-     "linear/cosine/inverse-square-root",
-     ("--lr-wsd-decay-style", "--lr-wsd-decay-iters", "--lr-wsd-decay-samples",)),
     ("deprecated Megatron spelling; use --lr-warmup-iters",
      ("--warmup",)),
     ("freezing layers is not built; drop it",
