@@ -11,7 +11,7 @@ import torch
 from megatron_cp import rerun, wandb_logging
 from megatron_cp.cli.megatron_flags import apply_compat_flags
 from megatron_cp.config.checkpoint import CheckpointConfig
-from megatron_cp.config.data import DataConfig
+from megatron_cp.config.data import NOT_BUILT_TOKENIZERS, SENTENCEPIECE_TYPES, DataConfig
 from megatron_cp.config.logging import LoggingConfig
 from megatron_cp.config.model import GPTConfig
 from megatron_cp.config.optimizer import OptimizerConfig
@@ -446,7 +446,8 @@ def _lr_lengths_in_samples(args):
 
 def _validate_data(args, need_data=True):
     """A data source (when ``need_data``) whose files exist and open."""
-    if need_data and not args.mock_data:
+    split_paths = any(vars(args).get(f"{split}_data_path") for split in ("train", "valid", "test"))
+    if need_data and not args.mock_data and not split_paths:  # those are refused (the table)
         if not args.data_path:
             raise ValueError("no data: give --data-path PREFIX (from tools/preprocess_data.py) "
                              "or --mock-data")
@@ -463,10 +464,20 @@ def _validate_split(args):
 
 
 def _validate_tokenizer(args):
-    """The tokenizer has what it needs, and its files exist."""
-    needs_model = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer")
-    if args.tokenizer_type in needs_model and not args.tokenizer_model:
-        raise ValueError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
+    """The tokenizer is built here (and its package installed), has what it needs, and its
+    files exist."""
+    from megatron_cp.data import tokenizers
+    kind = args.tokenizer_type
+    if kind in NOT_BUILT_TOKENIZERS:
+        raise ValueError(f"--tokenizer-type {kind}: {NOT_BUILT_TOKENIZERS[kind]}")
+    if kind == "TikTokenizer":
+        if not tokenizers.tiktoken_available():
+            raise ValueError(tokenizers.TIKTOKEN_MISSING)
+        tokenizers.check_tiktoken_settings(args.special_tokens, args.tiktoken_num_special_tokens,
+                                           args.vocab_size)
+    needs_model = SENTENCEPIECE_TYPES + ("HuggingFaceTokenizer", "TikTokenizer")
+    if kind in needs_model and not args.tokenizer_model:
+        raise ValueError(f"--tokenizer-type {kind} needs --tokenizer-model")
     if args.tokenizer_type == "GPT2BPETokenizer" and not (args.vocab_file and args.merge_file):
         raise ValueError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
     _check_tokenizer_files(args)
@@ -499,9 +510,9 @@ def _check_tokenizer_files(args):
     """The tokenizer's files exist (a Hugging Face --tokenizer-model may also be a hub name),
     and a sentencepiece --tokenizer-model is the binary .model, not its .vocab listing."""
     files = []
-    if args.tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
+    if args.tokenizer_type in SENTENCEPIECE_TYPES + ("TikTokenizer",):
         files.append(("--tokenizer-model", args.tokenizer_model))
-        if args.tokenizer_model.endswith(".vocab"):
+        if args.tokenizer_type != "TikTokenizer" and args.tokenizer_model.endswith(".vocab"):
             model = args.tokenizer_model[:-len(".vocab")] + ".model"
             raise ValueError(f"--tokenizer-model {args.tokenizer_model} is sentencepiece's "
                              f"vocabulary listing; give the model file ({model})")

@@ -624,10 +624,9 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
     ("the padded vocab is always computed from the tokenizer and "
      "--make-vocab-size-divisible-by; drop these",
      ("--padded-vocab-size", "--no-pad-vocab-size",)),
-    ("the TikToken tokenizer and Megatron's tokenizer metadata / special-token lists are not "
-     "built; use GPT2BPE, SentencePiece or HuggingFace",
-     ("--tokenizer-metadata", "--tokenizer-special-tokens", "--tiktoken-pattern",
-      "--tiktoken-num-special-tokens", "--use-gigatoken",)),
+    ("Megatron's tokenizer metadata files and the gigatoken library are not built; use "
+     "--tokenizer-type and its files",
+     ("--tokenizer-metadata", "--use-gigatoken",)),
     ("sentencepiece options beyond the plain model are not built; drop them",
      ("--tokenizer-sentencepiece-legacy",
       "--no-tokenizer-sentencepiece-ignore-extra-whitespaces",)),
