@@ -132,3 +132,22 @@ def test_wsd_flags_refused_in_one_line():
                    "--lr-wsd-decay-style cosine shapes the annealing")
     assert_refused(base + " --lr-decay-style WSD --lr-wsd-decay-iters -1",
                    "--lr-wsd-decay-iters (-1) must be >= 0")
+
+
+def test_wsd_trains_and_resumes_exactly(tmp_path):
+    """A WSD run saved inside its annealing phase resumes to the losses of a straight run
+    (the checkpoint keeps the annealing length and shape)."""
+    from dist_harness import run_workers
+    from training_utils import train_runs
+
+    ckpt = tmp_path / "ckpt"
+    base = (BASE + " --lr-warmup-iters 1 --lr-wsd-decay-iters 3 --lr-wsd-decay-style "
+                   "minus_sqrt --log-interval 1 --lr-decay-iters 6")
+    straight, saved, resumed, changed = run_workers(train_runs, 2, [
+        base + " --train-iters 6",
+        base + f" --train-iters 4 --save {ckpt} --save-interval 4",
+        base + f" --train-iters 6 --load {ckpt}",
+        base.replace("minus_sqrt", "cosine") + f" --train-iters 6 --load {ckpt}",
+    ])[0]
+    assert saved == straight[:4] and resumed == straight[4:], (straight, saved, resumed)
+    assert "lr_wsd_decay_style (--lr-wsd-decay-style) is cosine now but minus_sqrt" in changed
