@@ -648,9 +648,6 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
       "--moe-routing-trace-dump-weights",)),
     ("SGD and Lion are not built (--optimizer adam or muon); drop these optimizer settings",
      ("--sgd-momentum", "--lion-beta1", "--lion-beta2",)),
-    ("the WSD learning-rate schedule is not built; use --lr-decay-style "
-     "linear/cosine/inverse-square-root",
-     ("--lr-wsd-decay-style", "--lr-wsd-decay-iters", "--lr-wsd-decay-samples",)),
     ("deprecated Megatron spelling; use --lr-warmup-iters",
      ("--warmup",)),
     ("freezing layers is not built; drop it",
@@ -658,10 +655,9 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
     ("the padded vocab is always computed from the tokenizer and "
      "--make-vocab-size-divisible-by; drop these",
      ("--padded-vocab-size", "--no-pad-vocab-size",)),
-    ("the TikToken tokenizer and Megatron's tokenizer metadata / special-token lists are not "
-     "built; use GPT2BPE, SentencePiece or HuggingFace",
-     ("--tokenizer-metadata", "--tokenizer-special-tokens", "--tiktoken-pattern",
-      "--tiktoken-num-special-tokens", "--use-gigatoken",)),
+    ("Megatron's tokenizer metadata files and the gigatoken library are not built; use "
+     "--tokenizer-type and its files",
+     ("--tokenizer-metadata", "--use-gigatoken",)),
     ("sentencepiece options beyond the plain model are not built; drop them",
      ("--tokenizer-sentencepiece-legacy",
       "--no-tokenizer-sentencepiece-ignore-extra-whitespaces",)),

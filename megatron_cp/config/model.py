@@ -23,6 +23,14 @@ from megatron_cp.config.parallel import COMM_TYPES, check_hierarchical_sizes
 from megatron_cp.config.setting import check_choices, resolve, setting
 
 
+# Megatron-LM's position embedding types that are not built, and why (one line each)
+NOT_BUILT_POSITIONS = {
+    "mrope": "multimodal rotary (Qwen2-VL's temporal, height and width sections) rotates by the "
+             "3-D position ids of a vision-language model, which token data has none of; use "
+             "rope",
+    "relative": "T5's relative attention bias, which Megatron-LM's GPT model does not build (it "
+                "trains without positions there); use none for that, or rope",
+}
 KERNEL_NAMES = ("auto", "torch")  # --attention-kernel: auto picks per device and shape
 # torch.compile's modes; the last two capture CUDA graphs (refused in GPTConfig.__post_init__)
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
@@ -54,9 +62,11 @@ class GPTConfig(MLASettings, GatedDeltaNetSettings, MoESettings, MTPSettings):
                                            help="Size of the position table (default --seq-length).")
     position_embedding_type: str = setting(
         "rope", cli_default="learned_absolute", shapes=True,
-        choices=("rope", "yarn", "learned_absolute"),
+        choices=("rope", "yarn", "learned_absolute", "none") + tuple(NOT_BUILT_POSITIONS),
         help="Position embedding type: rope (rotary), yarn (rotary with YaRN's frequencies for "
-             "a context --rotary-scaling-factor times the original one) or learned_absolute.")
+             "a context --rotary-scaling-factor times the original one), learned_absolute, or "
+             "none (NoPE: no position table and no rotation; only the causal mask orders the "
+             "tokens). Megatron-LM's mrope and relative are refused.")
     rotary_base: float = setting(10000.0, help="RoPE base frequency.")
     rotary_percent: float = setting(1.0, help="Fraction of head dims rotated.")
     rotary_interleaved: bool = setting(
@@ -248,6 +258,9 @@ class GPTConfig(MLASettings, GatedDeltaNetSettings, MoESettings, MTPSettings):
 
     def __post_init__(self):
         check_choices(self)
+        if self.position_embedding_type in NOT_BUILT_POSITIONS:
+            raise ValueError(f"position_embedding_type {self.position_embedding_type}: "
+                             f"{NOT_BUILT_POSITIONS[self.position_embedding_type]}")
         if self.squared_relu:
             if self.activation == "swiglu":
                 raise ValueError("squared_relu (True) and activation ('swiglu') are two MLP "
