@@ -54,7 +54,7 @@ def test_wsd_curve_follows_the_formulas(style):
 def _megatron_core_scheduler(flags, global_batch_size, by_samples):
     """megatron-core's scheduler as Megatron-LM's get_optimizer_param_scheduler builds it
     from ``flags`` (lengths in samples)."""
-    core = pytest.importorskip("megatron.core.optimizer_param_scheduler")
+    import megatron.core.optimizer_param_scheduler as core
     unit = 1 if by_samples else global_batch_size
     key = "samples" if by_samples else "iters"
     return core.OptimizerParamScheduler(

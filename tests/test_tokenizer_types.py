@@ -20,6 +20,13 @@ TEXTS = ("def f(x):\n    return x + 1  # the answer", "  Two  spaces, then é an
          "the <s> and </s> in text", "")
 
 
+def tiktoken_library():
+    """megatron-core's TikToken tokenizer module (tiktoken is a test requirement, setup.py's
+    dev extra; megatron-core is installed for the tests by scripts/env.sh)."""
+    import megatron.core.tokenizers.text.libraries.tiktoken_tokenizer as library
+    return library
+
+
 @pytest.fixture(scope="module")
 def spm_model(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("llama2")
@@ -30,7 +37,7 @@ def spm_model(tmp_path_factory):
 
 
 def test_llama2_tokenizer_is_megatron_cores_sentencepiece(spm_model):
-    core = pytest.importorskip("megatron.core.tokenizers")
+    import megatron.core.tokenizers as core
     theirs = core.MegatronTokenizer.from_pretrained(tokenizer_path=spm_model,
                                                     metadata_path={"library": "sentencepiece"})
     ours = build_tokenizer("Llama2Tokenizer", tokenizer_model=spm_model)
@@ -86,8 +93,7 @@ def _tiktoken_vocab(path, merges=(b"th", b"he", b"the", b" t", b" the", b"in", b
 
 @pytest.mark.parametrize("pattern", ["v1", "v2"])
 def test_tiktokenizer_is_megatron_cores(tmp_path, pattern):
-    pytest.importorskip("tiktoken")
-    core = pytest.importorskip("megatron.core.tokenizers.text.libraries.tiktoken_tokenizer")
+    core = tiktoken_library()
     vocab = _tiktoken_vocab(tmp_path / "vocab.json")
     settings = dict(pattern=pattern, vocab_size=16 + 263, num_special_tokens=16)
     theirs = core.TikTokenTokenizer(vocab, **settings)
@@ -107,7 +113,6 @@ def test_tiktokenizer_is_megatron_cores(tmp_path, pattern):
 
 
 def test_tiktokenizer_from_the_command_line(tmp_path):
-    pytest.importorskip("tiktoken")
     vocab = _tiktoken_vocab(tmp_path / "vocab.json")
     base = TINY.replace("--vocab-size 200", "--vocab-size 279") + \
         f" --train-iters 4 --tokenizer-type TikTokenizer --tokenizer-model {vocab}"
@@ -121,7 +126,6 @@ def test_tiktokenizer_from_the_command_line(tmp_path):
 
 
 def test_tiktoken_patterns_are_megatron_cores():
-    pytest.importorskip("tiktoken")
-    core = pytest.importorskip("megatron.core.tokenizers.text.libraries.tiktoken_tokenizer")
+    core = tiktoken_library()
     assert tokenizers.TIKTOKEN_PATTERNS == {"v1": core._PATTERN_TIKTOKEN_V1,
                                             "v2": core._PATTERN_TIKTOKEN_V2}
