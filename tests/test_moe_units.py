@@ -16,7 +16,8 @@ from megatron_cp.moe import take_stats as moe_take_stats
 from megatron_cp.moe import update_expert_bias as moe_update_expert_bias
 from megatron_cp.moe.balancing import AttachLoss, aux_loss, z_loss
 from megatron_cp.moe.dispatcher import chunk_order, permute, unpermute
-from megatron_cp.moe.routing import apply_capacity, expert_capacity, topk_routing
+from megatron_cp.moe.routing import (apply_capacity, expert_capacity, scores_for_balancing,
+                                     topk_routing)
 
 close = torch.testing.assert_close
 PREFIX = "decoder.layers.0.mlp"
@@ -35,6 +36,13 @@ def _sigmoid(x):
     return 1.0 / (1.0 + math.exp(-x))
 
 
+def _sqrtsoftplus(x):
+    return math.sqrt(math.log1p(math.exp(x)))
+
+
+ELEMENTWISE = {"sigmoid": _sigmoid, "sqrtsoftplus": _sqrtsoftplus}
+
+
 def _largest(values, k, allowed):
     return sorted(allowed, key=lambda i: -values[i])[:k]
 
@@ -43,7 +51,7 @@ def _route_row(row, k, score="softmax", pre_softmax=False, scale=None, num_group
                group_topk=None, bias=None):
     """One token's (probs [E], chosen experts) computed the long way."""
     experts = len(row)
-    sig = [_sigmoid(x) for x in row]
+    sig = [ELEMENTWISE[score](x) for x in row] if score != "softmax" else None
     if score == "softmax":
         select = _softmax(row) if pre_softmax else list(row)
     else:
@@ -120,6 +128,26 @@ def test_topk_sigmoid_normalised_and_scaling_factor():
     close(probs.sum(1), torch.full((3,), 2.5, dtype=torch.float64))
     _check_routing(LOGITS, 2, score="sigmoid", scale=0.5)
     _check_routing(LOGITS, 2, pre_softmax=True, scale=3.0)
+
+
+def test_topk_sqrtsoftplus_like_sigmoid_with_its_own_scores():
+    """Megatron-LM's sqrtsoftplus: sqrt(log(1 + e^x)) per expert, chosen and normalised as
+    the sigmoid scores are, an expert bias shifting the choice only."""
+    wide = torch.tensor([[1.0, 3.0, 2.0, 0.0, -4.0, 8.0],
+                         [0.5, -30.0, 25.0, 1.5, -1.0, 0.0]], dtype=torch.float64)
+    probs, _ = _check_routing(wide, 2, score="sqrtsoftplus")
+    close(probs.sum(1), torch.ones(2, dtype=torch.float64))
+    probs, _ = _check_routing(wide, 1, [{5}, {2}], score="sqrtsoftplus")
+    close(probs[1, 2].item(), 25.0 ** 0.5, rtol=1e-12, atol=0)  # softplus(x) -> x for large x
+    _check_routing(wide, 3, score="sqrtsoftplus", scale=2.0)
+    _check_routing(wide, 2, [{0, 5}, {0, 2}], score="sqrtsoftplus",
+                   bias=[9.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    _check_routing(wide, 2, num_groups=2, group_topk=1, score="sqrtsoftplus")
+    # the balancing loss averages the scores normalised over all experts
+    want = [[_sqrtsoftplus(x) for x in row] for row in wide.tolist()]
+    want = torch.tensor([[v / sum(row) for v in row] for row in want], dtype=torch.float64)
+    close(scores_for_balancing(wide, "sqrtsoftplus"), want, rtol=1e-12, atol=0)
+    close(scores_for_balancing(wide.float(), "sqrtsoftplus"), want.float())
 
 
 def test_group_limited_routing_scores_groups_by_sum_of_top_scores():

@@ -5,6 +5,10 @@ from dataclasses import dataclass
 from megatron_cp.config.layer_pattern import parse_layer_freq
 from megatron_cp.config.setting import resolve, setting
 
+# router scores of each expert on its own logit (normalised over the chosen experts; an
+# expert bias may shift them)
+ELEMENTWISE_SCORES = ("sigmoid", "sqrtsoftplus")
+
 
 @dataclass(kw_only=True, frozen=True)
 class MoESettings:
@@ -26,9 +30,9 @@ class MoESettings:
         help="Scale the shared expert's output by sigmoid(x . w) of a learned gate.")
     moe_router_topk: int = setting(2, group="moe", help="Experts each token is routed to.")
     moe_router_score_function: str = setting(
-        "softmax", choices=("softmax", "sigmoid"), group="moe",
-        help="Router scores: softmax or sigmoid (normalised over the chosen experts when "
-             "top-k > 1).")
+        "softmax", choices=("softmax", "sigmoid", "sqrtsoftplus"), group="moe",
+        help="Router scores: softmax, sigmoid or sqrtsoftplus (sqrt(softplus(logit)); "
+             "sigmoid and sqrtsoftplus are normalised over the chosen experts when top-k > 1).")
     moe_router_pre_softmax: bool = setting(
         False, group="moe", help="Softmax over all experts before the top-k (default: softmax "
         "over the top-k logits).")
@@ -63,7 +67,7 @@ class MoESettings:
         False, shapes=True, group="moe",
         help="Aux-loss-free balancing: a per-expert bias added to the scores for the top-k "
              "choice only, moved after each global batch towards equal token counts (with "
-             "--moe-router-score-function sigmoid).")
+             "--moe-router-score-function sigmoid or sqrtsoftplus).")
     moe_router_bias_update_rate: float = setting(
         1e-3, group="moe", help="Step of the expert-bias update (sign of the count error).")
     moe_token_dispatcher_type: str = setting(
@@ -108,9 +112,11 @@ class MoESettings:
                                  f"({experts // groups}); raise moe_router_group_topk")
         if self.moe_router_load_balancing_type == "sinkhorn":
             self._check_sinkhorn()
-        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+        if self.moe_router_enable_expert_bias and \
+                self.moe_router_score_function not in ELEMENTWISE_SCORES:
             raise ValueError("moe_router_enable_expert_bias needs moe_router_score_function "
-                             "sigmoid (the bias shifts sigmoid scores for the top-k choice)")
+                             "sigmoid or sqrtsoftplus (the bias shifts those scores for the "
+                             "top-k choice; Megatron-LM's rule)")
         if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
             raise ValueError("moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor")
         if self.moe_expert_capacity_factor is not None and not self.moe_expert_capacity_factor > 0:

@@ -8,10 +8,24 @@ import math
 
 import torch
 
+from megatron_cp.config.moe import ELEMENTWISE_SCORES
+
 
 def _at_least_fp32(tensor):
     """The dtype scores are computed in: fp32, or fp64 under --moe-router-dtype fp64."""
     return torch.promote_types(tensor.dtype, torch.float32)
+
+
+def expert_scores(logits, score_function):
+    """The per-expert scores of ``logits`` [T, E] (at least fp32) of an element-wise score
+    function: ``sigmoid(x)``, or ``sqrtsoftplus``: ``sqrt(softplus(x)) = sqrt(log(1 + e^x))``
+    (Megatron-LM's)."""
+    x = logits.to(_at_least_fp32(logits))
+    if score_function == "sigmoid":
+        return torch.sigmoid(x)
+    if score_function == "sqrtsoftplus":
+        return torch.nn.functional.softplus(x).sqrt()
+    raise ValueError(f"score_function {score_function!r}: use sigmoid or sqrtsoftplus")
 
 
 def group_limited_topk(scores, topk, num_groups, group_topk):
@@ -38,8 +52,9 @@ def topk_routing(logits, topk, score_function="softmax", pre_softmax=False, scal
     """Megatron-LM's top-k router on ``logits`` [T, E].
 
     softmax: the top-k logits are softmaxed among themselves, or (``pre_softmax``) the top-k
-    of the softmax over all experts are taken as they are. sigmoid: the top-k sigmoid scores,
-    normalised to sum to 1 when k > 1; ``expert_bias`` [E] is added for the choice only.
+    of the softmax over all experts are taken as they are. sigmoid and sqrtsoftplus: the
+    top-k of the per-expert scores (:func:`expert_scores`), normalised to sum to 1 when
+    k > 1; ``expert_bias`` [E] is added for the choice only.
     Returns ``(probs [T, E], routing_map [T, E] bool)``.
     """
     if score_function == "softmax":
@@ -49,8 +64,8 @@ def topk_routing(logits, topk, score_function="softmax", pre_softmax=False, scal
         else:
             top_logits, indices = _topk(logits, topk, num_groups, group_topk)
             chosen = torch.softmax(top_logits, dim=-1, dtype=_at_least_fp32(logits)).type_as(logits)
-    elif score_function == "sigmoid":
-        scores = torch.sigmoid(logits.to(_at_least_fp32(logits))).type_as(logits)
+    elif score_function in ELEMENTWISE_SCORES:
+        scores = expert_scores(logits, score_function).type_as(logits)
         if expert_bias is not None:
             _, indices = _topk(scores + expert_bias.to(scores.dtype), topk, num_groups, group_topk)
             chosen = scores.gather(1, indices)
@@ -59,7 +74,8 @@ def topk_routing(logits, topk, score_function="softmax", pre_softmax=False, scal
         if topk > 1:
             chosen = chosen / (chosen.sum(dim=-1, keepdim=True) + 1e-20)
     else:
-        raise ValueError(f"score_function {score_function!r}: use softmax or sigmoid")
+        raise ValueError(f"score_function {score_function!r}: use softmax, sigmoid or "
+                         f"sqrtsoftplus")
     if scaling_factor:
         chosen = chosen * scaling_factor
     probs = torch.zeros_like(logits).scatter(1, indices, chosen)  # [T, E]
@@ -85,10 +101,10 @@ def sinkhorn_routing(logits, topk, indices=None):
 
 def scores_for_balancing(logits, score_function):
     """The per-expert scores the balancing loss averages, [T, E]: the softmax over all
-    experts, or the sigmoid scores normalised over all experts."""
+    experts, or the sigmoid / sqrtsoftplus scores normalised over all experts."""
     if score_function == "softmax":
         return torch.softmax(logits, dim=-1, dtype=_at_least_fp32(logits))
-    scores = torch.sigmoid(logits.to(_at_least_fp32(logits)))
+    scores = expert_scores(logits, score_function)
     return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
 
 
