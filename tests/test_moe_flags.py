@@ -23,7 +23,15 @@ BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32
      "--num-experts (3) must be divisible by --expert-model-parallel-size (2)"),
     ("--moe-router-topk 5", 1, "--moe-router-topk (5) must be between 1 and --num-experts (4)"),
     ("--moe-router-enable-expert-bias", 1,
-     "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid"),
+     "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid or sqrtsoftplus"),
+    ("--moe-router-load-balancing-type aux_loss seq_aux_loss --moe-aux-loss-coeff 0.01", 1,
+     "--moe-router-load-balancing-type (aux_loss seq_aux_loss) lists 2 types, so "
+     "--moe-aux-loss-coeff needs 2 coefficients, one per type in the same order"),
+    ("--moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 0.01 0.02", 1,
+     "--moe-aux-loss-coeff (0.01 0.02) gives 2 coefficients for one "
+     "--moe-router-load-balancing-type (aux_loss)"),
+    ("--moe-router-load-balancing-type aux_loss sinkhorn --moe-aux-loss-coeff 0.01 0", 1,
+     "--moe-router-load-balancing-type (aux_loss sinkhorn): sinkhorn balances by routing"),
     ("--moe-layer-freq [1]*3", 1, "--moe-layer-freq ([1]*3) has 3 entries for --num-layers (2)"),
     ("--moe-layer-freq foo", 1, "--moe-layer-freq (foo) must be an integer or a 0/1 list"),
     ("--moe-router-num-groups 2", 1, "--moe-router-num-groups (2) and --moe-router-group-topk "
@@ -39,6 +47,18 @@ def test_bad_moe_flags_name_the_flag_and_the_fix(extra, world, message):
     with pytest.raises(ValueError) as error:
         parse_args(f"{BASE} {extra}".split(), world_size=world)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_balancing_lists_parse_as_megatron_lm_keeps_them():
+    """A list of one type or coefficient is that value (Megatron-LM's validate_args), in the
+    arguments too; longer lists are kept, one coefficient per type."""
+    args = parse_args(f"{BASE} --moe-router-load-balancing-type seq_aux_loss "
+                      f"--moe-aux-loss-coeff 0.01".split(), world_size=1)
+    assert (args.moe_router_load_balancing_type, args.moe_aux_loss_coeff) == ("seq_aux_loss", 0.01)
+    args = parse_args(f"{BASE} --moe-router-load-balancing-type aux_loss global_aux_loss "
+                      f"--moe-aux-loss-coeff 0.01 0.001".split(), world_size=1)
+    assert args.moe_router_load_balancing_type == ("aux_loss", "global_aux_loss")
+    assert args.moe_aux_loss_coeff == (0.01, 0.001)
 
 
 def test_expert_tensor_parallel_size_defaults_to_tp():

@@ -8,7 +8,8 @@ GeLU with biases, NullTokenizer --vocab-size 512, padded by TP; the exact GELU o
 dispatcher, the same with packed documents (padding under CP, EOD tokens loss-masked), and a
 Llama/DeepSeek-style MoE (RMSNorm, SwiGLU, no biases, rope, untied; sigmoid scores with the
 aux-loss-free expert bias, group-limited routing, per-sequence balancing loss, a gated shared
-expert, a dense first layer, alltoall, the router's input jitter), all with Megatron-LM's
+expert, a dense first layer, alltoall, the router's input jitter), three balancing losses
+together with sqrtsoftplus scores, all with Megatron-LM's
 default dropout (hidden and attention 0.1; every mask, and the jitter, follows global
 coordinates: model/hidden_dropout.py). Layouts: EP alone and borrowing DP ranks, TP x EP with
 ETP 1 and 2, EP x CP (every comm type, packed), EP x PP (also interleaved), TP(SP) x CP x PP x
@@ -37,11 +38,18 @@ LLAMA = ("--normalization RMSNorm --swiglu --disable-bias-linear --position-embe
          "--moe-shared-expert-gate --moe-token-dispatcher-type alltoall "
          "--moe-input-jitter-eps 0.01")
 A2A = "--moe-token-dispatcher-type alltoall"
+# two balancing losses, each with its coefficient (global_aux_loss pools the microbatches
+# that DP ranks run together, so it differs by design between layouts), and Megatron-LM's
+# sqrtsoftplus scores with the expert bias
+LISTED = ("--moe-router-load-balancing-type aux_loss seq_aux_loss "
+          "--moe-aux-loss-coeff 0.05 0.02 --moe-router-score-function sqrtsoftplus "
+          "--moe-router-enable-expert-bias --moe-router-bias-update-rate 0.01")
 REFERENCES = {
     "defaults": BASE,
     "packed": f"{BASE} {PACKED}",
     "llama": f"{BASE} {LLAMA} --moe-layer-freq ([0]+[1])",
     "llama4": f"{BASE} {LLAMA} --num-layers 4 --moe-layer-freq ([0]+[1]*3)",
+    "listed": f"{BASE} {LISTED}",
     "capacity": f"{BASE} {A2A} --moe-expert-capacity-factor 1.0",
     "padded_capacity": f"{BASE} --moe-expert-capacity-factor 1.5 --moe-token-drop-policy position "
                        f"--moe-pad-expert-input-to-capacity",
@@ -58,6 +66,7 @@ LAYOUTS = {
     "ep2_llama_flex_hybridep": (2, "llama", f"{EP2} --moe-token-dispatcher-type flex "
                                             f"--moe-flex-dispatcher-backend hybridep "
                                             f"--moe-permute-fusion --enable-experimental"),
+    "ep2_listed_balancing_sqrtsoftplus": (2, "listed", f"{EP2} {A2A}"),
     "ep2_capacity": (2, "capacity", EP2),
     "ep2_padded_capacity": (2, "padded_capacity", EP2),
     "ep2_full_recompute": (2, "llama", f"{EP2} --recompute-granularity full "

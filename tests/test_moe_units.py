@@ -508,6 +508,40 @@ def test_router_backward_adds_scaled_aux_and_z_loss():
     close(router.stats["tokens_per_expert"].float(), counts)
 
 
+def _router_grad_and_aux(types, coeffs):
+    """(router weight gradient, recorded balancing loss) of one routed microbatch of 2
+    sequences, only the attached losses sending a gradient."""
+    router = _build(_moe_config(moe_router_load_balancing_type=types, moe_aux_loss_coeff=coeffs),
+                    None).router
+    gen = torch.Generator().manual_seed(21)
+    tokens = torch.randn(8, 8, generator=gen)
+    w = torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0])
+    probs, _ = router(tokens, w, torch.arange(2).repeat(4), 2)
+    probs.backward(torch.zeros_like(probs))
+    return router.weight.grad.clone(), router.stats["aux_loss"].item()
+
+
+def test_a_list_of_balancing_types_adds_their_losses_each_with_its_coefficient():
+    """Megatron-LM's list meaning: every aux-loss type of the list, weighted by the
+    coefficient at its place (a single-entry list is the plain value); none adds nothing."""
+    aux_grad, aux = _router_grad_and_aux("aux_loss", 0.3)
+    seq_grad, seq = _router_grad_and_aux("seq_aux_loss", 0.05)
+    both_grad, both = _router_grad_and_aux(("seq_aux_loss", "none", "aux_loss"), (0.05, 0.7, 0.3))
+    close(both_grad, aux_grad + seq_grad)
+    close(both, aux + seq)
+    assert aux > 0 and seq > 0 and abs(aux - seq) > 1e-6
+    one = _moe_config(moe_router_load_balancing_type=("seq_aux_loss",), moe_aux_loss_coeff=(0.5,))
+    assert (one.moe_router_load_balancing_type, one.moe_aux_loss_coeff) == ("seq_aux_loss", 0.5)
+    assert one.balancing_losses() == {"seq_aux_loss": 0.5}
+    # Megatron-LM's order, a zero coefficient adds nothing, a repeated type takes its first
+    listed = _moe_config(moe_router_load_balancing_type=("global_aux_loss", "aux_loss",
+                                                         "seq_aux_loss", "aux_loss"),
+                         moe_aux_loss_coeff=(0.1, 0.2, 0.0, 0.4))
+    assert list(listed.balancing_losses().items()) == [("aux_loss", 0.2), ("global_aux_loss", 0.1)]
+    assert _moe_config(moe_router_load_balancing_type="none",
+                       moe_aux_loss_coeff=0.3).balancing_losses() == {}
+
+
 def test_zero_weight_tokens_do_not_count_in_recorded_losses():
     config = _moe_config(moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01)
     layer = _build(config, None)

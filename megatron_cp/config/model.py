@@ -257,6 +257,7 @@ class GPTConfig(MLASettings, GatedDeltaNetSettings, MoESettings, MTPSettings):
                           help="Free-form settings for experiments; not on the command line.")
 
     def __post_init__(self):
+        self._resolve_balancing_lists()
         check_choices(self)
         if self.position_embedding_type in NOT_BUILT_POSITIONS:
             raise ValueError(f"position_embedding_type {self.position_embedding_type}: "

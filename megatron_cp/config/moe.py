@@ -5,6 +5,8 @@ from dataclasses import dataclass
 from megatron_cp.config.layer_pattern import parse_layer_freq
 from megatron_cp.config.setting import resolve, setting
 
+AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")  # Megatron-LM's order
+BALANCING_TYPES = AUX_LOSS_TYPES + ("sinkhorn", "none")
 # router scores of each expert on its own logit (normalised over the chosen experts; an
 # expert bias may shift them)
 ELEMENTWISE_SCORES = ("sigmoid", "sqrtsoftplus")
@@ -50,16 +52,19 @@ class MoESettings:
              "(default: the model's).")
     moe_input_jitter_eps: float | None = setting(
         None, group="moe", help="Multiply the router input by U(1-eps, 1+eps) in training.")
-    moe_router_load_balancing_type: str = setting(
-        "aux_loss", choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"),
-        group="moe",
+    moe_router_load_balancing_type: str | tuple[str, ...] = setting(
+        "aux_loss", choices=BALANCING_TYPES, nargs="+", fill_arg=True, group="moe",
         help="Load balancing: aux_loss (per microbatch), seq_aux_loss (per sequence), "
              "global_aux_loss (over the microbatches the data-parallel ranks run together), "
              "sinkhorn (S-BASE: in training each token's experts are the top-k of the "
              "Sinkhorn-balanced router scores of its microbatch; no balancing loss), none. "
+             "Several types (e.g. aux_loss seq_aux_loss) add their losses together, each "
+             "with its own --moe-aux-loss-coeff, under plain top-k routing. "
              "Padding and loss-masked tokens are never counted.")
-    moe_aux_loss_coeff: float = setting(0.0, group="moe",
-                                        help="Weight of the load-balancing loss.")
+    moe_aux_loss_coeff: float | tuple[float, ...] = setting(
+        0.0, nargs="+", fill_arg=True, group="moe",
+        help="Weight of the load-balancing loss; with several load-balancing types, one "
+             "weight per type, in their order.")
     moe_z_loss_coeff: float | None = setting(
         None, group="moe", help="Weight of the router z-loss (mean squared log-sum-exp of the "
         "router logits).")
@@ -87,6 +92,51 @@ class MoESettings:
         False, group="moe", help="Every expert processes exactly its capacity of tokens "
         "(unrouted ones with weight 0): fixed shapes.")
 
+    def _resolve_balancing_lists(self):
+        """Megatron-LM's rule (its validate_args): a list of one load-balancing type or one
+        coefficient is that value; longer lists stay tuples."""
+        for name in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+            value = getattr(self, name)
+            if isinstance(value, (list, tuple)):
+                resolve(self, **{name: value[0] if len(value) == 1 else tuple(value)})
+
+    def balancing_losses(self):
+        """``{type: coefficient}`` of the balancing losses the router adds, in Megatron-LM's
+        order: each aux-loss type of moe_router_load_balancing_type whose coefficient is
+        positive (in a list, the coefficient at the type's first entry)."""
+        types, coeffs = self.moe_router_load_balancing_type, self.moe_aux_loss_coeff
+        if not isinstance(types, tuple):
+            types, coeffs = (types,), (coeffs,)
+        chosen = {kind: coeffs[types.index(kind)] for kind in AUX_LOSS_TYPES if kind in types}
+        return {kind: coeff for kind, coeff in chosen.items() if coeff > 0}
+
+    def _check_balancing_lists(self):
+        """A list of load-balancing types combines balancing losses, one coefficient each
+        (Megatron-LM's TransformerConfig rule); the routing balancers cannot join one."""
+        types, coeffs = self.moe_router_load_balancing_type, self.moe_aux_loss_coeff
+        if not isinstance(types, tuple):
+            if isinstance(coeffs, tuple):
+                raise ValueError(f"moe_aux_loss_coeff ({' '.join(map(str, coeffs))}) gives "
+                                 f"{len(coeffs)} coefficients for one "
+                                 f"moe_router_load_balancing_type ({types}); give one "
+                                 f"coefficient, or one type per coefficient")
+            return
+        shown = " ".join(types)
+        if not isinstance(coeffs, tuple) or len(coeffs) != len(types):
+            given = " ".join(map(str, coeffs)) if isinstance(coeffs, tuple) else coeffs
+            raise ValueError(f"moe_router_load_balancing_type ({shown}) lists {len(types)} "
+                             f"types, so moe_aux_loss_coeff needs {len(types)} coefficients, "
+                             f"one per type in the same order (Megatron-LM's rule); got "
+                             f"{given}")
+        for kind in types:
+            if kind not in AUX_LOSS_TYPES + ("none",):
+                raise ValueError(
+                    f"moe_router_load_balancing_type ({shown}): {kind} balances by routing, "
+                    f"and a list of types combines balancing losses under plain top-k "
+                    f"routing (Megatron-LM's meaning), where {kind} has no effect; give "
+                    f"moe_router_load_balancing_type {kind} alone, or list only aux_loss, "
+                    f"seq_aux_loss, global_aux_loss and none")
+
     def _check_moe(self):
         """The MoE rules that need no parallel size (see :meth:`validate_experts`)."""
         experts, topk = self.num_moe_experts, self.moe_router_topk
@@ -110,6 +160,7 @@ class MoESettings:
                 raise ValueError(f"moe_router_topk / moe_router_group_topk ({topk // group_topk}) "
                                  f"experts per group exceeds the group size "
                                  f"({experts // groups}); raise moe_router_group_topk")
+        self._check_balancing_lists()
         if self.moe_router_load_balancing_type == "sinkhorn":
             self._check_sinkhorn()
         if self.moe_router_enable_expert_bias and \

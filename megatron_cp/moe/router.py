@@ -89,13 +89,14 @@ class TopKRouter(torch.nn.Module):
         counts = (routing_map.to(torch.float32) * weights.to(torch.float32)[:, None]).sum(0)  # [E]
         local = logits.new_zeros(())
         aux_value = z_value = torch.zeros((), dtype=torch.float32, device=logits.device)
-        if self.training and c.moe_router_load_balancing_type != "none" and c.moe_aux_loss_coeff > 0:
-            part, aux_value = aux_loss(
-                c.moe_router_load_balancing_type, scores_for_balancing(logits, c.moe_router_score_function),
-                routing_map, weights, topk=c.moe_router_topk, coeff=c.moe_aux_loss_coeff,
+        losses = c.balancing_losses() if self.training else {}
+        scores = scores_for_balancing(logits, c.moe_router_score_function) if losses else None
+        for kind, coeff in losses.items():  # several types: their losses add up
+            part, value = aux_loss(
+                kind, scores, routing_map, weights, topk=c.moe_router_topk, coeff=coeff,
                 token_groups=self.token_groups, dp_group=self.dp_group, seq_ids=seq_ids,
                 num_seqs=num_seqs)
-            local = local + part
+            local, aux_value = local + part, aux_value + value
         if self.training and c.moe_z_loss_coeff:
             part, z_value = z_loss(logits, weights, coeff=c.moe_z_loss_coeff,
                                    token_groups=self.token_groups)
