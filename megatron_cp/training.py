@@ -245,6 +245,7 @@ class Trainer:
             bad = faults.ranks_where(not bool(self._loss_finite_here), self.device)
             raise faults.non_finite("loss", loss, current, rank, bad)
         moe.update_expert_bias(self.model_chunks, self.state)
+        moe.update_qb_beta(self.model_chunks, self.state)
         try:
             ok, grad_norm, self.num_zeros = self.optimizer.step()
         except GradNormNotFinite as bad:

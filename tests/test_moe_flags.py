@@ -8,7 +8,7 @@ import torch
 
 from dist_harness import run_workers
 from megatron_cp.cli.arguments import parse_args
-from training_utils import max_rel_diff, train_losses
+from training_utils import max_rel_diff, train_losses, train_runs
 
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
         "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --hidden-dropout 0 "
@@ -30,6 +30,14 @@ BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32
     ("--moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 0.01 0.02", 1,
      "--moe-aux-loss-coeff (0.01 0.02) gives 2 coefficients for one "
      "--moe-router-load-balancing-type (aux_loss)"),
+    ("--moe-router-load-balancing-type quantile_balancing --moe-aux-loss-coeff 0.01", 1,
+     "--moe-router-load-balancing-type 'quantile_balancing' balances with its per-expert bias, "
+     "so --moe-aux-loss-coeff (0.01) must be 0"),
+    ("--moe-router-load-balancing-type quantile_balancing --moe-expert-capacity-factor 1", 1,
+     "chooses the experts with its own bias, and --moe-expert-capacity-factor: token dropping "
+     "works with the aux-loss types or none only"),
+    ("--moe-router-load-balancing-type quantile_balancing --moe-router-topk 4", 1,
+     "so --moe-router-topk (4) must be below --num-experts (4)"),
     ("--moe-router-load-balancing-type aux_loss sinkhorn --moe-aux-loss-coeff 0.01 0", 1,
      "--moe-router-load-balancing-type (aux_loss sinkhorn): sinkhorn balances by routing"),
     ("--moe-layer-freq [1]*3", 1, "--moe-layer-freq ([1]*3) has 3 entries for --num-layers (2)"),
@@ -59,6 +67,18 @@ def test_balancing_lists_parse_as_megatron_lm_keeps_them():
                       f"--moe-aux-loss-coeff 0.01 0.001".split(), world_size=1)
     assert args.moe_router_load_balancing_type == ("aux_loss", "global_aux_loss")
     assert args.moe_aux_loss_coeff == (0.01, 0.001)
+
+
+def test_quantile_balancing_bias_is_saved_and_resumed(tmp_path):
+    """qb_beta is a buffer of the checkpoint: 3 + save + 3 iterations equal 6 straight ones
+    (a resume from a zero bias would route otherwise)."""
+    from megatron_cp.checkpoint.torch_dist_format import read_full
+    argv = f"{BASE} --moe-router-load-balancing-type quantile_balancing --train-iters 6"
+    straight, first, second = run_workers(train_runs, 1, [
+        argv, f"{argv} --exit-interval 3 --save {tmp_path}", f"{argv} --load {tmp_path}"])[0]
+    assert len(straight) == 6 and first + second == straight
+    saved, _ = read_full(str(tmp_path / "iter_0000003"))
+    assert saved["model.decoder.layers.1.mlp.router.qb_beta"].abs().sum() > 0
 
 
 def test_expert_tensor_parallel_size_defaults_to_tp():

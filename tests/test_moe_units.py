@@ -14,6 +14,7 @@ from megatron_cp.model import GPTConfig
 from megatron_cp.moe import MoELayer
 from megatron_cp.moe import take_stats as moe_take_stats
 from megatron_cp.moe import update_expert_bias as moe_update_expert_bias
+from megatron_cp.moe import update_qb_beta as moe_update_qb_beta
 from megatron_cp.moe.balancing import AttachLoss, aux_loss, z_loss
 from megatron_cp.moe.dispatcher import chunk_order, permute, unpermute
 from megatron_cp.moe.routing import (apply_capacity, expert_capacity, scores_for_balancing,
@@ -609,6 +610,64 @@ def test_expert_bias_update_and_take_stats():
     close(z, torch.zeros(2, dtype=torch.float64))
     close(tokens, torch.stack([torch.zeros(4, dtype=torch.float64), totals]))
     assert layer.router.stats["tokens_per_expert"].sum() == 0  # reset
+
+
+def _qb_by_hand(logits, beta, weights, k):
+    """Quantile balancing the long way: (each token's experts, and per expert the
+    (m k // E + 1)-th largest of logit - alpha over the m weighted tokens, alpha a token's
+    (k+1)-th largest logit - beta)."""
+    experts = len(beta)
+    chosen, alphas = [], []
+    for row in logits:
+        shifted = sorted(((x - b, i) for i, (x, b) in enumerate(zip(row, beta))), reverse=True)
+        chosen.append({i for _, i in shifted[:k]})
+        alphas.append(shifted[k][0])
+    counted = [t for t, w in enumerate(weights) if w > 0]
+    share = len(counted) * k // experts
+    quantiles = [sorted((logits[t][e] - alphas[t] for t in counted), reverse=True)[share]
+                 for e in range(experts)]
+    return chosen, quantiles
+
+
+def test_quantile_balancing_by_hand():
+    """Each token's experts are the top-k of logits - qb_beta, weighted by the plain score
+    function there; after the global batch the bias moves to ema x bias + (1 - ema) x the
+    mean quantile of its microbatches, centred (Megatron-LM's); evaluation only routes."""
+    config = _moe_config(moe_router_load_balancing_type="quantile_balancing",
+                         moe_router_quantile_balancing_ema=0.25, moe_z_loss_coeff=0.01)
+    layer = _build(config, None)
+    router = layer.router
+    chunk = torch.nn.ModuleList([_Block(1, layer)])
+    beta = [0.3, -0.1, 0.0, -0.2]
+    router.qb_beta.copy_(torch.tensor(beta))
+    gen = torch.Generator().manual_seed(31)
+    quantiles = []
+    for weights in ([1.0] * 9, [1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0]):
+        tokens = torch.randn(9, 8, generator=gen)
+        w = torch.tensor(weights)
+        probs, routing_map = router(tokens, w, torch.zeros(9, dtype=torch.long), 1)
+        logits = (tokens.double() @ router.weight.detach().double().t()).tolist()
+        chosen, q = _qb_by_hand(logits, beta, weights, 2)
+        quantiles.append(q)
+        for t, experts in enumerate(chosen):
+            assert set(torch.nonzero(routing_map[t]).flatten().tolist()) == experts, t
+            picked = sorted(experts)
+            want = _softmax([logits[t][e] for e in picked])  # softmax over the chosen logits
+            close(probs[t, picked].double(), torch.tensor(want, dtype=torch.float64),
+                  rtol=1e-5, atol=1e-6)
+    close(router.qb_sums[-1].item(), 2.0)  # two microbatches counted
+    moe_update_qb_beta([chunk], _OneProcess())
+    new = [0.25 * b + 0.75 * (q0 + q1) / 2 for b, q0, q1 in zip(beta, *quantiles)]
+    new = [v - sum(new) / 4 for v in new]
+    close(router.qb_beta, torch.tensor(new, dtype=torch.float32), rtol=1e-5, atol=1e-6)
+    assert router.qb_sums is None and "qb_beta" in router.state_dict()
+    router.eval()  # evaluation: routed by the bias, nothing recorded
+    tokens = torch.randn(9, 8, generator=gen)
+    _, routing_map = router(tokens, torch.ones(9), torch.zeros(9, dtype=torch.long), 1)
+    logits = (tokens.double() @ router.weight.detach().double().t()).tolist()
+    chosen, _ = _qb_by_hand(logits, router.qb_beta.tolist(), [1.0] * 9, 2)
+    assert [set(torch.nonzero(r).flatten().tolist()) for r in routing_map] == chosen
+    assert router.qb_sums is None
 
 
 # --- multi-process parity -------------------------------------------------------------------

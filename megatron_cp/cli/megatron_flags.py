@@ -462,9 +462,6 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
     ("routing-map padding serves FP8/FP4 grouped GEMMs (Transformer Engine), which are not "
      "used; drop it",
      ("--moe-router-padding-for-quantization", "--moe-router-padding-for-fp8",)),
-    ("quantile-balancing routing is not built; use --moe-router-load-balancing-type "
-     "aux_loss/seq_aux_loss or expert bias",
-     ("--moe-router-quantile-balancing-ema",)),
     ("forced (random-logit or random-bias) routing for benchmarks is not built; drop it",
      ("--moe-router-force-load-balancing", "--moe-router-force-biased",)),
     ("the NCCL EP dispatcher's fixed receive buffers (zero-copy, per-rank capacity) are "

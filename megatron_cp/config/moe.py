@@ -6,7 +6,7 @@ from megatron_cp.config.layer_pattern import parse_layer_freq
 from megatron_cp.config.setting import resolve, setting
 
 AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")  # Megatron-LM's order
-BALANCING_TYPES = AUX_LOSS_TYPES + ("sinkhorn", "none")
+BALANCING_TYPES = AUX_LOSS_TYPES + ("sinkhorn", "quantile_balancing", "none")
 # router scores of each expert on its own logit (normalised over the chosen experts; an
 # expert bias may shift them)
 ELEMENTWISE_SCORES = ("sigmoid", "sqrtsoftplus")
@@ -57,7 +57,10 @@ class MoESettings:
         help="Load balancing: aux_loss (per microbatch), seq_aux_loss (per sequence), "
              "global_aux_loss (over the microbatches the data-parallel ranks run together), "
              "sinkhorn (S-BASE: in training each token's experts are the top-k of the "
-             "Sinkhorn-balanced router scores of its microbatch; no balancing loss), none. "
+             "Sinkhorn-balanced router scores of its microbatch; no balancing loss), "
+             "quantile_balancing (each token's experts are the top-k of its logits minus a "
+             "per-expert bias, which moves after each global batch to the experts' "
+             "fair-share quantiles of the logits; no balancing loss), none. "
              "Several types (e.g. aux_loss seq_aux_loss) add their losses together, each "
              "with its own --moe-aux-loss-coeff, under plain top-k routing. "
              "Padding and loss-masked tokens are never counted.")
@@ -65,6 +68,10 @@ class MoESettings:
         0.0, nargs="+", fill_arg=True, group="moe",
         help="Weight of the load-balancing loss; with several load-balancing types, one "
              "weight per type, in their order.")
+    moe_router_quantile_balancing_ema: float = setting(
+        0.0, group="moe",
+        help="Quantile balancing's bias update after each global batch: bias = ema x bias + "
+             "(1 - ema) x the batch's mean quantiles, then centred (0: the latest quantiles).")
     moe_z_loss_coeff: float | None = setting(
         None, group="moe", help="Weight of the router z-loss (mean squared log-sum-exp of the "
         "router logits).")
@@ -163,6 +170,8 @@ class MoESettings:
         self._check_balancing_lists()
         if self.moe_router_load_balancing_type == "sinkhorn":
             self._check_sinkhorn()
+        if self.moe_router_load_balancing_type == "quantile_balancing":
+            self._check_quantile_balancing()
         if self.moe_router_enable_expert_bias and \
                 self.moe_router_score_function not in ELEMENTWISE_SCORES:
             raise ValueError("moe_router_enable_expert_bias needs moe_router_score_function "
@@ -195,6 +204,30 @@ class MoESettings:
                              f"sigmoid (top-1) or a softmax over all experts and routes by its "
                              f"balanced scores, so {', '.join(ignored)} would have no effect; "
                              f"drop {'it' if len(ignored) == 1 else 'them'}")
+
+    def _check_quantile_balancing(self):
+        """Quantile balancing chooses the experts with its own bias (Megatron-LM's rules)."""
+        name = "moe_router_load_balancing_type 'quantile_balancing'"
+        if self.moe_aux_loss_coeff > 0:
+            raise ValueError(f"{name} balances with its per-expert bias, so moe_aux_loss_coeff "
+                             f"({self.moe_aux_loss_coeff}) must be 0 (Megatron-LM's rule); drop "
+                             f"moe_aux_loss_coeff")
+        if self.moe_router_topk >= self.num_moe_experts:
+            raise ValueError(f"{name} ranks each token's (k+1)-th expert, so moe_router_topk "
+                             f"({self.moe_router_topk}) must be below num_moe_experts "
+                             f"({self.num_moe_experts})")
+        refused = [(setting, why) for setting, given, why in (
+            ("moe_router_num_groups", self.moe_router_num_groups is not None,
+             "group-limited routing is not supported with it (Megatron-LM's rule)"),
+            ("moe_expert_capacity_factor", self.moe_expert_capacity_factor is not None,
+             "token dropping works with the aux-loss types or none only (Megatron-LM's rule)"),
+            ("moe_router_enable_expert_bias", self.moe_router_enable_expert_bias,
+             "its bias would not take part in the choice"))
+            if given]
+        if refused:
+            setting, why = refused[0]
+            raise ValueError(f"{name} chooses the experts with its own bias, and {setting}: "
+                             f"{why}; drop {setting}")
 
     def moe_layer_pattern(self):
         """One bool per layer: is it an MoE layer (all False for a dense model)."""
