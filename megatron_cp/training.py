@@ -38,7 +38,6 @@ from megatron_cp.activation_offload import offload_note
 from megatron_cp.config.data import DataConfig
 from megatron_cp.config.run import RunConfig
 from megatron_cp.config.setting import build_config
-from megatron_cp.context_parallel import resolve_comm_type
 from megatron_cp.data import tokenizer_from_config
 from megatron_cp.data.batch import mtp_targets
 from megatron_cp.data.batch_schedule import BatchSchedule
@@ -332,10 +331,7 @@ def build_parallel_state(parallel, model, optimizer, device=None):
     a2a+p2p sub-groups that the model section's (``model``) CP comm type resolves to and the
     distributed-optimizer instances of the optimizer section (``optimizer``)."""
     tp, cp = parallel.tensor_model_parallel_size, parallel.context_parallel_size
-    hierarchical = None
-    if cp > 1:
-        _, hierarchical = resolve_comm_type(model.cp_comm_type, model.num_query_groups // tp, cp,
-                                            model.hierarchical_context_parallel_sizes)
+    hierarchical = model.hierarchical_cp_sizes(tp, cp) if cp > 1 else None
     return initialize_model_parallel(
         tp, cp, parallel.pipeline_model_parallel_size, parallel.expert_model_parallel_size,
         parallel.expert_tensor_parallel_size,

@@ -120,6 +120,14 @@ def test_megatron_flags_map_onto_config_fields():
     sizes = _parse("--context-parallel-size 4 --attention-dropout 0 --cp-comm-type a2a+p2p "
                    "--hierarchical-context-parallel-sizes 2 2", world=4)
     assert config_from_args(sizes, 100).hierarchical_context_parallel_sizes == (2, 2)
+    # --cp-comm-type per layer (Megatron-LM's list; its arguments keep the list)
+    per_layer = _parse("--context-parallel-size 2 --attention-dropout 0 --cp-comm-type "
+                       "allgather a2a", world=2)
+    config = config_from_args(per_layer, 100)
+    assert per_layer.cp_comm_type == ["allgather", "a2a"]
+    assert config.cp_comm_type == ("all_gather", "a2a")
+    assert [config.layer_cp_comm_type(n) for n in range(3)] == ["all_gather", "a2a", "all_gather"]
+    assert config_from_args(_parse("--cp-comm-type allgather"), 100).cp_comm_type == "all_gather"
 
 
 # ----- errors name the flags ---------------------------------------------------------------
@@ -138,6 +146,15 @@ def test_megatron_flags_map_onto_config_fields():
      "value from 0 to 1"),
     ("--context-parallel-size 4 --attention-dropout 0 --cp-comm-type a2a+p2p", 4,
      "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes U R"),
+    ("--context-parallel-size 2 --attention-dropout 0 --cp-comm-type p2p a2a p2p", 2,
+     "--cp-comm-type (p2p a2a p2p) lists 3 types, and a per-layer list needs one per layer: "
+     "--num-layers (2) (Megatron-LM's rule); give 2 types, or one for every layer"),
+    ("--context-parallel-size 4 --attention-dropout 0 --cp-comm-type p2p a2a+p2p", 4,
+     "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes U R"),
+    ("--context-parallel-size 4 --attention-dropout 0 --group-query-attention "
+     "--num-query-groups 2 --cp-comm-type auto a2a+p2p --hierarchical-context-parallel-sizes "
+     "1 4", 4, "--cp-comm-type (auto a2a+p2p) needs a2a+p2p sub-groups of two sizes "
+               "[(1, 4), (2, 2)]"),
     ("--context-parallel-size 2 --attention-dropout 0 --hierarchical-context-parallel-sizes 2 3",
      2, "--hierarchical-context-parallel-sizes [2, 3] multiply to 6, not --context-parallel-size (2)"),
     ("--max-position-embeddings 16", 1, "--max-position-embeddings (16) must be at least "
@@ -227,6 +244,8 @@ def test_refused_values_of_accepted_flags(flag, value, why):
 
 @pytest.mark.parametrize("argv,message", [
     ("--ckpt-format zarr", "--ckpt-format zarr: not built; use --ckpt-format torch_dist"),
+    ("--cp-comm-type p2p ring", "--cp-comm-type (ring) is not a context-parallel communication "
+                                "type; give p2p, a2a, a2a+p2p, all_gather (allgather) or auto"),
     ("--overlap-param-gather", "--overlap-param-gather overlaps the distributed optimizer's "
                                "parameter all-gather: add --use-distributed-optimizer"),
     ("--async-save --save ck --ckpt-format torch", "--async-save writes --ckpt-format "

@@ -32,6 +32,7 @@ def check_hierarchical_sizes(hierarchical_sizes, context_parallel_size):
 
 
 COMM_TYPES = ("p2p", "a2a", "a2a+p2p", "all_gather", "auto")
+COMM_TYPE_ALIASES = {"allgather": "all_gather"}  # Megatron-LM's --cp-comm-type help's spelling
 
 
 def resolve_comm_type(comm_type, num_kv_heads, cp_size, hierarchical_sizes=None):
