@@ -38,6 +38,9 @@ BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32
      "works with the aux-loss types or none only"),
     ("--moe-router-load-balancing-type quantile_balancing --moe-router-topk 4", 1,
      "so --moe-router-topk (4) must be below --num-experts (4)"),
+    ("--moe-router-load-balancing-type quantile_balancing --num-experts 3", 1,
+     "--micro-batch-size x --seq-length (64) tokens x --moe-router-topk (2) assignments, which "
+     "must divide by --num-experts (3) (Megatron-LM's rule)"),
     ("--moe-router-load-balancing-type aux_loss sinkhorn --moe-aux-loss-coeff 0.01 0", 1,
      "--moe-router-load-balancing-type (aux_loss sinkhorn): sinkhorn balances by routing"),
     ("--moe-layer-freq [1]*3", 1, "--moe-layer-freq ([1]*3) has 3 entries for --num-layers (2)"),

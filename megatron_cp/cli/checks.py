@@ -320,9 +320,22 @@ def _validate_model(args, names, sizes_ok=True):
                                     args.expert_tensor_parallel_size)
         # pad tokens repeat their document's last position: only real positions need rows
         config.check_positions(args.seq_length, "seq_length")
+        _check_quantile_share(config, args.micro_batch_size * args.seq_length)
     except ValueError as err:
         raise ValueError(name_flags(str(err), names)) from err
     fill_args(config, args)
+
+
+def _check_quantile_share(config, tokens):
+    """Quantile balancing's fair share of a microbatch's ``tokens``: tokens x top-k routed
+    assignments must divide over the experts (Megatron-LM's qb_dual_update asserts it)."""
+    if (config.num_moe_experts and config.moe_router_load_balancing_type == "quantile_balancing"
+            and tokens * config.moe_router_topk % config.num_moe_experts):
+        raise ValueError(f"moe_router_load_balancing_type 'quantile_balancing' gives each expert "
+                         f"a fair share of a microbatch's micro_batch_size x seq_length "
+                         f"({tokens}) tokens x moe_router_topk ({config.moe_router_topk}) "
+                         f"assignments, which must divide by num_moe_experts "
+                         f"({config.num_moe_experts}) (Megatron-LM's rule); change one of them")
 
 
 def _samples_to_iters(samples, global_batch_size):
