@@ -23,7 +23,7 @@ setup(
     ],
     extras_require={
         "dev": ["pytest", "pytest-timeout", "pytest-xdist", "tokenizers", "safetensors", "transformers",
-                "wandb"],
+                "wandb", "tiktoken"],  # tiktoken: the TikTokenizer tests (optional at run time)
         "bench": ["transformers"],
         "wandb": ["wandb"],  # --wandb-project
     },

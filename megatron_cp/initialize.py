@@ -278,6 +278,19 @@ def initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_siz
     return state
 
 
+def set_group_timeouts(state, seconds):
+    """--distributed-timeout-seconds-after-init: every process group of ``state`` and the
+    default group time out after ``seconds`` from now on (Megatron-LM's update_pg_timeout,
+    after the first iteration; every rank calls it, after a barrier)."""
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    timeout = datetime.timedelta(seconds=seconds)
+    for group in [dist.group.WORLD, *state.groups.values()]:
+        if group is not None:
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
 def expand_slurm_nodelist(nodelist: str):
     """Expand SLURM's compressed host list, e.g. ``a[01-03,07],b5`` -> ``[a01, a02, a03, a07, b5]``.
 

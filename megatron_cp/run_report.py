@@ -73,7 +73,7 @@ def format_parallel_sizes(run, state):
         line += f", virtual pipeline stages per rank: {vp}"
     details = [f"sequence parallel: {model.sequence_parallel}"]
     if cp > 1:
-        details.append(f"cp comm type: {model.cp_comm_type}")
+        details.append(f"cp comm type: {' '.join(model.cp_comm_types())}")
     if training.step_batch_size_schedule is not None:  # Megatron's lines for a schedule
         schedule = BatchSchedule.from_config(training, run.parallel)
         return (line + "\n> " + ", ".join(details) + "\n> using step batch size schedule: "

@@ -38,12 +38,12 @@ from megatron_cp.activation_offload import offload_note
 from megatron_cp.config.data import DataConfig
 from megatron_cp.config.run import RunConfig
 from megatron_cp.config.setting import build_config
-from megatron_cp.context_parallel import resolve_comm_type
 from megatron_cp.data import tokenizer_from_config
 from megatron_cp.data.batch import mtp_targets
 from megatron_cp.data.batch_schedule import BatchSchedule
 from megatron_cp.data.feed import DataFeed
-from megatron_cp.initialize import initialize_distributed, initialize_model_parallel
+from megatron_cp.initialize import (initialize_distributed, initialize_model_parallel,
+                                   set_group_timeouts)
 from megatron_cp.model import GPTConfig, GPTModel
 from megatron_cp.model import multi_token_prediction as mtp
 from megatron_cp.model.transformer import TransformerLayer
@@ -236,6 +236,8 @@ class Trainer:
             self.optimizer.zero_grad()
             loss, _ = self._run_batches(microbatches, forward_only=False)
             finalize_model_grads(self.model_chunks, self.state)
+        if run.training.empty_unused_memory_level >= 1:
+            device_mod.empty_cache(self.device)
         stop = self.rerun.step_exit()
         if stop is not None:
             raise stop
@@ -244,12 +246,15 @@ class Trainer:
             bad = faults.ranks_where(not bool(self._loss_finite_here), self.device)
             raise faults.non_finite("loss", loss, current, rank, bad)
         moe.update_expert_bias(self.model_chunks, self.state)
+        moe.update_qb_beta(self.model_chunks, self.state)
         try:
             ok, grad_norm, self.num_zeros = self.optimizer.step()
         except GradNormNotFinite as bad:
             raise faults.non_finite("gradient norm", bad.grad_norm, current, rank, bad.ranks) from None
         if ok:
             self.scheduler.step(global_batch_size if run.optimizer.lr_counts_samples else 1)
+        if run.training.empty_unused_memory_level >= 2:
+            device_mod.empty_cache(self.device)
         self.iteration += 1
         self.consumed_samples += global_batch_size
         self.global_batch_size = global_batch_size
@@ -304,6 +309,8 @@ class Trainer:
                                                   training.eval_micro_batch_size)
             loss, n = self._run_batches(microbatches, forward_only=True)
             total, tokens = total + loss * n, tokens + n
+            if training.empty_unused_memory_level >= 1:
+                device_mod.empty_cache(self.device)
         return total / max(tokens, 1)
 
 
@@ -326,10 +333,7 @@ def build_parallel_state(parallel, model, optimizer, device=None):
     a2a+p2p sub-groups that the model section's (``model``) CP comm type resolves to and the
     distributed-optimizer instances of the optimizer section (``optimizer``)."""
     tp, cp = parallel.tensor_model_parallel_size, parallel.context_parallel_size
-    hierarchical = None
-    if cp > 1:
-        _, hierarchical = resolve_comm_type(model.cp_comm_type, model.num_query_groups // tp, cp,
-                                            model.hierarchical_context_parallel_sizes)
+    hierarchical = model.hierarchical_cp_sizes(tp, cp) if cp > 1 else None
     return initialize_model_parallel(
         tp, cp, parallel.pipeline_model_parallel_size, parallel.expert_model_parallel_size,
         parallel.expert_tensor_parallel_size,
@@ -535,6 +539,8 @@ def _train(trainer, logger, start):
             except rerun.RerunExit as stop:
                 raise _checkpoint_for_rerun(trainer, stop) from None
             device_mod.synchronize(state.device)
+            if len(losses) == 0 and trainer.run.parallel.distributed_timeout_seconds_after_init:
+                set_group_timeouts(state, trainer.run.parallel.distributed_timeout_seconds_after_init)
             losses.append(loss)
             logger.record(trainer, loss, grad_norm, ok, time.time() - t0)
             it = trainer.iteration

@@ -14,7 +14,7 @@ ENTRY = f"{PACKAGE}.load_save"
 # each on-disk format and the modules only it uses
 FORMATS = {
     "torch": ("torch_format", "torch_shards", "torch_full"),
-    "torch_dist": ("torch_dist_format", "integrity"),
+    "torch_dist": ("torch_dist_format", "integrity", "strictness"),
     # Megatron-LM's own formats: its torch_dist, and Megatron-FSDP's fsdp_dtensor
     "megatron_lm": ("megatron_lm_format", "megatron_lm_load", "fsdp_dtensor_format"),
 }

@@ -14,7 +14,7 @@ from megatron_cp import training
 from megatron_cp.cli import arguments, checks
 from megatron_cp.checkpoint import files as checkpoint_files
 from megatron_cp.cli.arguments import build_parser, parse_args
-from megatron_cp.cli.megatron_flags import COMPAT_FLAGS, MAP, REFUSE, SAME, all_entries
+from megatron_cp.cli.megatron_flags import COMPAT_FLAGS, IGNORED, MAP, REFUSE, SAME, all_entries
 from megatron_cp.config.checkpoint import NOT_BUILT_FORMATS
 from megatron_cp.config.setting import arg_of, checkpoint_args, flag_of, setting
 from megatron_cp.config.model import GPTConfig
@@ -120,6 +120,14 @@ def test_megatron_flags_map_onto_config_fields():
     sizes = _parse("--context-parallel-size 4 --attention-dropout 0 --cp-comm-type a2a+p2p "
                    "--hierarchical-context-parallel-sizes 2 2", world=4)
     assert config_from_args(sizes, 100).hierarchical_context_parallel_sizes == (2, 2)
+    # --cp-comm-type per layer (Megatron-LM's list; its arguments keep the list)
+    per_layer = _parse("--context-parallel-size 2 --attention-dropout 0 --cp-comm-type "
+                       "allgather a2a", world=2)
+    config = config_from_args(per_layer, 100)
+    assert per_layer.cp_comm_type == ["allgather", "a2a"]
+    assert config.cp_comm_type == ("all_gather", "a2a")
+    assert [config.layer_cp_comm_type(n) for n in range(3)] == ["all_gather", "a2a", "all_gather"]
+    assert config_from_args(_parse("--cp-comm-type allgather"), 100).cp_comm_type == "all_gather"
 
 
 # ----- errors name the flags ---------------------------------------------------------------
@@ -138,6 +146,15 @@ def test_megatron_flags_map_onto_config_fields():
      "value from 0 to 1"),
     ("--context-parallel-size 4 --attention-dropout 0 --cp-comm-type a2a+p2p", 4,
      "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes U R"),
+    ("--context-parallel-size 2 --attention-dropout 0 --cp-comm-type p2p a2a p2p", 2,
+     "--cp-comm-type (p2p a2a p2p) lists 3 types, and a per-layer list needs one per layer: "
+     "--num-layers (2) (Megatron-LM's rule); give 2 types, or one for every layer"),
+    ("--context-parallel-size 4 --attention-dropout 0 --cp-comm-type p2p a2a+p2p", 4,
+     "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes U R"),
+    ("--context-parallel-size 4 --attention-dropout 0 --group-query-attention "
+     "--num-query-groups 2 --cp-comm-type auto a2a+p2p --hierarchical-context-parallel-sizes "
+     "1 4", 4, "--cp-comm-type (auto a2a+p2p) needs a2a+p2p sub-groups of two sizes "
+               "[(1, 4), (2, 2)]"),
     ("--context-parallel-size 2 --attention-dropout 0 --hierarchical-context-parallel-sizes 2 3",
      2, "--hierarchical-context-parallel-sizes [2, 3] multiply to 6, not --context-parallel-size (2)"),
     ("--max-position-embeddings 16", 1, "--max-position-embeddings (16) must be at least "
@@ -227,6 +244,8 @@ def test_refused_values_of_accepted_flags(flag, value, why):
 
 @pytest.mark.parametrize("argv,message", [
     ("--ckpt-format zarr", "--ckpt-format zarr: not built; use --ckpt-format torch_dist"),
+    ("--cp-comm-type p2p ring", "--cp-comm-type (ring) is not a context-parallel communication "
+                                "type; give p2p, a2a, a2a+p2p, all_gather (allgather) or auto"),
     ("--overlap-param-gather", "--overlap-param-gather overlaps the distributed optimizer's "
                                "parameter all-gather: add --use-distributed-optimizer"),
     ("--async-save --save ck --ckpt-format torch", "--async-save writes --ckpt-format "
@@ -269,9 +288,11 @@ def test_accepted_values_and_aliases():
     assert config_from_args(args, 100).position_embedding_type == "rope"
     args = _parse("--use-flash-attn --transformer-impl local")
     assert args.compat_notes == [
-        "--use-flash-attn: attention kernels are chosen per device (PyTorch flash/SDPA on CUDA)",
-        "--transformer-impl local: layers are megatron_cp's own PyTorch modules; "
-        "norms use Transformer Engine when it is installed"]
+        "--use-flash-attn: Megatron-LM reads it nowhere at this commit; attention kernels are "
+        "chosen per device (cuDNN or flash SDPA on CUDA)",
+        "--transformer-impl local: ignored (speed): in Megatron-LM it selects Transformer "
+        "Engine's or the local layer implementation (here megatron_cp's own PyTorch layers run "
+        "either way; norms use Transformer Engine when it is installed)"]
     assert _parse("--ddp-bucket-size 1000").ddp_bucket_size_mb * 2 ** 20 / 4 == 1000
 
 
@@ -279,7 +300,7 @@ def test_every_table_flag_is_in_the_parser_with_help():
     parser = build_parser()
     by_flag = {o: a for a in parser._actions for o in a.option_strings}
     for entry in COMPAT_FLAGS:
-        assert entry.kind in (SAME, MAP, REFUSE) and entry.why
+        assert entry.kind in (SAME, IGNORED, MAP, REFUSE) and entry.why
         assert by_flag[entry.flag].help, entry.flag
     assert "Refused: Megatron-LM deprecated it and ignores it" in parser.format_help()
 

@@ -41,7 +41,7 @@ def test_null_tokenizer_follows_megatron():
 
 def test_unknown_type_and_missing_files_name_the_choices():
     with pytest.raises(ValueError) as err:
-        build_tokenizer("BertWordPieceLowerCase")
+        build_tokenizer("NoSuchTokenizer")
     for name in TOKENIZER_TYPES:
         assert name in str(err.value)
     with pytest.raises(ValueError, match="tokenizer-model"):

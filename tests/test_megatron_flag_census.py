@@ -8,14 +8,16 @@ as what megatron_cp does anyway, an alias, or refused with the reason).
 """
 import dataclasses
 import glob
+import json
 import os
 import re
 
 import pytest
 
 from megatron_cp.cli.arguments import SECTIONS, build_parser
-from megatron_cp.cli.megatron_flags import (AS_IS, MAP, NOT_BUILT, REFUSE, SAME, all_entries,
-                                        megatron_census)
+from megatron_cp.cli.megatron_flags import (AS_IS, EFFECTS, IGNORABLE, IGNORED, MAP, MEMORY,
+                                            NONE, NOT_BUILT, REFUSE, SAME, SOURCES_FILE,
+                                            all_entries, megatron_census, note)
 from megatron_cp.config.model import GPTConfig
 from megatron_cp.config.setting import arg_of, flag_of
 
@@ -47,7 +49,7 @@ def test_each_megatron_lm_flag_has_one_home():
     """A census action is declared by our own code or by one table entry, never both."""
     table = [f for entry in all_entries() for f in (entry.flag, *entry.aliases)]
     assert len(table) == len(set(table)), sorted({f for f in table if table.count(f) > 1})
-    grouped = [f for _, flags in AS_IS + NOT_BUILT for f in flags]
+    grouped = [f for row in AS_IS + NOT_BUILT for f in row[-1]]
     census = set(_census_flags())
     assert set(grouped) <= census, sorted(set(grouped) - census)
     dests = {entry.dest for entry in all_entries()}
@@ -60,8 +62,41 @@ def test_each_megatron_lm_flag_has_one_home():
 
 
 def test_grouped_entries_are_refused_or_noted_with_a_reason():
-    for why, flags in AS_IS + NOT_BUILT:
+    for row in AS_IS + NOT_BUILT:
+        why, flags = row[-2:]
         assert flags and why and not why.endswith(".") and len(why) < 240, why
+
+
+def test_each_accepted_entry_says_what_megatron_lm_does_with_it():
+    """An accepted entry that is not built has an effect class and the line where Megatron-LM
+    reads it at the census commit (megatron_flag_sources.json, tools/megatron_flag_sources.py).
+    One that changes numerics or behaviour in Megatron-LM is never ignored (it is built, or
+    SAME: megatron_cp always computes what it selects); an ignored memory saving warns at
+    start-up, an ignored speed / I/O / logging knob says "ignored: <what it does>"."""
+    with open(SOURCES_FILE) as file:
+        sources = json.load(file)
+    assert sources["commit"] == megatron_census()["commit"]
+    accepted = [e for e in all_entries() if e.kind in (SAME, IGNORED)]
+    assert {e.flag for e in accepted} == set(sources["sources"])
+    for entry in accepted:
+        source = sources["sources"][entry.flag]
+        assert entry.effect in EFFECTS, entry.flag
+        assert (entry.effect == NONE) == (source == "read nowhere"), (entry.flag, source)
+        if source != "read nowhere" and not source.startswith("not a flag"):
+            assert re.match(r"megatron/\S+\.py:\d+: ", source), (entry.flag, source)
+        line = note(entry, entry.flag)
+        if entry.kind == IGNORED:
+            assert entry.effect in IGNORABLE, f"{entry.flag} changes {entry.effect}: build or refuse it"
+            if entry.effect == MEMORY:
+                assert line.startswith(f"WARNING: {entry.flag}: in Megatron-LM it "), line
+                assert "this run does not" in line, line
+            else:
+                assert line.startswith(f"{entry.flag}: ignored ({entry.effect}): in Megatron-LM it "), line
+    flagged = {e.flag for e in accepted if e.kind == IGNORED}
+    assert {"--recompute-modules", "--init-model-with-meta-device",
+            "--distribute-saved-activations", "--no-clone-scatter-output-in-embedding",
+            "--fine-grained-activation-offloading"} <= {e.flag for e in accepted
+                                                        if e.effect == MEMORY} & flagged
 
 
 def _read_somewhere(name, declared_in):
@@ -95,7 +130,7 @@ def test_no_accepted_flag_is_read_nowhere():
         if not action.option_strings or action.dest == "help":
             continue
         entry = table.get(action.dest)
-        if entry is not None and entry.kind in (SAME, REFUSE, MAP):
+        if entry is not None and entry.kind in (SAME, IGNORED, REFUSE, MAP):
             continue
         name = fields.get(action.dest, action.dest)
         if not _read_somewhere(name, _declares):
@@ -110,7 +145,7 @@ def test_grouped_flags_parse_as_megatron_does(kind):
     parser = build_parser()
     by_flag = {o: a for a in parser._actions for o in a.option_strings}
     census = {f: a for a in megatron_census()["actions"] for f in a["flags"]}
-    grouped = {f for _, flags in (AS_IS if kind == SAME else NOT_BUILT) for f in flags}
+    grouped = {f for row in (AS_IS if kind == SAME else NOT_BUILT) for f in row[-1]}
     for entry in (e for e in all_entries() if e.flag in grouped):
         action, spec = by_flag[entry.flag], census[entry.flag]
         if spec["kind"] != "store":

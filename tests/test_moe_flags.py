@@ -8,7 +8,7 @@ import torch
 
 from dist_harness import run_workers
 from megatron_cp.cli.arguments import parse_args
-from training_utils import max_rel_diff, train_losses
+from training_utils import max_rel_diff, train_losses, train_runs
 
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
         "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --hidden-dropout 0 "
@@ -23,7 +23,26 @@ BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32
      "--num-experts (3) must be divisible by --expert-model-parallel-size (2)"),
     ("--moe-router-topk 5", 1, "--moe-router-topk (5) must be between 1 and --num-experts (4)"),
     ("--moe-router-enable-expert-bias", 1,
-     "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid"),
+     "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid or sqrtsoftplus"),
+    ("--moe-router-load-balancing-type aux_loss seq_aux_loss --moe-aux-loss-coeff 0.01", 1,
+     "--moe-router-load-balancing-type (aux_loss seq_aux_loss) lists 2 types, so "
+     "--moe-aux-loss-coeff needs 2 coefficients, one per type in the same order"),
+    ("--moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 0.01 0.02", 1,
+     "--moe-aux-loss-coeff (0.01 0.02) gives 2 coefficients for one "
+     "--moe-router-load-balancing-type (aux_loss)"),
+    ("--moe-router-load-balancing-type quantile_balancing --moe-aux-loss-coeff 0.01", 1,
+     "--moe-router-load-balancing-type 'quantile_balancing' balances with its per-expert bias, "
+     "so --moe-aux-loss-coeff (0.01) must be 0"),
+    ("--moe-router-load-balancing-type quantile_balancing --moe-expert-capacity-factor 1", 1,
+     "chooses the experts with its own bias, and --moe-expert-capacity-factor: token dropping "
+     "works with the aux-loss types or none only"),
+    ("--moe-router-load-balancing-type quantile_balancing --moe-router-topk 4", 1,
+     "so --moe-router-topk (4) must be below --num-experts (4)"),
+    ("--moe-router-load-balancing-type quantile_balancing --num-experts 3", 1,
+     "--micro-batch-size x --seq-length (64) tokens x --moe-router-topk (2) assignments, which "
+     "must divide by --num-experts (3) (Megatron-LM's rule)"),
+    ("--moe-router-load-balancing-type aux_loss sinkhorn --moe-aux-loss-coeff 0.01 0", 1,
+     "--moe-router-load-balancing-type (aux_loss sinkhorn): sinkhorn balances by routing"),
     ("--moe-layer-freq [1]*3", 1, "--moe-layer-freq ([1]*3) has 3 entries for --num-layers (2)"),
     ("--moe-layer-freq foo", 1, "--moe-layer-freq (foo) must be an integer or a 0/1 list"),
     ("--moe-router-num-groups 2", 1, "--moe-router-num-groups (2) and --moe-router-group-topk "
@@ -39,6 +58,30 @@ def test_bad_moe_flags_name_the_flag_and_the_fix(extra, world, message):
     with pytest.raises(ValueError) as error:
         parse_args(f"{BASE} {extra}".split(), world_size=world)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_balancing_lists_parse_as_megatron_lm_keeps_them():
+    """A list of one type or coefficient is that value (Megatron-LM's validate_args), in the
+    arguments too; longer lists are kept, one coefficient per type."""
+    args = parse_args(f"{BASE} --moe-router-load-balancing-type seq_aux_loss "
+                      f"--moe-aux-loss-coeff 0.01".split(), world_size=1)
+    assert (args.moe_router_load_balancing_type, args.moe_aux_loss_coeff) == ("seq_aux_loss", 0.01)
+    args = parse_args(f"{BASE} --moe-router-load-balancing-type aux_loss global_aux_loss "
+                      f"--moe-aux-loss-coeff 0.01 0.001".split(), world_size=1)
+    assert args.moe_router_load_balancing_type == ("aux_loss", "global_aux_loss")
+    assert args.moe_aux_loss_coeff == (0.01, 0.001)
+
+
+def test_quantile_balancing_bias_is_saved_and_resumed(tmp_path):
+    """qb_beta is a buffer of the checkpoint: 3 + save + 3 iterations equal 6 straight ones
+    (a resume from a zero bias would route otherwise)."""
+    from megatron_cp.checkpoint.torch_dist_format import read_full
+    argv = f"{BASE} --moe-router-load-balancing-type quantile_balancing --train-iters 6"
+    straight, first, second = run_workers(train_runs, 1, [
+        argv, f"{argv} --exit-interval 3 --save {tmp_path}", f"{argv} --load {tmp_path}"])[0]
+    assert len(straight) == 6 and first + second == straight
+    saved, _ = read_full(str(tmp_path / "iter_0000003"))
+    assert saved["model.decoder.layers.1.mlp.router.qb_beta"].abs().sum() > 0
 
 
 def test_expert_tensor_parallel_size_defaults_to_tp():

@@ -8,10 +8,11 @@ GeLU with biases, NullTokenizer --vocab-size 512, padded by TP; the exact GELU o
 dispatcher, the same with packed documents (padding under CP, EOD tokens loss-masked), and a
 Llama/DeepSeek-style MoE (RMSNorm, SwiGLU, no biases, rope, untied; sigmoid scores with the
 aux-loss-free expert bias, group-limited routing, per-sequence balancing loss, a gated shared
-expert, a dense first layer, alltoall, the router's input jitter), all with Megatron-LM's
+expert, a dense first layer, alltoall, the router's input jitter), three balancing losses
+together with sqrtsoftplus scores, quantile balancing (plain and packed), all with Megatron-LM's
 default dropout (hidden and attention 0.1; every mask, and the jitter, follows global
 coordinates: model/hidden_dropout.py). Layouts: EP alone and borrowing DP ranks, TP x EP with
-ETP 1 and 2, EP x CP (every comm type, packed), EP x PP (also interleaved), TP(SP) x CP x PP x
+ETP 1 and 2 (and quantile balancing), EP x CP (every comm type, packed; quantile balancing), EP x PP (also interleaved), TP(SP) x CP x PP x
 EP, full recomputation (statistics recorded once), the distributed optimizer with overlapped
 reduce-scatter and gathers, and capacity dropping under EP x DP (each rank routes whole
 microbatches, as one process does). The balancing losses would differ if padding, loss-masked tokens, TP/CP splits or the
@@ -37,11 +38,23 @@ LLAMA = ("--normalization RMSNorm --swiglu --disable-bias-linear --position-embe
          "--moe-shared-expert-gate --moe-token-dispatcher-type alltoall "
          "--moe-input-jitter-eps 0.01")
 A2A = "--moe-token-dispatcher-type alltoall"
+# two balancing losses, each with its coefficient (global_aux_loss pools the microbatches
+# that DP ranks run together, so it differs by design between layouts), and Megatron-LM's
+# sqrtsoftplus scores with the expert bias
+LISTED = ("--moe-router-load-balancing-type aux_loss seq_aux_loss "
+          "--moe-aux-loss-coeff 0.05 0.02 --moe-router-score-function sqrtsoftplus "
+          "--moe-router-enable-expert-bias --moe-router-bias-update-rate 0.01")
+QB = ("--moe-router-load-balancing-type quantile_balancing --moe-aux-loss-coeff 0 "
+      "--moe-router-quantile-balancing-ema 0.5")
 REFERENCES = {
     "defaults": BASE,
     "packed": f"{BASE} {PACKED}",
     "llama": f"{BASE} {LLAMA} --moe-layer-freq ([0]+[1])",
     "llama4": f"{BASE} {LLAMA} --num-layers 4 --moe-layer-freq ([0]+[1]*3)",
+    "listed": f"{BASE} {LISTED}",
+    # quantile balancing (no balancing loss): its bias moves after every step
+    "qb": f"{BASE} {QB}",
+    "qb_packed": f"{BASE} {QB} {PACKED}",
     "capacity": f"{BASE} {A2A} --moe-expert-capacity-factor 1.0",
     "padded_capacity": f"{BASE} --moe-expert-capacity-factor 1.5 --moe-token-drop-policy position "
                        f"--moe-pad-expert-input-to-capacity",
@@ -58,13 +71,17 @@ LAYOUTS = {
     "ep2_llama_flex_hybridep": (2, "llama", f"{EP2} --moe-token-dispatcher-type flex "
                                             f"--moe-flex-dispatcher-backend hybridep "
                                             f"--moe-permute-fusion --enable-experimental"),
+    "ep2_listed_balancing_sqrtsoftplus": (2, "listed", f"{EP2} {A2A}"),
     "ep2_capacity": (2, "capacity", EP2),
     "ep2_padded_capacity": (2, "padded_capacity", EP2),
     "ep2_full_recompute": (2, "llama", f"{EP2} --recompute-granularity full "
                                        f"--recompute-method uniform --recompute-num-layers 1"),
     "ep2_distributed_optimizer": (2, "defaults", f"{EP2} {A2A} --use-distributed-optimizer "
                                                  f"--overlap-grad-reduce --overlap-param-gather"),
+    "ep2_qb": (2, "qb", f"{EP2} {A2A}"),
     "ep4": (4, "defaults", f"{EP4} {A2A}"),
+    "tp2_ep2_qb": (4, "qb", f"{TP2} {EP2} --expert-tensor-parallel-size 1 {A2A}"),
+    "ep2_cp2_qb_packed": (4, "qb_packed", f"{EP2} {CP2} --cp-comm-type p2p {A2A}"),
     "tp2_ep2_etp1": (4, "defaults", f"{TP2} {EP2} --expert-tensor-parallel-size 1 {A2A}"),
     "tp2_ep2_etp2": (4, "llama", f"{TP2} {EP2} --expert-tensor-parallel-size 2"),
     "tp2_sp_ep2_etp2_allgather": (4, "defaults", f"{TP2} --sequence-parallel {EP2}"),
@@ -113,6 +130,9 @@ def references():
 def _check(name, curves, reference):
     for column, what in enumerate(("lm loss", "balancing loss", "z-loss", "grad norm")):
         got, want = [step[column] for step in curves], [step[column] for step in reference]
+        if what == "balancing loss" and LAYOUTS[name][1].startswith("qb"):
+            assert got == want == [0.0] * len(want), name  # quantile balancing: no loss
+            continue
         assert min(abs(v) for v in want) > 0, f"{name}: the reference {what} is zero"
         diff = max_rel_diff(got, want)
         print(f"{name:30s} {what:15s} max rel diff {diff:.2e}")

@@ -14,9 +14,11 @@ from megatron_cp.model import GPTConfig
 from megatron_cp.moe import MoELayer
 from megatron_cp.moe import take_stats as moe_take_stats
 from megatron_cp.moe import update_expert_bias as moe_update_expert_bias
+from megatron_cp.moe import update_qb_beta as moe_update_qb_beta
 from megatron_cp.moe.balancing import AttachLoss, aux_loss, z_loss
 from megatron_cp.moe.dispatcher import chunk_order, permute, unpermute
-from megatron_cp.moe.routing import apply_capacity, expert_capacity, topk_routing
+from megatron_cp.moe.routing import (apply_capacity, expert_capacity, scores_for_balancing,
+                                     topk_routing)
 
 close = torch.testing.assert_close
 PREFIX = "decoder.layers.0.mlp"
@@ -35,6 +37,13 @@ def _sigmoid(x):
     return 1.0 / (1.0 + math.exp(-x))
 
 
+def _sqrtsoftplus(x):
+    return math.sqrt(math.log1p(math.exp(x)))
+
+
+ELEMENTWISE = {"sigmoid": _sigmoid, "sqrtsoftplus": _sqrtsoftplus}
+
+
 def _largest(values, k, allowed):
     return sorted(allowed, key=lambda i: -values[i])[:k]
 
@@ -43,7 +52,7 @@ def _route_row(row, k, score="softmax", pre_softmax=False, scale=None, num_group
                group_topk=None, bias=None):
     """One token's (probs [E], chosen experts) computed the long way."""
     experts = len(row)
-    sig = [_sigmoid(x) for x in row]
+    sig = [ELEMENTWISE[score](x) for x in row] if score != "softmax" else None
     if score == "softmax":
         select = _softmax(row) if pre_softmax else list(row)
     else:
@@ -120,6 +129,26 @@ def test_topk_sigmoid_normalised_and_scaling_factor():
     close(probs.sum(1), torch.full((3,), 2.5, dtype=torch.float64))
     _check_routing(LOGITS, 2, score="sigmoid", scale=0.5)
     _check_routing(LOGITS, 2, pre_softmax=True, scale=3.0)
+
+
+def test_topk_sqrtsoftplus_like_sigmoid_with_its_own_scores():
+    """Megatron-LM's sqrtsoftplus: sqrt(log(1 + e^x)) per expert, chosen and normalised as
+    the sigmoid scores are, an expert bias shifting the choice only."""
+    wide = torch.tensor([[1.0, 3.0, 2.0, 0.0, -4.0, 8.0],
+                         [0.5, -30.0, 25.0, 1.5, -1.0, 0.0]], dtype=torch.float64)
+    probs, _ = _check_routing(wide, 2, score="sqrtsoftplus")
+    close(probs.sum(1), torch.ones(2, dtype=torch.float64))
+    probs, _ = _check_routing(wide, 1, [{5}, {2}], score="sqrtsoftplus")
+    close(probs[1, 2].item(), 25.0 ** 0.5, rtol=1e-12, atol=0)  # softplus(x) -> x for large x
+    _check_routing(wide, 3, score="sqrtsoftplus", scale=2.0)
+    _check_routing(wide, 2, [{0, 5}, {0, 2}], score="sqrtsoftplus",
+                   bias=[9.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    _check_routing(wide, 2, num_groups=2, group_topk=1, score="sqrtsoftplus")
+    # the balancing loss averages the scores normalised over all experts
+    want = [[_sqrtsoftplus(x) for x in row] for row in wide.tolist()]
+    want = torch.tensor([[v / sum(row) for v in row] for row in want], dtype=torch.float64)
+    close(scores_for_balancing(wide, "sqrtsoftplus"), want, rtol=1e-12, atol=0)
+    close(scores_for_balancing(wide.float(), "sqrtsoftplus"), want.float())
 
 
 def test_group_limited_routing_scores_groups_by_sum_of_top_scores():
@@ -480,6 +509,40 @@ def test_router_backward_adds_scaled_aux_and_z_loss():
     close(router.stats["tokens_per_expert"].float(), counts)
 
 
+def _router_grad_and_aux(types, coeffs):
+    """(router weight gradient, recorded balancing loss) of one routed microbatch of 2
+    sequences, only the attached losses sending a gradient."""
+    router = _build(_moe_config(moe_router_load_balancing_type=types, moe_aux_loss_coeff=coeffs),
+                    None).router
+    gen = torch.Generator().manual_seed(21)
+    tokens = torch.randn(8, 8, generator=gen)
+    w = torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0])
+    probs, _ = router(tokens, w, torch.arange(2).repeat(4), 2)
+    probs.backward(torch.zeros_like(probs))
+    return router.weight.grad.clone(), router.stats["aux_loss"].item()
+
+
+def test_a_list_of_balancing_types_adds_their_losses_each_with_its_coefficient():
+    """Megatron-LM's list meaning: every aux-loss type of the list, weighted by the
+    coefficient at its place (a single-entry list is the plain value); none adds nothing."""
+    aux_grad, aux = _router_grad_and_aux("aux_loss", 0.3)
+    seq_grad, seq = _router_grad_and_aux("seq_aux_loss", 0.05)
+    both_grad, both = _router_grad_and_aux(("seq_aux_loss", "none", "aux_loss"), (0.05, 0.7, 0.3))
+    close(both_grad, aux_grad + seq_grad)
+    close(both, aux + seq)
+    assert aux > 0 and seq > 0 and abs(aux - seq) > 1e-6
+    one = _moe_config(moe_router_load_balancing_type=("seq_aux_loss",), moe_aux_loss_coeff=(0.5,))
+    assert (one.moe_router_load_balancing_type, one.moe_aux_loss_coeff) == ("seq_aux_loss", 0.5)
+    assert one.balancing_losses() == {"seq_aux_loss": 0.5}
+    # Megatron-LM's order, a zero coefficient adds nothing, a repeated type takes its first
+    listed = _moe_config(moe_router_load_balancing_type=("global_aux_loss", "aux_loss",
+                                                         "seq_aux_loss", "aux_loss"),
+                         moe_aux_loss_coeff=(0.1, 0.2, 0.0, 0.4))
+    assert list(listed.balancing_losses().items()) == [("aux_loss", 0.2), ("global_aux_loss", 0.1)]
+    assert _moe_config(moe_router_load_balancing_type="none",
+                       moe_aux_loss_coeff=0.3).balancing_losses() == {}
+
+
 def test_zero_weight_tokens_do_not_count_in_recorded_losses():
     config = _moe_config(moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01)
     layer = _build(config, None)
@@ -547,6 +610,64 @@ def test_expert_bias_update_and_take_stats():
     close(z, torch.zeros(2, dtype=torch.float64))
     close(tokens, torch.stack([torch.zeros(4, dtype=torch.float64), totals]))
     assert layer.router.stats["tokens_per_expert"].sum() == 0  # reset
+
+
+def _qb_by_hand(logits, beta, weights, k):
+    """Quantile balancing the long way: (each token's experts, and per expert the
+    (m k // E + 1)-th largest of logit - alpha over the m weighted tokens, alpha a token's
+    (k+1)-th largest logit - beta)."""
+    experts = len(beta)
+    chosen, alphas = [], []
+    for row in logits:
+        shifted = sorted(((x - b, i) for i, (x, b) in enumerate(zip(row, beta))), reverse=True)
+        chosen.append({i for _, i in shifted[:k]})
+        alphas.append(shifted[k][0])
+    counted = [t for t, w in enumerate(weights) if w > 0]
+    share = len(counted) * k // experts
+    quantiles = [sorted((logits[t][e] - alphas[t] for t in counted), reverse=True)[share]
+                 for e in range(experts)]
+    return chosen, quantiles
+
+
+def test_quantile_balancing_by_hand():
+    """Each token's experts are the top-k of logits - qb_beta, weighted by the plain score
+    function there; after the global batch the bias moves to ema x bias + (1 - ema) x the
+    mean quantile of its microbatches, centred (Megatron-LM's); evaluation only routes."""
+    config = _moe_config(moe_router_load_balancing_type="quantile_balancing",
+                         moe_router_quantile_balancing_ema=0.25, moe_z_loss_coeff=0.01)
+    layer = _build(config, None)
+    router = layer.router
+    chunk = torch.nn.ModuleList([_Block(1, layer)])
+    beta = [0.3, -0.1, 0.0, -0.2]
+    router.qb_beta.copy_(torch.tensor(beta))
+    gen = torch.Generator().manual_seed(31)
+    quantiles = []
+    for weights in ([1.0] * 9, [1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0]):
+        tokens = torch.randn(9, 8, generator=gen)
+        w = torch.tensor(weights)
+        probs, routing_map = router(tokens, w, torch.zeros(9, dtype=torch.long), 1)
+        logits = (tokens.double() @ router.weight.detach().double().t()).tolist()
+        chosen, q = _qb_by_hand(logits, beta, weights, 2)
+        quantiles.append(q)
+        for t, experts in enumerate(chosen):
+            assert set(torch.nonzero(routing_map[t]).flatten().tolist()) == experts, t
+            picked = sorted(experts)
+            want = _softmax([logits[t][e] for e in picked])  # softmax over the chosen logits
+            close(probs[t, picked].double(), torch.tensor(want, dtype=torch.float64),
+                  rtol=1e-5, atol=1e-6)
+    close(router.qb_sums[-1].item(), 2.0)  # two microbatches counted
+    moe_update_qb_beta([chunk], _OneProcess())
+    new = [0.25 * b + 0.75 * (q0 + q1) / 2 for b, q0, q1 in zip(beta, *quantiles)]
+    new = [v - sum(new) / 4 for v in new]
+    close(router.qb_beta, torch.tensor(new, dtype=torch.float32), rtol=1e-5, atol=1e-6)
+    assert router.qb_sums is None and "qb_beta" in router.state_dict()
+    router.eval()  # evaluation: routed by the bias, nothing recorded
+    tokens = torch.randn(9, 8, generator=gen)
+    _, routing_map = router(tokens, torch.ones(9), torch.zeros(9, dtype=torch.long), 1)
+    logits = (tokens.double() @ router.weight.detach().double().t()).tolist()
+    chosen, _ = _qb_by_hand(logits, router.qb_beta.tolist(), [1.0] * 9, 2)
+    assert [set(torch.nonzero(r).flatten().tolist()) for r in routing_map] == chosen
+    assert router.qb_sums is None
 
 
 # --- multi-process parity -------------------------------------------------------------------

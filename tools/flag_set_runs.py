@@ -20,7 +20,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_cp.device import accelerator_available  # noqa: E402
-from megatron_cp.rerun import EXIT_CODE_RESUME_TO_DISAMBIGUATE  # noqa: E402
+from megatron_cp.rerun import (EXIT_CODE_FAILED_ON_RESULT_VALIDATION,  # noqa: E402
+                                EXIT_CODE_RESUME_TO_DISAMBIGUATE)
 from tools.fim_corpus import fim_corpus_flags  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -185,18 +186,26 @@ def run(argv, workdir, timeout=900, gpus=None, launcher="torchrun"):
 
 def stops_as_written(argv, status, out):
     """Whether a set that did not train its iterations stopped the way its authors wrote it
-    to: a set injecting a persistent error (``--rerun-mode validate_results
-    --error-injection-type persistent_error``, Megatron-LM's gpt3_mcore_reruns_persistent_1
-    tests) is meant to see the error come back on the in-place rerun, save a checkpoint and
-    exit with status 16 so that the step is rerun on another GPU (its test checks those log
-    lines and that exit). The injection is random (one in --error-injection-rate
-    validations per rank), so such a set trains its iterations or stops so, either being
-    what the set is for."""
-    if (_value(argv, "--rerun-mode", kind=str) != "validate_results"
-            or _value(argv, "--error-injection-type", kind=str) != "persistent_error"):
+    to. The sets injecting errors (``--rerun-mode validate_results``, Megatron-LM's
+    gpt3_mcore_reruns_* tests) inject one at random (one in --error-injection-rate
+    validations per rank), so each trains its iterations or stops as its test checks:
+
+    - a persistent error (``persistent_error``) comes back on the in-place rerun: a checkpoint
+      is saved and the job exits with status 16, to rerun the step on another GPU;
+    - a transient one (``transient_error``) does not: "Possible transient error!" and exit
+      status 17 (resume from the last checkpoint), as its test's log check expects."""
+    if _value(argv, "--rerun-mode", kind=str) != "validate_results":
         return False
-    return (status == EXIT_CODE_RESUME_TO_DISAMBIGUATE
-            and "Injecting error type Persistent error" in out and "checkpoint was saved" in out)
+    kind = _value(argv, "--error-injection-type", kind=str)
+    if kind == "persistent_error":
+        return (status == EXIT_CODE_RESUME_TO_DISAMBIGUATE
+                and "Injecting error type Persistent error" in out
+                and "checkpoint was saved" in out)
+    if kind == "transient_error":
+        return (status == EXIT_CODE_FAILED_ON_RESULT_VALIDATION
+                and "Injecting error type Transient error" in out
+                and "Possible transient error!" in out)
+    return False
 
 
 def _expected(argv):

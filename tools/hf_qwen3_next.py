@@ -154,7 +154,7 @@ def from_hf(hf_dir):
 # The settings every Qwen3NextForCausalLM has (its norms store w of 1 + w: zero-centred)
 REQUIRED = {"normalization": "RMSNorm", "swiglu": True, "disable_bias_linear": True,
             "apply_layernorm_1p": True, "qk_layernorm": True, "attention_output_gate": True,
-            "experimental_attention_variant": "gdn"}
+            "experimental_attention_variant": "gdn", "position_embedding_type": "rope"}
 
 
 def to_hf(full, args, out_dir, token_ids=None):

@@ -5,11 +5,13 @@ folder gets what ``transformers.AutoTokenizer.from_pretrained(folder)`` needs to
 to the ids megatron_cp's tokenizer gives (no bos/eos added: megatron_cp's documents carry
 none, and end with the eod token):
 
-- SentencePieceTokenizer: ``tokenizer.json`` built from the ``.model`` (see
+- SentencePieceTokenizer (and its aliases GPTSentencePieceTokenizer, Llama2Tokenizer):
+  ``tokenizer.json`` built from the ``.model`` (see
   tools/hf_sentencepiece.py), a copy of the ``.model`` as ``tokenizer.model``;
 - GPT2BPETokenizer: ``vocab.json`` + ``merges.txt`` for ``GPT2Tokenizer``;
 - HuggingFaceTokenizer: the tokenizer files of its folder, or its ``tokenizer.json``;
 - NullTokenizer: nothing (text is whitespace-separated ids); a printed note says so.
+- TikTokenizer: none; the export refuses it (pass --hf-skip-tokenizer for the weights).
 
 Each writes a ``tokenizer_config.json``; ``split_special_tokens`` keeps text such as
 ``</s>`` as plain characters, as megatron_cp's tokenizers read it.
@@ -18,7 +20,7 @@ import json
 import os
 import shutil
 
-SENTENCEPIECE = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer")
+from megatron_cp.config.data import SENTENCEPIECE_TYPES as SENTENCEPIECE
 # the arguments naming each tokenizer's files
 NEEDS = {**{kind: ("tokenizer_model",) for kind in SENTENCEPIECE},
          "GPT2BPETokenizer": ("vocab_file", "merge_file"),
@@ -88,7 +90,8 @@ def tokenizer_kind(args):
     if kind in (None, "NullTokenizer"):
         return kind
     if kind not in NEEDS:
-        raise ValueError(f"tokenizer_type {kind!r} has no Hugging Face export")
+        raise ValueError(f"tokenizer_type {kind!r} has no Hugging Face export; pass "
+                         f"--hf-skip-tokenizer to export the weights alone")
     _check_files(args, kind)
     return kind
 

@@ -21,7 +21,11 @@ def _true_vocab(args):
     try:
         return build_tokenizer(args.get("tokenizer_type") or "NullTokenizer",
                                args.get("tokenizer_model"), args.get("vocab_file"),
-                               args.get("merge_file"), args.get("vocab_size")).vocab_size
+                               args.get("merge_file"), args.get("vocab_size"),
+                               tiktoken_pattern=args.get("tiktoken_pattern"),
+                               tiktoken_num_special_tokens=args.get(
+                                   "tiktoken_num_special_tokens") or 1000,
+                               special_tokens=args.get("special_tokens")).vocab_size
     except (ValueError, OSError, TypeError):
         return None
 

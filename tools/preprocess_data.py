@@ -62,7 +62,9 @@ def tokenizer_of(args):
     """The tokenizer that this tool's tokenizer flags name."""
     return build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file,
                            args.merge_file, args.vocab_size,
-                           not args.tokenizer_hf_no_include_special_tokens)
+                           not args.tokenizer_hf_no_include_special_tokens,
+                           args.tiktoken_pattern, args.tiktoken_num_special_tokens,
+                           args.special_tokens)
 
 
 def get_args(argv=None):
@@ -79,7 +81,14 @@ def get_args(argv=None):
                             "tokenizer folder or tokenizer.json file")
     group.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json")
     group.add_argument("--merge-file", default=None, help="GPT-2 merges.txt")
-    group.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocab size")
+    group.add_argument("--vocab-size", type=int, default=None,
+                       help="NullTokenizer vocab size; TikTokenizer's vocabulary (default 2^17)")
+    group.add_argument("--tiktoken-pattern", choices=["v1", "v2"], default=None,
+                       help="TikTokenizer's pre-tokenization regex (default v2)")
+    group.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
+                       help="TikTokenizer: ids below this are special tokens")
+    group.add_argument("--tokenizer-special-tokens", nargs="+", default=None,
+                       dest="special_tokens", help="TikTokenizer's special tokens")
     group.add_argument("--tokenizer-hf-no-include-special-tokens", action="store_true",
                        help="HuggingFaceTokenizer: encode without the special tokens (bos, ...) "
                             "the tokenizer adds by default, as Megatron-LM's flag")

@@ -159,7 +159,7 @@ def is_expert(name):
 
 def is_buffer(name):
     """True for a state-dict entry that is a buffer, not a param (no optimizer state)."""
-    return name.endswith("router.expert_bias")
+    return name.endswith(("router.expert_bias", "router.qb_beta"))
 
 
 def tp_spec(name, swiglu):

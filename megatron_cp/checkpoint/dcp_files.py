@@ -46,7 +46,10 @@ def check_files(folder):
 
 def checkpoint_group(trainer):
     """A gloo group over every rank for checkpoint coordination (created once, collectively),
-    so a background save never shares a communicator with training."""
+    so a background save never shares a communicator with training; the default group (None)
+    under --disable-gloo-process-groups, which writes an --async-save synchronously."""
+    if not trainer.run.parallel.use_gloo_process_groups:
+        return None
     group = getattr(trainer, "_checkpoint_group", None)
     if group is None:
         group = dist.new_group(backend="gloo")
@@ -83,13 +86,16 @@ def write(trainer, root, state, planner, rank0_files=None, before_commit=None):
     ``rank0_files(tmp)`` writes rank 0's further files; ``before_commit(tmp)`` runs on rank 0
     once every rank has written."""
     st, checkpoint = trainer.state, trainer.run.checkpoint
+    # a background writer coordinates over a gloo group of its own: without gloo groups
+    # (--disable-gloo-process-groups) the save is written before training goes on
+    async_save = checkpoint.async_save and trainer.run.parallel.use_gloo_process_groups
     rng = None if checkpoint.no_save_rng else training_state.rng_state(trainer)
     it = trainer.iteration
     tmp = files.iteration_dir(root, it) + ".tmp"
     group = checkpoint_group(trainer)
     attempt = files.save_attempt(root, it, group)
     attempt.start()  # the ranks agree after each phase (where a barrier was)
-    if checkpoint.async_save:
+    if async_save:
         state = {key: value.staged() if hasattr(value, "staged") else value
                  for key, value in state.items()}
 
@@ -110,7 +116,7 @@ def write(trainer, root, state, planner, rank0_files=None, before_commit=None):
         attempt.phase(write_files)
         attempt.phase(commit)
 
-    if checkpoint.async_save:
+    if async_save:
         trainer.pending_save = AsyncSave(write_all)
     else:
         write_all()

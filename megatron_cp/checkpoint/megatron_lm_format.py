@@ -74,7 +74,8 @@ EXTRA_STATE_LAYERS = ("self_attention.linear_qkv", "self_attention.linear_proj",
                       "mlp.shared_experts.linear_fc2")
 EXPERT_EXTRA_STATE = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
 # scheduler state that Megatron counts in samples (ours: in iterations)
-SAMPLE_COUNTS = ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps")
+SAMPLE_COUNTS = ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps",
+                 "wsd_decay_steps")
 
 
 def is_megatron_lm(folder):

@@ -53,7 +53,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from megatron_cp.checkpoint import dcp_files, files, integrity
+from megatron_cp.checkpoint import dcp_files, files, integrity, strictness
 from megatron_cp.checkpoint import state as training_state
 from megatron_cp.checkpoint.pieces import PiecesLoadPlanner, PiecesSavePlanner
 
@@ -73,6 +73,18 @@ def read_common(folder):
                            keys=("iteration", "consumed_samples", "args", "has_optimizer"))
 
 
+def saved_keys(folder):
+    """The tensor keys the checkpoint in ``folder`` holds (its DCP index)."""
+    return set(dcp.FileSystemReader(folder).read_metadata().state_dict_metadata)
+
+
+def _say(trainer):
+    def say(line):
+        if trainer.state.global_rank == 0:
+            print(f" {line}", flush=True)
+    return say
+
+
 def save(trainer, root):
     """Save ``trainer`` under ``root`` (every rank calls it) as its checkpoint section
     (``trainer.run.checkpoint``) says: in the background with ``--async-save``; see the
@@ -83,7 +95,6 @@ def save(trainer, root):
     with_optimizer = not checkpoint.no_save_optim
     state = training_state.sharded_state(trainer, with_optimizer)
     common = {**training_state.common(trainer, with_optimizer), "ckpt_format": "torch_dist"}
-    checkpoint = trainer.run.checkpoint
 
     def common_file(tmp):
         files.atomic_torch_save(common, os.path.join(tmp, COMMON))
@@ -106,6 +117,9 @@ def load(trainer, root, it):
 
     def read(state):
         dcp_files.check_files(folder)
+        state = strictness.apply(trainer.run.checkpoint.dist_ckpt_strictness, state,
+                                 saved_keys(folder), folder, _say(trainer),
+                                 dcp_files.checkpoint_group(trainer))
         dcp_files.read_dcp(folder, state, PiecesLoadPlanner(), dcp_files.checkpoint_group(trainer))
 
     return training_state.restore(trainer, root, it, common, read)

@@ -29,7 +29,8 @@ LAYOUT_SETTINGS = ("sequence_parallel", "cp_comm_type", "hierarchical_context_pa
 RUN_SETTINGS = ("hidden_dropout", "attention_dropout", "recompute_granularity",
                 "recompute_method", "recompute_num_layers", "seed", "init_method_std",
                 "params_dtype", "torch_compile", "torch_compile_mode", "attention_kernel")
-TOKENIZER_ARGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")
+TOKENIZER_ARGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size",
+                  "tiktoken_pattern", "tiktoken_num_special_tokens", "special_tokens")
 # what a run cannot go without; the checkpoint or the command line must give it
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
 

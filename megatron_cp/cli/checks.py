@@ -9,9 +9,9 @@ import os
 import torch
 
 from megatron_cp import rerun, wandb_logging
-from megatron_cp.cli.megatron_flags import apply_compat_flags
+from megatron_cp.cli.megatron_flags import apply_compat_flags, dispatcher_note
 from megatron_cp.config.checkpoint import CheckpointConfig
-from megatron_cp.config.data import DataConfig
+from megatron_cp.config.data import NOT_BUILT_TOKENIZERS, SENTENCEPIECE_TYPES, DataConfig
 from megatron_cp.config.logging import LoggingConfig
 from megatron_cp.config.model import GPTConfig
 from megatron_cp.config.optimizer import OptimizerConfig
@@ -109,6 +109,13 @@ def _apply_megatron_flags(args, defaults):
     args.compat_notes, problems = apply_compat_flags(args, defaults)
     args.compat_notes += fsdp.apply_megatron_fsdp(args)
     problems += fsdp_problems
+    if args.moe_token_dispatcher_type == "flex":
+        args.compat_notes.append(dispatcher_note("flex"))
+    if args.async_save and not args.use_gloo_process_groups:
+        args.compat_notes.append(
+            "--async-save with --disable-gloo-process-groups: ignored (speed): each save is "
+            "written before training goes on; megatron_cp's background writer coordinates over "
+            "a gloo group of its own, which the flag does not create")
     if problems:
         raise ArgumentErrors(problems)
 
@@ -248,6 +255,11 @@ def _validate_optimizer_and_checkpoint(args):
     if args.async_save and args.ckpt_format not in ("torch_dist", "fsdp_dtensor"):
         raise ValueError(f"--async-save writes --ckpt-format torch_dist or fsdp_dtensor "
                          f"checkpoints, not {args.ckpt_format}; add --ckpt-format torch_dist")
+    if (args.distributed_timeout_seconds_after_init is not None
+            and args.distributed_timeout_seconds_after_init <= 0):
+        raise ValueError(f"--distributed-timeout-seconds-after-init "
+                         f"({args.distributed_timeout_seconds_after_init}) is a timeout in "
+                         f"seconds: give a positive number")
     if args.verify_integrity and args.ckpt_format != "torch_dist":
         raise ValueError(f"--verify-integrity hashes --ckpt-format torch_dist checkpoints "
                          f"(Megatron-LM's rule), not {args.ckpt_format}; add --ckpt-format "
@@ -312,9 +324,22 @@ def _validate_model(args, names, sizes_ok=True):
                                     args.expert_tensor_parallel_size)
         # pad tokens repeat their document's last position: only real positions need rows
         config.check_positions(args.seq_length, "seq_length")
+        _check_quantile_share(config, args.micro_batch_size * args.seq_length)
     except ValueError as err:
         raise ValueError(name_flags(str(err), names)) from err
     fill_args(config, args)
+
+
+def _check_quantile_share(config, tokens):
+    """Quantile balancing's fair share of a microbatch's ``tokens``: tokens x top-k routed
+    assignments must divide over the experts (Megatron-LM's qb_dual_update asserts it)."""
+    if (config.num_moe_experts and config.moe_router_load_balancing_type == "quantile_balancing"
+            and tokens * config.moe_router_topk % config.num_moe_experts):
+        raise ValueError(f"moe_router_load_balancing_type 'quantile_balancing' gives each expert "
+                         f"a fair share of a microbatch's micro_batch_size x seq_length "
+                         f"({tokens}) tokens x moe_router_topk ({config.moe_router_topk}) "
+                         f"assignments, which must divide by num_moe_experts "
+                         f"({config.num_moe_experts}) (Megatron-LM's rule); change one of them")
 
 
 def _samples_to_iters(samples, global_batch_size):
@@ -373,6 +398,7 @@ def _validate_schedule(args):
             raise ValueError(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than "
                              f"--lr-decay-iters ({args.lr_decay_iters}, default --train-iters); "
                              f"shorten the warmup or lengthen the decay")
+    args.wsd_decay_steps = _wsd_decay_steps(args, schedule.stepped)
     given = [flag for flag, value in (("--start-weight-decay", args.start_weight_decay),
                                       ("--end-weight-decay", args.end_weight_decay))
              if value is not None]
@@ -389,6 +415,43 @@ def _validate_schedule(args):
     # DDP takes the bucket size in MB of its fp32 gradient buffer; Megatron counts elements.
     args.ddp_bucket_size_mb = 40.0 if args.ddp_bucket_size is None else \
         args.ddp_bucket_size * 4 / 2 ** 20
+
+
+def _wsd_decay_steps(args, in_samples):
+    """WSD's annealing length in the scheduler's unit (samples when ``in_samples``, else
+    iterations), None without WSD. As Megatron-LM: --lr-wsd-decay-iters with --train-iters
+    (times --global-batch-size in samples), --lr-wsd-decay-samples with --train-samples; its
+    scheduler stops without the one its training length reads."""
+    by_samples = args.train_samples is not None
+    flags = {"--lr-wsd-decay-iters": args.lr_wsd_decay_iters,
+             "--lr-wsd-decay-samples": args.lr_wsd_decay_samples}
+    given = [flag for flag, value in flags.items() if value is not None]
+    if args.lr_decay_style != "WSD":
+        if args.lr_wsd_decay_style != "exponential":
+            given.append(f"--lr-wsd-decay-style {args.lr_wsd_decay_style}")
+        if given:
+            one = len(given) == 1
+            raise ValueError(f"{' and '.join(given)} {'shapes' if one else 'shape'} the "
+                             f"annealing of --lr-decay-style WSD, and the decay style is "
+                             f"{args.lr_decay_style}; add --lr-decay-style WSD or drop "
+                             f"{'it' if one else 'them'}")
+        return None
+    flag, length = ("--train-samples", "--train-iters") if by_samples else \
+        ("--train-iters", "--train-samples")
+    own = "--lr-wsd-decay-samples" if by_samples else "--lr-wsd-decay-iters"
+    other = "--lr-wsd-decay-iters" if by_samples else "--lr-wsd-decay-samples"
+    if flags[other] is not None:
+        raise ValueError(f"{other} goes with {length}; with {flag} give the annealing phase "
+                         f"of --lr-decay-style WSD as {own}")
+    value = flags[own]
+    if value is None:
+        raise ValueError(f"--lr-decay-style WSD needs {own} (the length of its annealing "
+                         f"phase, at the end of the decay) with {flag}")
+    if value < 0:
+        raise ValueError(f"{own} ({value}) must be >= 0")
+    if by_samples:
+        return value if in_samples else _samples_to_iters(value, args.global_batch_size)
+    return value * args.global_batch_size if in_samples else value
 
 
 def _lr_lengths_in_samples(args):
@@ -412,7 +475,8 @@ def _lr_lengths_in_samples(args):
 
 def _validate_data(args, need_data=True):
     """A data source (when ``need_data``) whose files exist and open."""
-    if need_data and not args.mock_data:
+    split_paths = any(vars(args).get(f"{split}_data_path") for split in ("train", "valid", "test"))
+    if need_data and not args.mock_data and not split_paths:  # those are refused (the table)
         if not args.data_path:
             raise ValueError("no data: give --data-path PREFIX (from tools/preprocess_data.py) "
                              "or --mock-data")
@@ -429,10 +493,20 @@ def _validate_split(args):
 
 
 def _validate_tokenizer(args):
-    """The tokenizer has what it needs, and its files exist."""
-    needs_model = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer")
-    if args.tokenizer_type in needs_model and not args.tokenizer_model:
-        raise ValueError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
+    """The tokenizer is built here (and its package installed), has what it needs, and its
+    files exist."""
+    from megatron_cp.data import tokenizers
+    kind = args.tokenizer_type
+    if kind in NOT_BUILT_TOKENIZERS:
+        raise ValueError(f"--tokenizer-type {kind}: {NOT_BUILT_TOKENIZERS[kind]}")
+    if kind == "TikTokenizer":
+        if not tokenizers.tiktoken_available():
+            raise ValueError(tokenizers.TIKTOKEN_MISSING)
+        tokenizers.check_tiktoken_settings(args.special_tokens, args.tiktoken_num_special_tokens,
+                                           args.vocab_size)
+    needs_model = SENTENCEPIECE_TYPES + ("HuggingFaceTokenizer", "TikTokenizer")
+    if kind in needs_model and not args.tokenizer_model:
+        raise ValueError(f"--tokenizer-type {kind} needs --tokenizer-model")
     if args.tokenizer_type == "GPT2BPETokenizer" and not (args.vocab_file and args.merge_file):
         raise ValueError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
     _check_tokenizer_files(args)
@@ -465,9 +539,9 @@ def _check_tokenizer_files(args):
     """The tokenizer's files exist (a Hugging Face --tokenizer-model may also be a hub name),
     and a sentencepiece --tokenizer-model is the binary .model, not its .vocab listing."""
     files = []
-    if args.tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
+    if args.tokenizer_type in SENTENCEPIECE_TYPES + ("TikTokenizer",):
         files.append(("--tokenizer-model", args.tokenizer_model))
-        if args.tokenizer_model.endswith(".vocab"):
+        if args.tokenizer_type != "TikTokenizer" and args.tokenizer_model.endswith(".vocab"):
             model = args.tokenizer_model[:-len(".vocab")] + ".model"
             raise ValueError(f"--tokenizer-model {args.tokenizer_model} is sentencepiece's "
                              f"vocabulary listing; give the model file ({model})")

@@ -15,6 +15,12 @@ DELIBERATE = (
      "and the expert mesh is built inside each pipeline stage in either order"),
     ("--distributed-backend default", "nccl", "nccl where CUDA is available, else gloo",
      "the same on a GPU cluster; a CPU run (the tests, CI, a laptop) needs no flag"),
+    ("MoE routing statistics (balancing losses' token counts, quantile balancing's quantiles)",
+     "count every token of the microbatch",
+     "count the tokens with loss (padding and loss-masked tokens left out; the same when "
+     "nothing is masked)",
+     "padding differs between layouts and packed documents, so counting only loss tokens "
+     "keeps every layout equal to the one-process run"),
     ("context-parallel loss", "each CP rank divides its loss by its own token count",
      "the whole microbatch's token count (one all-reduce)",
      "every layout then equals the one-process run, which Megatron-LM's CP runs do not"),

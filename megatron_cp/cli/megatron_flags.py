@@ -8,11 +8,21 @@ flags. Each one is, in megatron_cp:
   (megatron_cp/config/, see setting.py), and read by the code; or
 - an entry of this table, of one kind:
 
-  - ``SAME``: accepted; it selects what megatron_cp does anyway (a performance, kernel or
-    I/O knob with no effect on what is computed, logged or saved). A line saying so goes to
-    ``args.compat_notes`` (the start-up banner prints it once).
+  - ``SAME``: accepted; megatron_cp always computes what it selects (a fp32 softmax, an
+    unfused kernel, a parallel checkpoint load). Its start-up note says what megatron_cp does.
+  - ``IGNORED``: accepted, though it changes something in Megatron-LM that megatron_cp does
+    not do: speed, I/O, logging or memory only, never a result. Its start-up note says
+    "ignored: in Megatron-LM it <what it does>"; for a memory saving, a WARNING that this run
+    does not save it.
+
   - ``MAP``: a Megatron-LM alias, rewritten to the flag it stands for.
   - ``REFUSE``: giving it is an error naming the flag, why, and what to use instead.
+
+Each SAME / IGNORED entry has an ``effect`` class: what the flag changes in Megatron-LM
+(numerics, behaviour, memory, speed, I/O, logging; none where Megatron-LM reads it
+nowhere), and ``megatron_flag_sources.json`` (tools/megatron_flag_sources.py) gives the
+line where Megatron-LM reads it at the census commit. A numerics or behaviour flag is never
+IGNORED: it is built (a config section's field), SAME, or refused.
 
 An entry may also refuse some values only (``refuse={value: why}``), e.g. ``--ckpt-format
 zarr``, or need another flag's value (``needs``). A flag counts as given when its value
@@ -20,7 +30,8 @@ differs from its default, which is Megatron-LM's: passing a refused flag at Mega
 default is not refused.
 
 The explicit entries (``COMPAT_FLAGS``) carry their own argparse spec. The grouped ones
-(``AS_IS`` and ``NOT_BUILT``: a reason and the flags it covers) take theirs from the census,
+(``AS_IS``: kind, effect, text and the flags; ``NOT_BUILT``: a reason and the flags it
+covers) take theirs from the census,
 so they parse exactly as Megatron-LM's parser does. tests/test_megatron_flag_census.py holds
 the table, the census and the parser together.
 """
@@ -30,7 +41,13 @@ import json
 import os
 from dataclasses import dataclass, field
 
-SAME, MAP, REFUSE = "same", "map", "refuse"
+SAME, IGNORED, MAP, REFUSE = "same", "ignored", "map", "refuse"
+# what a flag changes in Megatron-LM (its effect class); NONE: Megatron-LM reads it nowhere
+NUMERICS, BEHAVIOUR, MEMORY, SPEED, IO, LOGGING, NONE = (
+    "numerics", "behaviour", "memory", "speed", "I/O", "logging", "none")
+EFFECTS = (NUMERICS, BEHAVIOUR, MEMORY, SPEED, IO, LOGGING, NONE)
+# an ignored flag may only change what needs no result to change
+IGNORABLE = (MEMORY, SPEED, IO, LOGGING)
 
 
 @dataclass(frozen=True)
@@ -45,6 +62,7 @@ class CompatFlag:
     sets: tuple = ()  # MAP: (argument name, value)
     needs: tuple = ()  # (argument name, values it must have, why not otherwise): a condition
     aliases: tuple = ()  # Megatron-LM's other spellings of the flag
+    effect: str = ""  # SAME / IGNORED: what it changes in Megatron-LM (EFFECTS)
 
     @property
     def dest(self):
@@ -65,93 +83,105 @@ COMPAT_FLAGS = (
                argparse=dict(choices=["apply_wd_to_qk_layernorm"], default=None),
                sets=("apply_wd_to_qk_layernorm", True)),
     CompatFlag("--log-throughput", SAME, "the log line always shows throughput (TFLOP/s per "
-               "GPU, tokens per second)"),
+               "GPU, tokens per second)", effect=LOGGING),
     CompatFlag("--timing-log-level", SAME, "level 0: the log line times the whole iteration",
                group="checkpointing and logging",
                argparse=dict(type=int, choices=[0, 1, 2], default=0),
                refuse={1: "per-phase timers (level 1 and 2) are not built; the log line times "
                           "the whole iteration (level 0) and --profile traces the phases",
                        2: "per-phase timers (level 1 and 2) are not built; the log line times "
-                          "the whole iteration (level 0) and --profile traces the phases"}),
+                          "the whole iteration (level 0) and --profile traces the phases"},
+               effect=LOGGING),
     CompatFlag("--dataloader-type", SAME, "samples are read in order by the single sampler",
                group="data",
                argparse=dict(choices=["single", "cyclic", "external"], default="single"),
                refuse={"cyclic": "the cyclic (random, epoch-reshuffled) sampler is not built; "
                                  "use --dataloader-type single",
                        "external": "external data loaders are not built; "
-                                   "use --dataloader-type single"}),
+                                   "use --dataloader-type single"}, effect=NUMERICS),
     # --- accepted, they select what megatron_cp does anyway ---
     CompatFlag("--accumulate-allreduce-grads-in-fp32", SAME, "gradients always accumulate and "
-               "are all-reduced in fp32 buffers"),
-    CompatFlag("--attention-softmax-in-fp32", SAME, "the attention softmax always runs in fp32"),
+               "are all-reduced in fp32 buffers", effect=NUMERICS),
+    CompatFlag("--attention-softmax-in-fp32", SAME, "the attention softmax always runs in fp32",
+               effect=NUMERICS),
     CompatFlag("--apply-query-key-layer-scaling", SAME, "it does not change the math here: the "
-               "scaling only guards an fp16 softmax, and the softmax runs in fp32"),
-    CompatFlag("--no-masked-softmax-fusion", SAME, _NO_FUSION),
+               "scaling only guards an fp16 softmax, and the softmax runs in fp32",
+               effect=NUMERICS),
+    CompatFlag("--no-masked-softmax-fusion", SAME, _NO_FUSION, effect=SPEED),
     CompatFlag("--openai-gelu", SAME, "Megatron-LM reads it nowhere at this commit: its GELU is "
                "the bias-GELU fusion's tanh approximation (the default with biases) or the "
                "exact erf one (--no-bias-gelu-fusion, --disable-bias-linear), as here",
-               group="model"),
+               group="model", effect=NONE),
     CompatFlag("--use-te-activation-func", SAME, _NO_FUSION, group="model",
                needs=("swiglu", (True,),
                       "Megatron-LM refuses it with the bias-GELU fusion and with --squared-relu, "
                       "and otherwise computes Transformer Engine's tanh GELU, which is not built; "
-                      "drop it (the default bias-GELU fusion computes that tanh GELU)")),
-    CompatFlag("--no-bias-dropout-fusion", SAME, _NO_FUSION),
-    CompatFlag("--no-bias-swiglu-fusion", SAME, _NO_FUSION),
-    CompatFlag("--no-rope-fusion", SAME, _NO_FUSION),
+                      "drop it (the default bias-GELU fusion computes that tanh GELU)"),
+               effect=NUMERICS),
+    CompatFlag("--no-bias-dropout-fusion", SAME, _NO_FUSION, effect=SPEED),
+    CompatFlag("--no-bias-swiglu-fusion", SAME, _NO_FUSION, effect=SPEED),
+    CompatFlag("--no-rope-fusion", SAME, _NO_FUSION, effect=SPEED),
     CompatFlag("--no-gradient-accumulation-fusion", SAME, "weight gradients accumulate with "
-               "plain PyTorch ops into the fp32 gradient buffers"),
+               "plain PyTorch ops into the fp32 gradient buffers", effect=SPEED),
     CompatFlag("--no-async-tensor-model-parallel-allreduce", SAME, "tensor-parallel collectives "
-               "run synchronously inside their autograd functions"),
+               "run synchronously inside their autograd functions", effect=SPEED),
     CompatFlag("--no-persist-layer-norm", SAME, "norms come from torch, apex or Transformer "
-               "Engine, chosen per device; none is the persistent kernel"),
-    CompatFlag("--use-flash-attn", SAME, "attention kernels are chosen per device "
-               "(PyTorch flash/SDPA on CUDA)"),
-    CompatFlag("--attention-backend", SAME, "attention kernels are chosen per device "
-               "(PyTorch flash/SDPA on CUDA)",
-               argparse=dict(choices=["auto", "flash", "fused", "unfused", "local"], default="auto")),
-    CompatFlag("--transformer-impl", SAME, "layers are megatron_cp's own PyTorch modules; norms "
-               "use Transformer Engine when it is installed", argparse=dict(
+               "Engine, chosen per device; none is the persistent kernel", effect=SPEED),
+    CompatFlag("--use-flash-attn", SAME, "Megatron-LM reads it nowhere at this commit; "
+               "attention kernels are chosen per device (cuDNN or flash SDPA on CUDA)",
+               effect=NONE),
+    CompatFlag("--attention-backend", IGNORED, "selects the core-attention kernel (flash, fused, "
+               "unfused, local; here it is chosen per device; the same attention)",
+               argparse=dict(choices=["auto", "flash", "fused", "unfused", "local"], default="auto"),
+               effect=SPEED),
+    CompatFlag("--transformer-impl", IGNORED, "selects Transformer Engine's or the local layer "
+               "implementation (here megatron_cp's own PyTorch layers run either way; norms use "
+               "Transformer Engine when it is installed)", argparse=dict(
                    choices=["local", "transformer_engine", "inference_optimized"],
                    default="transformer_engine"),
                refuse={"inference_optimized": "Megatron-LM's inference-only layers are not "
                                               "built; drop it (the same layers generate text: "
-                                              "tools/run_text_generation.py)"}),
-    CompatFlag("--use-mcore-models", SAME, "the model is Megatron-core style already"),
+                                              "tools/run_text_generation.py)"}, effect=SPEED),
+    CompatFlag("--use-mcore-models", SAME, "the model is Megatron-core style already",
+               effect=NONE),
     CompatFlag("--use-cpu-initialization", SAME, "weights are initialised from per-parameter "
-               "seeds, identical under every parallel layout, on any device"),
-    CompatFlag("--empty-unused-memory-level", SAME, "the caching allocator is not emptied "
-               "between steps", argparse=dict(type=int, choices=[0, 1, 2], default=0)),
-    CompatFlag("--cross-entropy-loss-fusion", SAME, "the vocab-parallel cross entropy is one "
-               "autograd function computed in fp32"),
+               "seeds, identical under every parallel layout, on any device", effect=NUMERICS),
+    CompatFlag("--cross-entropy-loss-fusion", IGNORED, "fuses the vocab-parallel cross entropy "
+               "into one kernel (here the plain fp32 autograd function computes the same loss)",
+               effect=SPEED),
     CompatFlag("--moe-grouped-gemm", SAME, "the local experts always run in one grouped matmul "
-               "(torch.nn.functional.grouped_mm) where torch supports the case, else a loop"),
-    CompatFlag("--moe-use-legacy-grouped-gemm", SAME, "the local experts always run in one "
-               "grouped matmul (torch.nn.functional.grouped_mm) where torch supports the case"),
-    CompatFlag("--moe-permute-fusion", SAME, "tokens are permuted with plain index ops; no "
-               "fused permute kernel is used"),
-    CompatFlag("--moe-router-fusion", SAME, "the router's top-k and softmax/sigmoid are plain "
-               "PyTorch ops"),
-    CompatFlag("--moe-shared-expert-overlap", SAME, "the shared expert runs after the routed "
-               "experts, not overlapped with their dispatch"),
+               "(torch.nn.functional.grouped_mm) where torch supports the case, else a loop",
+               effect=SPEED),
+    CompatFlag("--moe-use-legacy-grouped-gemm", IGNORED, "runs the local experts through the "
+               "legacy GroupedGEMM package instead of Transformer Engine's (here torch grouped_mm "
+               "computes the same)", effect=SPEED),
+    CompatFlag("--moe-permute-fusion", IGNORED, "permutes tokens to experts with Transformer "
+               "Engine's fused kernels (here plain index ops move the same tokens)", effect=SPEED),
+    CompatFlag("--moe-router-fusion", IGNORED, "runs the router's top-k and score function as one "
+               "fused kernel (here plain PyTorch ops compute the same routing)", effect=SPEED),
+    CompatFlag("--moe-shared-expert-overlap", IGNORED, "overlaps the shared expert with the "
+               "routed experts' token exchange (here it runs after them)", effect=SPEED),
     # --- refused ---
     CompatFlag("--no-position-embedding", SAME, "no learned position table: rotary "
                "embeddings (--position-embedding-type rope) have none",
                needs=("position_embedding_type", ("rope",),
                       "is Megatron-LM's deprecated spelling, accepted only beside "
                       "--position-embedding-type rope (no learned table to turn off); choose "
-                      "the positions with --position-embedding-type and drop it")),
-    CompatFlag("--mla-down-proj-fusion", SAME, "the query and key/value down projections "
-               "of multi-latent attention run as two plain matmuls (the same values)",
+                      "the positions with --position-embedding-type and drop it"),
+               effect=NUMERICS),
+    CompatFlag("--mla-down-proj-fusion", IGNORED, "fuses multi-latent attention's query and "
+               "key/value down projections into one matmul (here two plain matmuls compute the "
+               "same values)",
                group="model",
                needs=("multi_latent_attention", (True,),
                       "fuses multi-latent attention's down projections; add "
-                      "--multi-latent-attention or drop it")),
+                      "--multi-latent-attention or drop it"), effect=SPEED),
     CompatFlag("--yarn-correction-range-round-to-int", SAME, "YaRN's ramp ends are rounded to "
                "whole channel pairs by default (--no-yarn-correction-range-round-to-int turns "
                "it off)", group="model", argparse=dict(action="store_true", default=None),
                needs=("no_yarn_correction_range_round_to_int", (False,),
-                      "contradicts --no-yarn-correction-range-round-to-int; give one")),
+                      "contradicts --no-yarn-correction-range-round-to-int; give one"),
+               effect=NUMERICS),
     CompatFlag("--use-legacy-models", REFUSE, "the legacy model " + _NOT_BUILT +
                " (the model is Megatron-core style)"),
     CompatFlag("--vocab-extra-ids", REFUSE, "extra sentinel ids are for T5 span corruption, "
@@ -172,69 +202,64 @@ COMPAT_FLAGS = (
                                                               default=None)),
     CompatFlag("--fp32-residual-connection", REFUSE, "the residual stream stays in the model "
                "dtype; an fp32 residual " + _NOT_BUILT),
-    CompatFlag("--dist-ckpt-strictness", SAME, "a --load of a torch_dist checkpoint needs "
-               "every key the model has and ignores extra ones; a key it lacks is an error "
-               "naming it, so a load that succeeds is the same in every mode",
-               group="checkpointing and logging",
-               argparse=dict(choices=["assume_ok_unexpected", "log_unexpected", "log_all",
-                                      "raise_unexpected", "raise_all", "return_unexpected",
-                                      "return_all", "ignore_all"],
-                             default="assume_ok_unexpected")),
     CompatFlag("--no-create-attention-mask-in-dataloader", SAME, "no attention-mask tensor "
                "is ever built: attention is causal, and documents are kept apart from their "
                "boundaries only with --reset-attention-mask", group="data",
                needs=("reset_attention_mask", (False,),
                       "Megatron-LM then drops --reset-attention-mask and attends across "
-                      "documents, while megatron_cp keeps them apart; drop one of the two")),
+                      "documents, while megatron_cp keeps them apart; drop one of the two"),
+               effect=MEMORY),
     # --- Megatron-FSDP's knobs (--use-megatron-fsdp runs on FSDP2 / the distributed
-    # optimizer: megatron_cp/optimizer/fsdp.py; its flags' rules: megatron_fsdp_problems) ---
+    # optimizer: megatron_cp/optimizer/fsdp.py, which also holds their rules) ---
     CompatFlag("--megatron-fsdp-version", SAME, "version 1, Megatron-FSDP's default, is the one "
                "mapped onto megatron_cp's FSDP2 and distributed optimizer",
                argparse=dict(type=int, choices=[1, 2], default=1),
                refuse={2: "Megatron-FSDP v2 (its experimental fully_shard rewrite) is not "
-                          "built; drop it (version 1 computes the same)"}),
+                          "built; drop it (version 1 computes the same)"}, effect=BEHAVIOUR),
     CompatFlag("--fsdp-manual-registration", REFUSE, "it registers Megatron-FSDP's buffers "
                "with NCCL user buffers, which need --use-nccl-ub (not built; Megatron-LM "
                "refuses it without); drop it"),
     CompatFlag("--outer-dp-sharding-strategy", SAME, "it shards over the outer group of "
                "Megatron-FSDP's hybrid sharding (HSDP, --num-distributed-optimizer-instances "
                "> 1), which this run does not have: nothing changes, as in Megatron-LM",
-               argparse=dict(choices=["no_shard", "optim"], default="no_shard")),
-    CompatFlag("--enable-full-sharding-in-hsdp", SAME, "it changes Megatron-FSDP's hybrid "
-               "sharding (HSDP, --num-distributed-optimizer-instances > 1), which this run "
-               "does not have: nothing changes, as in Megatron-LM"),
-    CompatFlag("--fsdp-double-buffer", SAME, "it double-buffers Megatron-FSDP's "
-               "communication memory; FSDP2 allocates and reuses its own all-gather and "
-               "reduce-scatter buffers (memory only)"),
-    CompatFlag("--megatron-fsdp-max-pool-double-buffer", SAME, "it picks the allocator of "
-               "Megatron-FSDP's communication double buffer; FSDP2 manages its own buffers "
-               "(memory only)"),
-    CompatFlag("--fsdp-db-use-persist-buf-on-alloc-fail", SAME, "it keeps Megatron-FSDP's "
-               "double buffer when an allocation fails; FSDP2 manages its own buffers "
-               "(memory only)"),
-    CompatFlag("--suggested-communication-unit-size", SAME, "it sizes Megatron-FSDP's "
-               "communication buckets and prefetch; FSDP2 gathers and reduces one layer (FSDP "
-               "unit) at a time (speed and memory only)", argparse=dict(type=int, default=None)),
-    CompatFlag("--megatron-fsdp-enable-fine-grained-param-gather", SAME, "it gathers each "
-               "submodule's params apart in Megatron-FSDP; FSDP2 gathers one layer at a time "
-               "(speed and memory only)"),
-    CompatFlag("--keep-fp8-transpose-cache", SAME, "it keeps FP8 weights' transpose caches; "
-               "without FP8 (refused here) no weight has one"),
+               argparse=dict(choices=["no_shard", "optim"], default="no_shard"), effect=MEMORY),
+    CompatFlag("--enable-full-sharding-in-hsdp", SAME, "Megatron-LM reads it nowhere at this "
+               "commit (it names full sharding in Megatron-FSDP's hybrid sharding, HSDP)",
+               effect=NONE),
+    CompatFlag("--fsdp-double-buffer", IGNORED, "double-buffers Megatron-FSDP's communication "
+               "memory, reusing its all-gather and reduce-scatter buffers (FSDP2 allocates its "
+               "own)", effect=MEMORY),
+    CompatFlag("--megatron-fsdp-max-pool-double-buffer", IGNORED, "double-buffers "
+               "Megatron-FSDP's communication memory with a pool sized for its largest unit "
+               "(FSDP2 allocates its own)", effect=MEMORY),
+    CompatFlag("--fsdp-db-use-persist-buf-on-alloc-fail", IGNORED, "keeps a unit's "
+               "communication buffer persistent when its double buffer cannot be allocated "
+               "(FSDP2 allocates its own)", effect=MEMORY),
+    CompatFlag("--suggested-communication-unit-size", IGNORED, "sizes Megatron-FSDP's "
+               "communication buckets and its all-gather prefetch (FSDP2 gathers and reduces one "
+               "layer at a time, prefetching the next)", argparse=dict(type=int, default=None),
+               effect=SPEED),
+    CompatFlag("--megatron-fsdp-enable-fine-grained-param-gather", IGNORED, "gathers each "
+               "submodule's params apart, to overlap the gathers with compute (FSDP2 gathers "
+               "one layer at a time)", effect=SPEED),
+    CompatFlag("--keep-fp8-transpose-cache", IGNORED, "keeps FP8 weights' transpose caches "
+               "between forward and backward (no FP8 here: refused)", effect=SPEED),
     CompatFlag("--megatron-fsdp-main-params-dtype", SAME, "fp32 main params are what the "
                "optimizer steps",
                argparse=dict(choices=["fp32", "bf16", "fp16", "auto"], default="fp32"),
                refuse={d: "the optimizer steps fp32 main params here; main params in the "
-                          "model's dtype are not built, drop it" for d in ("bf16", "fp16", "auto")}),
+                          "model's dtype are not built, drop it" for d in ("bf16", "fp16", "auto")},
+               effect=NUMERICS),
     CompatFlag("--megatron-fsdp-main-grads-dtype", SAME, "gradients accumulate in fp32 main "
                "grads (Megatron-FSDP's default, auto, would take the model's dtype)",
                argparse=dict(choices=["fp32", "bf16", "fp16", "auto"], default="auto"),
                refuse={d: "gradients accumulate in fp32 here; bf16/fp16 main grads are not "
-                          "built, drop it" for d in ("bf16", "fp16")}),
+                          "built, drop it" for d in ("bf16", "fp16")}, effect=NUMERICS),
     CompatFlag("--megatron-fsdp-grad-comm-dtype", SAME, "gradients are reduced in fp32 "
                "(Megatron-FSDP's default, auto, would take the main grads' dtype)",
                argparse=dict(choices=["fp32", "fp16", "bf16", "auto"], default="auto"),
                refuse={d: "gradients are reduced in fp32 here; a bf16/fp16 reduction is not "
-                          "built, drop it" for d in ("bf16", "fp16")}),
+                          "built, drop it" for d in ("bf16", "fp16")}, effect=NUMERICS),
 )
 
 
@@ -242,169 +267,177 @@ COMPAT_FLAGS = (
 # Each flag's argparse spec comes from the census. A flag here that changes what is computed,
 # logged or saved is refused until it is built; AS_IS holds only flags that change none of it.
 
-AS_IS = (  # (why, flags): accepted, they select what megatron_cp does anyway
-    ("the flex dispatcher's DeepEP / HybridEP / NCCL EP kernels (GPU libraries) exchange the "
-     "tokens the all-to-all dispatcher exchanges; megatron_cp runs its all-to-all dispatcher "
-     "for --moe-token-dispatcher-type flex, which computes the same",
+AS_IS = (  # (kind, effect, text, flags): SAME (text: what megatron_cp does, which is what the
+    # flag selects) or IGNORED (text: what the flag does in Megatron-LM, which this run does not)
+    (IGNORED, SPEED, "selects and tunes the flex dispatcher's token-exchange kernels (DeepEP, "
+     "HybridEP, NCCL EP: GPU libraries); megatron_cp's all-to-all dispatcher exchanges the same "
+     "tokens",
      ("--moe-enable-deepep", "--moe-flex-dispatcher-backend",
       "--moe-permute-fusion-into-hybridep", "--moe-hybridep-pad-uneven-dispatch-inputs",
       "--moe-flex-dispatcher-num-sms", "--moe-deepep-num-sms", "--moe-hybridep-num-sms",
       "--moe-hybridep-num-blocks-permute", "--moe-hybridep-num-blocks-unpermute",
       "--moe-hybridep-num-sms-preprocessing",)),
-    ("in Megatron-LM it turns on experimental code paths, in training the fused (Triton) "
-     "permutation kernels of the MoE dispatchers, which compute what megatron_cp's plain "
-     "index ops compute",
+    (IGNORED, SPEED, "turns on experimental code paths, in training the MoE dispatchers' fused "
+     "(Triton) permutation kernels, which compute what plain index ops compute",
      ("--enable-experimental",)),
-    ("Muon's Newton-Schulz Gram matrix X X^T is one plain matmul; the SYRK kernel (Triton, GPU "
-     "only) computes the same product",
+    (SAME, NONE, "Megatron-LM reads it nowhere at this commit; Muon's Newton-Schulz Gram "
+     "matrix X X^T is one plain matmul",
      ("--muon-use-syrk",)),
-    ("dist_muon keeps Muon's state in the distributed optimizer's buckets, the one layout "
-     "there is (the layout changes only the order of bf16 reductions)",
+    (IGNORED, SPEED, "lays dist_muon's state out per parameter instead of layer-wise in the "
+     "distributed optimizer's buckets; the layout changes the order of reductions only",
      ("--no-use-layer-wise-param-layout",)),
-    ("pipeline P2P goes over the default process-group backend that --distributed-backend "
-     "picks",
+    (IGNORED, SPEED, "sends pipeline P2P over another backend (nccl or ucc); here it goes over "
+     "the backend --distributed-backend picks",
      ("--pipeline-model-parallel-comm-backend",)),
-    ("the vocab-parallel cross entropy is megatron_cp's own fp32 autograd function; no "
-     "Transformer Engine loss kernel is used",
+    (IGNORED, SPEED, "picks the fused cross-entropy kernel (native or Transformer Engine's); "
+     "here megatron_cp's fp32 autograd function computes the same loss",
      ("--cross-entropy-fusion-impl",)),
-    ("expert-parallel all-to-alls run inline with their layer, not overlapped with another "
-     "microbatch's compute",
-     ("--overlap-moe-expert-parallel-comm", "--ep-overlap-early-attn-memory-release",
-      "--high-priority-a2a-comm-stream",)),
-    ("weight gradients are computed in the same backward pass as input gradients; nothing is "
-     "deferred or moved to a side stream",
+    (IGNORED, SPEED, "overlaps expert-parallel all-to-alls with another microbatch's compute, "
+     "on a high-priority stream; here they run inline with their layer",
+     ("--overlap-moe-expert-parallel-comm", "--high-priority-a2a-comm-stream",)),
+    (IGNORED, MEMORY, "frees attention's activations early while the expert-parallel "
+     "all-to-all overlaps",
+     ("--ep-overlap-early-attn-memory-release",)),
+    (IGNORED, SPEED, "defers weight-gradient GEMMs (or moves them beside the expert dispatch) "
+     "to overlap communication; here weight gradients are computed in the same backward pass",
      ("--delay-wgrad-compute", "--overlap-dispatch-backward-with-experts-wgrad",
       "--defer-embedding-wgrad-compute", "--wgrad-deferral-limit",)),
-    ("pipeline P2P uses torch.distributed batched isend/irecv; no custom ring_exchange "
-     "kernel",
+    (IGNORED, SPEED, "sends pipeline P2P with a custom ring_exchange kernel; here batched "
+     "torch.distributed isend/irecv",
      ("--use-ring-exchange-p2p",)),
-    ("warmup and flush P2P follow megatron_cp's own schedule; overlap changes timing only, "
-     "never a result",
+    (IGNORED, SPEED, "overlaps P2P with compute in the warmup and flush phases of the pipeline "
+     "schedule",
      ("--overlap-p2p-communication-warmup-flush",)),
-    ("activations stay in device memory; nothing is offloaded to the CPU",
+    (IGNORED, MEMORY, "offloads activations to host memory module by module (fine-grained "
+     "offloading, its modules, sizes and in-flight limits; --cpu-offloading-num-layers is "
+     "built)",
      ("--cpu-offloading-retain-pinned-cpu-buffers",
       "--fine-grained-activation-offloading", "--offload-modules",
       "--min-offloaded-tensor-size", "--delta-offload-bytes-across-pp-ranks",
       "--activation-offload-fraction", "--fine-grained-offloading-max-inflight-offloads",)),
-    ("attention kernels are chosen per device (PyTorch flash/SDPA on CUDA); no "
-     "FlashAttention generation is pinned",
+    (IGNORED, SPEED, "pins the FlashAttention generation (2 or 3) for core attention; here the "
+     "kernel is chosen per device",
      ("--flash-attention-version",)),
-    ("the model is built directly on its device from per-parameter seeds; there is no "
-     "meta-device stage",
+    (IGNORED, MEMORY, "builds the model on the meta device first, so no rank ever holds a "
+     "full unsharded weight (here every rank draws its full tensors from per-parameter seeds, "
+     "then keeps its shard)",
      ("--init-model-with-meta-device",)),
-    ("no fused kernel of this kind is used; the plain PyTorch ops run",
+    (IGNORED, SPEED, "uses a fused kernel (weighted squared ReLU, residual + RMSNorm, or "
+     "Transformer Engine's op fuser); here the plain PyTorch ops compute the same",
      ("--use-fused-weighted-squared-relu", "--fused-residual-rmsnorm",
       "--use-transformer-engine-op-fuser",)),
-    ("recomputed layers keep their checkpointed inputs whole on every tensor-parallel rank "
-     "(memory only)",
+    (IGNORED, MEMORY, "splits the inputs that full recompute saves across the tensor-parallel "
+     "ranks (here each rank keeps them whole)",
      ("--distribute-saved-activations",)),
-    ("selective recompute always covers core attention and full recompute whole layers; "
-     "which modules are recomputed is memory only",
+    (IGNORED, MEMORY, "chooses which modules selective recompute covers (MLP, norms, MoE, MLA "
+     "up-projections, ...) or recomputes MoE layers whole (here selective recompute covers "
+     "core attention, Megatron-LM's default core_attn)",
      ("--recompute-modules", "--moe-layer-recompute",)),
-    ("the shared expert and dense MLP run as plain linear layers; no Transformer Engine "
-     "GroupedLinear fusion path",
+    (IGNORED, SPEED, "runs the shared expert or dense MLP through Transformer Engine's "
+     "GroupedLinear; here plain linear layers compute the same",
      ("--use-grouped-gemm-for-shared-expert", "--use-grouped-gemm-for-dense-mlp",)),
-    ("local experts run through torch grouped_mm on megatron_cp's own expert weight layout; "
-     "no TE GroupedTensor storage",
+    (IGNORED, SPEED, "stores the local experts' weights as one Transformer Engine "
+     "GroupedTensor parameter; here megatron_cp's expert weight layout runs torch grouped_mm",
      ("--moe-use-grouped-tensor", "--moe-single-grouped-weight", "--moe-single-grouped-bias",)),
-    ("it only changes when the embedding's sequence-parallel scatter output is freed; the "
-     "embedding is computed the same",
+    (IGNORED, MEMORY, "frees the embedding's sequence-parallel scatter output instead of "
+     "cloning it (here the clone is kept, as by default)",
      ("--no-clone-scatter-output-in-embedding",)),
-    ("a --load already tells the formats apart: an iteration folder with a DCP .metadata "
+    (SAME, IO, "a --load tells the formats apart: an iteration folder with a DCP .metadata "
      "file loads as torch_dist, anything else as torch",
      ("--auto-detect-ckpt-format",)),
-    ("torch_dist saves already go through torch.distributed.checkpoint: every rank writes "
-     "its own shards in parallel and replicas are written once",
-     ("--no-ckpt-fully-parallel-save", "--ckpt-fully-parallel-save",
-      "--ckpt-fully-parallel-save-process-group",)),
-    ("torch_dist loads already go through torch.distributed.checkpoint: every rank reads "
+    (SAME, NONE, "Megatron-LM reads it nowhere at this commit (fully parallel saves are its "
+     "default); torch_dist saves go through torch.distributed.checkpoint, every rank writing "
+     "its own shards in parallel",
+     ("--ckpt-fully-parallel-save",)),
+    (IGNORED, SPEED, "saves without spreading the replicated shards over the data-parallel "
+     "ranks, or over another process group; here every rank writes its shards in parallel",
+     ("--no-ckpt-fully-parallel-save", "--ckpt-fully-parallel-save-process-group",)),
+    (SAME, IO, "torch_dist loads go through torch.distributed.checkpoint: every rank reads "
      "only the chunks it needs, in parallel, straight from storage",
-     ("--ckpt-fully-parallel-load", "--ckpt-fully-parallel-load-exchange-algo",
+     ("--ckpt-fully-parallel-load",)),
+    (IGNORED, SPEED, "tunes the fully parallel load's exchange of chunks between ranks "
+     "(algorithm, per-rank objects, process group)",
+     ("--ckpt-fully-parallel-load-exchange-algo",
       "--ckpt-fully-parallel-load-per-rank-objects",
       "--ckpt-fully-parallel-load-process-group",)),
-    ("torch.distributed.checkpoint plans every save and load itself; there is no structure "
-     "or distribution cache to reuse, so a cache path is never read",
+    (IGNORED, SPEED, "reuses the previous save's structure or a cached process-group layout "
+     "to plan a save or load faster",
      ("--ckpt-assume-constant-structure", "--ckpt-pg-tensors-cache-path",)),
-    ("the shard layout is fixed by canonical parameter names and the load checks every "
-     "indexed file; there is no optional sharding-integrity pass to skip",
+    (IGNORED, SPEED, "skips the check that the shards of a load cover every tensor once (here "
+     "the load always checks every indexed file)",
      ("--no-ckpt-load-validate-sharding-integrity",)),
-    ("torch_dist optimizer state is always saved as canonical full tensors, reshardable "
-     "across TP/PP/CP/DP/EP, with the same memory use",
+    (SAME, IO, "torch_dist optimizer state is always saved as canonical full tensors, "
+     "reshardable across TP/PP/CP/DP/EP, each rank writing its own shards without gathering",
      ("--dist-ckpt-optim-fully-reshardable",
       "--distrib-optim-fully-reshardable-mem-efficient",)),
-    ("tokenizer files are never copied into the checkpoint folder",
+    (SAME, IO, "tokenizer files are never copied into the checkpoint folder",
      ("--no-save-tokenizer-assets",)),
-    ("torch_dist checkpoints hold parameters and persistent buffers only; no Transformer "
-     "Engine _extra_state is ever written",
+    (SAME, IO, "torch_dist checkpoints hold parameters and persistent buffers only; no "
+     "Transformer Engine _extra_state is ever written",
      ("--ckpt-drop-redundant-extra-state",)),
-    ("an async save always runs on one background thread of the training process; worker "
-     "kind, count and OS priority only affect speed",
+    (IGNORED, SPEED, "runs an async save in a worker of another kind, count or OS priority; "
+     "here one background thread of the training process writes it",
      ("--async-strategy", "--use-persistent-ckpt-worker", "--async-ckpt-cpu-priority",
       "--async-ckpt-io-priority", "--dist-ckpt-workers",)),
-    ("an async save already copies every tensor to CPU memory before the writer thread "
-     "starts, so no CUDA IPC handles are used",
+    (IGNORED, SPEED, "hands an async save's tensors to its worker through CPU shared memory "
+     "instead of CUDA IPC; here every tensor is copied to CPU memory before the writer starts",
      ("--async-ckpt-use-cpu-shm",)),
-    ("tokenizer flags given on the command line always take precedence over the ones saved "
-     "in the checkpoint",
+    (SAME, BEHAVIOUR, "tokenizer flags given on the command line always take precedence over "
+     "the ones saved in the checkpoint",
      ("--no-use-tokenizer-model-from-checkpoint-args",)),
-    ("the local rank is read from the LOCAL_RANK environment variable that torchrun sets",
+    (SAME, IO, "the local rank is read from the LOCAL_RANK environment variable that torchrun "
+     "sets",
      ("--local-rank",)),
-    ("communicators are created with NCCL's default settings and stream priorities; only "
-     "speed would differ",
+    (IGNORED, SPEED, "configures NCCL communicators from a file or gives some groups "
+     "high-priority streams",
      ("--nccl-communicator-config-path", "--high-priority-stream-groups",)),
-    ("gloo groups are created only where megatron_cp needs one (async checkpoint "
-     "coordination); no result depends on them",
-     ("--disable-gloo-process-groups",)),
-    ("process groups keep the --distributed-timeout-minutes timeout for the whole run; a "
-     "timeout only decides when a hang is reported",
-     ("--distributed-timeout-seconds-after-init",)),
-    ("no TorchScript/JIT fuser is used; plain PyTorch ops run unless --torch-compile is "
-     "given",
+    (SAME, SPEED, "no TorchScript/JIT fuser is used; plain PyTorch ops run unless "
+     "--torch-compile is given",
      ("--disable-jit-fuser",)),
-    ("every pipeline stage launches its own gradient reductions and param all-gathers when "
-     "ready; launch timing changes no value",
+    (IGNORED, SPEED, "aligns the launch of gradient reductions and parameter all-gathers "
+     "across pipeline stages, overlaps the gather with the optimizer step, or gives it a "
+     "group of its own; here each launches when ready",
      ("--no-align-grad-reduce", "--no-align-param-gather",
       "--overlap-param-gather-with-optimizer-step", "--create-all-gather-group",)),
-    ("buckets are sized by --ddp-bucket-size (default 40 MB of fp32 gradients); bucket count "
-     "and padding only affect communication speed",
+    (IGNORED, SPEED, "sets the number of gradient buckets or pads them for NCCL bus "
+     "bandwidth; here buckets are sized by --ddp-bucket-size",
      ("--ddp-num-buckets", "--ddp-pad-buckets-for-high-nccl-busbw",)),
-    ("gradients are always accumulated and reduced in fp32 for every parameter, so there is "
-     "no low-precision reduction to upgrade",
+    (SAME, NUMERICS, "gradients are always accumulated and reduced in fp32 for every "
+     "parameter",
      ("--ddp-reduce-scatter-with-fp32-accumulation",
       "--ddp-param-name-patterns-for-fp32-local-accumulation",)),
-    ("the gradient reduction is a plain fp32 SUM of gradients already normalized by the "
-     "global token count, scaled before the collective",
+    (SAME, NUMERICS, "the gradient reduction is an fp32 SUM of gradients scaled before the "
+     "collective; averaging inside it (ReduceOp.AVG) sums the same fp32 values",
      ("--ddp-average-in-collective", "--no-gradient-reduce-div-fusion",)),
-    ("the training loop never forces extra CPU-GPU synchronisations; this only limits how "
-     "far the CPU runs ahead",
+    (IGNORED, SPEED, "synchronises the CPU with the GPU every N iterations to bound how far "
+     "it runs ahead",
      ("--train-sync-interval",)),
-    ("garbage collection timing around evaluation only affects memory and speed, never a "
-     "result",
+    (IGNORED, SPEED, "skips the manual garbage collection around evaluation",
      ("--no-manual-gc-eval",)),
-    ("dataset index caches under --data-cache-path (or the default cache dir) are reused "
-     "whenever present",
+    (SAME, NONE, "Megatron-LM reads it nowhere at this commit; dataset index caches under "
+     "--data-cache-path are reused whenever present",
      ("--dataloader-fast-cache-load",)),
-    ("the index .npy files are opened with np.load(mmap_mode='r'), so pages are read lazily "
-     "on first access",
+    (SAME, NONE, "Megatron-LM reads it nowhere at this commit; the index .npy files are "
+     "opened with np.load(mmap_mode='r'), so pages are read lazily on first access",
      ("--dataloader-defer-npy-index-mmap",)),
-    ("datasets are built by one thread per rank; threads would only change build speed",
+    (IGNORED, SPEED, "builds the datasets with several threads per rank",
      ("--num-dataset-builder-threads",)),
-    ("the tensorboard writer's event queue size only decides when events are flushed, not "
-     "what is written",
+    (IGNORED, LOGGING, "sizes the tensorboard writer's event queue (when events are flushed, "
+     "not what is written)",
      ("--tensorboard-queue-size",)),
-    ("megatron_cp's timers never insert a barrier before measuring",
+    (SAME, LOGGING, "megatron_cp's timers never insert a barrier before measuring",
      ("--no-barrier-with-level-1-timing",)),
-    ("megatron_cp never reads paths through the Multi-Storage Client, and in Megatron this "
-     "flag is a deprecated no-op",
+    (SAME, NONE, "Megatron-LM reads it nowhere (a deprecated no-op); megatron_cp never reads "
+     "paths through the Multi-Storage Client",
      ("--disable-msc",)),
-    ("megatron_cp sends nothing to NVIDIA's one-logger service, which is what turning it off "
-     "selects",
+    (SAME, LOGGING, "megatron_cp sends nothing to NVIDIA's one-logger service",
      ("--no-one-logger",)),
-    ("Transformer Engine 1.6 retired them and Megatron-LM ignores them with it; "
-     "--tp-comm-overlap's ring here always pipelines chunk by chunk",
+    (IGNORED, SPEED, "stops splitting --tp-comm-overlap's all-gather / reduce-scatter into "
+     "chunks pipelined with the GEMM (Transformer Engine before 1.6); the ring here always "
+     "pipelines chunk by chunk",
      ("--no-tp-comm-split-ag", "--no-tp-comm-split-rs",)),
-    ("no userbuffers are bootstrapped: --tp-comm-overlap's ring sends through the TP process "
-     "group's own backend",
+    (IGNORED, SPEED, "bootstraps Transformer Engine's userbuffers over another backend; here "
+     "--tp-comm-overlap's ring sends through the TP process group's own backend",
      ("--tp-comm-bootstrap-backend",)),
 )
 
@@ -480,9 +513,6 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
     ("routing-map padding serves FP8/FP4 grouped GEMMs (Transformer Engine), which are not "
      "used; drop it",
      ("--moe-router-padding-for-quantization", "--moe-router-padding-for-fp8",)),
-    ("quantile-balancing routing is not built; use --moe-router-load-balancing-type "
-     "aux_loss/seq_aux_loss or expert bias",
-     ("--moe-router-quantile-balancing-ema",)),
     ("forced (random-logit or random-bias) routing for benchmarks is not built; drop it",
      ("--moe-router-force-load-balancing", "--moe-router-force-biased",)),
     ("the NCCL EP dispatcher's fixed receive buffers (zero-copy, per-rank capacity) are "
@@ -659,9 +689,6 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
       "--moe-routing-trace-dump-weights",)),
     ("SGD and Lion are not built (--optimizer adam or muon); drop these optimizer settings",
      ("--sgd-momentum", "--lion-beta1", "--lion-beta2",)),
-    ("the WSD learning-rate schedule is not built; use --lr-decay-style "
-     "linear/cosine/inverse-square-root",
-     ("--lr-wsd-decay-style", "--lr-wsd-decay-iters", "--lr-wsd-decay-samples",)),
     ("deprecated Megatron spelling; use --lr-warmup-iters",
      ("--warmup",)),
     ("freezing layers is not built; drop it",
@@ -669,10 +696,9 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
     ("the padded vocab is always computed from the tokenizer and "
      "--make-vocab-size-divisible-by; drop these",
      ("--padded-vocab-size", "--no-pad-vocab-size",)),
-    ("the TikToken tokenizer and Megatron's tokenizer metadata / special-token lists are not "
-     "built; use GPT2BPE, SentencePiece or HuggingFace",
-     ("--tokenizer-metadata", "--tokenizer-special-tokens", "--tiktoken-pattern",
-      "--tiktoken-num-special-tokens", "--use-gigatoken",)),
+    ("Megatron's tokenizer metadata files and the gigatoken library are not built; use "
+     "--tokenizer-type and its files",
+     ("--tokenizer-metadata", "--use-gigatoken",)),
     ("sentencepiece options beyond the plain model are not built; drop them",
      ("--tokenizer-sentencepiece-legacy",
       "--no-tokenizer-sentencepiece-ignore-extra-whitespaces",)),
@@ -872,6 +898,9 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
 # ----- the census and the grouped entries ------------------------------------------------
 
 CENSUS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_lm_flags.json")
+# where Megatron-LM reads each SAME / IGNORED flag (tools/megatron_flag_sources.py)
+SOURCES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                            "megatron_flag_sources.json")
 
 
 @functools.lru_cache(maxsize=None)
@@ -911,33 +940,37 @@ def census_spec(action):
     return spec
 
 
-def _grouped(kind, table):
+def _grouped(table):
+    """CompatFlags of a grouped ``table``: rows (kind, effect, text, flags) (AS_IS) or
+    (text, flags), refused (NOT_BUILT)."""
     entries = []
-    for why, flags in table:
+    for row in table:
+        kind, effect, why, flags = row if len(row) == 4 else (REFUSE, "", *row)
         for flag in flags:
             action = _census_by_flag()[flag]
             aliases = () if action["kind"] == "boolean_optional" else tuple(
                 f for f in action["flags"] if f != flag)
             entries.append(CompatFlag(flag, kind, why, argparse=census_spec(action),
-                                      aliases=aliases))
+                                      aliases=aliases, effect=effect))
     return tuple(entries)
 
 
 @functools.lru_cache(maxsize=None)
 def _grouped_flags():
-    return frozenset(flag for _, flags in AS_IS + NOT_BUILT for flag in flags)
+    return frozenset(flag for row in AS_IS + NOT_BUILT for flag in row[-1])
 
 
 @functools.lru_cache(maxsize=None)
 def all_entries():
     """Every table entry: the explicit ones, then the grouped ones (spec from the census)."""
-    return COMPAT_FLAGS + _grouped(SAME, AS_IS) + _grouped(REFUSE, NOT_BUILT)
+    return COMPAT_FLAGS + _grouped(AS_IS) + _grouped(NOT_BUILT)
 
 
 def add_compat_flags(groups):
     """Add every table flag to ``groups[entry.group]`` (argparse argument groups by name)."""
     for entry in all_entries():
-        text = {SAME: f"Accepted: {entry.why}.", REFUSE: f"Refused: {entry.why}."}.get(
+        text = {SAME: f"Accepted: {entry.why}.", REFUSE: f"Refused: {entry.why}.",
+                IGNORED: f"Ignored ({entry.effect}): in Megatron-LM it {entry.why}."}.get(
             entry.kind, entry.why)
         kwargs = dict(entry.argparse) if entry.argparse else {"action": "store_true"}
         groups[entry.group].add_argument(entry.flag, *entry.aliases, dest=entry.dest,
@@ -967,8 +1000,8 @@ def apply_compat_flags(args, defaults):
             problems.append(f"{shown}: {entry.why}")
         elif isinstance(value, (str, int, float)) and value in entry.refuse:
             problems.append(f"{shown}: {entry.refuse[value]}")
-        elif entry.kind == SAME:
-            notes.append(f"{shown}: {entry.why}")
+        elif entry.kind in (SAME, IGNORED):
+            notes.append(note(entry, shown))
         elif entry.kind == MAP:
             name, target = entry.sets
             current = vars(args)[name]
@@ -978,6 +1011,26 @@ def apply_compat_flags(args, defaults):
             else:
                 setattr(args, name, target)
     return notes, problems
+
+
+def note(entry, shown):
+    """The start-up line of accepted entry ``entry`` given as ``shown``: what megatron_cp does
+    (SAME), "ignored: <what it does in Megatron-LM>" (IGNORED), or a WARNING for an ignored
+    memory saving."""
+    if entry.kind == SAME:
+        return f"{shown}: {entry.why}"
+    if entry.effect == MEMORY:
+        return (f"WARNING: {shown}: in Megatron-LM it {entry.why}; this run does not, so it "
+                f"needs more memory than Megatron-LM's run with the flag")
+    return f"{shown}: ignored ({entry.effect}): in Megatron-LM it {entry.why}"
+
+
+def dispatcher_note(kind):
+    """The start-up line of ``--moe-token-dispatcher-type flex`` (a setting of the MoE
+    section that megatron_cp runs as its all-to-all dispatcher)."""
+    return (f"--moe-token-dispatcher-type {kind}: ignored ({SPEED}): in Megatron-LM it exchanges "
+            f"the routed tokens through the DeepEP / HybridEP / NCCL EP kernels (GPU libraries); "
+            f"this run exchanges the same tokens with the alltoall dispatcher")
 
 
 def _given(entry, value):

@@ -6,6 +6,12 @@ from megatron_cp.config.setting import check_choices, setting
 
 CKPT_FORMATS = ("torch", "torch_dist", "fsdp_dtensor")
 # Megatron-LM's other formats, each refused with the reason
+# Megatron-LM's StrictHandling (megatron/core/dist_checkpointing/validation.py); the return_*
+# modes hand the mismatched keys to the caller of dist_checkpointing.load, which the training
+# load has no use for
+DIST_CKPT_STRICTNESS = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected",
+                        "raise_all", "ignore_all")
+REFUSED_STRICTNESS = ("return_unexpected", "return_all")
 NOT_BUILT_FORMATS = {
     "torch_dcp": "Megatron-LM's plain-DCP variant is not built; use --ckpt-format torch_dist "
                  "(torch.distributed.checkpoint too)",
@@ -56,6 +62,16 @@ class CheckpointConfig:
     exit_on_missing_checkpoint: bool = setting(False, group="checkpointing and logging",
         help="Exit if --load finds no checkpoint.")
     no_save_optim: bool = setting(False, group="checkpointing and logging", help="Do not save optimizer state.")
+    dist_ckpt_strictness: str = setting(
+        "assume_ok_unexpected", choices=DIST_CKPT_STRICTNESS + REFUSED_STRICTNESS,
+        group="checkpointing and logging",
+        help="What a torch_dist --load does when its keys and the checkpoint's differ (Megatron-"
+             "LM's names). 'Unexpected': a key this run loads that the checkpoint lacks; "
+             "'missing': a key the checkpoint holds that no rank loads. assume_ok_unexpected: "
+             "no check, an unexpected key fails the load naming it; log_unexpected / log_all: "
+             "warn of the unexpected (and missing) keys and load the rest, the unexpected "
+             "keeping their current values; raise_unexpected / raise_all: stop naming them; "
+             "ignore_all: load the rest silently.")
     no_save_rng: bool = setting(False, group="checkpointing and logging", help="Do not save RNG state.")
     strict_fsdp_dtensor_load: bool = setting(True,
         flag="--no-strict-fsdp-dtensor-load", arg="strict_fsdp_dtensor_load", store_false=True,
@@ -74,6 +90,11 @@ class CheckpointConfig:
              "in any layout.")
 
     def __post_init__(self):
+        if self.dist_ckpt_strictness in REFUSED_STRICTNESS:
+            raise ValueError(f"--dist-ckpt-strictness {self.dist_ckpt_strictness}: it returns "
+                             "the mismatched keys to a caller of dist_checkpointing.load, and "
+                             "a training load has none to return them to; use log_unexpected "
+                             "or log_all (or raise_unexpected / raise_all)")
         check_choices(self)
         if self.ckpt_format in NOT_BUILT_FORMATS:
             raise ValueError(f"--ckpt-format {self.ckpt_format}: "

@@ -4,8 +4,24 @@ from dataclasses import dataclass
 
 from megatron_cp.config.setting import check_choices, setting
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "GPT2BPETokenizer",
-                   "HuggingFaceTokenizer", "NullTokenizer")
+# Megatron-LM reads these three with one sentencepiece wrapper (ids as encoded, eod = eos)
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+TOKENIZER_TYPES = SENTENCEPIECE_TYPES + ("GPT2BPETokenizer", "HuggingFaceTokenizer",
+                                         "TikTokenizer", "NullTokenizer")
+# Megatron-LM's other tokenizer types, refused with the reason (one line each)
+NOT_BUILT_TOKENIZERS = {
+    **dict.fromkeys(("BertWordPieceLowerCase", "BertWordPieceCase"),
+                    "BERT's WordPiece tokenizer (a vocab.txt, [CLS]/[SEP] ids) is not built; use "
+                    "HuggingFaceTokenizer with the BERT tokenizer's folder"),
+    **dict.fromkeys(("MultimodalTokenizer", "NullMultimodalTokenizer"),
+                    "multimodal tokenizers (image tokens, prompt formats) are for Megatron-LM's "
+                    "vision-language models, which are not built"),
+    "SFTTokenizer": "the SFT tokenizer's prompt formats are for supervised fine-tuning, which "
+                    "is not built (megatron_cp pretrains on token data)",
+}
+# TikTokenizer's special tokens: those it must have, in this order by default (Megatron-LM's)
+TIKTOKEN_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<mask>", "<pad>", "<cls>", "<sep>")
+TIKTOKEN_DEFAULT_VOCAB = 2 ** 17  # TikTokenizer's vocabulary without --vocab-size
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -22,14 +38,29 @@ class DataConfig:
         flag="--no-mmap-bin-files", arg="mmap_bin_files", store_false=True, group="data",
         help="Do not memory-map the .bin token files: read each sample with a positioned file "
              "read (for file systems where mmap is slow or absent).")
-    tokenizer_type: str | None = setting(None, choices=TOKENIZER_TYPES + (None,), group="data",
-        help="Tokenizer class.")
+    tokenizer_type: str | None = setting(
+        None, choices=TOKENIZER_TYPES + tuple(NOT_BUILT_TOKENIZERS) + (None,), group="data",
+        help="Tokenizer class. Llama2Tokenizer and GPTSentencePieceTokenizer are "
+             "SentencePieceTokenizer (Megatron-LM's one sentencepiece wrapper); TikTokenizer "
+             "needs the tiktoken package. Megatron-LM's BERT, multimodal and SFT tokenizers "
+             "are refused.")
     tokenizer_model: str | None = setting(None, group="data",
-        help="sentencepiece model file, or (HuggingFaceTokenizer) a local tokenizer folder or "
-             "tokenizer.json file.")
+        help="sentencepiece model file, (HuggingFaceTokenizer) a local tokenizer folder or "
+             "tokenizer.json file, or (TikTokenizer) its vocabulary .json.")
     vocab_file: str | None = setting(None, group="data", help="GPT-2 vocab.json.")
     merge_file: str | None = setting(None, group="data", help="GPT-2 merges.txt.")
-    vocab_size: int | None = setting(None, group="data", help="Vocab size for NullTokenizer.")
+    vocab_size: int | None = setting(None, group="data",
+        help="Vocab size for NullTokenizer; TikTokenizer's vocabulary (default 2^17, special "
+             "tokens included).")
+    tiktoken_pattern: str | None = setting(None, choices=("v1", "v2", None), group="data",
+        help="TikTokenizer's pre-tokenization regex: Megatron-LM's v1 or v2 (default v2).")
+    tiktoken_num_special_tokens: int = setting(1000, group="data",
+        help="TikTokenizer: ids below this are special tokens (--tokenizer-special-tokens, then "
+             "<SPECIAL_i> fillers); the vocabulary's tokens follow.")
+    special_tokens: tuple[str, ...] | None = setting(
+        None, flag="--tokenizer-special-tokens", arg="special_tokens", group="data",
+        help="TikTokenizer's special tokens, ids 0, 1, ... (default " +
+             " ".join(TIKTOKEN_SPECIAL_TOKENS) + "; a list must include those).")
     tokenizer_hf_no_include_special_tokens: bool = setting(False, group="data",
         help="HuggingFaceTokenizer: encode text without the special tokens (bos, ...) the "
              "tokenizer adds, and decode without them (Megatron-LM's default includes them).")
@@ -67,7 +98,20 @@ class DataConfig:
 
     def __post_init__(self):
         check_choices(self)
+        self._check_tiktoken()
         self._check_fim()
+
+    def _check_tiktoken(self):
+        """TikTokenizer's settings go with it (its own rules: data/tokenizers.py)."""
+        given = [f"{flag} {value}" for flag, value, default in (
+            ("--tiktoken-pattern", self.tiktoken_pattern, None),
+            ("--tiktoken-num-special-tokens", self.tiktoken_num_special_tokens, 1000),
+            ("--tokenizer-special-tokens", " ".join(self.special_tokens or ()), ""))
+            if value != default]
+        if self.tokenizer_type != "TikTokenizer" and given:
+            raise ValueError(f"{', '.join(given)}: read by --tokenizer-type TikTokenizer only "
+                             f"(megatron_cp adds no special tokens to its other tokenizers); "
+                             f"drop {'it' if len(given) == 1 else 'them'}")
 
     def _check_fim(self):
         """Megatron-LM's FIM rules."""

@@ -70,13 +70,15 @@ class GatedDeltaNetSettings:
             self.linear_attention_freq, self.num_layers, "linear_attention_freq",
             every_kth=lambda k, i: 0 if (i + 1) % k == 0 else 1)]
 
-    def gdn_cp_comm_type(self, tp_size, cp_size):
-        """The CP communication of the Gated DeltaNet layers (context_parallel/gated_delta.py):
-        the attention layers' (``cp_comm_type``, "auto" resolved as they resolve it). Its
-        all-to-all (a2a: over CP; a2a+p2p: over the inner U ranks) hands every rank whole
-        key heads with their value heads, so both head counts must split over TP x U."""
-        method, sizes = resolve_comm_type(self.cp_comm_type, self.num_query_groups // tp_size,
-                                          cp_size, self.hierarchical_context_parallel_sizes)
+    def gdn_cp_comm_type(self, tp_size, cp_size, layer_number):
+        """The CP communication of Gated DeltaNet layer ``layer_number``
+        (context_parallel/gated_delta.py): the layer's ``cp_comm_type`` entry, "auto" resolved
+        as attention resolves it. Its all-to-all (a2a: over CP; a2a+p2p: over the inner U
+        ranks) hands every rank whole key heads with their value heads, so both head counts
+        must split over TP x U."""
+        method, sizes = resolve_comm_type(self.layer_cp_comm_type(layer_number),
+                                          self.num_query_groups // tp_size, cp_size,
+                                          self.hierarchical_context_parallel_sizes)
         inner = {"a2a": cp_size, "a2a+p2p": sizes[0] if sizes else 1}.get(method, 1)
         for name in ("linear_num_key_heads", "linear_num_value_heads"):
             if getattr(self, name) % (tp_size * inner):

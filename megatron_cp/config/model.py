@@ -19,10 +19,19 @@ from megatron_cp.config.mla import MLASettings
 from megatron_cp.config.moe import MoESettings
 from megatron_cp.config.mtp import MTPSettings
 from megatron_cp.config.mup import resolve_mup
-from megatron_cp.config.parallel import COMM_TYPES, check_hierarchical_sizes
+from megatron_cp.config.parallel import (COMM_TYPE_ALIASES, COMM_TYPES, check_hierarchical_sizes,
+                                         resolve_comm_type)
 from megatron_cp.config.setting import check_choices, resolve, setting
 
 
+# Megatron-LM's position embedding types that are not built, and why (one line each)
+NOT_BUILT_POSITIONS = {
+    "mrope": "multimodal rotary (Qwen2-VL's temporal, height and width sections) rotates by the "
+             "3-D position ids of a vision-language model, which token data has none of; use "
+             "rope",
+    "relative": "T5's relative attention bias, which Megatron-LM's GPT model does not build (it "
+                "trains without positions there); use none for that, or rope",
+}
 KERNEL_NAMES = ("auto", "torch")  # --attention-kernel: auto picks per device and shape
 # torch.compile's modes; the last two capture CUDA graphs (refused in GPTConfig.__post_init__)
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
@@ -54,9 +63,11 @@ class GPTConfig(MLASettings, GatedDeltaNetSettings, MoESettings, MTPSettings):
                                            help="Size of the position table (default --seq-length).")
     position_embedding_type: str = setting(
         "rope", cli_default="learned_absolute", shapes=True,
-        choices=("rope", "yarn", "learned_absolute"),
+        choices=("rope", "yarn", "learned_absolute", "none") + tuple(NOT_BUILT_POSITIONS),
         help="Position embedding type: rope (rotary), yarn (rotary with YaRN's frequencies for "
-             "a context --rotary-scaling-factor times the original one) or learned_absolute.")
+             "a context --rotary-scaling-factor times the original one), learned_absolute, or "
+             "none (NoPE: no position table and no rotation; only the causal mask orders the "
+             "tokens). Megatron-LM's mrope and relative are refused.")
     rotary_base: float = setting(10000.0, help="RoPE base frequency.")
     rotary_percent: float = setting(1.0, help="Fraction of head dims rotated.")
     rotary_interleaved: bool = setting(
@@ -232,8 +243,12 @@ class GPTConfig(MLASettings, GatedDeltaNetSettings, MoESettings, MTPSettings):
         help="Attention kernels: auto (the device's fused kernels: PyTorch flash / flash "
              "varlen for packed documents on CUDA, the CPU flash kernel on CPU) or torch "
              "(plain PyTorch, scores materialised per block: a second opinion for debugging).")
-    cp_comm_type: str = setting("p2p", choices=COMM_TYPES, group="parallelism",
-                                help="Context-parallel attention communication.")
+    cp_comm_type: str | tuple[str, ...] = setting(
+        "p2p", cli_default=("p2p",), nargs="+", group="parallelism",
+        help="Context-parallel attention communication: p2p (ring), a2a (Ulysses), a2a+p2p "
+             "(both, with --hierarchical-context-parallel-sizes), all_gather (Megatron-LM's "
+             "help spells it allgather) or auto; one type for every layer, or one per layer "
+             "(--num-layers types, e.g. p2p p2p a2a a2a).")
     hierarchical_context_parallel_sizes: tuple[int, ...] | None = setting(
         None, group="parallelism", help="Inner (a2a) and outer (p2p) CP sizes for a2a+p2p.")
     allow_dummy_heads: bool = setting(True, flag="--no-cp-dummy-heads", group="parallelism",
@@ -247,7 +262,12 @@ class GPTConfig(MLASettings, GatedDeltaNetSettings, MoESettings, MTPSettings):
                           help="Free-form settings for experiments; not on the command line.")
 
     def __post_init__(self):
+        self._resolve_balancing_lists()
+        self._resolve_cp_comm_type()
         check_choices(self)
+        if self.position_embedding_type in NOT_BUILT_POSITIONS:
+            raise ValueError(f"position_embedding_type {self.position_embedding_type}: "
+                             f"{NOT_BUILT_POSITIONS[self.position_embedding_type]}")
         if self.squared_relu:
             if self.activation == "swiglu":
                 raise ValueError("squared_relu (True) and activation ('swiglu') are two MLP "
@@ -376,6 +396,50 @@ class GPTConfig(MLASettings, GatedDeltaNetSettings, MoESettings, MTPSettings):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be positive")
 
+    def _resolve_cp_comm_type(self):
+        """Megatron-LM's --cp-comm-type: one type for every layer, or a list of one per layer
+        (a one-entry list is the one type); allgather, as Megatron-LM's help spells it, is
+        all_gather."""
+        value = self.cp_comm_type
+        types = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+        types = tuple(COMM_TYPE_ALIASES.get(t, t) for t in types)
+        for entry in types:
+            if entry not in COMM_TYPES:
+                raise ValueError(f"cp_comm_type ({entry}) is not a context-parallel "
+                                 f"communication type; give p2p, a2a, a2a+p2p, all_gather "
+                                 f"(allgather) or auto, once for every layer or once per layer")
+        resolve(self, cp_comm_type=types[0] if len(types) == 1 else types)
+
+    def cp_comm_types(self):
+        """The CP comm types as a tuple: one entry for every layer, or one per layer."""
+        value = self.cp_comm_type
+        return value if isinstance(value, tuple) else (value,)
+
+    def layer_cp_comm_type(self, layer_number):
+        """The CP comm type of global layer ``layer_number`` (from 0): the one type, or the
+        layer's entry of the per-layer list. MTP depth d's layer (numbered num_layers + d)
+        takes entry d, as in Megatron-LM, which numbers the MTP layers from 1 again."""
+        types = self.cp_comm_types()
+        if len(types) == 1:
+            return types[0]
+        return types[layer_number if layer_number < self.num_layers else
+                     layer_number - self.num_layers]
+
+    def hierarchical_cp_sizes(self, tp_size, cp_size):
+        """The (U, R) of the a2a+p2p sub-groups that the layers' comm types resolve to under
+        ``tp_size`` x ``cp_size`` ("auto" included), or None when no layer needs them; the
+        trainer builds these groups. ValueError when two layers need different sizes."""
+        needed = {resolve_comm_type(t, self.num_query_groups // tp_size, cp_size,
+                                    self.hierarchical_context_parallel_sizes)[1]
+                  for t in self.cp_comm_types()} - {None}
+        if len(needed) > 1:
+            raise ValueError(f"cp_comm_type ({' '.join(self.cp_comm_types())}) needs a2a+p2p "
+                             f"sub-groups of two sizes {sorted(needed)} (auto picks U = "
+                             f"gcd(num_query_groups / TP, CP)); use one (U, R) for every "
+                             f"a2a+p2p layer: hierarchical_context_parallel_sizes "
+                             f"{' '.join(map(str, min(needed)))} or no auto")
+        return needed.pop() if needed else None
+
     def validate_parallel(self, tp_size, cp_size=None):
         """Raise ValueError unless the model splits over ``tp_size`` tensor-parallel ranks and
         (when ``cp_size`` is given) runs under ``cp_size`` context-parallel ranks."""
@@ -396,13 +460,25 @@ class GPTConfig(MLASettings, GatedDeltaNetSettings, MoESettings, MTPSettings):
                                      f"Gated DeltaNet heads")
         if cp_size is None:
             return
+        types = self.cp_comm_types()
+        if cp_size > 1 and len(types) > 1 and len(types) != self.num_layers:
+            raise ValueError(f"cp_comm_type ({' '.join(types)}) lists {len(types)} types, and a "
+                             f"per-layer list needs one per layer: num_layers ({self.num_layers}) "
+                             f"(Megatron-LM's rule); give {self.num_layers} types, or one for "
+                             f"every layer")
         if self.hierarchical_context_parallel_sizes is not None:
             check_hierarchical_sizes(self.hierarchical_context_parallel_sizes, cp_size)
-        elif self.cp_comm_type == "a2a+p2p" and cp_size > 1:
+        elif "a2a+p2p" in types and cp_size > 1:
             raise ValueError(f"cp_comm_type a2a+p2p needs hierarchical_context_parallel_sizes U R "
                              f"with U x R = context_parallel_size ({cp_size})")
+        if cp_size > 1:
+            self.hierarchical_cp_sizes(tp_size, cp_size)
         if self.experimental_attention_variant is not None and cp_size > 1:
-            self.gdn_cp_comm_type(tp_size, cp_size)
+            pattern = self.linear_attention_pattern()
+            mtp = [self.num_layers + d for d in range(self.mtp_num_layers or 0)] \
+                if pattern[-1] else []  # MTP layers take the last layer's kind
+            for number in [n for n, gdn in enumerate(pattern) if gdn] + mtp:
+                self.gdn_cp_comm_type(tp_size, cp_size, number)
 
     def check_positions(self, length, length_name="seq_length"):
         """Raise ValueError if learned absolute positions have no row for a ``length``-token

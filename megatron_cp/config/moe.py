@@ -5,6 +5,12 @@ from dataclasses import dataclass
 from megatron_cp.config.layer_pattern import parse_layer_freq
 from megatron_cp.config.setting import resolve, setting
 
+AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")  # Megatron-LM's order
+BALANCING_TYPES = AUX_LOSS_TYPES + ("sinkhorn", "quantile_balancing", "none")
+# router scores of each expert on its own logit (normalised over the chosen experts; an
+# expert bias may shift them)
+ELEMENTWISE_SCORES = ("sigmoid", "sqrtsoftplus")
+
 
 @dataclass(kw_only=True, frozen=True)
 class MoESettings:
@@ -26,9 +32,9 @@ class MoESettings:
         help="Scale the shared expert's output by sigmoid(x . w) of a learned gate.")
     moe_router_topk: int = setting(2, group="moe", help="Experts each token is routed to.")
     moe_router_score_function: str = setting(
-        "softmax", choices=("softmax", "sigmoid"), group="moe",
-        help="Router scores: softmax or sigmoid (normalised over the chosen experts when "
-             "top-k > 1).")
+        "softmax", choices=("softmax", "sigmoid", "sqrtsoftplus"), group="moe",
+        help="Router scores: softmax, sigmoid or sqrtsoftplus (sqrt(softplus(logit)); "
+             "sigmoid and sqrtsoftplus are normalised over the chosen experts when top-k > 1).")
     moe_router_pre_softmax: bool = setting(
         False, group="moe", help="Softmax over all experts before the top-k (default: softmax "
         "over the top-k logits).")
@@ -46,16 +52,26 @@ class MoESettings:
              "(default: the model's).")
     moe_input_jitter_eps: float | None = setting(
         None, group="moe", help="Multiply the router input by U(1-eps, 1+eps) in training.")
-    moe_router_load_balancing_type: str = setting(
-        "aux_loss", choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"),
-        group="moe",
+    moe_router_load_balancing_type: str | tuple[str, ...] = setting(
+        "aux_loss", choices=BALANCING_TYPES, nargs="+", fill_arg=True, group="moe",
         help="Load balancing: aux_loss (per microbatch), seq_aux_loss (per sequence), "
              "global_aux_loss (over the microbatches the data-parallel ranks run together), "
              "sinkhorn (S-BASE: in training each token's experts are the top-k of the "
-             "Sinkhorn-balanced router scores of its microbatch; no balancing loss), none. "
+             "Sinkhorn-balanced router scores of its microbatch; no balancing loss), "
+             "quantile_balancing (each token's experts are the top-k of its logits minus a "
+             "per-expert bias, which moves after each global batch to the experts' "
+             "fair-share quantiles of the logits; no balancing loss), none. "
+             "Several types (e.g. aux_loss seq_aux_loss) add their losses together, each "
+             "with its own --moe-aux-loss-coeff, under plain top-k routing. "
              "Padding and loss-masked tokens are never counted.")
-    moe_aux_loss_coeff: float = setting(0.0, group="moe",
-                                        help="Weight of the load-balancing loss.")
+    moe_aux_loss_coeff: float | tuple[float, ...] = setting(
+        0.0, nargs="+", fill_arg=True, group="moe",
+        help="Weight of the load-balancing loss; with several load-balancing types, one "
+             "weight per type, in their order.")
+    moe_router_quantile_balancing_ema: float = setting(
+        0.0, group="moe",
+        help="Quantile balancing's bias update after each global batch: bias = ema x bias + "
+             "(1 - ema) x the batch's mean quantiles, then centred (0: the latest quantiles).")
     moe_z_loss_coeff: float | None = setting(
         None, group="moe", help="Weight of the router z-loss (mean squared log-sum-exp of the "
         "router logits).")
@@ -63,7 +79,7 @@ class MoESettings:
         False, shapes=True, group="moe",
         help="Aux-loss-free balancing: a per-expert bias added to the scores for the top-k "
              "choice only, moved after each global batch towards equal token counts (with "
-             "--moe-router-score-function sigmoid).")
+             "--moe-router-score-function sigmoid or sqrtsoftplus).")
     moe_router_bias_update_rate: float = setting(
         1e-3, group="moe", help="Step of the expert-bias update (sign of the count error).")
     moe_token_dispatcher_type: str = setting(
@@ -82,6 +98,51 @@ class MoESettings:
     moe_pad_expert_input_to_capacity: bool = setting(
         False, group="moe", help="Every expert processes exactly its capacity of tokens "
         "(unrouted ones with weight 0): fixed shapes.")
+
+    def _resolve_balancing_lists(self):
+        """Megatron-LM's rule (its validate_args): a list of one load-balancing type or one
+        coefficient is that value; longer lists stay tuples."""
+        for name in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+            value = getattr(self, name)
+            if isinstance(value, (list, tuple)):
+                resolve(self, **{name: value[0] if len(value) == 1 else tuple(value)})
+
+    def balancing_losses(self):
+        """``{type: coefficient}`` of the balancing losses the router adds, in Megatron-LM's
+        order: each aux-loss type of moe_router_load_balancing_type whose coefficient is
+        positive (in a list, the coefficient at the type's first entry)."""
+        types, coeffs = self.moe_router_load_balancing_type, self.moe_aux_loss_coeff
+        if not isinstance(types, tuple):
+            types, coeffs = (types,), (coeffs,)
+        chosen = {kind: coeffs[types.index(kind)] for kind in AUX_LOSS_TYPES if kind in types}
+        return {kind: coeff for kind, coeff in chosen.items() if coeff > 0}
+
+    def _check_balancing_lists(self):
+        """A list of load-balancing types combines balancing losses, one coefficient each
+        (Megatron-LM's TransformerConfig rule); the routing balancers cannot join one."""
+        types, coeffs = self.moe_router_load_balancing_type, self.moe_aux_loss_coeff
+        if not isinstance(types, tuple):
+            if isinstance(coeffs, tuple):
+                raise ValueError(f"moe_aux_loss_coeff ({' '.join(map(str, coeffs))}) gives "
+                                 f"{len(coeffs)} coefficients for one "
+                                 f"moe_router_load_balancing_type ({types}); give one "
+                                 f"coefficient, or one type per coefficient")
+            return
+        shown = " ".join(types)
+        if not isinstance(coeffs, tuple) or len(coeffs) != len(types):
+            given = " ".join(map(str, coeffs)) if isinstance(coeffs, tuple) else coeffs
+            raise ValueError(f"moe_router_load_balancing_type ({shown}) lists {len(types)} "
+                             f"types, so moe_aux_loss_coeff needs {len(types)} coefficients, "
+                             f"one per type in the same order (Megatron-LM's rule); got "
+                             f"{given}")
+        for kind in types:
+            if kind not in AUX_LOSS_TYPES + ("none",):
+                raise ValueError(
+                    f"moe_router_load_balancing_type ({shown}): {kind} balances by routing, "
+                    f"and a list of types combines balancing losses under plain top-k "
+                    f"routing (Megatron-LM's meaning), where {kind} has no effect; give "
+                    f"moe_router_load_balancing_type {kind} alone, or list only aux_loss, "
+                    f"seq_aux_loss, global_aux_loss and none")
 
     def _check_moe(self):
         """The MoE rules that need no parallel size (see :meth:`validate_experts`)."""
@@ -106,11 +167,16 @@ class MoESettings:
                 raise ValueError(f"moe_router_topk / moe_router_group_topk ({topk // group_topk}) "
                                  f"experts per group exceeds the group size "
                                  f"({experts // groups}); raise moe_router_group_topk")
+        self._check_balancing_lists()
         if self.moe_router_load_balancing_type == "sinkhorn":
             self._check_sinkhorn()
-        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+        if self.moe_router_load_balancing_type == "quantile_balancing":
+            self._check_quantile_balancing()
+        if self.moe_router_enable_expert_bias and \
+                self.moe_router_score_function not in ELEMENTWISE_SCORES:
             raise ValueError("moe_router_enable_expert_bias needs moe_router_score_function "
-                             "sigmoid (the bias shifts sigmoid scores for the top-k choice)")
+                             "sigmoid or sqrtsoftplus (the bias shifts those scores for the "
+                             "top-k choice; Megatron-LM's rule)")
         if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
             raise ValueError("moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor")
         if self.moe_expert_capacity_factor is not None and not self.moe_expert_capacity_factor > 0:
@@ -138,6 +204,30 @@ class MoESettings:
                              f"sigmoid (top-1) or a softmax over all experts and routes by its "
                              f"balanced scores, so {', '.join(ignored)} would have no effect; "
                              f"drop {'it' if len(ignored) == 1 else 'them'}")
+
+    def _check_quantile_balancing(self):
+        """Quantile balancing chooses the experts with its own bias (Megatron-LM's rules)."""
+        name = "moe_router_load_balancing_type 'quantile_balancing'"
+        if self.moe_aux_loss_coeff > 0:
+            raise ValueError(f"{name} balances with its per-expert bias, so moe_aux_loss_coeff "
+                             f"({self.moe_aux_loss_coeff}) must be 0 (Megatron-LM's rule); drop "
+                             f"moe_aux_loss_coeff")
+        if self.moe_router_topk >= self.num_moe_experts:
+            raise ValueError(f"{name} ranks each token's (k+1)-th expert, so moe_router_topk "
+                             f"({self.moe_router_topk}) must be below num_moe_experts "
+                             f"({self.num_moe_experts})")
+        refused = [(setting, why) for setting, given, why in (
+            ("moe_router_num_groups", self.moe_router_num_groups is not None,
+             "group-limited routing is not supported with it (Megatron-LM's rule)"),
+            ("moe_expert_capacity_factor", self.moe_expert_capacity_factor is not None,
+             "token dropping works with the aux-loss types or none only (Megatron-LM's rule)"),
+            ("moe_router_enable_expert_bias", self.moe_router_enable_expert_bias,
+             "its bias would not take part in the choice"))
+            if given]
+        if refused:
+            setting, why = refused[0]
+            raise ValueError(f"{name} chooses the experts with its own bias, and {setting}: "
+                             f"{why}; drop {setting}")
 
     def moe_layer_pattern(self):
         """One bool per layer: is it an MoE layer (all False for a dense model)."""

@@ -25,6 +25,8 @@ _NOT_BUILT = {
 MUON_TP_MODES = ("blockwise", "duplicated", "distributed")
 # Megatron-FSDP's --data-parallel-sharding-strategy, ZeRO-0 to ZeRO-3
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+# the shapes of WSD's annealing phase (--lr-wsd-decay-style), Megatron-LM's names
+WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -81,8 +83,19 @@ class OptimizerConfig:
     lr: float | None = setting(None, group="training", help="Peak learning rate.")
     min_lr: float = setting(0.0, group="training", help="Learning rate at the end of decay.")
     lr_decay_style: str = setting("linear",
-        choices=["constant", "linear", "cosine", "inverse-square-root"], group="training",
-        help="Learning rate decay after warmup.")
+        choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"], group="training",
+        help="Learning rate decay after warmup. WSD (warmup-stable-decay): the rate stays at "
+             "--lr until the last --lr-wsd-decay-iters (or -samples) of the decay, then "
+             "anneals to --min-lr in the --lr-wsd-decay-style shape.")
+    lr_wsd_decay_style: str = setting("exponential", choices=WSD_DECAY_STYLES, group="training",
+        help="Shape of WSD's annealing over its fraction r of the phase: exponential "
+             "(2 x 0.5^r - 1), linear (1 - r), cosine ((1 + cos(pi r)) / 2) or minus_sqrt "
+             "(1 - sqrt(r)), from --lr down to --min-lr.")
+    lr_wsd_decay_iters: int | None = setting(None, group="training",
+        help="WSD: iterations of the annealing phase, which ends with the decay "
+             "(--lr-decay-iters); with --train-iters.")
+    lr_wsd_decay_samples: int | None = setting(None, group="training",
+        help="WSD: samples of the annealing phase; with --train-samples.")
     lr_warmup_iters: int = setting(0, group="training", help="Linear warmup iterations.")
     lr_warmup_fraction: float | None = setting(None, group="training",
         help="Warmup as a fraction of the decay iterations.")
@@ -173,6 +186,9 @@ class OptimizerConfig:
                                          help="Decay length, in the schedule's unit.")
     wd_incr_steps: int | None = setting(None, flag=None, arg="wd_incr_steps",
                                         help="Weight-decay schedule length, in its unit.")
+    wsd_decay_steps: int | float | None = setting(None, flag=None, arg="wsd_decay_steps",
+                                                  help="WSD's annealing length, in the "
+                                                       "schedule's unit.")
     ddp_bucket_size_mb: float = setting(40.0, flag=None, arg="ddp_bucket_size_mb",
                                         help="--ddp-bucket-size in MB of fp32 gradients.")
 

@@ -32,6 +32,7 @@ def check_hierarchical_sizes(hierarchical_sizes, context_parallel_size):
 
 
 COMM_TYPES = ("p2p", "a2a", "a2a+p2p", "all_gather", "auto")
+COMM_TYPE_ALIASES = {"allgather": "all_gather"}  # Megatron-LM's --cp-comm-type help's spelling
 
 
 def resolve_comm_type(comm_type, num_kv_heads, cp_size, hierarchical_sizes=None):
@@ -125,6 +126,15 @@ class ParallelConfig:
         help="torch.distributed backend (default nccl with CUDA, else gloo).")
     distributed_timeout_minutes: int = setting(10, group="parallelism",
         help="Timeout of collectives, in minutes.")
+    distributed_timeout_seconds_after_init: int | None = setting(None, group="parallelism",
+        help="Once the first iteration of the run has finished, the timeout of every process "
+             "group becomes this many seconds (the first iteration, slower, keeps "
+             "--distributed-timeout-minutes).")
+    use_gloo_process_groups: bool = setting(True, flag="--disable-gloo-process-groups",
+        arg="use_gloo_process_groups", store_false=True, group="parallelism",
+        help="Create no gloo process group: checkpoint coordination (DCP's plan exchange, "
+             "--verify-integrity) runs over the default process group instead of a gloo group "
+             "of its own; an --async-save is then written before training goes on.")
 
     # derived by the command line's checks (megatron_cp/cli/checks.py)
     world_size: int = setting(1, flag=None, arg="world_size", help="Ranks in the job.")

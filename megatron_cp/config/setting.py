@@ -186,11 +186,13 @@ def checkpoint_args(config_cls):
 
 
 def check_choices(config):
-    """Raise ValueError for a field whose value is not one of its ``choices``."""
+    """Raise ValueError for a field whose value (each entry of a tuple) is not one of its
+    ``choices``."""
     for f in dataclasses.fields(config):
-        allowed = f.metadata.get("choices")
-        if allowed is not None and getattr(config, f.name) not in allowed:
-            raise ValueError(f"{f.name} ({getattr(config, f.name)!r}) must be one of {tuple(allowed)}")
+        allowed, value = f.metadata.get("choices"), getattr(config, f.name)
+        for entry in value if isinstance(value, tuple) else (value,):
+            if allowed is not None and entry not in allowed:
+                raise ValueError(f"{f.name} ({entry!r}) must be one of {tuple(allowed)}")
 
 
 def config_flag_names(config_cls):

@@ -101,6 +101,10 @@ class TrainingConfig:
              " loss tokens, averaged over the microbatches "
              "(megatron_cp.pipeline_parallel.loss_weighting). The logged lm loss is the "
              "token-weighted mean either way.")
+    empty_unused_memory_level: int = setting(0, choices=(0, 1, 2), group="training",
+        help="Hand the caching allocator's unused blocks back to the device: 1 after each "
+             "iteration's forward and backward (and each evaluation step), 2 after the "
+             "optimizer step as well (slower; less fragmentation).")
     manual_gc: bool = setting(False, group="training",
         help="Disable automatic Python garbage collection; collect every --manual-gc-interval "
              "iterations.")

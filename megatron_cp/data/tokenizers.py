@@ -4,9 +4,10 @@ Each tokenizer exposes ``vocab_size``, ``eod``, ``tokenize(text) -> list[int]``,
 ``detokenize(ids) -> str`` and ``token_to_id(token) -> int | None`` (the id of one vocabulary
 entry, None when there is none: FIM's special tokens, data/fim.py):
 
-- ``SentencePieceTokenizer`` (alias ``GPTSentencePieceTokenizer``): a sentencepiece
-  model (``--tokenizer-model``); ``eod`` is the model's eos id (``</s>``;
-  tools/train_tokenizer.py always gives the model one), as Megatron's GPT sentencepiece.
+- ``SentencePieceTokenizer`` (aliases ``GPTSentencePieceTokenizer`` and ``Llama2Tokenizer``):
+  a sentencepiece model (``--tokenizer-model``); ``tokenize`` adds no bos or eos, ``eod`` is
+  the model's eos id (``</s>``; tools/train_tokenizer.py always gives the model one) and
+  ``bos`` its bos id: Megatron-LM reads all three names with its one sentencepiece wrapper.
 - ``GPT2BPETokenizer``: GPT-2 byte-level BPE from ``vocab.json`` + ``merges.txt``
   (``--vocab-file``, ``--merge-file``) through the HF ``tokenizers`` library, imported
   lazily; ``eod`` is the id of ``<|endoftext|>``.
@@ -14,16 +15,22 @@ entry, None when there is none: FIM's special tokens, data/fim.py):
   written by ``save_pretrained`` (read by ``transformers.AutoTokenizer`` when transformers is
   installed) or a ``tokenizer.json`` file (read by the ``tokenizers`` library). Nothing is
   downloaded. ``eod`` is the tokenizer's eos token.
+- ``TikTokenizer``: Megatron-LM's tiktoken BPE over a vocabulary ``.json``
+  (``--tokenizer-model``) when the tiktoken package is installed (megatron_cp does not
+  depend on it): ids below ``--tiktoken-num-special-tokens`` are the special tokens, ``eod``
+  is ``</s>``'s.
 - ``NullTokenizer``: text is whitespace-separated integer ids. As in Megatron-LM, the
   eod id is ``vocab_size`` (one past the given ids) and ``.vocab_size`` reports
   ``vocab_size + 1`` so the embedding has a row for it.
 """
+import base64
+import importlib.util
 import json
 import os
 
-from megatron_cp.config.data import TOKENIZER_TYPES
-
-# GPTSentencePieceTokenizer is accepted as Megatron's name for the same eos-as-eod behaviour.
+from megatron_cp.config.data import (NOT_BUILT_TOKENIZERS, SENTENCEPIECE_TYPES,
+                                     TIKTOKEN_DEFAULT_VOCAB, TIKTOKEN_SPECIAL_TOKENS,
+                                     TOKENIZER_TYPES)
 
 
 class SentencePieceTokenizer:
@@ -46,6 +53,11 @@ class SentencePieceTokenizer:
     @property
     def eod(self):
         return self._eod
+
+    @property
+    def bos(self):
+        """The model's bos id (-1: it has none); never added by :meth:`tokenize`."""
+        return self._sp.bos_id()
 
     def tokenize(self, text):
         """Token ids of ``text`` (no bos/eos added)."""
@@ -189,6 +201,106 @@ def _configured_eos(folder):
     return eos.get("content") if isinstance(eos, dict) else eos
 
 
+TIKTOKEN_MISSING = ("--tokenizer-type TikTokenizer needs the tiktoken package, which is not "
+                    "installed (megatron_cp does not depend on it): pip install tiktoken")
+
+
+def tiktoken_available():
+    """Whether the tiktoken package (TikTokenizer's) can be imported."""
+    return importlib.util.find_spec("tiktoken") is not None
+
+
+def check_tiktoken_settings(special_tokens, num_special_tokens, vocab_size):
+    """Megatron-LM's rules for a TikTokenizer: each special token once, those of
+    :data:`TIKTOKEN_SPECIAL_TOKENS` among them, and as many as ``num_special_tokens`` at
+    most, which is below the vocabulary size (``vocab_size``, default 2^17)."""
+    special = tuple(special_tokens or TIKTOKEN_SPECIAL_TOKENS)
+    missing = [t for t in TIKTOKEN_SPECIAL_TOKENS if t not in special]
+    if missing or len(set(special)) != len(special):
+        raise ValueError(f"--tokenizer-special-tokens must list each token once and include "
+                         f"{' '.join(TIKTOKEN_SPECIAL_TOKENS)} (missing: "
+                         f"{' '.join(missing) or 'none'})")
+    vocab = vocab_size or TIKTOKEN_DEFAULT_VOCAB
+    if not len(special) <= num_special_tokens < vocab:
+        raise ValueError(f"--tokenizer-type TikTokenizer needs its {len(special)} special "
+                         f"tokens <= "
+                         f"--tiktoken-num-special-tokens ({num_special_tokens}) < its vocabulary "
+                         f"(--vocab-size, default 2^17: {vocab})")
+
+
+# TikTokenizer's pre-tokenization regexes (Megatron-LM's --tiktoken-pattern v1 and v2)
+TIKTOKEN_PATTERNS = {
+    "v1": r"[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+",
+    "v2": r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+          r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+          r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+
+
+class TikTokenizer(_SizedTokenizer):
+    """Megatron-LM's TikTokenizer: byte-level BPE (tiktoken) over a vocabulary ``.json``, a
+    list of ``{"rank": i, "token_bytes": base64, "token_str": ...}`` whose first 256 entries
+    are the single bytes. Ids ``0 .. num_special_tokens - 1`` are the special tokens
+    (``special_tokens``, then ``<SPECIAL_i>`` fillers); the vocabulary's entry of rank r has
+    id ``num_special_tokens + r``, and only its first ``vocab_size - num_special_tokens``
+    entries are used. ``tokenize`` reads special-token text in the input as those tokens and
+    adds none; ``eod`` is ``</s>``'s id."""
+
+    def __init__(self, path, pattern=None, vocab_size=None, num_special_tokens=1000,
+                 special_tokens=None):
+        import tiktoken
+
+        check_tiktoken_settings(special_tokens, num_special_tokens, vocab_size)
+        special = list(special_tokens or TIKTOKEN_SPECIAL_TOKENS)
+        vocab_size = vocab_size or TIKTOKEN_DEFAULT_VOCAB
+        if not os.path.isfile(path):
+            raise ValueError(f"TikTokenizer: {path} does not exist; give its vocabulary .json "
+                             f"as --tokenizer-model")
+        with open(path, encoding="utf-8") as f:
+            entries = json.load(f)[:vocab_size - num_special_tokens]
+        ranks = {}
+        for i, entry in enumerate(entries):
+            token = base64.b64decode(entry["token_bytes"])
+            if entry["rank"] != i or (i < 256 and token != bytes([i])):
+                raise ValueError(f"TikTokenizer: {path} entry {i} has rank {entry['rank']} "
+                                 f"and bytes {token!r}: the ranks must count 0, 1, ... and "
+                                 f"the first 256 be the single bytes")
+            ranks[token] = num_special_tokens + i
+        if len(ranks) != vocab_size - num_special_tokens:
+            raise ValueError(f"TikTokenizer: {path} has {len(ranks)} tokens, fewer than "
+                             f"--vocab-size ({vocab_size}) - --tiktoken-num-special-tokens "
+                             f"({num_special_tokens}); lower --vocab-size")
+        special += [f"<SPECIAL_{i}>" for i in range(len(special), num_special_tokens)]
+        self.special_tokens = special
+        self._vocab_size, self._eod = vocab_size, special.index("</s>")
+        self._bos = special.index("<s>")
+        self._enc = tiktoken.Encoding(
+            name=os.path.basename(os.path.dirname(os.path.abspath(path))),
+            pat_str=TIKTOKEN_PATTERNS[pattern or "v2"], mergeable_ranks=ranks,
+            special_tokens={token: i for i, token in enumerate(special)})
+
+    @property
+    def bos(self):
+        return self._bos
+
+    def tokenize(self, text):
+        """Token ids of ``text``; special-token text becomes its id, nothing is added."""
+        return self._enc.encode(text, allowed_special="all")
+
+    def detokenize(self, ids):
+        """Text of ``ids`` (special tokens kept as their text)."""
+        return self._enc.decode([int(i) for i in ids])
+
+    def token_to_id(self, token):
+        """The id of ``token`` (a special token, or one vocabulary entry), None otherwise."""
+        if token in self.special_tokens:
+            return self.special_tokens.index(token)
+        try:
+            return self._enc.encode_single_token(token)
+        except KeyError:
+            return None
+
+
 class NullTokenizer:
     """Whitespace-separated integer ids; eod is ``vocab_size`` (Megatron's convention)."""
 
@@ -219,10 +331,15 @@ class NullTokenizer:
 
 
 def build_tokenizer(tokenizer_type, tokenizer_model=None, vocab_file=None, merge_file=None,
-                    vocab_size=None, include_special_tokens=True):
+                    vocab_size=None, include_special_tokens=True, tiktoken_pattern=None,
+                    tiktoken_num_special_tokens=1000, special_tokens=None):
     """Build the tokenizer named by ``tokenizer_type`` (one of :data:`TOKENIZER_TYPES`);
-    ``include_special_tokens``: a Hugging Face tokenizer's (see :class:`HuggingFaceTokenizer`)."""
-    if tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
+    ``include_special_tokens``: a Hugging Face tokenizer's (see :class:`HuggingFaceTokenizer`);
+    ``tiktoken_pattern``, ``tiktoken_num_special_tokens``, ``special_tokens`` and
+    ``vocab_size``: a TikTokenizer's (see :class:`TikTokenizer`)."""
+    if tokenizer_type in NOT_BUILT_TOKENIZERS:
+        raise ValueError(f"{tokenizer_type}: {NOT_BUILT_TOKENIZERS[tokenizer_type]}")
+    if tokenizer_type in SENTENCEPIECE_TYPES:
         if not tokenizer_model:
             raise ValueError(f"{tokenizer_type} needs --tokenizer-model (a .model file; "
                              "tools/train_tokenizer.py makes one)")
@@ -237,6 +354,13 @@ def build_tokenizer(tokenizer_type, tokenizer_model=None, vocab_file=None, merge
             raise ValueError("HuggingFaceTokenizer needs --tokenizer-model (a local folder written "
                              "by save_pretrained, or a tokenizer.json file)")
         return HuggingFaceTokenizer(tokenizer_model, include_special_tokens)
+    if tokenizer_type == "TikTokenizer":
+        if not tiktoken_available():
+            raise ValueError(TIKTOKEN_MISSING)
+        if not tokenizer_model:
+            raise ValueError("TikTokenizer needs --tokenizer-model (its vocabulary .json)")
+        return TikTokenizer(tokenizer_model, tiktoken_pattern, vocab_size,
+                            tiktoken_num_special_tokens, special_tokens)
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
     raise ValueError(f"unknown tokenizer type {tokenizer_type!r}; choose one of "
@@ -248,4 +372,6 @@ def tokenizer_from_config(data):
     names (NullTokenizer when none)."""
     return build_tokenizer(data.tokenizer_type or "NullTokenizer", data.tokenizer_model,
                            data.vocab_file, data.merge_file, data.vocab_size,
-                           not data.tokenizer_hf_no_include_special_tokens)
+                           not data.tokenizer_hf_no_include_special_tokens,
+                           data.tiktoken_pattern, data.tiktoken_num_special_tokens,
+                           data.special_tokens)

@@ -23,7 +23,7 @@ from megatron_cp.weight_hash import check_replicas_equal
 
 class AttentionCore(torch.nn.Module):
     """What every softmax-attention layer shares after its projections: the core attention
-    (local, or over the CP group with the configured comm type), attention dropout drawn
+    (local, or over the CP group with the layer's comm type), attention dropout drawn
     from each element's place in the run, and the kernel choice. A layer calls
     :meth:`build_core` once its head counts are known; MLA passes its own softmax scale and
     its key and value head dims may differ."""
@@ -40,7 +40,7 @@ class AttentionCore(torch.nn.Module):
         self.cp_attention = None  # built once: the comm type and head plan are checked here
         if self.cp_size > 1:
             self.cp_attention = ContextParallelAttention(
-                cp_group, config.cp_comm_type, local_heads, local_kv_heads,
+                cp_group, config.layer_cp_comm_type(layer_number), local_heads, local_kv_heads,
                 hierarchical_cp_groups, config.allow_dummy_heads, softmax_scale,
                 kernel=self.attention_kernel)
 

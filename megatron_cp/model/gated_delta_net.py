@@ -63,7 +63,7 @@ class GatedDeltaNet(torch.nn.Module):
     construction); ``document_ids`` [b, s] restart conv and state at document boundaries."""
 
     def __init__(self, config, prefix, tp_group, device=None, cp_group=None,
-                 hierarchical_groups=None):
+                 hierarchical_groups=None, layer_number=0):
         super().__init__()
         tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
         tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
@@ -71,7 +71,8 @@ class GatedDeltaNet(torch.nn.Module):
         config.validate_parallel(tp_size, cp_size)
         self.cp_size = cp_size  # as SelfAttention's: generation checks it of either mixer
         self.context_parallel = None if cp_size == 1 else GatedDeltaContextParallel(
-            cp_group, config.gdn_cp_comm_type(tp_size, cp_size), hierarchical_groups)
+            cp_group, config.gdn_cp_comm_type(tp_size, cp_size, layer_number),
+            hierarchical_groups)
         self.config = config
         nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
         dk, dv, w = config.linear_key_head_dim, config.linear_value_head_dim, \

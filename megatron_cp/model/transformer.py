@@ -58,7 +58,7 @@ class TransformerLayer(torch.nn.Module):
         self.is_linear_attention = config.linear_attention_pattern()[kind_of]
         if self.is_linear_attention:
             self.self_attention = GatedDeltaNet(config, prefix + ".self_attention", tp_group,
-                                                device, cp_group, hierarchical)
+                                                device, cp_group, hierarchical, layer_number)
         else:
             attention = MultiLatentAttention if config.multi_latent_attention else SelfAttention
             self.self_attention = attention(config, prefix + ".self_attention", tp_group,

@@ -26,19 +26,24 @@ def set_aux_loss_scale(model_chunks, scale):
         layer.router.aux_loss_scale = scale
 
 
+def _copy(tensor):
+    return None if tensor is None else tensor.clone()
+
+
 def router_counters(model_chunks):
     """A copy of what every router accumulates over a step's microbatches (statistics for
-    the log, token counts for the expert bias): a rerun of the step starts from it again."""
+    the log, token counts for the expert bias, quantiles for quantile balancing): a rerun
+    of the step starts from it again."""
     return [({k: v.clone() for k, v in layer.router.stats.items()},
-             None if layer.router.bias_counts is None else layer.router.bias_counts.clone())
+             _copy(layer.router.bias_counts), _copy(layer.router.qb_sums))
             for _, layer in moe_layers(model_chunks)]
 
 
 def restore_router_counters(model_chunks, saved):
     """Put back what :func:`router_counters` copied."""
-    for (_, layer), (stats, bias_counts) in zip(moe_layers(model_chunks), saved):
+    for (_, layer), (stats, bias_counts, qb_sums) in zip(moe_layers(model_chunks), saved):
         layer.router.stats = {k: v.clone() for k, v in stats.items()}
-        layer.router.bias_counts = None if bias_counts is None else bias_counts.clone()
+        layer.router.bias_counts, layer.router.qb_sums = _copy(bias_counts), _copy(qb_sums)
 
 
 def _sum_over(tensor, state, names):
@@ -64,6 +69,29 @@ def update_expert_bias(model_chunks, state):
     for router, step in zip(routers, offset):
         router.expert_bias += router.config.moe_router_bias_update_rate * step.float()
         router.bias_counts = None
+
+
+@torch.no_grad()
+def update_qb_beta(model_chunks, state):
+    """Quantile balancing, once per global batch (Megatron-LM's): each router's bias moves
+    to ``ema * qb_beta + (1 - ema) * q`` (``--moe-router-quantile-balancing-ema``), ``q`` the
+    mean of the expert quantiles of the global batch's microbatches (every data-parallel
+    rank's), then is centred (mean 0 over the experts)."""
+    routers = [layer.router for _, layer in moe_layers(model_chunks)
+               if layer.router.qb_beta is not None]
+    if not routers:
+        return
+    sums = torch.stack([r.qb_sums if r.qb_sums is not None else
+                        torch.zeros(r.qb_beta.numel() + 1, dtype=torch.float64,
+                                    device=r.qb_beta.device) for r in routers])  # [routers, E+1]
+    _sum_over(sums, state, ("dp",))  # the TP x CP ranks of a microbatch hold the same sums
+    for router, row in zip(routers, sums):
+        router.qb_sums = None
+        if row[-1] == 0:  # no counted token in the whole global batch: nothing to move to
+            continue
+        ema = router.config.moe_router_quantile_balancing_ema
+        beta = ema * router.qb_beta.double() + (1.0 - ema) * row[:-1] / row[-1]
+        router.qb_beta.copy_(beta - beta.mean())
 
 
 @torch.no_grad()

@@ -1,19 +1,24 @@
-"""The top-k router: logits, routing (top-k, or Sinkhorn-balanced in training), capacity,
-balancing losses, expert bias and the statistics the training loop logs.
+"""The top-k router: logits, routing (top-k, Sinkhorn-balanced in training, or quantile
+balanced), capacity, balancing losses, expert bias and the statistics the training loop logs.
 
 The router weight ``[E, h]`` is replicated over TP; the MoE layer gives each TP rank its
 own tokens, so the weight's gradient is summed over TP (``sequence_parallel``) as well as
 over DP x CP. The expert bias (aux-loss-free balancing) is a buffer, not a parameter: the
 training loop moves it once per global batch (:func:`megatron_cp.moe.update_expert_bias`)
-from the token counts this router accumulated.
+from the token counts this router accumulated. Quantile balancing's bias ``qb_beta`` (a
+buffer too) moves likewise (:func:`megatron_cp.moe.update_qb_beta`) from the quantiles of the
+global batch's microbatches.
 """
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_cp import tensor_parallel as tpar
 from megatron_cp.model.hidden_dropout import uniform_multiplier
+from megatron_cp.moe import comm
 from megatron_cp.moe.balancing import AttachLoss, aux_loss, sinkhorn, z_loss
-from megatron_cp.moe.routing import (apply_capacity, expert_capacity, scores_for_balancing,
+from megatron_cp.moe.routing import (apply_capacity, expert_capacity, expert_quantiles,
+                                     quantile_balanced_choice, scores_for_balancing,
                                      sinkhorn_routing, topk_routing)
 
 ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
@@ -39,8 +44,14 @@ class TopKRouter(torch.nn.Module):
                                                             device=device))
         else:
             self.expert_bias = None
+        if config.moe_router_load_balancing_type == "quantile_balancing":
+            self.register_buffer("qb_beta", torch.zeros(experts, dtype=torch.float32,
+                                                        device=device))
+        else:
+            self.qb_beta = None
         self.aux_loss_scale = 1.0  # set per step by the training loop (balancing.py)
         self.bias_counts = None  # weighted tokens per expert since the last bias update
+        self.qb_sums = None  # [E + 1]: summed microbatch quantiles, then their number
         self.reset_stats()
 
     def reset_stats(self):
@@ -52,15 +63,41 @@ class TopKRouter(torch.nn.Module):
                       "tokens_per_expert": torch.zeros(self.config.num_moe_experts,
                                                        dtype=torch.float64, device=device)}
 
+    def _recording(self):
+        """Training microbatches only, and not again when full recomputation reruns the layer."""
+        return self.training and not getattr(self.rng_tracker, "recomputing", False)
+
     def _record(self, aux_value, z_value, counts):
-        # Training microbatches only, and not again when full recomputation reruns the layer.
-        if not self.training or getattr(self.rng_tracker, "recomputing", False):
+        if not self._recording():
             return
         self.stats["aux_loss"] += aux_value.double()
         self.stats["z_loss"] += z_value.double()
         self.stats["tokens_per_expert"] += counts.double()
         if self.expert_bias is not None:
             self.bias_counts = counts.double() + (0 if self.bias_counts is None else self.bias_counts)
+
+    @torch.no_grad()
+    def _quantile_balanced(self, logits, weights):
+        """Quantile balancing (Megatron-LM's): each token's experts are the top-k of its
+        logits minus the bias ``qb_beta``; in training each expert's quantile of the whole
+        microbatch (its weighted tokens, gathered over the ranks holding it) is summed for
+        the update after the global batch (:func:`megatron_cp.moe.update_qb_beta`).
+        Returns the chosen experts [T, k]."""
+        k = self.config.moe_router_topk
+        experts, alpha = quantile_balanced_choice(logits, k, self.qb_beta)  # [T, k], [T, 1]
+        if not self._recording():
+            return experts
+        rows = (logits.float() - alpha)[weights > 0]  # [m_local, E]
+        for group in self.token_groups:  # the microbatch's counted tokens on every rank
+            if group is not None and dist.get_world_size(group) > 1:
+                counts = comm.all_gather_counts(torch.tensor([rows.shape[0]],
+                                                             device=rows.device), group)
+                rows = comm.gather_rows(rows, counts.flatten().tolist(), group)
+        if rows.shape[0] == 0:  # nothing counted in this microbatch: no quantile
+            return experts
+        sums = torch.cat([expert_quantiles(rows, k).double(), rows.new_ones(1).double()])
+        self.qb_sums = sums if self.qb_sums is None else self.qb_sums + sums
+        return experts
 
     def forward(self, tokens, weights, seq_ids, num_seqs, jitter_states=None):
         """``tokens`` [T, h]; ``weights`` [T] (1 for tokens the losses count); ``seq_ids`` [T]
@@ -81,6 +118,11 @@ class TopKRouter(torch.nn.Module):
                 balanced = sinkhorn(logits.detach(), weights, self.token_groups)  # [T, E]
                 indices = balanced.topk(c.moe_router_topk, dim=-1).indices  # [T, k]
             probs, routing_map = sinkhorn_routing(logits, c.moe_router_topk, indices)
+        elif c.moe_router_load_balancing_type == "quantile_balancing":
+            probs, routing_map = topk_routing(
+                logits, c.moe_router_topk, c.moe_router_score_function, c.moe_router_pre_softmax,
+                c.moe_router_topk_scaling_factor,
+                chosen_experts=self._quantile_balanced(logits, weights))
         else:
             probs, routing_map = topk_routing(
                 logits, c.moe_router_topk, c.moe_router_score_function, c.moe_router_pre_softmax,
@@ -89,13 +131,14 @@ class TopKRouter(torch.nn.Module):
         counts = (routing_map.to(torch.float32) * weights.to(torch.float32)[:, None]).sum(0)  # [E]
         local = logits.new_zeros(())
         aux_value = z_value = torch.zeros((), dtype=torch.float32, device=logits.device)
-        if self.training and c.moe_router_load_balancing_type != "none" and c.moe_aux_loss_coeff > 0:
-            part, aux_value = aux_loss(
-                c.moe_router_load_balancing_type, scores_for_balancing(logits, c.moe_router_score_function),
-                routing_map, weights, topk=c.moe_router_topk, coeff=c.moe_aux_loss_coeff,
+        losses = c.balancing_losses() if self.training else {}
+        scores = scores_for_balancing(logits, c.moe_router_score_function) if losses else None
+        for kind, coeff in losses.items():  # several types: their losses add up
+            part, value = aux_loss(
+                kind, scores, routing_map, weights, topk=c.moe_router_topk, coeff=coeff,
                 token_groups=self.token_groups, dp_group=self.dp_group, seq_ids=seq_ids,
                 num_seqs=num_seqs)
-            local = local + part
+            local, aux_value = local + part, aux_value + value
         if self.training and c.moe_z_loss_coeff:
             part, z_value = z_loss(logits, weights, coeff=c.moe_z_loss_coeff,
                                    token_groups=self.token_groups)

@@ -8,10 +8,24 @@ import math
 
 import torch
 
+from megatron_cp.config.moe import ELEMENTWISE_SCORES
+
 
 def _at_least_fp32(tensor):
     """The dtype scores are computed in: fp32, or fp64 under --moe-router-dtype fp64."""
     return torch.promote_types(tensor.dtype, torch.float32)
+
+
+def expert_scores(logits, score_function):
+    """The per-expert scores of ``logits`` [T, E] (at least fp32) of an element-wise score
+    function: ``sigmoid(x)``, or ``sqrtsoftplus``: ``sqrt(softplus(x)) = sqrt(log(1 + e^x))``
+    (Megatron-LM's)."""
+    x = logits.to(_at_least_fp32(logits))
+    if score_function == "sigmoid":
+        return torch.sigmoid(x)
+    if score_function == "sqrtsoftplus":
+        return torch.nn.functional.softplus(x).sqrt()
+    raise ValueError(f"score_function {score_function!r}: use sigmoid or sqrtsoftplus")
 
 
 def group_limited_topk(scores, topk, num_groups, group_topk):
@@ -34,37 +48,63 @@ def _topk(scores, topk, num_groups, group_topk):
 
 
 def topk_routing(logits, topk, score_function="softmax", pre_softmax=False, scaling_factor=None,
-                 num_groups=None, group_topk=None, expert_bias=None):
+                 num_groups=None, group_topk=None, expert_bias=None, chosen_experts=None):
     """Megatron-LM's top-k router on ``logits`` [T, E].
 
     softmax: the top-k logits are softmaxed among themselves, or (``pre_softmax``) the top-k
-    of the softmax over all experts are taken as they are. sigmoid: the top-k sigmoid scores,
-    normalised to sum to 1 when k > 1; ``expert_bias`` [E] is added for the choice only.
+    of the softmax over all experts are taken as they are. sigmoid and sqrtsoftplus: the
+    top-k of the per-expert scores (:func:`expert_scores`), normalised to sum to 1 when
+    k > 1; ``expert_bias`` [E] is added for the choice only. ``chosen_experts`` [T, k]: the
+    experts a balancer chose (quantile balancing), whose scores are taken as the top-k's.
     Returns ``(probs [T, E], routing_map [T, E] bool)``.
     """
+    def choose(scores):  # (the chosen scores [T, k], their experts [T, k])
+        if chosen_experts is not None:
+            return scores.gather(1, chosen_experts), chosen_experts
+        return _topk(scores, topk, num_groups, group_topk)
+
     if score_function == "softmax":
         if pre_softmax:
             scores = torch.softmax(logits, dim=-1, dtype=_at_least_fp32(logits)).type_as(logits)
-            chosen, indices = _topk(scores, topk, num_groups, group_topk)
+            chosen, indices = choose(scores)
         else:
-            top_logits, indices = _topk(logits, topk, num_groups, group_topk)
+            top_logits, indices = choose(logits)
             chosen = torch.softmax(top_logits, dim=-1, dtype=_at_least_fp32(logits)).type_as(logits)
-    elif score_function == "sigmoid":
-        scores = torch.sigmoid(logits.to(_at_least_fp32(logits))).type_as(logits)
-        if expert_bias is not None:
+    elif score_function in ELEMENTWISE_SCORES:
+        scores = expert_scores(logits, score_function).type_as(logits)
+        if expert_bias is not None and chosen_experts is None:
             _, indices = _topk(scores + expert_bias.to(scores.dtype), topk, num_groups, group_topk)
             chosen = scores.gather(1, indices)
         else:
-            chosen, indices = _topk(scores, topk, num_groups, group_topk)
+            chosen, indices = choose(scores)
         if topk > 1:
             chosen = chosen / (chosen.sum(dim=-1, keepdim=True) + 1e-20)
     else:
-        raise ValueError(f"score_function {score_function!r}: use softmax or sigmoid")
+        raise ValueError(f"score_function {score_function!r}: use softmax, sigmoid or "
+                         f"sqrtsoftplus")
     if scaling_factor:
         chosen = chosen * scaling_factor
     probs = torch.zeros_like(logits).scatter(1, indices, chosen)  # [T, E]
     routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, indices, True)  # [T, E]
     return probs, routing_map
+
+
+def quantile_balanced_choice(logits, topk, beta):
+    """Quantile balancing's choice of experts (Megatron-LM's ``qb_dual_update``): each
+    token's top-k of ``logits - beta`` (fp32; ``beta`` [E] the per-expert bias), and its dual
+    value ``alpha``, the (k+1)-th largest of that row. Returns ``(experts [T, k], alpha
+    [T, 1])``."""
+    top = (logits.float() - beta).topk(topk + 1, dim=-1)
+    return top.indices[:, :topk], top.values[:, topk:]
+
+
+def expert_quantiles(shifted, topk):
+    """The quantile-balancing target of each expert from one microbatch's rows ``shifted`` =
+    ``logits - alpha`` [m, E] of its m counted tokens: per expert, the ``(m k // E + 1)``-th
+    largest entry of its column -- the bias that would leave it ``m k / E`` tokens, its fair
+    share (Megatron-LM's; it requires ``m k / E`` whole). Returns [E]."""
+    share = shifted.shape[0] * topk // shifted.shape[1]
+    return shifted.topk(share + 1, dim=0).values[-1]
 
 
 def sinkhorn_routing(logits, topk, indices=None):
@@ -85,10 +125,10 @@ def sinkhorn_routing(logits, topk, indices=None):
 
 def scores_for_balancing(logits, score_function):
     """The per-expert scores the balancing loss averages, [T, E]: the softmax over all
-    experts, or the sigmoid scores normalised over all experts."""
+    experts, or the sigmoid / sqrtsoftplus scores normalised over all experts."""
     if score_function == "softmax":
         return torch.softmax(logits, dim=-1, dtype=_at_least_fp32(logits))
-    scores = torch.sigmoid(logits.to(_at_least_fp32(logits)))
+    scores = expert_scores(logits, score_function)
     return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
 
 

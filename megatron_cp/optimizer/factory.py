@@ -67,4 +67,6 @@ def build_scheduler(optimizer, checkpoint, param_optimizer):
         wd_incr_steps=optimizer.wd_incr_steps if incremented else None,
         use_checkpoint_values=checkpoint.use_checkpoint_opt_param_scheduler,
         override_from_arguments=checkpoint.override_opt_param_scheduler,
-        decoupled_lr=optimizer.decoupled_lr, decoupled_min_lr=optimizer.decoupled_min_lr)
+        decoupled_lr=optimizer.decoupled_lr, decoupled_min_lr=optimizer.decoupled_min_lr,
+        wsd_decay_steps=optimizer.wsd_decay_steps,
+        lr_wsd_decay_style=optimizer.lr_wsd_decay_style)

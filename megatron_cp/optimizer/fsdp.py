@@ -160,9 +160,6 @@ def megatron_fsdp_flag_problems(args):
          "group of Megatron-FSDP's hybrid sharding is not built (Megatron-LM takes it with "
          "optim_grads_params only); drop it (no_shard: the K optimizer copies of "
          "--num-distributed-optimizer-instances)"),
-        (not (hybrid and given.get("enable_full_sharding_in_hsdp")),
-         "--enable-full-sharding-in-hsdp: full sharding in Megatron-FSDP's hybrid sharding "
-         "(HSDP) is not built; drop it"),
     ]
     if not given.get("use_megatron_fsdp"):
         return [line for ok, line in rules if not ok]

@@ -2,8 +2,9 @@
 
 Warmup is linear from ``init_lr`` to ``max_lr`` over ``lr_warmup_steps`` (step 0 uses
 ``init_lr``, as in Megatron); then the rate decays to ``min_lr`` at ``lr_decay_steps``
-(linear, cosine, inverse-square-root, or stays at ``max_lr`` for constant) and stays at
-``min_lr`` afterwards. Weight decay optionally moves from ``start_wd`` to ``end_wd`` over
+(linear, cosine, inverse-square-root, or stays at ``max_lr`` for constant; WSD stays at
+``max_lr`` until the last ``wsd_decay_steps`` of the decay, then anneals in the
+``lr_wsd_decay_style`` shape) and stays at ``min_lr`` afterwards. Weight decay optionally moves from ``start_wd`` to ``end_wd`` over
 ``wd_incr_steps``. Each param group's ``lr_mult`` / ``wd_mult`` (default 1) multiply the
 scheduled values, which is how no-weight-decay groups stay at zero. The groups marked
 ``is_decoupled_lr`` (the input embedding and the output layer) follow the same warmup and
@@ -12,17 +13,21 @@ decay from ``decoupled_lr`` down to ``decoupled_min_lr`` (default ``min_lr``), M
 """
 import math
 
-LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+from megatron_cp.config.optimizer import WSD_DECAY_STYLES
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
 # The command-line flag behind each checked value, for the mismatch message.
 _FLAG_OF = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters",
             "lr_decay_steps": "--lr-decay-iters", "lr_decay_style": "--lr-decay-style",
             "start_wd": "--start-weight-decay", "end_wd": "--end-weight-decay",
             "wd_incr_style": "--weight-decay-incr-style", "decoupled_lr": "--decoupled-lr",
-            "decoupled_min_lr": "--decoupled-min-lr"}
+            "decoupled_min_lr": "--decoupled-min-lr", "wsd_decay_steps": "--lr-wsd-decay-iters",
+            "lr_wsd_decay_style": "--lr-wsd-decay-style"}
 _CHECKED_KEYS = ("max_lr", "min_lr", "init_lr", "lr_warmup_steps", "lr_decay_steps",
                  "lr_decay_style", "start_wd", "end_wd", "wd_incr_steps", "wd_incr_style",
-                 "decoupled_lr", "decoupled_min_lr")
+                 "decoupled_lr", "decoupled_min_lr", "wsd_decay_steps", "lr_wsd_decay_style")
+_WSD_KEYS = ("wsd_decay_steps", "lr_wsd_decay_style")  # saved by a WSD schedule only
 
 
 class OptimizerParamScheduler:
@@ -36,15 +41,25 @@ class OptimizerParamScheduler:
     ``--override-opt_param-scheduler``); with neither, a mismatch raises ValueError naming them.
     ``decoupled_lr`` / ``decoupled_min_lr``: the schedule's ends for the ``is_decoupled_lr``
     groups (None: those groups follow ``max_lr``; see the module docstring).
+    ``wsd_decay_steps`` / ``lr_wsd_decay_style``: the annealing phase of ``lr_decay_style``
+    WSD (Megatron-LM's ``--lr-wsd-decay-iters`` and ``--lr-wsd-decay-style``).
     """
 
     def __init__(self, optimizer, max_lr, min_lr=0.0, lr_warmup_steps=0, lr_decay_steps=None,
                  lr_decay_style="linear", init_lr=0.0, start_wd=None, end_wd=None,
                  wd_incr_steps=None, wd_incr_style="constant", use_checkpoint_values=False,
-                 override_from_arguments=False, decoupled_lr=None, decoupled_min_lr=None):
+                 override_from_arguments=False, decoupled_lr=None, decoupled_min_lr=None,
+                 wsd_decay_steps=None, lr_wsd_decay_style="exponential"):
         if lr_decay_style not in LR_DECAY_STYLES:
             raise ValueError(f"lr_decay_style {lr_decay_style!r} is not supported; "
                              f"pick one of {list(LR_DECAY_STYLES)}")
+        if lr_decay_style == "WSD" and (wsd_decay_steps is None or wsd_decay_steps < 0):
+            raise ValueError(f"lr_decay_style 'WSD' needs wsd_decay_steps >= 0 (got "
+                             f"{wsd_decay_steps}), the length of its annealing phase; set "
+                             f"--lr-wsd-decay-iters")
+        if lr_wsd_decay_style not in WSD_DECAY_STYLES:
+            raise ValueError(f"lr_wsd_decay_style {lr_wsd_decay_style!r} is not supported; "
+                             f"pick one of {list(WSD_DECAY_STYLES)}")
         if wd_incr_style not in WD_INCR_STYLES:
             raise ValueError(f"wd_incr_style {wd_incr_style!r} is not supported; "
                              f"pick one of {list(WD_INCR_STYLES)}")
@@ -80,6 +95,7 @@ class OptimizerParamScheduler:
         self.decoupled_lr, self.decoupled_min_lr = decoupled_lr, decoupled_min_lr
         self.lr_warmup_steps, self.lr_decay_steps = lr_warmup_steps, lr_decay_steps
         self.lr_decay_style = lr_decay_style
+        self.wsd_decay_steps, self.lr_wsd_decay_style = wsd_decay_steps, lr_wsd_decay_style
         self.start_wd, self.end_wd = start_wd, end_wd
         self.wd_incr_steps, self.wd_incr_style = wd_incr_steps, wd_incr_style
         self.use_checkpoint_values = use_checkpoint_values
@@ -115,9 +131,27 @@ class OptimizerParamScheduler:
         decay_ratio = float(step - self.lr_warmup_steps) / float(self.lr_decay_steps - self.lr_warmup_steps)
         if self.lr_decay_style == "linear":
             coeff = 1.0 - decay_ratio
+        elif self.lr_decay_style == "WSD":
+            coeff = self._wsd_coeff(step)
         else:  # cosine
             coeff = 0.5 * (math.cos(math.pi * decay_ratio) + 1.0)
         return min_lr + coeff * (max_lr - min_lr)
+
+    def _wsd_coeff(self, step):
+        """WSD's share of (max_lr - min_lr) at ``step``: 1 (stable) until the annealing phase,
+        the last ``wsd_decay_steps`` steps of the decay, then its fraction r of that phase
+        through the ``lr_wsd_decay_style`` shape (Megatron-LM's formulas)."""
+        anneal_start = self.lr_decay_steps - self.wsd_decay_steps
+        if step <= anneal_start:
+            return 1.0
+        ratio = float(step - anneal_start) / float(self.wsd_decay_steps)
+        if self.lr_wsd_decay_style == "linear":
+            return 1.0 - ratio
+        if self.lr_wsd_decay_style == "cosine":
+            return 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        if self.lr_wsd_decay_style == "exponential":
+            return 2.0 * math.pow(0.5, ratio) - 1.0
+        return 1.0 - math.sqrt(ratio)  # minus_sqrt
 
     def get_wd(self):
         """The weight decay at the current step (None when no schedule was given)."""
@@ -143,7 +177,8 @@ class OptimizerParamScheduler:
 
     def state_dict(self):
         """The schedule and its position."""
-        sd = {key: getattr(self, key) for key in _CHECKED_KEYS}
+        sd = {key: getattr(self, key) for key in _CHECKED_KEYS
+              if key not in _WSD_KEYS or self.lr_decay_style == "WSD"}
         sd["num_steps"] = self.num_steps
         return sd
 

@@ -149,7 +149,7 @@ class _Shapes:
     norm_tokens: int  # the tokens of the residual stream (/ tp under sequence parallelism)
     tp: int
     cp: int
-    cp_comm: str | None  # the resolved CP comm type (None without CP)
+    cp_comms: tuple | None  # each layer's resolved CP comm type (None without CP)
     act: int  # bytes per activation element (the params dtype)
     fused_norm: bool  # device norms save input and statistics only
     offloaded: int = 0  # layers [0, N) keep their saved tensors in host memory (GPU)
@@ -164,8 +164,9 @@ def _norm_bytes(sh, h, normalization):
     return sh.norm_tokens * per
 
 
-def _attention_bytes(c, sh, selective):
-    """Softmax attention's saved tensors per layer (norm excluded)."""
+def _attention_bytes(c, sh, selective, cp_comm):
+    """Softmax attention's saved tensors per layer (norm excluded); ``cp_comm`` the layer's
+    resolved CP comm type (None without CP)."""
     d, t = c.kv_channels, sh.tokens
     heads, groups = c.num_attention_heads // sh.tp, c.num_query_groups // sh.tp
     q_rows = heads * d * (2 if c.attention_output_gate else 1)
@@ -176,15 +177,15 @@ def _attention_bytes(c, sh, selective):
     q = t * heads * d * sh.act  # rotated (or a contiguous copy of the strided slice)
     k = t * groups * d * sh.act if rotary else 0
     core_out = t * heads * d * sh.act + t * heads * FP32  # output and log-sum-exp
-    if sh.cp_comm in ("a2a", "a2a+p2p"):
+    if cp_comm in ("a2a", "a2a+p2p"):
         # Ulysses: instead of the projection's output, q, k, v after the all-to-all, twice:
         # put in token order (the zigzag chunks arrive out of order) and the inner
         # attention's contiguous copies. KV heads are repeated up to the all-to-all size.
-        inner = sh.cp if sh.cp_comm == "a2a" else c.hierarchical_context_parallel_sizes[0]
+        inner = sh.cp if cp_comm == "a2a" else c.hierarchical_cp_sizes(sh.tp, sh.cp)[0]
         kv_heads = max(groups, inner)
         qkv = 2 * t * (heads + 2 * kv_heads) * d * sh.act
         q = k = 0
-    elif sh.cp_comm == "all_gather":
+    elif cp_comm == "all_gather":
         qkv += 2 * t * groups * d * sh.act * sh.cp  # the gathered K and V
     if selective:
         core_out = 0
@@ -256,7 +257,7 @@ def layer_activation_bytes(c, sh, number, ep=1, etp=1):
     if c.linear_attention_pattern()[number]:
         total += _gdn_bytes(c, sh)
     else:
-        total += _attention_bytes(c, sh, selective)
+        total += _attention_bytes(c, sh, selective, sh.cp_comms and sh.cp_comms[number])
     if c.moe_layer_pattern()[number]:
         total += _moe_bytes(c, sh, ep, etp)
     elif c.mlp_chunks_for_training > 1:  # tiled MLP: each chunk saves only its input
@@ -397,16 +398,17 @@ def estimate_memory(run, device="cpu"):
     ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size
     dp = parallel.data_parallel_size
     layout = pipeline_layout_of(run)
-    cp_comm = None
+    cp_comms = None
     if cp > 1:
-        cp_comm, _ = resolve_comm_type(c.cp_comm_type, c.num_query_groups // tp, cp,
-                                       c.hierarchical_context_parallel_sizes)
+        cp_comms = tuple(resolve_comm_type(c.layer_cp_comm_type(n), c.num_query_groups // tp, cp,
+                                           c.hierarchical_context_parallel_sizes)[0]
+                         for n in range(c.num_layers))
     act = torch.tensor([], dtype=c.params_dtype).element_size()
     micro_batch = run.training.micro_batch_size
     tokens = micro_batch * run.data.seq_length // cp
     sp = c.sequence_parallel and tp > 1
     gpu = device == "gpu"  # CPU activations live in host memory already: nothing offloads
-    sh = _Shapes(micro_batch, tokens, tokens // tp if sp else tokens, tp, cp, cp_comm,
+    sh = _Shapes(micro_batch, tokens, tokens // tp if sp else tokens, tp, cp, cp_comms,
                  act, gpu, c.cpu_offloading_num_layers if gpu else 0)
     distributed = optimizer.use_distributed_optimizer
     instances = optimizer.num_distributed_optimizer_instances  # validated: at least 1
@@ -442,7 +444,7 @@ def estimate_memory(run, device="cpu"):
         else:
             loss = transient
         buffers = 2 * sh.norm_tokens * c.hidden_size * act if pp > 1 else 0
-        if cp_comm in ("p2p", "a2a+p2p"):
+        if set(cp_comms or ()) & {"p2p", "a2a+p2p"}:  # a ring's K/V blocks
             groups = c.num_query_groups // tp
             buffers += 2 * 2 * tokens * groups * c.kv_channels * act  # K/V in use + in flight
         batch = num_microbatches * tokens * BATCH_BYTES_PER_TOKEN

@@ -150,7 +150,7 @@ def _row(run, cap_bytes, rates, device):
     cp = parallel.context_parallel_size
     return PlannedLayout(
         tp=parallel.tensor_model_parallel_size, cp=cp,
-        cp_comm_type=run.model.cp_comm_type if cp > 1 else "none",
+        cp_comm_type=" ".join(run.model.cp_comm_types()) if cp > 1 else "none",
         pp=parallel.pipeline_model_parallel_size,
         vp=parallel.virtual_pipeline_model_parallel_size or 1,
         dp=parallel.data_parallel_size, ep=parallel.expert_model_parallel_size,

@@ -205,15 +205,17 @@ def predict_step_time(run, rates):
         comm += layers_per_stage * 4 * 2 * (tp - 1) / tp * h_bytes / _link(rates, spans["tp"])
     if cp > 1:
         kv = 2 * tokens * c.num_query_groups // tp * c.kv_channels * act
-        method = c.cp_comm_type
-        if method in ("a2a", "a2a+p2p"):  # q, k, v and the output, there and back
-            q = tokens * c.num_attention_heads // tp * c.kv_channels * act
-            volume = 2 * (cp - 1) / cp * (2 * q + kv)
-        elif method == "all_gather":
-            volume = 3 * (cp - 1) * kv
-        else:  # ring: K/V blocks forward, again with dK/dV backward
-            volume = 3 * (cp - 1) * kv
-        comm += layers_per_stage * volume / _link(rates, spans["cp"])
+        q = tokens * c.num_attention_heads // tp * c.kv_channels * act
+
+        def volume(method):
+            if method in ("a2a", "a2a+p2p"):  # q, k, v and the output, there and back
+                return 2 * (cp - 1) / cp * (2 * q + kv)
+            # all_gather: K/V gathered, dK/dV reduced; ring: K/V blocks forward, again
+            # with dK/dV backward
+            return 3 * (cp - 1) * kv
+        # the mean over the layers of their own comm types (--cp-comm-type per layer)
+        mean = sum(volume(c.layer_cp_comm_type(n)) for n in range(c.num_layers)) / c.num_layers
+        comm += layers_per_stage * mean / _link(rates, spans["cp"])
     if ep > 1:
         moe_layers = sum(c.moe_layer_pattern()) / pp
         routed = routed_tokens(c, tokens, ep) * c.hidden_size * act
