@@ -223,7 +223,7 @@ def test_megatron_cores_fsdp_dtensor_checkpoint_loads_with_its_logits(tmp_path):
     """megatron-core's own Megatron-FSDP (on CPU, DP=2) trains two steps and saves
     --ckpt-format fsdp_dtensor as Megatron-LM's training does; one process here loads it
     (--use-checkpoint-args) and computes its logits, at its iteration and samples."""
-    pytest.importorskip("einops")  # Megatron-FSDP's device meshes need it (scripts/env.sh)
+    import einops  # noqa: F401 - Megatron-FSDP's device meshes need it (scripts/env.sh)
     import megatron_core_utils as mcu
     from test_megatron_lm_checkpoints import _our_logits, _tokens
     tokens = _tokens()
