@@ -154,3 +154,24 @@ def test_grouped_flags_parse_as_megatron_does(kind):
         assert action.nargs == spec["nargs"], entry.flag
         if not (isinstance(spec["default"], str) and spec["default"].startswith("<")):
             assert action.default == spec["default"], entry.flag
+
+
+def test_census_runs_keep_their_losses_and_the_readme_shows_them():
+    """The census of Megatron-LM's own flag sets (benchmarks/results/megatron_flag_sets.json):
+    a set counted as trained has its 3 finite losses recorded; the README's table is the one
+    the JSON gives (tools/megatron_flag_sets.py --summary)."""
+    from tools.megatron_flag_sets import counts, summary_table, trained
+    with open(os.path.join(ROOT, "benchmarks", "results", "megatron_flag_sets.json")) as file:
+        report = json.load(file)
+    assert report["census"]["megatron_lm_commit"] == megatron_census()["commit"]
+    runs = report["runs"]
+    assert set(runs) == {name for name, lines in report["sets"].items() if not lines}
+    for name, run in runs.items():
+        if trained(run):
+            assert all(isinstance(x, float) and x == x and abs(x) < 1e4
+                       for x in run["losses"]), name
+        else:  # a run that did not train says how it ended
+            assert run.get("stopped_as_written") or run.get("tail"), name
+    assert counts(runs)["trained"] + counts(runs)["stopped"] + counts(runs)["failed"] == len(runs)
+    with open(os.path.join(ROOT, "README.md")) as file:
+        assert summary_table(len(report["sets"]), runs) in file.read()
