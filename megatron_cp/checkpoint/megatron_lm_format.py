@@ -41,6 +41,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from megatron_cp.config.census import megatron_census
+
 METADATA_JSON = "metadata.json"
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
            "common_backend": "torch", "common_backend_version": 1}
@@ -168,7 +170,6 @@ def our_args(megatron_args):
 def megatron_census_defaults():
     """Megatron-LM's argument defaults by dest, from the flag census (None where the
     default is an object the census could only print, e.g. an enum)."""
-    from megatron_cp.cli.megatron_flags import megatron_census
     return {action["dest"]: None if isinstance(action.get("default"), str)
             and action["default"].startswith("<") else action.get("default")
             for action in megatron_census()["actions"]}

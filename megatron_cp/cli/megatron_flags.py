@@ -37,9 +37,10 @@ the table, the census and the parser together.
 """
 import argparse
 import functools
-import json
 import os
 from dataclasses import dataclass, field
+
+from megatron_cp.config.census import megatron_census
 
 SAME, IGNORED, MAP, REFUSE = "same", "ignored", "map", "refuse"
 # what a flag changes in Megatron-LM (its effect class); NONE: Megatron-LM reads it nowhere
@@ -897,17 +898,9 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
 
 # ----- the census and the grouped entries ------------------------------------------------
 
-CENSUS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_lm_flags.json")
 # where Megatron-LM reads each SAME / IGNORED flag (tools/megatron_flag_sources.py)
 SOURCES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                             "megatron_flag_sources.json")
-
-
-@functools.lru_cache(maxsize=None)
-def megatron_census():
-    """The census: ``{"commit": ..., "flag_count": ..., "actions": [...]}``."""
-    with open(CENSUS_FILE) as file:
-        return json.load(file)
 
 
 @functools.lru_cache(maxsize=None)
