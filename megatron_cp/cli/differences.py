@@ -21,6 +21,13 @@ DELIBERATE = (
      "nothing is masked)",
      "padding differs between layouts and packed documents, so counting only loss tokens "
      "keeps every layout equal to the one-process run"),
+    ("Megatron-FSDP gradients of a bf16 / fp16 model (--megatron-fsdp-main-grads-dtype and "
+     "--megatron-fsdp-grad-comm-dtype auto, their default)",
+     "accumulated and reduced in the model's dtype",
+     "accumulated and reduced in fp32 (those flags' fp32 choice), as under every other "
+     "layout here",
+     "the gradients then equal the one-process run's; a reduction over ranks in bf16 / fp16 "
+     "rounds differently under every layout"),
     ("context-parallel loss", "each CP rank divides its loss by its own token count",
      "the whole microbatch's token count (one all-reduce)",
      "every layout then equals the one-process run, which Megatron-LM's CP runs do not"),
