@@ -56,7 +56,7 @@ SAMPLE_TRAIN = (
     "moe/gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_resume_torch_dist_dist_optimizer",
     "moe/gpt3_mcore_te_tp2_pp1_te_a2a_ovlp_8experts_etp1_ep4",
     "gpt/gpt3_mcore_te_tp1_pp1_mup", "gpt/gpt3_mcore_te_tp1_pp1_dist_optimizer_fim_dataset",
-    "gpt/gpt3_mcore_te_tp2_pp1_fsdp2_resume_torch_dist",
+    # (the --use-torch-fsdp2 sets: tests/test_fsdp2.py and the census)
     "gpt/gpt3_mcore_te_tp2_zp_z3_resume_fsdp_dtensor")
 SAMPLE_REFUSE = ("moe/deepseek_proxy_fsdp_ep2_fsdp2",
                  "moe/gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph")
