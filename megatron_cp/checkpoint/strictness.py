@@ -46,13 +46,14 @@ def mismatches(loaded, saved, with_missing, group=None):
     return mine, unexpected, missing
 
 
-def apply(mode, loaded, saved, folder, say, group=None):
+def apply(mode, loaded, saved_keys, folder, say, group=None):
     """The keys of ``loaded`` (a dict, this rank's) to read from the checkpoint in ``folder``
-    (whose keys are ``saved``) under strictness ``mode``; ``say(line)`` prints on one rank.
-    Raises ValueError naming the keys in the raise_* modes."""
+    under strictness ``mode``; ``saved_keys()`` gives the checkpoint's keys (read only when
+    the mode checks them); ``say(line)`` prints on one rank. Raises ValueError naming the
+    keys in the raise_* modes."""
     if mode == "assume_ok_unexpected":
         return loaded
-    mine, unexpected, missing = mismatches(loaded, saved, mode.endswith("_all"), group)
+    mine, unexpected, missing = mismatches(loaded, saved_keys(), mode.endswith("_all"), group)
     found = []
     if unexpected:
         found.append(f"{len(unexpected)} key(s) this run loads are not in the checkpoint "

@@ -118,7 +118,7 @@ def load(trainer, root, it):
     def read(state):
         dcp_files.check_files(folder)
         state = strictness.apply(trainer.run.checkpoint.dist_ckpt_strictness, state,
-                                 saved_keys(folder), folder, _say(trainer),
+                                 lambda: saved_keys(folder), folder, _say(trainer),
                                  dcp_files.checkpoint_group(trainer))
         dcp_files.read_dcp(folder, state, PiecesLoadPlanner(), dcp_files.checkpoint_group(trainer))
 
