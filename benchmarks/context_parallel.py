@@ -43,7 +43,7 @@ from bench_common import add_output_argument, min_thread_time, verdict, write_js
 from dist_harness import run_workers  # noqa: E402
 from megatron_cp.context_parallel import (blockwise, context_parallel_attention,  # noqa: E402
                                           local_attention, ring, zigzag_indices)
-from megatron_cp.context_parallel.ring import RingLayout  # noqa: E402
+from megatron_cp.context_parallel.layout import RingLayout  # noqa: E402
 
 # (a) ring bytes x CP / CP=1 bytes, (b) zigzag max/min rank compute, (c) sum-over-ranks
 # compute time / one-process SDPA: the goals of the docstring

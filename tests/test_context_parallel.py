@@ -13,7 +13,7 @@ from dist_harness import run_workers
 from megatron_cp.context_parallel import (block_backward, block_forward, classify_block,
                                           context_parallel_attention, plan_heads,
                                           reference_attention, resolve_comm_type, zigzag_indices)
-from megatron_cp.context_parallel.ring import RingLayout
+from megatron_cp.context_parallel.layout import RingLayout
 from megatron_cp.data.microbatch import prepare_microbatch
 from megatron_cp.initialize import initialize_model_parallel
 from test_context_parallel_partition import DOC_LENGTHS, make_batch

@@ -64,6 +64,29 @@ def test_layers_share_one_graph_whatever_the_depth(dropout):
     assert len(set(graphs.values())) == 1, f"graphs compiled by depth: {graphs}"
 
 
+def test_each_microbatch_layout_reuses_the_graphs():
+    """The model hands every layer the microbatch's SequenceLayout (a Python object, new each
+    microbatch, read only by the eager core attention): a second microbatch with other
+    documents must compile nothing new."""
+    torch._dynamo.reset()
+    counters.clear()
+    config = tiny_config(normalization="RMSNorm", activation="swiglu", add_bias_linear=False,
+                         torch_compile=True)
+    model = GPTModel(config)
+    gen = torch.Generator().manual_seed(1)
+    graphs = []
+    for ends in ((3, 9), (6, 12)):  # each microbatch its own documents
+        tokens = torch.randint(0, config.vocab_size, (2, 16), generator=gen)
+        docs = torch.zeros(2, 16, dtype=torch.long)
+        for end in ends:
+            docs[:, end:] += 1
+        model(tokens, torch.arange(16).expand(2, 16), tokens, document_ids=docs,
+              sample_ids=torch.tensor([0, 1])).mean().backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0, "the layers must actually be compiled"
+    assert graphs[1] == graphs[0], f"graphs after each microbatch: {graphs}"
+
+
 @pytest.fixture(scope="module")
 def reference():
     return run_workers(train_losses, 1, STEPS)[0]

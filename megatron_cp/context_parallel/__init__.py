@@ -4,7 +4,8 @@ The model calls :class:`ContextParallelAttention` (or :func:`local_attention` wi
 the data path splits microbatches with ``megatron_cp.data.microbatch.prepare_microbatch``.
 The pieces: attention.py (dispatcher), ring.py, ulysses.py, all_gather.py (communication),
 blockwise.py (one block: dense or segment plan, log-sum-exp merge), segments.py (the
-per-document segment planner), kernels.py / cuda_kernels.py (the kernels of each device
+per-document segment planner), layout.py (a microbatch's metadata and plans, worked out once
+before the layers), kernels.py / cuda_kernels.py (the kernels of each device
 behind an explicit :class:`AttentionKernel` choice), dropout.py (attention dropout with a
 hash mask that every layout draws identically), local.py (no CP), reference.py (the fp32
 truth), partition.py and comm.py.

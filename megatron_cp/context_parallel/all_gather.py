@@ -15,8 +15,9 @@ from megatron_cp.context_parallel import comm
 from megatron_cp.context_parallel.dropout import RingDropout
 from megatron_cp.context_parallel.kernels import attention_kernel
 from megatron_cp.context_parallel.reference import softmax_scale_for
-from megatron_cp.context_parallel.ring import (Accumulator, RingLayout, add_kv_grads,
-                                              backward_blocks, forward_blocks)
+from megatron_cp.context_parallel.layout import SequenceLayout
+from megatron_cp.context_parallel.ring import (Accumulator, add_kv_grads, backward_blocks,
+                                              forward_blocks)
 
 
 class _AllGatherAttention(torch.autograd.Function):
@@ -24,13 +25,13 @@ class _AllGatherAttention(torch.autograd.Function):
     reduce-scatter dK/dV. Inputs q [b, nh, s/P, d], k/v [b, nkv, s/P, d]."""
 
     @staticmethod
-    def forward(ctx, q, k, v, token_index, document_ids, group, softmax_scale, kernel, dropout):
+    def forward(ctx, q, k, v, token_index, document_ids, group, softmax_scale, kernel, dropout,
+                sequence_layout):
         size, rank = comm.group_size(group), comm.group_rank(group)
-        token_all = comm.all_gather_stack(token_index, group)  # [P, b, s/P]
-        doc_all = None if document_ids is None else comm.all_gather_stack(document_ids, group)
-        layout = RingLayout.from_metadata(token_all, doc_all)
+        view = sequence_layout.ring(group)  # every rank's metadata [P, b, s/P] and the plans
+        layout = view.plans
         if dropout is not None:
-            dropout = RingDropout(dropout, token_all, doc_all, group)
+            dropout = RingDropout(dropout, view.token_all, view.doc_all, group)
         kv_all = comm.all_gather_stack(torch.cat([k, v], dim=-1), group)  # [P, b, nkv, s/P, dk+dv]
         k_all, v_all = kv_all.split([k.shape[-1], v.shape[-1]], dim=-1)
         acc = Accumulator(q, v.shape[-1])
@@ -65,17 +66,20 @@ class _AllGatherAttention(torch.autograd.Function):
         dkv = comm.reduce_scatter_stack(dkv_all, ctx.group)  # [b, nkv, s/P, dk+dv]
         dk, dv = dkv.split([k.shape[-1], v.shape[-1]], dim=-1)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None,
-                None, None)
+                None, None, None)
 
 
 def all_gather_attention(q, k, v, token_index, document_ids, group, softmax_scale=None,
-                         kernel=None, dropout=None):
+                         kernel=None, dropout=None, layout=None):
     """All-gather context-parallel attention over ``group``; differentiable wrt q, k, v.
 
     q: [b, nh, s/P, d]; k, v: [b, nkv, s/P, d] (v may have its own head dim);
     token_index / document_ids: [b, s/P]. Returns [b, nh, s/P, dv] in q's dtype. ``kernel``: AttentionKernel or name (None: "auto").
     ``dropout``: an AttentionDropout (plain dropout blocks, see dropout.py) or None.
+    ``layout``: the microbatch's SequenceLayout (None: gathered and planned here).
     """
     scale = softmax_scale_for(q, softmax_scale)
+    if layout is None:
+        layout = SequenceLayout(token_index, document_ids)
     return _AllGatherAttention.apply(q, k, v, token_index, document_ids, group, scale,
-                                     attention_kernel(kernel), dropout)
+                                     attention_kernel(kernel), dropout, layout)

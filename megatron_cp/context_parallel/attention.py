@@ -12,7 +12,8 @@ from megatron_cp.context_parallel.all_gather import all_gather_attention
 from megatron_cp.context_parallel.kernels import attention_kernel
 from megatron_cp.context_parallel.local import local_attention
 from megatron_cp.context_parallel.ring import ring_attention
-from megatron_cp.context_parallel.ulysses import plan_heads, ulysses_attention
+from megatron_cp.context_parallel.ulysses import (plan_heads, prepare_head_indices,
+                                                 ulysses_attention)
 from megatron_cp.config.parallel import resolve_comm_type
 
 class ContextParallelAttention:
@@ -32,7 +33,7 @@ class ContextParallelAttention:
                  allow_dummy_heads=True, softmax_scale=None, kernel="auto"):
         self.cp_group, self.softmax_scale = cp_group, softmax_scale
         self.kernel = attention_kernel(kernel)
-        self.allow_dummy_heads = allow_dummy_heads
+        self.allow_dummy_heads, self.heads = allow_dummy_heads, (num_heads, num_kv_heads)
         self.cp_size = comm.group_size(cp_group)
         groups = tuple(hierarchical_groups) if hierarchical_groups else None
         sizes = tuple(comm.group_size(g) for g in groups) if groups else None
@@ -50,33 +51,52 @@ class ContextParallelAttention:
             plan_heads(num_heads, num_kv_heads, wanted[0], allow_dummy_heads)
             self.inner_group, self.outer_group = groups
 
-    def _ring_over_outer(self, q, k, v, token_index, document_ids, scale, dropout):
+    def _ring_over_outer(self, q, k, v, token_index, document_ids, scale, dropout, layout):
         return ring_attention(q, k, v, token_index, document_ids, self.outer_group, scale,
-                              self.kernel, dropout)
+                              self.kernel, dropout, layout)
 
-    def __call__(self, q, k, v, token_index, document_ids, dropout=None):
+    def prepare(self, layout, length, device):
+        """Work out in ``layout`` (the microbatch's SequenceLayout) what this attention will
+        look up: the no-CP plan, the ring view over the CP group (p2p, all_gather), the
+        Ulysses view and its inner plan (a2a) or ring view over the outer group (a2a+p2p).
+        Collective over the CP group: every rank of it prepares the same attentions in the
+        same order."""
+        if self.cp_size == 1:
+            layout.local(length, device)
+        elif self.method in ("p2p", "all_gather"):
+            layout.ring(self.cp_group)
+        elif self.method == "a2a":
+            layout.ulysses(self.cp_group).inner.block_plan(length * self.cp_size, device)
+            prepare_head_indices(*self.heads, self.cp_group, self.allow_dummy_heads, device)
+        else:
+            layout.ulysses(self.inner_group).inner.ring(self.outer_group)
+            prepare_head_indices(*self.heads, self.inner_group, self.allow_dummy_heads, device)
+
+    def __call__(self, q, k, v, token_index, document_ids, dropout=None, layout=None):
         """q [b, nh, s_local, d], k/v [b, nkv, s_local, d], token_index [b, s_local] (each
         token's index in the full padded sample), document_ids [b, s_local] or None ->
         [b, nh, s_local, d] in q's dtype; gradients flow to q, k and v. ``dropout``: an
         AttentionDropout (context_parallel.dropout: the same mask under every layout) or
-        None."""
+        None. ``layout``: the microbatch's SequenceLayout, prepared by :meth:`prepare`
+        before the layers (None: the metadata is gathered and planned in this call)."""
         scale, kernel = self.softmax_scale, self.kernel
         if self.cp_size == 1:
             return local_attention(q, k, v, token_index, document_ids, scale, kernel=kernel,
-                                   dropout=dropout)
+                                   dropout=dropout, layout=layout)
         _check_inputs(q, k, v, token_index, document_ids, dropout)
         if self.method == "p2p":
             return ring_attention(q, k, v, token_index, document_ids, self.cp_group, scale, kernel,
-                                  dropout)
+                                  dropout, layout)
         if self.method == "all_gather":
             return all_gather_attention(q, k, v, token_index, document_ids, self.cp_group, scale,
-                                        kernel, dropout)
+                                        kernel, dropout, layout)
         if self.method == "a2a":
             return ulysses_attention(q, k, v, token_index, document_ids, self.cp_group, scale,
-                                     self.allow_dummy_heads, kernel=kernel, dropout=dropout)
+                                     self.allow_dummy_heads, kernel=kernel, dropout=dropout,
+                                     layout=layout)
         return ulysses_attention(q, k, v, token_index, document_ids, self.inner_group, scale,
                                  self.allow_dummy_heads, inner_attention=self._ring_over_outer,
-                                 dropout=dropout)
+                                 dropout=dropout, layout=layout)
 
 
 def _check_inputs(q, k, v, token_index, document_ids, dropout):

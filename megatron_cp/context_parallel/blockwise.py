@@ -10,8 +10,9 @@
   results merged per query row with the log-sum-exp rule; the backward scatters the packed
   gradients back onto the block's rows.
 - ``merge_partial``: the exact fp32 log-sum-exp merge of two partial results.
-- ``masked_attention``: an autograd Function over one block that saves only q, k, v, out,
-  lse and the token metadata (plus the O(s) integer segment plan).
+- ``planned_attention``: an autograd Function over one classified block that saves only q,
+  k, v, out and lse (plus the O(s) integer segment plan); ``masked_attention`` classifies
+  the block from its token metadata first.
 
 Kernels come from an explicit :class:`~megatron_cp.context_parallel.kernels.AttentionKernel`
 (``kernel=`` argument: None means "auto").
@@ -183,16 +184,15 @@ def merge_partial(out_acc, lse_acc, out_blk, lse_blk):
     lse_acc.copy_(new)
 
 
-class _MaskedAttention(torch.autograd.Function):
-    """Forward: classify the block from its token metadata and run it (dense or segments).
+class _PlannedAttention(torch.autograd.Function):
+    """Forward: one block run as planned (dense causal / full call, segments, or empty).
 
     Backward: ``block_backward`` with the same plan (kept on ctx: O(s) ints, never an
     [sq, sk] tensor). Saves q, k, v, out, lse.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, tq, tk, dq_ids, dk_ids, softmax_scale, kernel):
-        kind, plan = classify_block(tq, tk, dq_ids, dk_ids)
+    def forward(ctx, q, k, v, kind, plan, softmax_scale, kernel):
         out, lse = block_forward(q, k, v, softmax_scale, kind, plan, kernel)
         out = out.to(q.dtype)
         ctx.softmax_scale, ctx.kind, ctx.plan, ctx.kernel = softmax_scale, kind, plan, kernel
@@ -204,14 +204,22 @@ class _MaskedAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = block_backward(dout.contiguous(), q, k, v, out, lse, ctx.softmax_scale,
                                     ctx.kind, ctx.plan, ctx.kernel, keep_dtype=True)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def planned_attention(q, k, v, kind, plan, softmax_scale, kernel=None):
+    """Differentiable attention of q [b, nh, sq, d] over k, v [b, nkv, sk, d] for a block
+    already classified: (kind, plan) as ``classify_block`` returns them."""
+    return _PlannedAttention.apply(q, k, v, kind, plan, softmax_scale, attention_kernel(kernel))
 
 
 def masked_attention(q, k, v, tq, tk, dq_ids=None, dk_ids=None, softmax_scale=None, kernel=None):
     """Differentiable attention of q [b, nh, sq, d] over k, v [b, nkv, sk, d].
 
     tq [b, sq] / tk [b, sk]: token indices (causality tq >= tk); dq_ids / dk_ids: document
-    ids or None. The block is classified once (causal / full dense call, segments, empty).
+    ids or None. The block is classified here, from the metadata on the host (causal / full
+    dense call, segments, empty); a caller holding a SequenceLayout plans once instead.
     """
     scale = softmax_scale_for(q, softmax_scale)
-    return _MaskedAttention.apply(q, k, v, tq, tk, dq_ids, dk_ids, scale, attention_kernel(kernel))
+    kind, plan = classify_block(tq, tk, dq_ids, dk_ids)
+    return planned_attention(q, k, v, kind, plan, scale, kernel)

@@ -25,7 +25,8 @@ Two ways, both exact against one process:
 import torch
 
 from megatron_cp.context_parallel import comm
-from megatron_cp.context_parallel.ulysses import _permute, _token_order
+from megatron_cp.context_parallel.layout import token_order
+from megatron_cp.context_parallel.ulysses import _permute
 from megatron_cp.model.gated_delta_rule import chunk_gated_delta_rule
 
 
@@ -165,7 +166,7 @@ def heads_all_to_all(layer, proj, token_index, document_ids, group, inner=None):
     x = comm.seq_to_heads(proj.transpose(1, 2), group)  # [b, n_k/U, s, rows]
     tokens = comm.gather_sequence(token_index, group)  # [b, s]
     docs = comm.gather_sequence(document_ids, group)  # [b, s] or None
-    perm = _token_order(tokens)
+    perm = token_order(tokens)
     if perm is not None:
         x = _permute(x, perm, 2)  # token order
         docs = None if docs is None else docs.gather(1, perm)

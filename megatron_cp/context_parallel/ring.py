@@ -5,7 +5,8 @@ makes P-1 hops to rank+1; at step t rank i holds the KV of rank j = (i - t) mod 
 The next hop is posted (batched isend/irecv, side stream on GPU) before step t's block
 attention, so it hides behind the compute. Each block returns (out, lse) and is merged
 into fp32 accumulators with the exact log-sum-exp rule. The token metadata (token index,
-document ids: [b, s/P] ints) is all-gathered once up front instead of travelling.
+document ids: [b, s/P] ints) is all-gathered once per microbatch instead of travelling:
+the microbatch's SequenceLayout (layout.py) holds it with the block plans, for every layer.
 
 Block plan. When every rank holds the plain zigzag layout (chunks r and 2P-1-r, no
 documents) the three cases of CP_NOTES apply: j == i is the only masked block (the
@@ -14,7 +15,8 @@ j > i is Q(late half) x KV(j) unmasked. Otherwise (packed documents, any other l
 each block is classified from the metadata on the host (segments.classify_block): empty
 blocks are skipped, causal / fully visible ones run dense, and the rest run as a segment
 plan (per-document variable-length calls, see segments.py), never with an [s, s] mask.
-The plans are computed once per forward and reused by the backward.
+The plans (:class:`~.layout.RingLayout`, re-exported here) are computed once per microbatch
+and reused by every layer's forward and backward.
 
 Backward recomputes every block from the saved local q, k, v, out, lse (flash-attention
 formulas with the final out and lse, see ``block_backward``). dQ accumulates locally. dK/dV
@@ -34,61 +36,14 @@ gathered metadata gives; the merge stays the log-sum-exp one, see dropout.py's d
 import torch
 
 from megatron_cp.context_parallel import comm
-from megatron_cp.context_parallel.blockwise import (Block, block_backward, block_forward,
+from megatron_cp.context_parallel.blockwise import (block_backward, block_forward,
                                                     merge_partial)
 from megatron_cp.context_parallel.dropout import RingDropout
 from megatron_cp.context_parallel.kernels import attention_kernel
-from megatron_cp.context_parallel.partition import zigzag_indices
+from megatron_cp.context_parallel.layout import RingLayout, SequenceLayout  # noqa: F401
 from megatron_cp.context_parallel.reference import softmax_scale_for
-from megatron_cp.context_parallel.segments import classify_block
 
 _KV_TAG, _DKV_TAG = 10, 20  # + index of the tensor in the message
-
-
-class RingLayout:
-    """Which tokens every ring rank holds, and the block plan between any two ranks.
-
-    ``token_all`` / ``doc_all``: [P, b, s_local] metadata of every rank (None in the zigzag
-    fast path, where the layout is implied by the ranks themselves). Plans are cached, so
-    the backward reuses the forward's (host copies of the metadata are made once).
-    """
-
-    def __init__(self, size, seq_local, token_all=None, doc_all=None, zigzag=False):
-        self.size, self.seq_local = size, seq_local
-        self.token_all, self.doc_all, self.zigzag = token_all, doc_all, zigzag
-        self._host, self._plans = None, {}
-
-    @classmethod
-    def from_metadata(cls, token_all, doc_all):
-        """Build from gathered metadata [P, b, s_local]; detects the plain zigzag layout."""
-        size, _, seq_local = token_all.shape
-        if doc_all is None and seq_local % 2 == 0:
-            expected = torch.stack([zigzag_indices(r, size, size * seq_local, token_all.device)
-                                    for r in range(size)])  # [P, s_local]
-            if bool((token_all == expected[:, None, :]).all()):
-                return cls(size, seq_local, zigzag=True)
-        return cls(size, seq_local, token_all, doc_all)
-
-    def plan(self, i, j):
-        """Blocks of query rank i against the KV of rank j: a list of :class:`Block`."""
-        everything = slice(None)
-        if self.zigzag:
-            half = self.seq_local // 2
-            if j == i:
-                return [Block(everything, everything, "causal", None)]
-            if j < i:
-                return [Block(everything, slice(0, half), "full", None)]
-            return [Block(slice(half, None), everything, "full", None)]
-        if (i, j) not in self._plans:
-            if self._host is None:  # one device-to-host copy of the metadata per layout
-                self._host = (self.token_all.cpu(),
-                              None if self.doc_all is None else self.doc_all.cpu())
-            tokens, docs = self._host
-            kind, segments = classify_block(tokens[i], tokens[j], None if docs is None else docs[i],
-                                            None if docs is None else docs[j])
-            block = Block(everything, everything, kind, segments)
-            self._plans[i, j] = [] if kind == "empty" else [block]
-        return self._plans[i, j]
 
 
 class Accumulator:
@@ -184,13 +139,13 @@ class _RingAttention(torch.autograd.Function):
     riding the ring home. Inputs q [b, nh, s/P, d], k/v [b, nkv, s/P, d]."""
 
     @staticmethod
-    def forward(ctx, q, k, v, token_index, document_ids, group, softmax_scale, kernel, dropout):
+    def forward(ctx, q, k, v, token_index, document_ids, group, softmax_scale, kernel, dropout,
+                sequence_layout):
         size, rank = comm.group_size(group), comm.group_rank(group)
-        token_all = comm.all_gather_stack(token_index, group)  # [P, b, s/P]
-        doc_all = None if document_ids is None else comm.all_gather_stack(document_ids, group)
-        layout = RingLayout.from_metadata(token_all, doc_all)
+        view = sequence_layout.ring(group)  # every rank's metadata [P, b, s/P] and the plans
+        layout = view.plans
         if dropout is not None:
-            dropout = RingDropout(dropout, token_all, doc_all, group)
+            dropout = RingDropout(dropout, view.token_all, view.doc_all, group)
 
         acc = Accumulator(q, v.shape[-1])
         kv = [k, v]  # [b, nkv, s/P, dk], [.., dv]: the only tensors that travel
@@ -236,11 +191,11 @@ class _RingAttention(torch.autograd.Function):
         if dq is None:
             dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None,
-                None, None)
+                None, None, None)
 
 
 def ring_attention(q, k, v, token_index, document_ids, group, softmax_scale=None, kernel=None,
-                   dropout=None):
+                   dropout=None, layout=None):
     """Ring (p2p) context-parallel attention over ``group``; differentiable wrt q, k, v.
 
     q: [b, nh, s/P, d]; k, v: [b, nkv, s/P, d] (GQA: only the KV heads travel; v may have
@@ -248,8 +203,12 @@ def ring_attention(q, k, v, token_index, document_ids, group, softmax_scale=None
     token_index / document_ids: [b, s/P] int64 (document_ids may be None). Returns
     [b, nh, s/P, d] in q's dtype. All ranks must pass the same local length. ``kernel``:
     an AttentionKernel or its name (None: "auto"). ``dropout``: an AttentionDropout (every
-    block then runs the plain dropout block, see dropout.py) or None.
+    block then runs the plain dropout block, see dropout.py) or None. ``layout``: the
+    microbatch's SequenceLayout (layout.py), whose ring view over ``group`` holds the
+    gathered metadata and the block plans (None: gathered and planned here).
     """
     scale = softmax_scale_for(q, softmax_scale)
+    if layout is None:
+        layout = SequenceLayout(token_index, document_ids)
     return _RingAttention.apply(q, k, v, token_index, document_ids, group, scale,
-                                attention_kernel(kernel), dropout)
+                                attention_kernel(kernel), dropout, layout)

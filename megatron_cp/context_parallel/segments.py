@@ -136,6 +136,17 @@ class SegmentPlan:
     def num_segments(self):
         return self.table.shape[0]
 
+    def prepare(self, device):
+        """Copy every call's index tensors (and padded-batch index) to ``device`` and list
+        its segment bounds now, so the attention calls that use this plan find them ready
+        (no host-to-device copy, no host read inside a layer)."""
+        for call in self.calls:
+            call.on(device)
+            call.bounds()  # the segment loop's host ints (CPU and fp32 kernels)
+            if call.causal and call.square:
+                call.padded_index(device)
+        return self
+
     def as_tuples(self):
         """[(kind name, q_start, q_len, k_start, k_len), ...]: for tests and printing."""
         return [(KIND_NAMES[row[0]], *row[1:]) for row in self.table.tolist()]

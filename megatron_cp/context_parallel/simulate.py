@@ -27,10 +27,11 @@ import torch
 
 from megatron_cp.context_parallel.kernels import attention_kernel
 from megatron_cp.context_parallel.reference import softmax_scale_for
-from megatron_cp.context_parallel.ring import (Accumulator, RingLayout, add_kv_grads,
-                                              backward_blocks, forward_blocks)
-from megatron_cp.context_parallel.ulysses import (_local_inner, _permute, _select_heads,
-                                                 _token_order, plan_heads)
+from megatron_cp.context_parallel.layout import RingLayout
+from megatron_cp.context_parallel.ring import (Accumulator, add_kv_grads, backward_blocks,
+                                              forward_blocks)
+from megatron_cp.context_parallel.layout import token_order
+from megatron_cp.context_parallel.ulysses import _local_inner, _permute, _select_heads, plan_heads
 
 SIMULATED_COMM_TYPES = ("p2p", "a2a", "a2a+p2p")
 
@@ -153,7 +154,7 @@ def ulysses_scatter(qs, ks, vs, token_index, document_ids, plan):
                            for k, v in zip(ks, vs)])  # U x [2, b, K/U, s, d]
     tokens = torch.cat(list(token_index), dim=1)  # [b, s]: gather_sequence
     docs = None if document_ids is None else torch.cat(list(document_ids), dim=1)
-    perm = _token_order(tokens)
+    perm = token_order(tokens)
     if perm is not None:
         tokens = tokens.gather(1, perm)
         docs = None if docs is None else docs.gather(1, perm)

@@ -18,15 +18,17 @@ KV heads are summed by autograd (index_select's backward).
 Attention dropout: the inner attention gets the global head of each slot it holds and the
 tokens' positions gathered in token order, so its mask is the one-process mask.
 """
+import functools
 import math
 from collections import namedtuple
 
 import torch
 
 from megatron_cp.context_parallel import comm
-from megatron_cp.context_parallel.blockwise import masked_attention
+from megatron_cp.context_parallel.blockwise import planned_attention
 from megatron_cp.context_parallel.dropout import dropout_attention
 from megatron_cp.context_parallel.kernels import attention_kernel
+from megatron_cp.context_parallel.layout import SequenceLayout
 from megatron_cp.context_parallel.reference import softmax_scale_for
 
 HeadPlan = namedtuple("HeadPlan", "q_index kv_index out_index num_dummy_heads")
@@ -76,15 +78,14 @@ def _select_heads(x, index):
         zero = torch.zeros_like(x[:, :1])
         x = torch.cat([x, zero], dim=1)  # [b, h + 1, s, d]; slot h is the zero head
         index = [x.shape[1] - 1 if i < 0 else i for i in index]
-    return x.index_select(1, torch.tensor(index, device=x.device))
+    return x.index_select(1, _index_tensor(tuple(index), x.device))
 
 
-def _token_order(token_index):
-    """Per-sample permutation [b, s] sorting the gathered sequence into token order, or None
-    when every sample already is in order."""
-    if bool((token_index[:, 1:] >= token_index[:, :-1]).all()):
-        return None
-    return torch.argsort(token_index, dim=1, stable=True)
+@functools.lru_cache(maxsize=256)
+def _index_tensor(index, device):
+    """A head index (a tuple of ints) as an int64 tensor on ``device``, made once per
+    layer shape (no host-to-device copy per call)."""
+    return torch.tensor(index, dtype=torch.int64, device=device)
 
 
 def _permute(x, perm, dim):
@@ -95,11 +96,27 @@ def _permute(x, perm, dim):
     return x.gather(dim, perm.view(shape).expand(*x.shape[:dim], -1, *x.shape[dim + 1:]))
 
 
-def _local_inner(q, k, v, token_index, document_ids, softmax_scale, kernel=None, dropout=None):
+def _local_inner(q, k, v, token_index, document_ids, softmax_scale, kernel=None, dropout=None,
+                 layout=None):
+    """The default inner attention: the gathered sequence against itself, planned once by
+    ``layout`` (the UlyssesView's inner SequenceLayout)."""
     if dropout is not None:
         return dropout_attention(q, k, v, token_index, document_ids, dropout, softmax_scale)
-    return masked_attention(q, k, v, token_index, token_index, document_ids, document_ids,
-                            softmax_scale, kernel)
+    if layout is None:
+        layout = SequenceLayout(token_index, document_ids)
+    kind, plan = layout.block_plan(q.shape[2], q.device)
+    return planned_attention(q, k, v, kind, plan, softmax_scale, kernel)
+
+
+def prepare_head_indices(num_heads, num_kv_heads, group, allow_dummy_heads, device):
+    """Make the head index tensors an all-to-all over ``group`` will select with, on
+    ``device``, before the layers run (they are cached: no host-to-device copy in a layer)."""
+    plan = plan_heads(num_heads, num_kv_heads, comm.group_size(group), allow_dummy_heads)
+    slots = len(plan.q_index) // comm.group_size(group)
+    rank = comm.group_rank(group)
+    for index in (plan.q_index, plan.kv_index, plan.out_index,
+                  plan.q_index[rank * slots:(rank + 1) * slots]):
+        _index_tensor(tuple(index), device)
 
 
 def _inner_dropout(dropout, plan, group, perm):
@@ -108,7 +125,8 @@ def _inner_dropout(dropout, plan, group, perm):
     in token order."""
     size, rank = comm.group_size(group), comm.group_rank(group)
     slots = len(plan.q_index) // size
-    mine = torch.tensor(plan.q_index[rank * slots:(rank + 1) * slots], device=dropout.heads.device)
+    mine = _index_tensor(tuple(plan.q_index[rank * slots:(rank + 1) * slots]),
+                         dropout.heads.device)
     heads = torch.where(mine >= 0, dropout.heads[mine.clamp(min=0)], -1)  # [H/U]
     positions = comm.gather_sequence(dropout.positions, group)  # [b, s] or None
     if positions is not None and perm is not None:
@@ -117,48 +135,53 @@ def _inner_dropout(dropout, plan, group, perm):
 
 
 def ulysses_attention(q, k, v, token_index, document_ids, group, softmax_scale=None,
-                      allow_dummy_heads=True, inner_attention=None, kernel=None, dropout=None):
+                      allow_dummy_heads=True, inner_attention=None, kernel=None, dropout=None,
+                      layout=None):
     """All-to-all (Ulysses) context-parallel attention over ``group``; differentiable.
 
     q: [b, nh, s/U, d]; k, v: [b, nkv, s/U, d]; token_index / document_ids: [b, s/U].
     Forward: head plan, all-to-all to [b, H/U, s, d], attention over the full sequence
-    (``inner_attention(q, k, v, token_index, document_ids, scale, dropout)``, default a
-    masked local attention; the hybrid passes ring attention over the outer group),
+    (``inner_attention(q, k, v, token_index, document_ids, scale, dropout, layout)``, default
+    a masked local attention; the hybrid passes ring attention over the outer group; layout:
+    the gathered sequence's SequenceLayout),
     all-to-all back, drop dummy heads. Backward: autograd through the all-to-all Functions
     (reverse all-to-alls) and the inner attention's own backward. Returns [b, nh, s/U, d].
     ``kernel`` (AttentionKernel or name, None: "auto") runs the default inner attention.
     ``dropout``: an AttentionDropout for q's heads, or None; the inner attention gets it
     for the heads and the tokens it holds (the mask follows global heads and positions).
+    ``layout``: the microbatch's SequenceLayout (layout.py), whose Ulysses view over
+    ``group`` holds the gathered metadata, its token order and the inner plans (None:
+    gathered and planned here).
     """
     size = comm.group_size(group)
     scale = softmax_scale_for(q, softmax_scale)
     plan = plan_heads(q.shape[1], k.shape[1], size, allow_dummy_heads)  # before any communication
     kernel = attention_kernel(kernel)
     if inner_attention is None:
-        def inner_attention(q, k, v, tokens, docs, scale, dropout):
-            return _local_inner(q, k, v, tokens, docs, scale, kernel=kernel, dropout=dropout)
+        def inner_attention(q, k, v, tokens, docs, scale, dropout, layout):
+            return _local_inner(q, k, v, tokens, docs, scale, kernel, dropout, layout)
+    if layout is None:
+        layout = SequenceLayout(token_index, document_ids)
+    view = layout.ulysses(group)  # the gathered sequence, in token order, and its plans
 
     q = _select_heads(q, plan.q_index)  # [b, H, s/U, d]
     # k and v side by side on the last axis (their head dims may differ: MLA)
     kv = torch.cat([_select_heads(k, plan.kv_index), _select_heads(v, plan.kv_index)], dim=-1)
     # kv: [b, K, s/U, dk + dv]
-    tokens = comm.gather_sequence(token_index, group)  # [b, s]
-    docs = comm.gather_sequence(document_ids, group)  # [b, s] or None
     q = comm.seq_to_heads(q, group)  # [b, H/U, s, d]
     kv = comm.seq_to_heads(kv, group)  # [b, K/U, s, dk + dv]
-    perm = _token_order(tokens)
+    perm = view.perm
     if perm is not None:
         q = _permute(q, perm, 2)  # [b, H/U, s, d] in token order
         kv = _permute(kv, perm, 2)  # [b, K/U, s, dk + dv]
-        tokens = tokens.gather(1, perm)
-        docs = None if docs is None else docs.gather(1, perm)
     if dropout is not None:
         dropout = _inner_dropout(dropout, plan, group, perm)
     k, v = kv.split([k.shape[-1], v.shape[-1]], dim=-1)  # [b, K/U, s, dk], [.., dv]
-    out = inner_attention(q, k, v, tokens, docs, scale, dropout)  # [b, H/U, s, dv]
+    out = inner_attention(q, k, v, view.tokens, view.docs, scale, dropout,
+                          view.inner)  # [b, H/U, s, dv]
     if perm is not None:
-        out = _permute(out, torch.argsort(perm, dim=1), 2)  # back to the all-to-all order
+        out = _permute(out, view.inverse, 2)  # back to the all-to-all order
     out = comm.heads_to_seq(out, group)  # [b, H, s/U, d]
     if plan.num_dummy_heads or plan.out_index != list(range(len(plan.out_index))):
-        out = out.index_select(1, torch.tensor(plan.out_index, device=out.device))  # [b, nh, s/U, d]
+        out = out.index_select(1, _index_tensor(tuple(plan.out_index), out.device))  # [b, nh, s/U, d]
     return out

@@ -55,21 +55,28 @@ class AttentionCore(torch.nn.Module):
         heads = torch.arange(self.local_heads, device=q.device) + self.first_head  # [nh/tp]
         return AttentionDropout(p, self.dropout_key, samples, heads, ids.positions)
 
-    def core_attention(self, q, k, v, token_index, document_ids, dropout_ids=None):
+    def prepare_layout(self, layout, length, device):
+        """Work out in the microbatch's SequenceLayout (context_parallel/layout.py) what this
+        layer's core attention will look up, for ``length`` local tokens: called for every
+        layer before the first one runs, so no layer reads the metadata on the host."""
+        layout.prepare(self.cp_attention, length, device)
+
+    def core_attention(self, q, k, v, token_index, document_ids, dropout_ids=None, layout=None):
         """q [b, nh/tp, s, dk], k [b, nkv/tp, s, dk], v [b, nkv/tp, s, dv] -> [b, nh/tp, s, dv];
-        ``dropout_ids``: a DropoutIds or None."""
+        ``dropout_ids``: a DropoutIds or None; ``layout``: the microbatch's SequenceLayout
+        or None (planned in this call)."""
         dropout = self._dropout(q, dropout_ids)
         if self.cp_attention is not None:
-            return self.cp_attention(q, k, v, token_index, document_ids, dropout)
+            return self.cp_attention(q, k, v, token_index, document_ids, dropout, layout)
         return local_attention(q, k, v, token_index, document_ids, self.softmax_scale,
-                               kernel=self.attention_kernel, dropout=dropout)
+                               kernel=self.attention_kernel, dropout=dropout, layout=layout)
 
-    def attend(self, q, k, v, token_index, document_ids, dropout_ids):
+    def attend(self, q, k, v, token_index, document_ids, dropout_ids, layout=None):
         """:meth:`core_attention`, checkpointed with --recompute-granularity selective."""
         if self.config.recompute_granularity == "selective":
             return tpar.checkpoint(self.core_attention, self.rng_tracker, q, k, v, token_index,
-                                   document_ids, dropout_ids)
-        return self.core_attention(q, k, v, token_index, document_ids, dropout_ids)
+                                   document_ids, dropout_ids, layout)
+        return self.core_attention(q, k, v, token_index, document_ids, dropout_ids, layout)
 
 
 class SelfAttention(AttentionCore):
@@ -159,12 +166,14 @@ class SelfAttention(AttentionCore):
             q, k = self.rotary.rotate(q, cos, sin), self.rotary.rotate(k, cos, sin)
         return q, k, v, gate
 
-    def forward(self, x, position_ids, token_index=None, document_ids=None, dropout_ids=None):
-        """x [s/tp with SP else s, b, h] -> same shape."""
+    def forward(self, x, position_ids, token_index=None, document_ids=None, dropout_ids=None,
+                layout=None):
+        """x [s/tp with SP else s, b, h] -> same shape; ``layout``: the microbatch's
+        SequenceLayout (None: the attention plans from the metadata itself)."""
         q, k, v, gate = self.query_key_value(x, position_ids)
         s, b = q.shape[0], q.shape[1]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
-        out = self.attend(q, k, v, token_index, document_ids, dropout_ids)
+        out = self.attend(q, k, v, token_index, document_ids, dropout_ids, layout)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)  # [s, b, nh/tp*d]
         return self.project_out(out, gate)
 

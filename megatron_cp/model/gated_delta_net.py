@@ -183,7 +183,7 @@ class GatedDeltaNet(torch.nn.Module):
         return self.out_proj(y.flatten(2).transpose(0, 1)), tail, state  # [s, b, h]
 
     def forward(self, x, position_ids=None, token_index=None, document_ids=None,
-                dropout_ids=None):
+                dropout_ids=None, layout=None):
         proj = self.project(x)  # [b, s(/cp), nk/tp, rows]
         if self.context_parallel is None:
             y = self.mix(proj, document_ids)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_cp import tensor_parallel as tpar
+from megatron_cp.context_parallel.layout import SequenceLayout
 from megatron_cp.model.fused import norm_for
 from megatron_cp.model.hidden_dropout import (SITE_EMBEDDING, DropoutIds, hidden_dropout,
                                               sequence_shard, site_key, token_coordinates)
@@ -213,14 +214,29 @@ class GPTModel(torch.nn.Module):
         h = tpar.vocab_parallel_embedding(tokens, table, self.tp_group, self.sequence_parallel)
         return finish_embedding(h, self.config, self.training, self.tp_group, dropout_ids, depth)
 
+    def sequence_layout(self, token_index, document_ids, length, device):
+        """The microbatch's SequenceLayout (context_parallel/layout.py) with every plan this
+        chunk's attention layers (and MTP layers) will look up worked out now: the one place
+        a microbatch's token metadata is read on the host and gathered over the CP group."""
+        layout = SequenceLayout(token_index, document_ids)
+        self.decoder.prepare_layout(layout, length, device)
+        if self.mtp is not None:
+            self.mtp.prepare_layout(layout, length, device)
+        return layout
+
     def forward(self, tokens, position_ids, labels=None, token_index=None, document_ids=None,
-                loss_mask=None, sample_ids=None, unpadded_index=None, mtp_targets=None):
+                loss_mask=None, sample_ids=None, unpadded_index=None, mtp_targets=None,
+                layout=None):
         dropout_ids = DropoutIds(sample_ids, unpadded_index)
+        if layout is None:  # before the layers: none of them reads the metadata on the host
+            layout = self.sequence_layout(token_index, document_ids, position_ids.shape[1],
+                                          position_ids.device)
         if self.pre_process:
             h = self.embedding(tokens, position_ids, dropout_ids)  # [s(/tp), b, h]
         else:
             h = self.input_tensor
-        h = self.decoder(h, position_ids, token_index, document_ids, loss_mask, dropout_ids)
+        h = self.decoder(h, position_ids, token_index, document_ids, loss_mask, dropout_ids,
+                         layout)
         if not self.post_process:
             # An empty stage (a layout's "||") passes its input on as a view: the schedule
             # frees and differentiates its own output, not the received tensor.
@@ -232,5 +248,5 @@ class GPTModel(torch.nn.Module):
         if self.mtp is not None and mtp_targets is not None:
             embed = functools.partial(self._embed, dropout_ids=dropout_ids)
             loss = self.mtp(loss, h, embed, self._loss, mtp_targets, position_ids,
-                            token_index, document_ids, loss_mask, dropout_ids)
+                            token_index, document_ids, loss_mask, dropout_ids, layout)
         return loss

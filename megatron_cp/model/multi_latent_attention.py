@@ -197,12 +197,14 @@ class MultiLatentAttention(AttentionCore):
         k, v = self.keys_values(c_kv, k_pe)
         return self.queries(q_in, cos, sin), k, v, None
 
-    def forward(self, x, position_ids, token_index=None, document_ids=None, dropout_ids=None):
+    def forward(self, x, position_ids, token_index=None, document_ids=None, dropout_ids=None,
+                layout=None):
         """x [s/tp with SP else s, b, h] -> same shape."""
         q, k, v, _ = self.query_key_value(x, position_ids)
         s, b = q.shape[0], q.shape[1]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, nh/tp, s, d]
-        out = self.attend(q, k, v, token_index, document_ids, dropout_ids)  # [b, nh/tp, s, dv]
+        out = self.attend(q, k, v, token_index, document_ids, dropout_ids,
+                          layout)  # [b, nh/tp, s, dv]
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.v_dim)
         return self.linear_proj(out)  # [s(/tp), b, h]
 

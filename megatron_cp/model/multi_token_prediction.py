@@ -60,14 +60,14 @@ class MultiTokenPredictionLayer(torch.nn.Module):
             mark_sequence_parallel(norm, config.sequence_parallel)
 
     def forward(self, h, embedded, position_ids, token_index, document_ids, loss_mask,
-                dropout_ids, site_number=None):
+                dropout_ids, site_number=None, layout=None):
         x = torch.cat([self.enorm(embedded), self.hnorm(h)], dim=-1)  # [s(/tp), b, 2h]
         x = self.eh_proj(x)  # [s, b, h/tp]
         x = tpar.gather_from_tensor_model_parallel_region(x, self.tp_group)  # [s, b, h]
         if self.sequence_parallel:
             x = tpar.scatter_to_sequence_parallel_region(x, self.tp_group)  # [s/tp, b, h]
         x = self.mtp_model_layer(x, position_ids, token_index, document_ids, loss_mask,
-                                 dropout_ids, site_number)
+                                 dropout_ids, site_number, layout=layout)
         return self.final_layernorm(x)
 
 
@@ -86,8 +86,14 @@ class MultiTokenPrediction(torch.nn.Module):
             for d in range(built))
         self.loss_sums = None  # [D] masked CE sums of the microbatches run since the last step
 
+    def prepare_layout(self, layout, length, device):
+        """What the MTP layers' attention will look up, worked out in the microbatch's
+        SequenceLayout before any layer runs (see TransformerBlock.prepare_layout)."""
+        for layer in self.layers:
+            layer.mtp_model_layer.prepare_layout(layout, length, device)
+
     def forward(self, output, h, embed, loss_fn, targets, position_ids, token_index=None,
-                document_ids=None, loss_mask=None, dropout_ids=None):
+                document_ids=None, loss_mask=None, dropout_ids=None, layout=None):
         """``output``: the model's per-token LM loss [b, s], returned with every depth's loss
         attached for backward. ``h`` [s(/tp), b, h]: the decoder's normed output. ``embed``:
         (tokens [b, s], depth 1..D) -> [s(/tp), b, h] through the shared word embedding (each
@@ -106,7 +112,7 @@ class MultiTokenPrediction(torch.nn.Module):
             # a repeated layer draws each depth's dropout apart: numbered as that depth's own
             number = self.first_layer_number + depth
             h = layer(h, embed(tokens, depth + 1), position_ids, token_index, document_ids,
-                      loss_mask, dropout_ids, number)
+                      loss_mask, dropout_ids, number, layout=layout)
             loss_sum = (loss_fn(h, labels) * mask).sum()
             if weight is None:
                 output = AttachLoss.apply(output, loss_sum / mask.sum().clamp(min=1.0),

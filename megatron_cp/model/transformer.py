@@ -73,11 +73,19 @@ class TransformerLayer(torch.nn.Module):
         mark_sequence_parallel(self.input_layernorm, config.sequence_parallel)
         mark_sequence_parallel(self.pre_mlp_layernorm, config.sequence_parallel)
 
+    def prepare_layout(self, layout, length, device):
+        """Work out in ``layout`` (the microbatch's SequenceLayout) what this layer's
+        attention will look up (softmax attention; Gated DeltaNet plans nothing there)."""
+        prepare = getattr(self.self_attention, "prepare_layout", None)
+        if prepare is not None:
+            prepare(layout, length, device)
+
     def forward(self, x, position_ids, token_index=None, document_ids=None, loss_mask=None,
-                dropout_ids=None, site_number=None):
+                dropout_ids=None, site_number=None, layout=None):
         """x [s(/tp), b, h] -> same shape. ``dropout_ids``: a DropoutIds or None;
         ``site_number``: the number its random draws are keyed by (default the layer number;
-        a repeated MTP layer passes each depth's)."""
+        a repeated MTP layer passes each depth's); ``layout``: the microbatch's
+        SequenceLayout, prepared before the layers (None: attention plans per call)."""
         c = self.config
         keys = (self.site_keys if site_number is None else
                 layer_site_keys(c.seed, site_number, x.device))  # [3]
@@ -85,7 +93,7 @@ class TransformerLayer(torch.nn.Module):
         if self.training and (c.hidden_dropout > 0 or (self.is_moe and c.moe_input_jitter_eps)):
             coords = token_coordinates(dropout_ids, x, self.shard)
         attn = self.self_attention(self.input_layernorm(x), position_ids, token_index, document_ids,
-                                   dropout_ids)
+                                   dropout_ids, layout=layout)
         x = x + hidden_dropout(attn, c.hidden_dropout, self.training, keys[0], coords)
         h = self.pre_mlp_layernorm(x)
         if self.is_moe:
@@ -121,10 +129,11 @@ class TransformerBlock(torch.nn.Module):
         return self.offloader.context()
 
     def _run(self, start, end, offload=True):
-        def run(x, position_ids, token_index, document_ids, loss_mask, dropout_ids):
+        def run(x, position_ids, token_index, document_ids, loss_mask, dropout_ids, layout):
             for number, layer in zip(self.layer_numbers[start:end], self.layers[start:end]):
                 with self._offload(number) if offload else contextlib.nullcontext():
-                    x = layer(x, position_ids, token_index, document_ids, loss_mask, dropout_ids)
+                    x = layer(x, position_ids, token_index, document_ids, loss_mask, dropout_ids,
+                              layout=layout)
             return x
         return run
 
@@ -138,11 +147,17 @@ class TransformerBlock(torch.nn.Module):
             return tpar.checkpoint(self._run(start, end, offload=False), self.rng_tracker, x,
                                    *args)
 
+    def prepare_layout(self, layout, length, device):
+        """Work out in ``layout`` (the microbatch's SequenceLayout) every plan the layers'
+        attention will look up, before the first layer runs."""
+        for layer in self.layers:
+            layer.prepare_layout(layout, length, device)
+
     def forward(self, x, position_ids, token_index=None, document_ids=None, loss_mask=None,
-                dropout_ids=None):
+                dropout_ids=None, layout=None):
         c = self.config
         n = len(self.layers)
-        args = (position_ids, token_index, document_ids, loss_mask, dropout_ids)
+        args = (position_ids, token_index, document_ids, loss_mask, dropout_ids, layout)
         if c.recompute_granularity != "full" or not self.training:
             return self._run(0, n)(x, *args)
         k = c.recompute_num_layers or 1
