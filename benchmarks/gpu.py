@@ -26,6 +26,7 @@ formula of the training log line, for ours and Hugging Face's alike.
 are the GPU's). The JSON goes to runs/benchmarks/gpu.json unless --output says otherwise.
 """
 import argparse
+import contextlib
 import os
 import re
 import subprocess
@@ -152,6 +153,23 @@ def attention_flops(b, h, d, lengths, causal):
     return 3.5 * forward
 
 
+@contextlib.contextmanager
+def kernel_route(route):
+    """None: the packed path's own choice (one padded dense cuDNN call on Hopper); "flash":
+    cuDNN made ineligible for the call, so the packed documents run as one flash varlen call
+    (the route of GPUs without cuDNN attention), to see which of the two is faster."""
+    if route is None:
+        yield
+        return
+    from megatron_cp.context_parallel import cuda_kernels
+    eligible = cuda_kernels.cudnn_eligible
+    cuda_kernels.cudnn_eligible = lambda q, k, v: False
+    try:
+        yield
+    finally:
+        cuda_kernels.cudnn_eligible = eligible
+
+
 def block_rates(s, device, dtype, heads=16, dim=128, documents=8):
     """TFLOP/s of SDPA and of our CP blocks (causal, full, packed documents) at length s.
 
@@ -162,7 +180,8 @@ def block_rates(s, device, dtype, heads=16, dim=128, documents=8):
     no-CP path over ``documents`` equal documents (``local_attention`` with the microbatch's
     SequenceLayout, planned once before the layers as GPTModel does: one variable-length
     kernel call each way); "unplanned" is the same call planning from the metadata itself
-    (a host read per call: what every layer did before the layout); "SDPA docs" is SDPA over
+    (a host read per call: what every layer did before the layout); "flash" is the planned
+    call with cuDNN made ineligible (one flash varlen call); "SDPA docs" is SDPA over
     the same documents laid out as a batch (no packing): the kernel's own figure at the
     document length, the ceiling of any packed path. ``layout_ms``: building and preparing
     the layout, once per microbatch (host time, with its device sync)."""
@@ -204,15 +223,16 @@ def block_rates(s, device, dtype, heads=16, dim=128, documents=8):
             torch.autograd.grad(out, leaves, grad)
         return run
 
-    def packed(planned):
+    def packed(planned, route=None):
         def build():
             return SequenceLayout(tokens, docs).prepare(None, s, device)
         layout = build() if planned else None
 
         def run():
-            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-            out = local_attention(*leaves, tokens, docs, layout=layout)
-            torch.autograd.grad(out, leaves, g)
+            with kernel_route(route):
+                leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+                out = local_attention(*leaves, tokens, docs, layout=layout)
+                torch.autograd.grad(out, leaves, g)
         return run, build
 
     rate = {}
@@ -222,6 +242,7 @@ def block_rates(s, device, dtype, heads=16, dim=128, documents=8):
             ("ours_full", ring_block("full"), [s], False),
             ("ours_packed", packed(True)[0], [s // documents] * documents, True),
             ("ours_packed_unplanned", packed(False)[0], [s // documents] * documents, True),
+            ("ours_packed_flash", packed(True, "flash")[0], [s // documents] * documents, True),
             ("sdpa_documents", sdpa_documents(), [s // documents] * documents, True)):
         rate[name] = attention_flops(1, heads, dim, lengths, causal) / timed(fn, device) / 1e12
     rate["layout_ms"] = 1e3 * timed(packed(True)[1], device)
@@ -277,12 +298,13 @@ def main():
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         rows = {s: block_rates(s, device, dtype) for s in (BLOCK_SMOKE if a.smoke else BLOCK_LENGTHS)}
         print(f"{'s':>6} {'SDPA causal':>11} {'ours causal':>11} {'SDPA full':>9} {'ours full':>9} "
-              f"{'packed':>7} {'unplanned':>9} {'SDPA docs':>9} {'layout ms':>9}   (TFLOP/s; "
-              f"packed, unplanned, SDPA docs: 8 documents)")
+              f"{'packed':>7} {'unplanned':>9} {'flash':>7} {'SDPA docs':>9} {'layout ms':>9}   "
+              f"(TFLOP/s; packed, unplanned, flash, SDPA docs: 8 documents)")
         for s, r in rows.items():
             print(f"{s:>6} {r['sdpa_causal']:>11.1f} {r['ours_causal']:>11.1f} {r['sdpa_full']:>9.1f} "
                   f"{r['ours_full']:>9.1f} {r['ours_packed']:>7.1f} "
-                  f"{r['ours_packed_unplanned']:>9.1f} {r['sdpa_documents']:>9.1f} "
+                  f"{r['ours_packed_unplanned']:>9.1f} {r['ours_packed_flash']:>7.1f} "
+                  f"{r['sdpa_documents']:>9.1f} "
                   f"{r['layout_ms']:>9.2f}")
         long = [r for s, r in rows.items() if s >= (256 if a.smoke else 8192)]
         checks += [("blocks >= 90% of SDPA at s >= 8k", all(
