@@ -4,7 +4,8 @@ Install torch first on CPU machines (``pip install torch==2.13.0``) so that the
 ``torch>=2.3`` requirement below is already met and no CUDA wheels are pulled;
 ``scripts/env.sh`` does it. apex and Transformer Engine are optional accelerators installed
 by hand (see the README), not extras: the package index's ``apex`` is another project.
-Weights & Biases logging (``--wandb-project``) needs the ``wandb`` extra.
+Weights & Biases logging (``--wandb-project``) needs the ``wandb`` extra; the ``gpu`` extra
+adds flash-linear-attention's kernels (fla-core) for the Gated DeltaNet layers on CUDA.
 """
 from setuptools import find_packages, setup
 
@@ -26,5 +27,9 @@ setup(
                 "wandb", "tiktoken"],  # tiktoken: the TikTokenizer tests (optional at run time)
         "bench": ["transformers"],
         "wandb": ["wandb"],  # --wandb-project
+        # flash-linear-attention's ops: the Gated DeltaNet kernel on CUDA for bf16 / fp16 models
+        # (model/gated_delta_rule.py calls its chunk_gated_delta_rule's 0.6.0 entry point);
+        # Triton comes with the CUDA build of torch
+        "gpu": ["fla-core==0.6.0"],
     },
 )

@@ -50,4 +50,14 @@ if ! python -c 'import einops' 2>/dev/null; then
     echo "> installing einops==0.8.2 (tests only) into $VENV"
     pip install --quiet --no-deps "einops==0.8.2"
 fi
+# flash-linear-attention's ops (fla-core, what setup.py's "gpu" extra pins) and Triton, which
+# FLA imports, for tests/test_fla_call.py only: it calls FLA's own entry point through
+# megatron_cp's route in a subprocess that puts this folder on its path. Not in the environment
+# itself: transformers' Qwen3-Next would then run FLA's Triton kernels, which fail on CPU.
+# --no-deps: fla-core's extras would pull torch.
+FLA_TEST="$VENV/fla-test"
+if [ ! -d "$FLA_TEST/fla_core-0.6.0.dist-info" ] || [ ! -d "$FLA_TEST/triton-3.5.1.dist-info" ]; then
+    echo "> installing fla-core==0.6.0 and triton==3.5.1 (tests only, --no-deps) into $FLA_TEST"
+    pip install --quiet --target "$FLA_TEST" --upgrade --no-deps "fla-core==0.6.0" "triton==3.5.1"
+fi
 cd "$ROOT"

@@ -14,8 +14,14 @@ A sequence's first token continues ``initial_state`` / the conv's incoming tail:
 a context-parallel wrapper passes from the rank before, and what a generation cache holds.
 
 :func:`chunk_gated_delta_rule` is the chunked form (WY representation: per chunk of C tokens
-one triangular solve and matrix products, then one state step per chunk); on CUDA it hands
-over to FLA's kernel when flash-linear-attention is importable (fused.py). Its reference is
+one triangular solve and matrix products, then one state step per chunk). On CUDA, for bf16 /
+fp16 models, it hands over to flash-linear-attention's ``chunk_gated_delta_rule`` when FLA is
+importable (fused.py; fla-core 0.6.0, setup.py's ``gpu`` extra) with the arguments its entry
+point takes (:func:`_fla_chunk`: q, k, v and beta in the model's dtype, g fp32, packed
+documents as one row with int64 ``cu_seqlens`` from :func:`packed_cu_seqlens`);
+tests/test_fla_call.py (fla_call_checks.py) drives that call on CPU through FLA's real entry
+point. fp32 models
+and everything else run :func:`torch_chunk_gated_delta_rule`, plain PyTorch. Its reference is
 :func:`recurrent_gated_delta_rule`, the recurrence above run token by token.
 """
 import torch
@@ -204,21 +210,64 @@ def _chunk_span(q, k, v, g, beta, docs, previous, state, c):
     return torch.stack(outs, dim=2).reshape(b, h, n * c, dv), state
 
 
-def _fla_chunk(q, k, v, g, beta, initial_state, output_final_state, document_ids, scale):
-    """FLA's CUDA kernel: documents become one packed row with cu_seqlens (sample starts
-    included), so it is used without an incoming or outgoing state under packing."""
+def packed_cu_seqlens(document_ids):
+    """document_ids [b, s] -> FLA's ``cu_seqlens`` of the b rows flattened into one packed row
+    of b * s tokens: int64 [n + 1] on their device, every document start (each sample's first
+    token included: documents never run across samples) and then b * s. ``torch.nonzero``
+    makes it wait on the device once: compute it once per microbatch and hand it to every
+    layer (:func:`_fla_chunk`'s ``cu_seqlens``); the same tensor also lets FLA reuse the chunk
+    indices it derives from it (cached by identity)."""
+    b, s = document_ids.shape
+    starts = torch.ones(b, s, dtype=torch.bool, device=document_ids.device)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    first = torch.nonzero(starts.reshape(-1)).reshape(-1)  # int64
+    return torch.cat([first, first.new_full((1,), b * s)])
+
+
+FLA_DTYPES = (torch.bfloat16, torch.float16)  # v dtypes that go to FLA (not fp32: see below)
+
+
+def _fla_device(x):
+    """Whether FLA's Triton kernels run on x's device (CUDA; tests/fla_call_checks.py patches
+    it to drive the FLA call on CPU, with FLA's kernels replaced by its PyTorch reference)."""
+    return x.is_cuda
+
+
+def _fla_chunk(q, k, v, g, beta, initial_state=None, output_final_state=False,
+               document_ids=None, scale=None, cu_seqlens=None, cu_seqlens_cpu=None,
+               chunk_indices=None):
+    """The gated delta rule by FLA's ``chunk_gated_delta_rule`` (fused.py), given what Megatron-LM
+    gives it (megatron/core/ssm/gated_delta_net): q, k and v in one dtype, the model's bf16 /
+    fp16 (v's), g the fp32 log decay, beta in the model's dtype; FLA's kernels take q and k
+    with the v-derived tensors into the same dot products and return ``o`` in q's dtype. Our q,
+    k (unit norm, computed in fp32) and beta (a sigmoid computed in fp32) are rounded to v's
+    dtype here: Megatron-LM's values (FLA's l2norm computes in fp32 and returns the input's
+    dtype; its sigmoid of a bf16 tensor as well). Returns (o [b, s, h, dv] in v's dtype, final
+    fp32 state or None).
+
+    Packed documents (``document_ids`` [b, s], or ``cu_seqlens`` already computed from them by
+    :func:`packed_cu_seqlens`, the row of all b samples) run as FLA's one packed row: the batch
+    flattened to [1, b * s] with int64 ``cu_seqlens`` on the device, as FLA documents it
+    (``torch.LongTensor``); no incoming or outgoing state then (chunk_gated_delta_rule keeps
+    those on the PyTorch kernel). FLA derives its chunk indices from ``cu_seqlens``, which
+    reads the lengths on the host (a device sync) unless ``cu_seqlens_cpu`` (the same values
+    on the CPU) or ``chunk_indices`` (``fla.ops.utils.index.prepare_chunk_indices(cu_seqlens,
+    64)``) is given: both are handed on as they are.
+    """
+    fla = fused.fla_chunk_gated_delta_rule()
+    dtype = v.dtype
+    q, k, beta, g = q.to(dtype), k.to(dtype), beta.to(dtype), g.to(torch.float32)
+    if document_ids is None and cu_seqlens is None:
+        return fla(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                   output_final_state=output_final_state)
+    if initial_state is not None or output_final_state:
+        raise ValueError("packed documents go to FLA without an incoming or outgoing state")
     b, s = k.shape[:2]
-    if document_ids is None:
-        return fused.fla_chunk_gated_delta_rule(
-            q, k, v, g, beta, scale=scale, initial_state=initial_state,
-            output_final_state=output_final_state)
-    flat = document_ids + torch.arange(b, device=k.device).unsqueeze(1) * (s + 1)  # distinct per sample
-    flat = flat.reshape(-1)
-    starts = torch.nonzero(torch.cat([flat.new_ones(1, dtype=torch.bool), flat[1:] != flat[:-1]]))
-    cu = torch.cat([starts.reshape(-1), flat.new_tensor([b * s])]).to(torch.int32)
-    out, _ = fused.fla_chunk_gated_delta_rule(
-        *(x.reshape(1, b * s, *x.shape[2:]) for x in (q, k, v, g, beta)), scale=scale,
-        cu_seqlens=cu)
+    if cu_seqlens is None:
+        cu_seqlens = packed_cu_seqlens(document_ids)
+    out, _ = fla(*(x.reshape(1, b * s, *x.shape[2:]) for x in (q, k, v, g, beta)), scale=scale,
+                 cu_seqlens=cu_seqlens.to(torch.int64), cu_seqlens_cpu=cu_seqlens_cpu,
+                 chunk_indices=chunk_indices)
     return out.reshape(b, s, *out.shape[2:]), None
 
 
@@ -229,8 +278,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_st
     boundaries from ``document_ids`` [b, s] or ``cu_seqlens`` (b == 1). Returns
     (o [b, s, h, dv] in v's dtype, final fp32 state [b, h, dk, dv] or None).
 
-    On CUDA with flash-linear-attention importable, FLA's kernel runs (not where a packed
-    sequence also carries a state in or out); otherwise :func:`torch_chunk_gated_delta_rule`.
+    FLA's kernel (:func:`_fla_chunk`) runs on CUDA for bf16 / fp16 values (v's dtype) when
+    flash-linear-attention is importable, except where a packed sequence also carries a state
+    in or out; everything else runs :func:`torch_chunk_gated_delta_rule`: fp32 models too
+    (FLA's Triton dot products round fp32 operands to TF32 where the GPU has it), and so the
+    context-parallel state passing, which widens v to fp32.
     """
     if cu_seqlens is not None:
         if document_ids is not None or k.shape[0] != 1:
@@ -238,8 +290,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_st
                              "document_ids; give one of them")
         document_ids = documents_from_cu_seqlens(cu_seqlens, k.shape[1])
     packed_state = document_ids is not None and (initial_state is not None or output_final_state)
-    if k.is_cuda and fused.fla_chunk_gated_delta_rule is not None and not packed_state:
+    if (_fla_device(k) and v.dtype in FLA_DTYPES and not packed_state
+            and fused.fla_chunk_gated_delta_rule() is not None):
         return _fla_chunk(q, k, v, g, beta, initial_state, output_final_state, document_ids,
-                          scale)
+                          scale, cu_seqlens=cu_seqlens)
     return torch_chunk_gated_delta_rule(q, k, v, g, beta, initial_state, output_final_state,
                                         document_ids, scale)
