@@ -217,6 +217,12 @@ def test_precomputed_cu_seqlens_and_chunk_indices_are_handed_on(fla):
     assert call["chunk_indices"] is indices
     same, _ = rule._fla_chunk(q, k, v, g, beta, document_ids=docs)
     torch.testing.assert_close(out, same, rtol=0, atol=0)
+    # the layer's route: the packed rows its microbatch's SequenceLayout holds (GatedDeltaNet
+    # .prepare_layout), handed on by chunk_gated_delta_rule as they are
+    also, _ = rule.chunk_gated_delta_rule(q, k, v, g, beta, document_ids=docs,
+                                          packed_rows=(cu, cu_cpu))
+    assert fla.calls[-1]["cu_seqlens"] is cu and fla.calls[-1]["cu_seqlens_cpu"] is cu_cpu
+    torch.testing.assert_close(also, same, rtol=0, atol=0)
 
 
 def test_fp32_models_and_packed_states_stay_on_the_torch_kernel(fla):

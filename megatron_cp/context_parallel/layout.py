@@ -132,7 +132,10 @@ class SequenceLayout:
         self.token_index, self.document_ids = token_index, document_ids
         self._memo = {}
 
-    def _once(self, key, build):
+    def once(self, key, build):
+        """``build()``, computed the first time ``key`` is asked for in this microbatch (a
+        layer kind that plans something of its own keeps it here too: Gated DeltaNet's packed
+        rows for FLA)."""
         if key not in self._memo:
             self._memo[key] = build()
         return self._memo[key]
@@ -144,13 +147,13 @@ class SequenceLayout:
             if self.document_ids is None and is_plain_arange(self.token_index, length):
                 return "sdpa", None
             return self.block_plan(length, device)
-        return self._once(("local", length), build)
+        return self.once(("local", length), build)
 
     def tokens(self, length, device):
         """``token_index`` or, when None, 0..length-1 [1, length] (broadcast over samples)."""
         if self.token_index is not None:
             return self.token_index
-        return self._once(("arange", length),
+        return self.once(("arange", length),
                           lambda: torch.arange(length, device=device).unsqueeze(0))
 
     def block_plan(self, length, device):
@@ -164,16 +167,16 @@ class SequenceLayout:
             if plan is not None:
                 plan.prepare(device)
             return kind, plan
-        return self._once(("block", length), build)
+        return self.once(("block", length), build)
 
     def ring(self, group):
         """The :class:`RingView` of a ring (or all-gather) over ``group``."""
-        return self._once(("ring", group),
+        return self.once(("ring", group),
                           lambda: RingView(self.token_index, self.document_ids, group))
 
     def ulysses(self, group):
         """The :class:`UlyssesView` of an all-to-all over ``group``."""
-        return self._once(("ulysses", group),
+        return self.once(("ulysses", group),
                           lambda: UlyssesView(self.token_index, self.document_ids, group))
 
     def prepare(self, attention, length, device):

@@ -35,7 +35,7 @@ from megatron_cp import tensor_parallel as tpar
 from megatron_cp.context_parallel.gated_delta import GatedDeltaContextParallel
 from megatron_cp.model.fused import norm_for
 from megatron_cp.model.gated_delta_rule import (causal_conv1d, chunk_gated_delta_rule, l2norm,
-                                                recurrent_gated_delta_rule)
+                                                packed_cu_seqlens, recurrent_gated_delta_rule)
 
 
 def _uniform_init(low, high):
@@ -55,6 +55,13 @@ def _split_param(shape, init_method, seed, tp_size, tp_rank, dtype, device):
     param = torch.nn.Parameter(local.contiguous())
     param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, 0, 1
     return param
+
+
+def _packed_rows(document_ids):
+    """(cu_seqlens on the device, the same on the host) of the microbatch's documents with
+    its samples flattened into one row (packed_cu_seqlens: FLA's packed input)."""
+    cu_seqlens = packed_cu_seqlens(document_ids)
+    return cu_seqlens, cu_seqlens.cpu()
 
 
 class GatedDeltaNet(torch.nn.Module):
@@ -152,13 +159,22 @@ class GatedDeltaNet(torch.nn.Module):
         """o [b, s, n_v, dv] -> out_norm(o) * silu(z), in z's dtype [b, s, n_v, dv]."""
         return (self.out_norm(o) * F.silu(z.float())).to(z.dtype)
 
-    def mix(self, proj, document_ids=None, first_key_head=0):
+    def mix(self, proj, document_ids=None, first_key_head=0, packed_rows=None):
         """The whole sequence in token order: proj [b, s, n_k, rows] -> gated output
-        [b, s, r n_k, dv] (conv and state restart at every document of ``document_ids``)."""
-        return self._mix(proj, document_ids, first_key_head)[0]
+        [b, s, r n_k, dv] (conv and state restart at every document of ``document_ids``;
+        ``packed_rows``: see :meth:`prepare_layout`)."""
+        return self._mix(proj, document_ids, first_key_head, packed_rows=packed_rows)[0]
+
+    def prepare_layout(self, layout, length, device):
+        """Work out in the microbatch's SequenceLayout what this layer needs of the documents
+        before any layer runs: without CP, FLA's packed rows (``packed_cu_seqlens`` of the
+        document ids, on the device and on the host), so no layer waits on the device for
+        them (only the FLA route reads them)."""
+        if self.context_parallel is None and layout.document_ids is not None:
+            layout.once("gdn_packed_rows", lambda: _packed_rows(layout.document_ids))
 
     def _mix(self, proj, document_ids=None, first_key_head=0, conv_tail=None, state=None,
-             output_final_state=False):
+             output_final_state=False, packed_rows=None):
         """:meth:`mix` continuing ``conv_tail`` [b, channels, w-1] and the fp32 ``state``
         [b, r n_k, dk, dv] (None: a fresh start) -> (gated output, tail, state or None)."""
         mixed, z, b, a = self.split(proj)
@@ -170,7 +186,7 @@ class GatedDeltaNet(torch.nn.Module):
         else:
             o, state = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state,
                                               output_final_state=output_final_state,
-                                              document_ids=document_ids)
+                                              document_ids=document_ids, packed_rows=packed_rows)
         return self.gate_output(o, z), tail, state
 
     def continue_sequence(self, x, conv_tail=None, state=None):
@@ -186,7 +202,9 @@ class GatedDeltaNet(torch.nn.Module):
                 dropout_ids=None, layout=None):
         proj = self.project(x)  # [b, s(/cp), nk/tp, rows]
         if self.context_parallel is None:
-            y = self.mix(proj, document_ids)
+            rows = None if layout is None or document_ids is None else \
+                layout.once("gdn_packed_rows", lambda: _packed_rows(document_ids))
+            y = self.mix(proj, document_ids, packed_rows=rows)
         else:
             y = self.context_parallel(self, proj, token_index, document_ids)
         y = y.flatten(2).transpose(0, 1)  # [s(/cp), b, nv/tp * dv]

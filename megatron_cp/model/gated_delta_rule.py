@@ -272,7 +272,7 @@ def _fla_chunk(q, k, v, g, beta, initial_state=None, output_final_state=False,
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_state=False,
-                           document_ids=None, cu_seqlens=None, scale=None):
+                           document_ids=None, cu_seqlens=None, scale=None, packed_rows=None):
     """The gated delta rule over a (packed) sequence: q, k [b, s, h, dk], v [b, s, h, dv],
     g (log decay, fp32) and beta [b, s, h]; ``initial_state`` [b, h, dk, dv] fp32; document
     boundaries from ``document_ids`` [b, s] or ``cu_seqlens`` (b == 1). Returns
@@ -282,7 +282,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_st
     flash-linear-attention is importable, except where a packed sequence also carries a state
     in or out; everything else runs :func:`torch_chunk_gated_delta_rule`: fp32 models too
     (FLA's Triton dot products round fp32 operands to TF32 where the GPU has it), and so the
-    context-parallel state passing, which widens v to fp32.
+    context-parallel state passing, which widens v to fp32. ``packed_rows``: (cu_seqlens,
+    cu_seqlens_cpu) of ``document_ids`` flattened (:func:`packed_cu_seqlens` and its host
+    copy), worked out once per microbatch, so FLA's route waits on the device for neither.
     """
     if cu_seqlens is not None:
         if document_ids is not None or k.shape[0] != 1:
@@ -292,7 +294,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_st
     packed_state = document_ids is not None and (initial_state is not None or output_final_state)
     if (_fla_device(k) and v.dtype in FLA_DTYPES and not packed_state
             and fused.fla_chunk_gated_delta_rule() is not None):
+        cu_cpu = None
+        if packed_rows is not None and cu_seqlens is None:
+            cu_seqlens, cu_cpu = packed_rows
         return _fla_chunk(q, k, v, g, beta, initial_state, output_final_state, document_ids,
-                          scale, cu_seqlens=cu_seqlens)
+                          scale, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_cpu)
     return torch_chunk_gated_delta_rule(q, k, v, g, beta, initial_state, output_final_state,
                                         document_ids, scale)
