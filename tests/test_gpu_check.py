@@ -1,18 +1,23 @@
 """tools/gpu_check.py on the CPU: the suite's logic runs and has teeth.
 
 - ``--device cpu --quick`` exits 0, every section prints rows, every row passes, and the
-  rows cover every block kind, both kernels, fp32 and bf16, and ring / Ulysses / hybrid at
-  CP 2 and 4 (the table is parsed).
+  rows cover every block kind, both kernels, fp32 and bf16, ring / Ulysses / hybrid at
+  CP 2 and 4, and every path of tools/gpu_check_paths.py (the table is parsed).
 - The one-process simulation the suite's CP rows rest on IS the distributed algorithm: its
   outputs and gradients equal, bit for bit, those of 4 gloo ranks running
   context_parallel_attention (ring, Ulysses with dummy heads and repeated KV, hybrid).
 - Deliberately broken code makes it exit 1, on the rows that exercise the broken piece only:
   bf16 document-masked gradients 10% off (the class of bug the suite was built for), a ring
-  merge that forgets to update the log-sum-exp, and a kernel that raises.
+  merge that forgets to update the log-sum-exp, a kernel that raises, a hidden-dropout mask
+  drawn from a rank's local token positions, an activation offload that loses what it
+  saved, and a Gated DeltaNet rule that drops its state between chunks.
+- A section past its time budget prints its remaining checks CAPPED (exit status 2 when
+  nothing failed) and the summary lists them; the flash section's cuDNN bypass is undone.
 
 One compute thread: the box has 2 cores shared with other jobs, where two OpenMP threads
 spinning against each other made the same run 30x slower.
 """
+import collections
 import os
 import re
 import subprocess
@@ -22,16 +27,19 @@ import pytest
 import torch
 
 from dist_harness import run_workers
-from megatron_cp.context_parallel import blockwise, context_parallel_attention, kernels, ring
+from megatron_cp.activation_offload import ActivationOffloader, _OnHost
+from megatron_cp.context_parallel import (blockwise, context_parallel_attention, cuda_kernels,
+                                          kernels, ring)
 from megatron_cp.context_parallel.simulate import simulated_attention
 from megatron_cp.data.microbatch import prepare_microbatch
 from megatron_cp.initialize import initialize_model_parallel
-from tools import gpu_check
+from megatron_cp.model import gated_delta_rule, hidden_dropout
+from tools import gpu_check, gpu_check_layers, gpu_check_lib, gpu_check_paths
 from tools.gpu_check_lib import Randn, microbatch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROW = re.compile(r"^(?P<name>[a-z]\S*)\s+(?P<worst>\S+)\s+(?P<abs>\S+)\s+(?P<rel>\S+)\s+"
-                 r"(?P<tol>\S+)\s+(?P<status>PASS|FAIL|SKIP)$")
+                 r"(?P<tol>\S+)\s+(?P<status>PASS|FAIL|SKIP|CAPPED)$")
 
 
 def _rows(text):
@@ -62,7 +70,7 @@ def test_quick_cpu_suite_passes_every_section():
     rows = _rows(out)
     assert {name.split("/")[0] for name in rows} == set(gpu_check.SECTIONS)
     assert set(rows.values()) == {"PASS"}, [n for n, s in rows.items() if s != "PASS"]
-    summary = re.search(r"^(\d+) checks: (\d+) PASS, 0 FAIL, 0 SKIP in", out, re.M)
+    summary = re.search(r"^(\d+) checks: (\d+) PASS, 0 FAIL, 0 SKIP, 0 CAPPED in", out, re.M)
     assert summary and int(summary[1]) == int(summary[2]) == len(rows)
 
     def covered(*parts):
@@ -84,6 +92,33 @@ def test_quick_cpu_suite_passes_every_section():
     assert covered("cp/a2a/", "/h6:2/")  # 6 heads over 4 ranks: dummy heads
     assert covered("train/fp32/") and covered("train/bf16-vs-fp32/")
     assert rows["blocks/kinds-covered"] == "PASS"
+    # the paths after the first GPU run (tools/gpu_check_paths.py and its two siblings)
+    for kind in ("causal", "full", "segments"):
+        assert covered(f"flash/blocks/{kind}/", "/bf16/auto")
+    assert covered("flash/local/packed/") and rows["flash/route"] == "PASS"
+    for kind in ("plain/", "packed/", "plain+state/", "packed+state/"):
+        for dtype in ("fp32", "bf16"):
+            assert covered("gdn/rule/torch/" + kind, dtype)
+    assert covered("gdn/layer/torch/packed/") and rows["gdn/routes"] == "PASS"
+    for part in ("block/causal/", "block/full/", "local/packed/", "local/plain/"):
+        assert covered("mla/" + part, "/d24:16/", "/bf16")
+    assert covered("mla/layer/packed/")
+    assert covered("dropout/hidden/P=4/sp/", "/bf16/") and covered("dropout/attention/mask/")
+    assert covered("dropout/attention/packed/", "/bf16/")
+    for part in ("logits/", "mlp/"):
+        assert covered("tiled/" + part, "/bf16") and covered("tiled/" + part, "/fp32")
+    assert covered("tiled/model/")
+    for kind in ("column", "row"):
+        for setting in gpu_check_layers.OVERLAP_SETTINGS:
+            assert covered(f"tp_overlap/{kind}/{setting}/", "/bf16")
+    assert covered("offload/model/recompute/") and covered("offload/model/plain/", "/bf16/")
+    assert rows["offload/hooks"] == "PASS"
+    for path in ("mtp", "mup", "muon", "fsdp2", "sinkhorn", "offload"):
+        assert covered(f"{path}/train/fp32/cpu-vs-cpu/") and covered(f"{path}/train/bf16-vs-fp32/")
+    assert covered("muon/orthogonalize/", "/medium/") and covered("muon/orthogonalize/", "/high/")
+    assert covered("sinkhorn/balance/", "/top2/") and covered("sinkhorn/layer/allgather/")
+    for section in gpu_check.SECTIONS:
+        assert re.search(rf"^    \[{section}: [\d.]+ s\]$", out, re.M), section  # wall time
 
 
 def test_wrong_bf16_document_gradients_fail(monkeypatch, capsys, one_thread):
@@ -128,6 +163,117 @@ def test_a_kernel_that_raises_is_a_failed_row(monkeypatch, capsys, one_thread):
     assert rows["reference/chunked-vs-reference_attention/s=40/fp32"] == "PASS"
     assert rows["local/packed/h8:2/sbhd/s=40/fp32/auto"] == "FAIL"
     assert rows["local/packed/h8:2/sbhd/s=40/fp32/torch"] == "PASS"  # the torch kernel
+
+
+def _failed(rows):
+    return {name for name, status in rows.items() if status == "FAIL"}
+
+
+def test_hidden_dropout_from_local_positions_fails(monkeypatch, capsys, one_thread):
+    """A mask keyed by the rank's own row numbers instead of the tokens' places in their
+    samples: every hidden-dropout row fails (a CP rank's or SP slice's rows are never the
+    sample's first ones), the attention-dropout rows do not."""
+    real = hidden_dropout.token_coordinates
+
+    def local(ids, x, shard):
+        return real(ids._replace(positions=None), x, shard)
+
+    monkeypatch.setattr(hidden_dropout, "token_coordinates", local)
+    status, rows = _run_in_process(capsys, "--sections", "dropout")
+    assert status == 1
+    expected = {name for name in rows if name.startswith("dropout/hidden/")}
+    assert expected and _failed(rows) == expected
+
+
+def test_an_offload_that_loses_what_it_saved_fails(monkeypatch, capsys, one_thread):
+    """Every fifth activation comes back from host memory as zeros: the offloaded models'
+    gradients are wrong; the hook count and the CPU training rows (the trainer offloads
+    nothing on a CPU) still pass."""
+    real, restored = ActivationOffloader.unpack, []
+
+    def lossy(self, packed):
+        tensor = real(self, packed)
+        if isinstance(packed, _OnHost):
+            restored.append(1)
+            if len(restored) % 5 == 0:
+                return torch.zeros_like(tensor)
+        return tensor
+
+    monkeypatch.setattr(ActivationOffloader, "unpack", lossy)
+    status, rows = _run_in_process(capsys, "--sections", "offload")
+    assert status == 1
+    expected = {name for name in rows if name.startswith("offload/model/")}
+    assert len(expected) == 3 and _failed(rows) == expected
+
+
+def test_a_gated_delta_rule_that_drops_its_state_between_chunks_fails(monkeypatch, capsys,
+                                                                      one_thread):
+    """Each 64-token chunk starts from a zero state: every rule row (80 tokens) fails."""
+    real = gated_delta_rule.chunk_gated_delta_rule
+
+    def per_chunk(q, k, v, g, beta, initial_state=None, output_final_state=False,
+                  document_ids=None):
+        outs = [real(*(x[:, i:i + 64] for x in (q, k, v, g, beta)),
+                     initial_state if i == 0 else None, False,
+                     None if document_ids is None else document_ids[:, i:i + 64])[0]
+                for i in range(0, q.shape[1], 64)]
+        final = real(q, k, v, g, beta, initial_state, output_final_state, document_ids)[1]
+        return torch.cat(outs, dim=1), final
+
+    monkeypatch.setattr(gated_delta_rule, "chunk_gated_delta_rule", per_chunk)
+    status, rows = _run_in_process(capsys, "--sections", "gdn")
+    assert status == 1
+    expected = {name for name in rows if name.startswith("gdn/rule/")}
+    assert len(expected) == 8 and _failed(rows) == expected
+
+
+def test_a_section_past_its_budget_prints_the_rest_capped(monkeypatch, capsys):
+    """A budget of 3 ticks of a clock that ticks once a look: three checks run, the others
+    are CAPPED, listed after the summary, and the exit status is 2 (nothing failed, not
+    everything ran). Budget 0: nothing runs."""
+    ticks = iter(range(10 ** 6))
+    monkeypatch.setattr(gpu_check_lib.Report, "clock", lambda self: float(next(ticks)))
+    status = gpu_check.main(["--device", "cpu", "--quick", "--sections", "tp_overlap",
+                             "--section-seconds", "3"])
+    out = capsys.readouterr().out
+    rows = _rows(out)
+    assert status == gpu_check.EXIT_CAPPED == 2
+    assert list(rows.values()) == ["PASS"] * 3 + ["CAPPED"] * (len(rows) - 3)
+    assert "the section used its 3 s budget: the checks below are not run" in out
+    assert re.search(rf"\[tp_overlap: [\d.]+ s, over its 3 s budget: {len(rows) - 3} checks "
+                     rf"CAPPED\]", out)
+    assert re.search(rf"^{len(rows)} checks: 3 PASS, 0 FAIL, 0 SKIP, {len(rows) - 3} CAPPED",
+                     out, re.M)
+    listed = re.findall(r"^CAPPED \(not run, not passed\): (\S+)$", out, re.M)
+    assert listed == [name for name, status in rows.items() if status == "CAPPED"]
+    monkeypatch.undo()
+    status, rows = _run_in_process(capsys, "--sections", "tiled,mla", "--section-seconds", "0")
+    assert status == 2 and rows and set(rows.values()) == {"CAPPED"}
+
+
+def test_the_default_budgets_fit_the_suite_in_five_minutes():
+    """Every section has a budget on CUDA, and together with start-up they fit the suite's
+    5 minutes (a section may run one check past its budget: the budgets leave room)."""
+    assert set(gpu_check.SECTION_SECONDS) == set(gpu_check.SECTIONS)
+    total = sum(gpu_check.SECTION_SECONDS.values()) + gpu_check.START_UP_SECONDS
+    assert total <= gpu_check.SUITE_SECONDS - 10, total
+
+
+def test_the_flash_section_bypasses_cudnn_only_inside():
+    """Inside, cudnn_eligible is False and the kernels are counted; after (also after an
+    exception), the module's own functions are back."""
+    saved = {name: getattr(cuda_kernels, name)
+             for name in gpu_check_paths.COUNTED + ("cudnn_eligible",)}
+    calls = collections.Counter()
+    with pytest.raises(RuntimeError):
+        with gpu_check_paths.cudnn_bypassed(calls):
+            assert cuda_kernels.cudnn_eligible(None, None, None) is False
+            assert cuda_kernels.flash_forward is not saved["flash_forward"]
+            q = torch.empty(1, 1, 8, 8, dtype=torch.bfloat16, device="meta")
+            cuda_kernels.flash_forward(q, q, q, 1.0, True)
+            raise RuntimeError("a section that fails")
+    assert calls["flash_forward"] == 1
+    assert {name: getattr(cuda_kernels, name) for name in saved} == saved
 
 
 def test_a_comparison_that_cannot_be_made_is_a_failed_row_not_an_aborted_section(capsys):

@@ -1,8 +1,8 @@
 """The GPU suite: attention kernels, context-parallel algorithms and training on one device.
 
-Every check compares against an fp32 truth computed on the same device and prints one row
-of a table (check, worst quantity, max abs error, relative error = max abs error / max |truth|,
-tolerance, PASS/FAIL); the exit status is 0 only when every check passes, 1 otherwise.
+Every check compares against an fp32 truth (computed on the same device for the first six
+sections, on the CPU for the later ones) and prints one row of a table (check, worst
+quantity, max abs error, relative error = max abs error / max |truth|, tolerance, result).
 
 - reference: the chunked fp32 reference used for long blocks (``masked_reference``) against
   ``reference_attention`` with autograd, so the truth is proven before it judges anything.
@@ -24,10 +24,43 @@ tolerance, PASS/FAIL); the exit status is 0 only when every check passes, 1 othe
   per-expert loop, one MoE layer on the device against the CPU (both dispatchers, dropless and
   capacity), a small MoE GPT trained on the device against the CPU and bf16 against fp32.
 
-    python tools/gpu_check.py                        # the GPU suite (cuda:0)
+The paths that landed after the first GPU run, against fp32 on the CPU (details in the
+docstrings of tools/gpu_check_paths.py, gpu_check_layers.py and gpu_check_train.py):
+
+- flash: the blocks and packed local checks in fp16 / bf16 with cuDNN bypassed, so that the
+  flash kernels (dense and varlen) run on Hopper too; a row that flash ran and cuDNN did not.
+- gdn: the gated delta rule (FLA's kernel where it is importable on CUDA, else PyTorch's: the
+  route is in the row name) plain, packed and with a state in and out, and the Gated DeltaNet
+  layer.
+- mla: attention with dv != dk (the memory-efficient kernel on CUDA): blocks, the local path,
+  and the multi-latent attention layer.
+- dropout: hidden- and attention-dropout masks of CP ranks / SP slices equal to the CPU's
+  whole-sample masks at the same global coordinates; attention with dropout.
+- tiled: the tiled logits + cross entropy, the chunked MLP, and a model with both.
+- tp_overlap: the overlapped TP linears at TP world size 1 (the ring's sends need 2 GPUs).
+- offload: a model with activations offloaded to (pinned) host memory against none, and
+  training with --cpu-offloading-num-layers.
+- mtp, mup, muon, fsdp2, sinkhorn: the real trainer (pretrain) with --mtp-num-layers,
+  --use-mup, --optimizer muon, --use-torch-fsdp2, sinkhorn routing, a few steps on the device
+  against the CPU (fp32) and bf16 against fp32; Muon's orthogonalised update, the sinkhorn
+  balancing and a sinkhorn MoE layer on the device against the CPU.
+
+Time budgets: each section runs under a budget (--section-seconds; by default on CUDA the
+SECTION_SECONDS below, sized so that the whole suite fits 5 minutes on one H100; none on the
+CPU). A section past its budget starts no further check: each remaining one prints a
+CAPPED row (not run, so not passed either), the section's wall-time line says how many, and
+the summary lists them. Every section prints its wall time.
+
+Exit status: 0 every check ran and passed; 1 a check failed (whatever was capped); 2 nothing
+failed but some checks were capped (rerun those sections, e.g. --sections gdn with a larger
+--section-seconds).
+
+    python tools/gpu_check.py                        # the GPU suite (cuda:0), one call
     python tools/gpu_check.py --device cpu --quick   # the same checks, small sizes (a test)
 """
 import argparse
+import functools
+import math
 import os
 import sys
 import time
@@ -45,18 +78,13 @@ from megatron_cp.data.microbatch import prepare_microbatch  # noqa: E402
 from megatron_cp.model import GPTConfig, GPTModel  # noqa: E402
 from tools.gpu_check_moe import section_moe  # noqa: E402
 from tools.gpu_check_lib import (AUTOGRAD_REFERENCE_MAX_SEQ, DTYPE_NAMES, HEAD_DIM,  # noqa: E402
-                                 Randn, Report, masked_reference, microbatch, self_reference,
-                                 supported_dtypes)
+                                 LSE_TOLERANCE, TOLERANCE, TRAIN_BF16_TOL, TRAIN_FP32_TOL, Randn,
+                                 Report, Series, Verdict, masked_reference, microbatch,
+                                 process_group, self_reference, supported_dtypes)
+from tools.gpu_check_paths import PATH_SECTIONS, path_sections  # noqa: E402
 
-SECTIONS = ("reference", "blocks", "local", "cp", "train", "moe")
-# max |error| / max |truth| per dtype. bf16: flash accumulates in fp32 (~1e-2 measured on the
-# CPU up to s = 2k, where the CPU kernel's bf16 backward error grows slowly with s); the bug this
-# suite was built for (bf16 document-masked gradients off by 8-17 on O(1) values) is > 10x over.
-# The log-sum-exp is fp32 from every kernel, hence tighter.
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 4e-2, torch.float16: 1e-2}
-LSE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-3, torch.float16: 1e-3}
+SECTIONS = ("reference", "blocks", "local", "cp", "train", "moe", *PATH_SECTIONS)
 TORCH_KERNEL_MAX_SEQ = 8192  # the "torch" kernel materialises [b, nh, sq, sk] fp32 scores
-TRAIN_FP32_TOL, TRAIN_BF16_TOL = 1e-4, 3e-2
 
 
 def _tols(dtype):
@@ -133,8 +161,8 @@ def check_block(block, meta, shapes, dtype, kernel, seed, device):
             "dv": (grads[2], want[4], tol)}
 
 
-def section_blocks(report, device, sizes, dtypes):
-    """Every block case at every size and dtype, kernels "auto" and "torch"."""
+def section_blocks(report, device, sizes, dtypes, kernels=("auto", "torch"), prefix="blocks"):
+    """Every block case at every size and dtype, each of ``kernels``; rows ``prefix/...``."""
     kinds = set()
     for n in sizes:
         b = 2 if n <= AUTOGRAD_REFERENCE_MAX_SEQ else 1
@@ -147,17 +175,17 @@ def section_blocks(report, device, sizes, dtypes):
             for block in ring_blocks(tokens, docs, i, j):
                 kinds.add(block.kind)
                 for dtype in dtypes:
-                    for kernel in ("auto", "torch"):
+                    for kernel in kernels:
                         if kernel == "torch" and n > TORCH_KERNEL_MAX_SEQ:
                             continue
-                        label = (f"blocks/{block.kind}/{name}:{i}<-{j}/h{nh}:{nkv}/{view}/s={n}/"
-                                 f"{DTYPE_NAMES[dtype]}/{kernel}")
+                        label = (f"{prefix}/{block.kind}/{name}:{i}<-{j}/h{nh}:{nkv}/{view}/"
+                                 f"s={n}/{DTYPE_NAMES[dtype]}/{kernel}")
                         report.run(label, check_block, block, meta, shapes, dtype, kernel,
                                    n + case_id, device)
     wanted = {"causal", "full", "empty", "segments"}
-    report.verdict("blocks/kinds-covered", wanted <= kinds,
-                   f"block kinds run: {sorted(kinds)} (wanted {sorted(wanted)}); the torch "
-                   f"kernel up to s = {TORCH_KERNEL_MAX_SEQ}")
+    report.run(f"{prefix}/kinds-covered", lambda: Verdict(
+        wanted <= kinds, f"block kinds run: {sorted(kinds)} (wanted {sorted(wanted)}); the "
+                         f"torch kernel up to s = {TORCH_KERNEL_MAX_SEQ}"))
 
 
 # ----------------------------------------------------------------------------- local path
@@ -176,13 +204,16 @@ def check_local(n, packed, dtype, kernel, seed, device):
             zip(("out", "dq", "dk", "dv"), (out, *grads), want)}
 
 
-def section_local(report, device, sizes, dtypes):
+LOCAL_VARIANTS = ((True, "auto"), (True, "torch"), (False, "auto"))  # (packed, kernel)
+
+
+def section_local(report, device, sizes, dtypes, variants=LOCAL_VARIANTS, prefix="local"):
     for n in sizes:
         for dtype in dtypes:
-            for packed, kernel in ((True, "auto"), (True, "torch"), (False, "auto")):
+            for packed, kernel in variants:
                 if kernel == "torch" and n > TORCH_KERNEL_MAX_SEQ:
                     continue
-                label = (f"local/{'packed' if packed else 'plain'}/h8:2/sbhd/s={n}/"
+                label = (f"{prefix}/{'packed' if packed else 'plain'}/h8:2/sbhd/s={n}/"
                          f"{DTYPE_NAMES[dtype]}/{kernel}")
                 report.run(label, check_local, n, packed, dtype, kernel, n + 7, device)
 
@@ -317,20 +348,38 @@ def train_losses(device, params_dtype, steps, seq, config=None):
 
 
 def section_train(report, device, steps, seq):
-    cpu = train_losses(torch.device("cpu"), torch.float32, steps, seq)
-    fp32 = train_losses(device, torch.float32, steps, seq)
-    report.series(f"train/fp32/{device.type}-vs-cpu/{steps}-steps/s={seq}/loss", fp32, cpu,
-                  TRAIN_FP32_TOL)
+    losses = functools.cache(lambda where, dtype: train_losses(where, dtype, steps, seq))
+    cpu = torch.device("cpu")
+    report.run(f"train/fp32/{device.type}-vs-cpu/{steps}-steps/s={seq}/loss", lambda: Series(
+        losses(device, torch.float32), losses(cpu, torch.float32), TRAIN_FP32_TOL))
     name = f"train/bf16-vs-fp32/{device.type}/{steps}-steps/s={seq}/loss"
     if torch.bfloat16 not in supported_dtypes(device):
         report.skip(name, f"{device} has no bf16 support")
         return
-    report.series(name, train_losses(device, torch.bfloat16, steps, seq), fp32, TRAIN_BF16_TOL)
+    report.run(name, lambda: Series(losses(device, torch.bfloat16), losses(device, torch.float32),
+                                    TRAIN_BF16_TOL))
 
 
 # ----------------------------------------------------------------------------- main
+# Each section's time budget in seconds (--section-seconds replaces them all): two to four
+# times what its sizes are estimated to take on an H100 (the first six: the 2026-11-28 H200
+# run, 38 s together, plus a third for the H100's lower bandwidth; the later ones: their CPU
+# references on the host's cores and the trainer's start-up; gdn: room for the first
+# compilation of FLA's Triton kernels), so that the whole suite, start-up and a check past a
+# budget included, stays within 5 minutes there. On the CPU no budget applies unless given.
+SUITE_SECONDS, START_UP_SECONDS = 300, 30  # the goal on an H100; Python, torch and CUDA start
+SECTION_SECONDS = {"reference": 5, "blocks": 40, "local": 20, "cp": 25, "train": 8, "moe": 10,
+                   "flash": 25, "gdn": 25, "mla": 12, "dropout": 12, "tiled": 10,
+                   "tp_overlap": 8, "offload": 12, "mtp": 8, "mup": 8, "muon": 10, "fsdp2": 8,
+                   "sinkhorn": 10}
+EXIT_PASS, EXIT_FAIL, EXIT_CAPPED = 0, 1, 2
+
+
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        epilog="exit status: 0 every check ran and passed, 1 a check failed, 2 nothing failed "
+               "but some checks were CAPPED (their section ran out of its time budget)")
     parser.add_argument("--device", default="cuda",
                         help="device to check (default cuda; cpu proves the suite's logic)")
     parser.add_argument("--quick", action="store_true",
@@ -340,6 +389,10 @@ def parse_args(argv):
     parser.add_argument("--max-seq", type=int, default=None,
                         help="largest block / local sequence length, from 40 128 512 2048 8192 "
                              "32768 (default 32768 on CUDA, 2048 on the CPU; 512 with --quick)")
+    parser.add_argument("--section-seconds", type=float, default=None,
+                        help="time budget of every section: once a section has run this long "
+                             "it starts no more checks and prints the rest CAPPED (default: "
+                             "each section's budget sized for an H100 on CUDA, none on the CPU)")
     args = parser.parse_args(argv)
     unknown = set(args.sections.split(",")) - set(SECTIONS)
     if unknown:
@@ -357,12 +410,20 @@ def plan_sizes(args, device):
     return sizes, (2, 4, 8), 4096 if device.type == "cuda" else 1024, 8, 256
 
 
+def section_budget(args, device, name):
+    if args.section_seconds is not None:
+        return args.section_seconds
+    return SECTION_SECONDS[name] if device.type == "cuda" else math.inf
+
+
 def main(argv=None):
     args = parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not device_mod.accelerator_available():
         print("no CUDA device: nothing checked (use --device cpu to check the suite's logic)")
-        return 1
+        return EXIT_FAIL
+    if device.type == "cuda" and device.index is None:  # the trainer's state names its index
+        device = torch.device("cuda", torch.cuda.current_device())
     torch.set_float32_matmul_precision("highest")  # the fp32 truth must not run on TF32
     sizes, cp_sizes, cp_seq, steps, train_seq = plan_sizes(args, device)
     dtypes = supported_dtypes(device)
@@ -379,23 +440,39 @@ def main(argv=None):
         "cp": lambda: section_cp(report, device, cp_sizes, cp_seq, dtypes),
         "train": lambda: section_train(report, device, steps, train_seq),
         "moe": lambda: section_moe(report, device, steps, train_seq, train_losses),
+        **path_sections(report, device, args.quick, dtypes, sizes, section_blocks, section_local),
     }
-    for name in SECTIONS:
-        if name in wanted:
-            began = time.perf_counter()
-            try:
-                sections[name]()
-            except Exception as exc:  # e.g. out of memory outside a single check
-                report.error(f"{name}/section-aborted", exc)
-            print(f"    [{name}: {time.perf_counter() - began:.1f} s]")
-    failed = report.failures()
+    with process_group(device):  # the trainer, FSDP2 and the TP linears run in one
+        for name in SECTIONS:
+            if name in wanted:
+                run_section(report, name, sections[name], section_budget(args, device, name))
+    failed, capped = report.failures(), report.capped()
     counts = {s: sum(1 for _, status in report.rows if status == s)
-              for s in ("PASS", "FAIL", "SKIP")}
+              for s in ("PASS", "FAIL", "SKIP", "CAPPED")}
     print(f"{len(report.rows)} checks: {counts['PASS']} PASS, {counts['FAIL']} FAIL, "
-          f"{counts['SKIP']} SKIP in {time.perf_counter() - start:.1f} s")
+          f"{counts['SKIP']} SKIP, {counts['CAPPED']} CAPPED in "
+          f"{time.perf_counter() - start:.1f} s")
     for name in failed:
         print(f"FAILED: {name}")
-    return 1 if failed else 0
+    for name in capped:
+        print(f"CAPPED (not run, not passed): {name}")
+    if failed:
+        return EXIT_FAIL
+    return EXIT_CAPPED if capped else EXIT_PASS
+
+
+def run_section(report, name, run, budget):
+    """One section under its time budget, then a line with its wall time (and what was
+    capped)."""
+    began, capped_before = time.perf_counter(), len(report.capped())
+    report.begin(budget)
+    try:
+        run()
+    except Exception as exc:  # e.g. out of memory outside a single check
+        report.error(f"{name}/section-aborted", exc)
+    capped = len(report.capped()) - capped_before
+    note = f", over its {budget:g} s budget: {capped} checks CAPPED" if capped else ""
+    print(f"    [{name}: {time.perf_counter() - began:.1f} s{note}]")
 
 
 if __name__ == "__main__":

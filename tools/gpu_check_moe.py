@@ -10,12 +10,15 @@
 - train: a small MoE GPT a few AdamW steps on the device against the CPU (fp32), and bf16
   against fp32 on the device.
 """
+import functools
+
 import torch
 
 from megatron_cp.model import GPTConfig
 from megatron_cp.moe.experts import grouped_linear
 from megatron_cp.moe.layer import MoELayer
-from tools.gpu_check_lib import DTYPE_NAMES, supported_dtypes
+from tools.gpu_check_lib import (DTYPE_NAMES, TRAIN_BF16_TOL, TRAIN_FP32_TOL, Series,
+                                 supported_dtypes)
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
@@ -59,15 +62,19 @@ def section_grouped(report, device, dtypes):
             report.run(name, check_grouped, experts, counts, n_in, n_out, dtype, experts, device)
 
 
-def moe_config(dispatcher, capacity=None, params_dtype=torch.float32, num_layers=1):
-    return GPTConfig(num_layers=num_layers, hidden_size=64, num_attention_heads=4, vocab_size=256,
-                     ffn_hidden_size=128, num_moe_experts=8, moe_router_topk=2,
-                     moe_ffn_hidden_size=96, moe_shared_expert_intermediate_size=64,
-                     moe_shared_expert_gate=True, activation="swiglu", moe_aux_loss_coeff=0.01,
-                     moe_z_loss_coeff=0.001, moe_token_dispatcher_type=dispatcher,
-                     moe_expert_capacity_factor=capacity, hidden_dropout=0.0,
-                     attention_dropout=0.0, params_dtype=params_dtype,
-                     make_vocab_size_divisible_by=64)
+def moe_config(dispatcher, capacity=None, params_dtype=torch.float32, num_layers=1,
+               **overrides):
+    """The MoE model of these checks; ``overrides``: GPTConfig settings that replace its own
+    (e.g. another router)."""
+    settings = dict(num_layers=num_layers, hidden_size=64, num_attention_heads=4, vocab_size=256,
+                    ffn_hidden_size=128, num_moe_experts=8, moe_router_topk=2,
+                    moe_ffn_hidden_size=96, moe_shared_expert_intermediate_size=64,
+                    moe_shared_expert_gate=True, activation="swiglu", moe_aux_loss_coeff=0.01,
+                    moe_z_loss_coeff=0.001, moe_token_dispatcher_type=dispatcher,
+                    moe_expert_capacity_factor=capacity, hidden_dropout=0.0,
+                    attention_dropout=0.0, params_dtype=params_dtype,
+                    make_vocab_size_divisible_by=64)
+    return GPTConfig(**{**settings, **overrides})
 
 
 def _layer_grads(layer, x, mask, grad):
@@ -77,9 +84,10 @@ def _layer_grads(layer, x, mask, grad):
     return out, torch.autograd.grad(out, [x] + params, grad)
 
 
-def check_layer(dispatcher, capacity, seq, device):
-    """One MoE layer on ``device`` against the CPU, fp32: out and every gradient."""
-    config = moe_config(dispatcher, capacity)
+def check_layer(dispatcher, capacity, seq, device, overrides=None):
+    """One MoE layer on ``device`` against the CPU, fp32: out and every gradient
+    (``overrides``: of :func:`moe_config`)."""
+    config = moe_config(dispatcher, capacity, **(overrides or {}))
     with torch.no_grad():
         for p in (cpu_layer := MoELayer(config, "decoder.layers.0.mlp", None, None)).parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.02)
@@ -106,17 +114,17 @@ def section_layer(report, device, seq):
 
 def section_train(report, device, steps, seq, train_losses):
     """``train_losses(device, params_dtype, steps, seq, config)``: gpu_check's training loop."""
-    config = lambda dtype: moe_config("alltoall", params_dtype=dtype, num_layers=2)  # noqa: E731
-    cpu = train_losses(torch.device("cpu"), torch.float32, steps, seq, config(torch.float32))
-    fp32 = train_losses(device, torch.float32, steps, seq, config(torch.float32))
-    report.series(f"moe/train/fp32/{device.type}-vs-cpu/{steps}-steps/s={seq}/loss", fp32, cpu,
-                  1e-4)
+    losses = functools.cache(lambda where, dtype: train_losses(
+        where, dtype, steps, seq, moe_config("alltoall", params_dtype=dtype, num_layers=2)))
+    cpu = torch.device("cpu")
+    report.run(f"moe/train/fp32/{device.type}-vs-cpu/{steps}-steps/s={seq}/loss", lambda: Series(
+        losses(device, torch.float32), losses(cpu, torch.float32), TRAIN_FP32_TOL))
     name = f"moe/train/bf16-vs-fp32/{device.type}/{steps}-steps/s={seq}/loss"
     if torch.bfloat16 not in supported_dtypes(device):
         report.skip(name, f"{device} has no bf16 support")
         return
-    report.series(name, train_losses(device, torch.bfloat16, steps, seq, config(torch.bfloat16)),
-                  fp32, 3e-2)
+    report.run(name, lambda: Series(losses(device, torch.bfloat16), losses(device, torch.float32),
+                                    TRAIN_BF16_TOL))
 
 
 def section_moe(report, device, steps, seq, train_losses):
