@@ -72,7 +72,7 @@ from megatron_cp import device as device_mod  # noqa: E402
 from megatron_cp.context_parallel import (Block, block_backward, block_forward,  # noqa: E402
                                           classify_block, local_attention, zigzag_indices)
 from megatron_cp.context_parallel.reference import softmax_scale_for  # noqa: E402
-from megatron_cp.context_parallel.ring import RingLayout  # noqa: E402
+from megatron_cp.context_parallel.layout import RingLayout  # noqa: E402
 from megatron_cp.context_parallel.simulate import simulated_attention  # noqa: E402
 from megatron_cp.data.microbatch import prepare_microbatch  # noqa: E402
 from megatron_cp.model import GPTConfig, GPTModel  # noqa: E402

@@ -7,7 +7,7 @@ Each attention layer needs from the microbatch's token metadata (``token_index``
 - no CP: whether the sample is plain causal (one SDPA call) or else its block plan
   (``classify_block``: dense causal, or the segments of its documents);
 - ring and all-gather CP (p2p, all_gather): every CP rank's metadata [P, b, s/P] and the
-  plans of this rank's queries against each rank's keys (:class:`~.ring.RingLayout`);
+  plans of this rank's queries against each rank's keys (:class:`RingLayout`);
 - Ulysses (a2a): the metadata gathered to the full sequence [b, s], the permutation into
   token order and the plan of the whole sequence; the hybrid (a2a+p2p) then runs a ring over
   the outer group of that gathered sequence.
@@ -106,7 +106,7 @@ class UlyssesView:
 
 class RingView:
     """Every rank's metadata over a ring's group, ``token_all`` / ``doc_all`` [P, b, s/P]
-    (``doc_all`` None without documents), and ``plans``: the :class:`~.ring.RingLayout`."""
+    (``doc_all`` None without documents), and ``plans``: the :class:`RingLayout`."""
 
     def __init__(self, token_index, document_ids, group):
         self.token_all = comm.all_gather_stack(token_index, group)  # [P, b, s/P]

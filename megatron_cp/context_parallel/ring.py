@@ -15,7 +15,7 @@ j > i is Q(late half) x KV(j) unmasked. Otherwise (packed documents, any other l
 each block is classified from the metadata on the host (segments.classify_block): empty
 blocks are skipped, causal / fully visible ones run dense, and the rest run as a segment
 plan (per-document variable-length calls, see segments.py), never with an [s, s] mask.
-The plans (:class:`~.layout.RingLayout`, re-exported here) are computed once per microbatch
+The plans (:class:`~.layout.RingLayout`) are computed once per microbatch
 and reused by every layer's forward and backward.
 
 Backward recomputes every block from the saved local q, k, v, out, lse (flash-attention
@@ -40,7 +40,7 @@ from megatron_cp.context_parallel.blockwise import (block_backward, block_forwar
                                                     merge_partial)
 from megatron_cp.context_parallel.dropout import RingDropout
 from megatron_cp.context_parallel.kernels import attention_kernel
-from megatron_cp.context_parallel.layout import RingLayout, SequenceLayout  # noqa: F401
+from megatron_cp.context_parallel.layout import SequenceLayout
 from megatron_cp.context_parallel.reference import softmax_scale_for
 
 _KV_TAG, _DKV_TAG = 10, 20  # + index of the tensor in the message
