@@ -151,6 +151,9 @@ def block_backward(dout, q, k, v, out, lse, softmax_scale, kind="full", segments
 
     dout / out: [b, nh, sq, d]; lse: [b, nh, sq]; dk, dv: [b, nkv, sk, d], summed over the
     query heads of each KV group. kind / segments / kernel as in :func:`block_forward`.
+    A row's final lse is finite when it sees any key: always in a dense block (causal: its own
+    key; full: every key), and in a plan whose causal call holds every row; other plans may
+    have rows that see no key (lse -inf), taken as 0 here.
     ``keep_dtype`` (a caller that casts to q's dtype anyway, with nothing to accumulate):
     dense and one-call segment gradients come back in the kernel's dtype, not copied to fp32.
     """
@@ -159,7 +162,8 @@ def block_backward(dout, q, k, v, out, lse, softmax_scale, kind="full", segments
                 torch.zeros(k.shape, dtype=torch.float32, device=q.device),
                 torch.zeros(v.shape, dtype=torch.float32, device=q.device))
     backend = attention_kernel(kernel).backend(q)
-    lse = lse.masked_fill(torch.isinf(lse), 0.0)  # rows with no key: every P is 0 anyway
+    if kind == "segments" and not segments.every_row_sees_itself:
+        lse = lse.masked_fill(torch.isinf(lse), 0.0)  # rows with no key: every P is 0 anyway
     dout = dout.to(q.dtype)  # the kernels want dout, q and out of one dtype
     if kind == "segments":
         return segments_backward(dout, q, k, v, out, lse, segments, softmax_scale, backend,
@@ -202,7 +206,9 @@ class _PlannedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = block_backward(dout.contiguous(), q, k, v, out, lse, ctx.softmax_scale,
+        # dout as it comes (the model's [s, b, h] activations seen as [b, nh, s, d]: the
+        # layout of q and of the kernel's out, so the cuDNN backward takes it without a copy)
+        dq, dk, dv = block_backward(dout, q, k, v, out, lse, ctx.softmax_scale,
                                     ctx.kind, ctx.plan, ctx.kernel, keep_dtype=True)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 

@@ -171,6 +171,13 @@ def _like(x, template):
     return torch.empty_like(template).copy_(x)
 
 
+@functools.lru_cache(maxsize=None)
+def _zero_seed(device):
+    """The philox seed / offset a dropout-free cuDNN backward reads (never written): one
+    zero int64 per device, made once instead of a fill kernel per call."""
+    return torch.zeros((), dtype=torch.int64, device=device)
+
+
 def cudnn_forward(q, k, v, scale, causal):
     """aten._scaled_dot_product_cudnn_attention: q [b, nh, sq, d], k/v [b, nkv, sk, d] ->
     (out [b, nh, sq, d] in q's dtype and layout, lse [b, nh, sq] fp32)."""
@@ -186,7 +193,7 @@ def cudnn_backward(dout, q, k, v, out, lse, scale, causal):
     -> (dq [b, nh, sq, d], dk, dv [b, nkv, sk, d]), dk / dv summed over repeated KV heads."""
     (b, nh, sq, _), sk = q.shape, k.shape[2]
     groups = nh // k.shape[1]
-    seed = torch.zeros((), dtype=torch.int64, device=q.device)
+    seed = _zero_seed(q.device)
     out = out.to(q.dtype)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         _like(dout.to(q.dtype), out), q, _repeat_kv(k, groups), _repeat_kv(v, groups), out,

@@ -125,12 +125,14 @@ class SegmentPlan:
     def __init__(self, table, num_q_rows, num_k_rows):
         self.table, self.num_q_rows, self.num_k_rows = table, num_q_rows, num_k_rows
         self.calls = []
+        self.every_row_sees_itself = False  # a causal call over every query row, in order
         for kind in (CAUSAL, FULL):
             part = table[table[:, 0] == kind]
             if part.shape[0]:
-                self.calls.append(SegmentCall(kind == CAUSAL, part[:, _Q_START], part[:, _Q_LEN],
-                                              part[:, _K_START], part[:, _K_LEN],
-                                              num_q_rows, num_k_rows))
+                call = SegmentCall(kind == CAUSAL, part[:, _Q_START], part[:, _Q_LEN],
+                                   part[:, _K_START], part[:, _K_LEN], num_q_rows, num_k_rows)
+                self.calls.append(call)
+                self.every_row_sees_itself |= call.causal and call.q_identity
 
     @property
     def num_segments(self):
