@@ -11,12 +11,13 @@ the overlapped TP linears, activation offload); tools/gpu_check_train.py what tr
   (``cuda_kernels.cudnn_eligible`` answers False inside :func:`cudnn_bypassed`, restored
   after): on sm90+ cuDNN takes every dense block, so the flash kernels (dense and varlen)
   never run otherwise. A route row counts the kernel calls: flash ran, cuDNN did not.
-- gdn: ``chunk_gated_delta_rule`` on the device (FLA's kernel where CUDA and
-  flash-linear-attention are there, else the chunked PyTorch rule: the route is in the row
-  name) against the fp32 chunked rule on the CPU: out, final state and every gradient,
-  plain, packed documents, and each with a state in and out (packed with a state: always
-  the PyTorch rule, what context parallelism and generation run); the Gated DeltaNet layer
-  (packed) on the device against the CPU, fp32; a row that FLA ran wherever it is there.
+- gdn: ``chunk_gated_delta_rule`` on the device (FLA's kernel for bf16 / fp16 values where
+  CUDA and flash-linear-attention are there, else the chunked PyTorch rule: the route is in
+  the row name) against the fp32 chunked rule on the CPU: out, final state and every
+  gradient, plain, packed documents, and each with a state in and out (packed with a state,
+  and fp32: always the PyTorch rule, what context parallelism and generation run); the Gated
+  DeltaNet layer (packed) on the device against the CPU, fp32; a row that each call took the
+  route it should (FLA wherever it is there and takes the call).
 - mla: attention with a value head dim of its own (dv != dq = dk: on CUDA the
   memory-efficient kernel, not flash / cuDNN): causal and full blocks (out, lse, dq, dk,
   dv) and the local path (packed: the segment loop; plain) against the fp32 reference on
@@ -122,10 +123,11 @@ def torch_rule_counted(calls):
         yield
 
 
-def gdn_route(device, packed, state):
+def gdn_route(device, packed, state, dtype):
     """"fla" or "torch": the route ``chunk_gated_delta_rule`` takes on ``device`` for a
-    (packed) sequence (with a state in and out), from one small call."""
-    q, k, v, g, beta = (x.to(device) for x in gdn_inputs(1, 64, 1, 16, 16, FP32, 0))
+    (packed) sequence (with a state in and out) with values of ``dtype``, from one small
+    call."""
+    q, k, v, g, beta = (x.to(device) for x in gdn_inputs(1, 64, 1, 16, 16, dtype, 0))
     docs = torch.arange(64, device=device).div(40, rounding_mode="floor")[None] if packed else None
     h0 = torch.zeros(1, 1, 16, 16, device=device) if state else None
     calls = []
@@ -217,27 +219,29 @@ def section_gdn(report, device, quick, dtypes):
     shapes = [(2, 80, 2, 16, 16)] if quick else [(2, 1000, 8, 128, 128), (1, 4096, 4, 128, 128)]
     routes = {}
     for packed, state in ((False, False), (True, False), (False, True), (True, True)):
-        routes[packed, state] = route = gdn_route(device, packed, state)
         kind = ("packed" if packed else "plain") + ("+state" if state else "")
-        for b, s, h, dk, dv in shapes:
-            for dtype in dtypes:
+        for dtype in dtypes:
+            routes[packed, state, dtype] = route = gdn_route(device, packed, state, dtype)
+            for b, s, h, dk, dv in shapes:
                 name = f"gdn/rule/{route}/{kind}/s={s}/h{h}/d{dk}:{dv}/{DTYPE_NAMES[dtype]}"
                 report.run(name, check_gdn_rule, (b, s, h, dk, dv), packed, state, dtype,
                            route, device)
     s, hidden, head_dim = (40, 32, 8) if quick else (1024, 256, 64)
-    route = routes[True, False]
+    route = gdn_route(device, True, False, FP32)  # the layer below runs in fp32
     docs = microbatch(s, 2, packed=True, seed=9)["document_ids"]
     report.run(f"gdn/layer/{route}/packed/s={s}/h={hidden}/fp32/{device.type}-vs-cpu",
                check_layer_pair, lambda where: GatedDeltaNet(
                    gdn_config(hidden, head_dim), "decoder.layers.0.self_attention", None,
                    device=where), s, 2, hidden, {"document_ids": docs}, route, device)
-    fla = fused.fla_chunk_gated_delta_rule is not None
-    expected = "fla" if fla and device.type == "cuda" else "torch"
+    fla = fused.fla_chunk_gated_delta_rule() is not None
+    expected = {key: "fla" if fla and device.type == "cuda" and key[2] in gated_delta_rule.FLA_DTYPES
+                and not (key[0] and key[1]) else "torch" for key in routes}
     report.run("gdn/routes", lambda: Verdict(
-        routes[False, False] == routes[True, False] == expected,
+        routes == expected,
         f"flash-linear-attention importable: {fla}; routes taken on {device.type} "
-        f"((packed, state in/out): route): {routes}; FLA's wherever it is there (a packed "
-        f"sequence with a state: the PyTorch rule)"))
+        f"((packed, state in/out, dtype): route): {routes}; FLA's for bf16 / fp16 values "
+        f"on CUDA wherever it is there (fp32, and a packed sequence with a state: the "
+        f"PyTorch rule)"))
 
 
 # ----------------------------------------------------------------------------- mla
