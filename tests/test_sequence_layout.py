@@ -105,6 +105,25 @@ def test_no_layer_reads_the_metadata_on_the_host(world, comm_type, hierarchical)
         torch.testing.assert_close(grad, old_grad, rtol=0, atol=0)
 
 
+GDN = dict(experimental_attention_variant="gdn", num_layers=4, linear_attention_freq="2",
+           linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+           linear_value_head_dim=8, **LLAMA)  # Gated DeltaNet, attention, GDN, attention
+
+
+@pytest.mark.parametrize("world,comm_type,hierarchical", CASES, ids=IDS)
+def test_no_gated_deltanet_layer_reads_the_metadata_on_the_host(world, comm_type, hierarchical):
+    """Qwen3-Next's hybrid: the Gated DeltaNet layers' document chunks (state passing), the
+    gathered sequence (all-to-all) and FLA's packed rows come from the layout too."""
+    planned = run_workers(_decoder_window, world, comm_type, hierarchical, True, GDN)
+    unplanned = run_workers(_decoder_window, world, comm_type, hierarchical, False, GDN)
+    for rank, ((syncs, sites, out, grad), (old, old_sites, old_out, old_grad)) in enumerate(
+            zip(planned, unplanned)):
+        assert syncs == 0, f"rank {rank}: {syncs} host syncs inside the layers: {sites}"
+        assert old >= 2, f"rank {rank}: counted {old} without a layout: {old_sites}"
+        torch.testing.assert_close(out, old_out, rtol=0, atol=0)
+        torch.testing.assert_close(grad, old_grad, rtol=0, atol=0)
+
+
 def test_the_layout_is_built_once_whatever_the_depth():
     shallow = run_workers(_forward_syncs, 2, 2)
     deep = run_workers(_forward_syncs, 2, 4)

@@ -25,9 +25,9 @@ Two ways, both exact against one process:
 import torch
 
 from megatron_cp.context_parallel import comm
-from megatron_cp.context_parallel.layout import token_order
+from megatron_cp.context_parallel.layout import SequenceLayout
 from megatron_cp.context_parallel.ulysses import _permute
-from megatron_cp.model.gated_delta_rule import chunk_gated_delta_rule
+from megatron_cp.model.gated_delta_rule import chunk_gated_delta_rule, packed_rows
 
 
 class _GatherStack(torch.autograd.Function):
@@ -67,6 +67,21 @@ def _chunk_rows(document_ids, b, s, device):
     first = torch.cat([starts, starts + length])  # [2K]
     index = torch.where(valid, first[:, None] + offsets, 0)  # [2K, c_max]
     return index, valid, length
+
+
+def chunk_layout(document_ids, b, s, device):
+    """What state passing reads of the documents, worked out once per microbatch (it reads
+    the document lengths on the host): (index, valid, length) of :func:`_chunk_rows` and
+    ``slot`` [b * s], the row slot of every token (the gather back to token order)."""
+    index, valid, length = _chunk_rows(document_ids, b, s, device)
+    slot = torch.empty(b * s, dtype=torch.long, device=device)
+    slot[index[valid]] = torch.nonzero(valid.flatten()).flatten()
+    return index, valid, length, slot
+
+
+def _chunks(layout, document_ids, b, s, device):
+    """:func:`chunk_layout` of the sequence ``layout`` describes, computed once in it."""
+    return layout.once(("gdn_chunks", b, s), lambda: chunk_layout(document_ids, b, s, device))
 
 
 def _owner(chunk, size):
@@ -118,13 +133,16 @@ def _next_state(dv):
     return step
 
 
-def state_passing(layer, proj, document_ids, group, first_key_head=0):
+def state_passing(layer, proj, document_ids, group, first_key_head=0, chunks=None):
     """Gated DeltaNet over a sequence held in per-document zigzag shards by ``group``:
     proj [b, s_local, n_k, rows] in token order (per document: chunk p, then chunk 2P-1-p)
-    -> gated output [b, s_local, r n_k, dv]. See the module docstring."""
+    -> gated output [b, s_local, r n_k, dv]. See the module docstring. ``chunks``: the
+    :func:`chunk_layout` of ``document_ids`` (None: worked out here)."""
     size, rank = comm.group_size(group), comm.group_rank(group)
     b, s = proj.shape[:2]
-    index, valid, length = _chunk_rows(document_ids, b, s, proj.device)
+    if chunks is None:
+        chunks = chunk_layout(document_ids, b, s, proj.device)
+    index, valid, length, slot = chunks
     rows = proj.reshape(b * s, *proj.shape[2:])[index]  # [2K, c_max, n_k, rows]
     mixed, z, gate_b, gate_a = layer.split(rows)
     width = layer.conv1d.weight.shape[-1] - 1
@@ -150,33 +168,40 @@ def state_passing(layer, proj, document_ids, group, first_key_head=0):
     o = o_wide[..., :dv] + torch.einsum("rhkv,rchk->rchv", state_in, o_wide[..., dv:])
     y = layer.gate_output(o.to(v.dtype), z)  # [2K, c_max, r n_k, dv]
     # every token sits in exactly one valid row slot: gather the slots back in token order
-    slot = torch.empty(b * s, dtype=torch.long, device=proj.device)
-    slot[index[valid]] = torch.nonzero(valid.flatten()).flatten()
     y = y.reshape(-1, *y.shape[2:])[slot]  # [b * s, r n_k, dv]
     return y.reshape(b, s, *y.shape[1:])
 
 
-def heads_all_to_all(layer, proj, token_index, document_ids, group, inner=None):
+def _whole_sequence_rows(view):
+    """FLA's packed rows of an all-to-all's gathered documents (None without documents)."""
+    if view.docs is None:
+        return None
+    return view.inner.once("gdn_packed_rows", lambda: packed_rows(view.docs))
+
+
+def heads_all_to_all(layer, proj, token_index, document_ids, group, inner=None, layout=None):
     """Megatron-LM's way over ``group`` (U ranks): proj [b, s/U, n_k, rows] -> all-to-all to
     [b, s, n_k/U, rows] in token order -> ``inner(layer, proj, document_ids,
-    first_key_head)`` (default: the layer's own whole-sequence path; the hybrid passes state
-    passing over the outer ring) -> all-to-all back -> [b, s/U, r n_k, dv]."""
+    first_key_head, layout)`` (default: the layer's own whole-sequence path; the hybrid
+    passes state passing over the outer ring; layout: the gathered sequence's) -> all-to-all
+    back -> [b, s/U, r n_k, dv]. ``layout``: the microbatch's SequenceLayout, whose Ulysses
+    view over ``group`` holds the gathered metadata and its token order (None: gathered here)."""
     size, rank = comm.group_size(group), comm.group_rank(group)
     heads = proj.shape[2] // size
+    if layout is None:
+        layout = SequenceLayout(token_index, document_ids)
+    view = layout.ulysses(group)
     x = comm.seq_to_heads(proj.transpose(1, 2), group)  # [b, n_k/U, s, rows]
-    tokens = comm.gather_sequence(token_index, group)  # [b, s]
-    docs = comm.gather_sequence(document_ids, group)  # [b, s] or None
-    perm = token_order(tokens)
-    if perm is not None:
-        x = _permute(x, perm, 2)  # token order
-        docs = None if docs is None else docs.gather(1, perm)
+    if view.perm is not None:
+        x = _permute(x, view.perm, 2)  # token order
     if inner is None:
-        y = layer.mix(x.transpose(1, 2), docs, rank * heads)  # [b, s, r n_k/U, dv]
+        y = layer.mix(x.transpose(1, 2), view.docs, rank * heads,
+                      packed_rows=_whole_sequence_rows(view))  # [b, s, r n_k/U, dv]
     else:
-        y = inner(layer, x.transpose(1, 2), docs, rank * heads)
+        y = inner(layer, x.transpose(1, 2), view.docs, rank * heads, view.inner)
     y = y.transpose(1, 2)  # [b, r n_k/U, s, dv]
-    if perm is not None:
-        y = _permute(y, torch.argsort(perm, dim=1), 2)  # back to the all-to-all order
+    if view.perm is not None:
+        y = _permute(y, view.inverse, 2)  # back to the all-to-all order
     return comm.heads_to_seq(y, group).transpose(1, 2)  # [b, s/U, r n_k, dv]
 
 
@@ -194,13 +219,34 @@ class GatedDeltaContextParallel:
         if self.method == "a2a+state":
             self.inner_group, self.outer_group = hierarchical_groups
 
-    def _state_over_outer(self, layer, proj, document_ids, first_key_head):
-        return state_passing(layer, proj, document_ids, self.outer_group, first_key_head)
+    def _state_over_outer(self, layer, proj, document_ids, first_key_head, layout):
+        chunks = _chunks(layout, document_ids, *proj.shape[:2], proj.device)
+        return state_passing(layer, proj, document_ids, self.outer_group, first_key_head,
+                             chunks)
 
-    def __call__(self, layer, proj, token_index, document_ids):
+    def prepare(self, layout, batch, length, device):
+        """Work out in ``layout`` (the microbatch's SequenceLayout) what this layer will look
+        up for ``batch`` samples of ``length`` local tokens: state passing's chunk rows, or
+        the all-to-all's gathered sequence (and, under the hybrid, its chunk rows; else its
+        packed rows). Collective over the CP group, like the attention's."""
         if self.method == "state":
-            return state_passing(layer, proj, document_ids, self.cp_group)
+            _chunks(layout, layout.document_ids, batch, length, device)
+            return
+        group = self.cp_group if self.method == "a2a" else self.inner_group
+        view = layout.ulysses(group)
+        whole = length * comm.group_size(group)
         if self.method == "a2a":
-            return heads_all_to_all(layer, proj, token_index, document_ids, self.cp_group)
+            _whole_sequence_rows(view)
+        else:
+            _chunks(view.inner, view.docs, batch, whole, device)
+
+    def __call__(self, layer, proj, token_index, document_ids, layout=None):
+        if self.method == "state":
+            chunks = None if layout is None else \
+                _chunks(layout, document_ids, *proj.shape[:2], proj.device)
+            return state_passing(layer, proj, document_ids, self.cp_group, chunks=chunks)
+        if self.method == "a2a":
+            return heads_all_to_all(layer, proj, token_index, document_ids, self.cp_group,
+                                    layout=layout)
         return heads_all_to_all(layer, proj, token_index, document_ids, self.inner_group,
-                                inner=self._state_over_outer)
+                                inner=self._state_over_outer, layout=layout)

@@ -35,7 +35,7 @@ from megatron_cp import tensor_parallel as tpar
 from megatron_cp.context_parallel.gated_delta import GatedDeltaContextParallel
 from megatron_cp.model.fused import norm_for
 from megatron_cp.model.gated_delta_rule import (causal_conv1d, chunk_gated_delta_rule, l2norm,
-                                                packed_cu_seqlens, recurrent_gated_delta_rule)
+                                                packed_rows, recurrent_gated_delta_rule)
 
 
 def _uniform_init(low, high):
@@ -55,13 +55,6 @@ def _split_param(shape, init_method, seed, tp_size, tp_rank, dtype, device):
     param = torch.nn.Parameter(local.contiguous())
     param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, 0, 1
     return param
-
-
-def _packed_rows(document_ids):
-    """(cu_seqlens on the device, the same on the host) of the microbatch's documents with
-    its samples flattened into one row (packed_cu_seqlens: FLA's packed input)."""
-    cu_seqlens = packed_cu_seqlens(document_ids)
-    return cu_seqlens, cu_seqlens.cpu()
 
 
 class GatedDeltaNet(torch.nn.Module):
@@ -168,10 +161,15 @@ class GatedDeltaNet(torch.nn.Module):
     def prepare_layout(self, layout, length, device):
         """Work out in the microbatch's SequenceLayout what this layer needs of the documents
         before any layer runs: without CP, FLA's packed rows (``packed_cu_seqlens`` of the
-        document ids, on the device and on the host), so no layer waits on the device for
-        them (only the FLA route reads them)."""
-        if self.context_parallel is None and layout.document_ids is not None:
-            layout.once("gdn_packed_rows", lambda: _packed_rows(layout.document_ids))
+        document ids, on the device and on the host: only the FLA route reads them); under
+        CP, what its CP path looks up (context_parallel/gated_delta.py). No layer then waits
+        on the device for them."""
+        if self.context_parallel is not None:
+            batch = (layout.token_index if layout.document_ids is None
+                     else layout.document_ids).shape[0]
+            self.context_parallel.prepare(layout, batch, length, device)
+        elif layout.document_ids is not None:
+            layout.once("gdn_packed_rows", lambda: packed_rows(layout.document_ids))
 
     def _mix(self, proj, document_ids=None, first_key_head=0, conv_tail=None, state=None,
              output_final_state=False, packed_rows=None):
@@ -203,9 +201,9 @@ class GatedDeltaNet(torch.nn.Module):
         proj = self.project(x)  # [b, s(/cp), nk/tp, rows]
         if self.context_parallel is None:
             rows = None if layout is None or document_ids is None else \
-                layout.once("gdn_packed_rows", lambda: _packed_rows(document_ids))
+                layout.once("gdn_packed_rows", lambda: packed_rows(document_ids))
             y = self.mix(proj, document_ids, packed_rows=rows)
         else:
-            y = self.context_parallel(self, proj, token_index, document_ids)
+            y = self.context_parallel(self, proj, token_index, document_ids, layout)
         y = y.flatten(2).transpose(0, 1)  # [s(/cp), b, nv/tp * dv]
         return self.out_proj(y)

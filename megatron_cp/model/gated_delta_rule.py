@@ -224,6 +224,14 @@ def packed_cu_seqlens(document_ids):
     return torch.cat([first, first.new_full((1,), b * s)])
 
 
+def packed_rows(document_ids):
+    """(cu_seqlens on the device, the same on the host) of the documents of ``document_ids``
+    [b, s] with the samples flattened into one row (:func:`packed_cu_seqlens`: FLA's packed
+    input), worked out once per microbatch (``chunk_gated_delta_rule``'s ``packed_rows``)."""
+    cu_seqlens = packed_cu_seqlens(document_ids)
+    return cu_seqlens, cu_seqlens.cpu()
+
+
 FLA_DTYPES = (torch.bfloat16, torch.float16)  # v dtypes that go to FLA (not fp32: see below)
 
 
