@@ -15,7 +15,7 @@ Goals (one H100; ``--peak-tflops`` is the GPU's dense bf16 peak, 989 for an H100
   4k to 32k.
 
 FLOPs follow the flash-attention convention (forward 4 b h s^2 d, halved for causal, backward
-2.5 x forward); the models' by ``megatron_cp.training_log.model_flops_per_token``, the
+2.5 x forward); the models' by ``megatron_cp.observability.training_log.model_flops_per_token``, the
 formula of the training log line, for ours and Hugging Face's alike.
 
     python benchmarks/gpu.py                          # everything, on the GPU
@@ -40,7 +40,7 @@ sys.path.insert(0, ROOT)
 from bench_common import add_output_argument, verdict, write_json  # noqa: E402
 from megatron_cp import device as device_mod  # noqa: E402
 from megatron_cp.model import GPTConfig  # noqa: E402
-from megatron_cp.training_log import model_flops_per_token  # noqa: E402
+from megatron_cp.observability.training_log import model_flops_per_token  # noqa: E402
 
 COMPILE_FLAG = "--torch-compile"
 MFU_GOAL, BLOCK_GOAL, PACKED_GOAL = 0.50, 0.90, 0.90

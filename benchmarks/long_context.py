@@ -3,7 +3,7 @@
 A trial is one real training step (forward, backward, AdamW step, optimizer state created in
 it) of a small Llama-style GPT (RMSNorm, SwiGLU, RoPE, GQA, untied embeddings, a 32000
 vocabulary) on one sample of length s, in this process. Its memory is the peak of tensor
-memory over the step, measured with megatron_cp/memory_peak.py (CPU: the profiler's exact
+memory over the step, measured with megatron_cp/observability/memory_peak.py (CPU: the profiler's exact
 allocation events; GPU: the allocator's high-water mark), plus the tensors live at entry
 (the weights). For each variant a search over s (multiples of --granularity: doubling, then
 bisecting) finds the longest s whose step stays under --cap-gib:
@@ -40,7 +40,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 from bench_common import add_output_argument, verdict, write_json  # noqa: E402
-from megatron_cp.memory_peak import PeakMemory  # noqa: E402
+from megatron_cp.observability.memory_peak import PeakMemory  # noqa: E402
 from megatron_cp.model import GPTConfig, GPTModel  # noqa: E402
 
 GOAL_RATIO = 1.5  # longest s with tiled logits over the untiled longest s

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_common import add_output_argument, verdict, write_json  # noqa: E402
 from megatron_cp.model import GPTConfig, GPTModel  # noqa: E402
-from megatron_cp.training_log import model_flops_per_token  # noqa: E402
+from megatron_cp.observability.training_log import model_flops_per_token  # noqa: E402
 
 
 GOAL_RATIO = 0.95  # tokens/s of megatron_cp over HF Llama: parity within timing noise

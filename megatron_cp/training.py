@@ -52,12 +52,12 @@ from megatron_cp.optimizer import (DistributedDataParallel, GradNormNotFinite, b
 from megatron_cp.optimizer.fsdp import TorchFullyShardedDataParallel
 from megatron_cp.pipeline_parallel import (build_model_chunks, get_forward_backward_func,
                                            layout_from_config, pipeline_tensor_shape)
-from megatron_cp.profiling import StepProfiler
-from megatron_cp.run_report import (count_parameters, format_arguments, format_compat_notes,
-                                    format_dataset_sizes, format_parallel_sizes,
-                                    format_parameter_counts, format_summary, is_global_rank_zero,
-                                    print_rank_0)
-from megatron_cp.training_log import TrainingLogger, model_flops_per_token
+from megatron_cp.observability.profiling import StepProfiler
+from megatron_cp.observability.run_report import (
+    count_parameters, format_arguments, format_compat_notes, format_dataset_sizes,
+    format_parallel_sizes, format_parameter_counts, format_summary, is_global_rank_zero,
+    print_rank_0)
+from megatron_cp.observability.training_log import TrainingLogger, model_flops_per_token
 from megatron_cp.weight_hash import check_weight_hashes
 
 

@@ -20,7 +20,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_cp.inference.launch import run_inference_script  # noqa: E402
-from megatron_cp.run_report import print_rank_0  # noqa: E402
+from megatron_cp.observability.run_report import print_rank_0  # noqa: E402
 
 TASKS = ("WIKITEXT103", "LAMBADA")
 

@@ -133,7 +133,7 @@ def test_moe_and_mtp_weighting_match_one_process(corpus, weighting):
 def _resume(rank, world, argv):
     """Worker: (the banner notes, the losses) of training ``argv``."""
     from megatron_cp.cli.arguments import parse_args
-    from megatron_cp.run_report import format_compat_notes
+    from megatron_cp.observability.run_report import format_compat_notes
     from megatron_cp.training import pretrain
     from training_utils import parallel_state
     args = parse_args(argv.split(), world_size=world)

@@ -2,7 +2,7 @@
 loaded rank, on the layouts of issue 23.
 
 Each case trains two iterations through pretrain(); the training log's memory report (the
-meter of megatron_cp/memory_peak.py: on CPU the exact peak of live tensor bytes, over both
+meter of megatron_cp/observability/memory_peak.py: on CPU the exact peak of live tensor bytes, over both
 iterations, so with the optimizer state of the first step) gives each rank's peak and the
 largest one. The model is small but its activations are most of the peak (s = 1024: they
 outweigh parameters, gradients and Adam state), so a prediction that missed them would fail.

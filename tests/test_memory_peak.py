@@ -1,9 +1,10 @@
-"""PeakMemory (megatron_cp/memory_peak.py) against allocations whose sizes are known exactly."""
+"""PeakMemory (megatron_cp/observability/memory_peak.py) against allocations whose sizes are
+known exactly."""
 import pytest
 import torch
 
 from megatron_cp import device as device_mod
-from megatron_cp.memory_peak import PeakMemory, python_reachable_tensor_bytes
+from megatron_cp.observability.memory_peak import PeakMemory, python_reachable_tensor_bytes
 
 N = 1 << 18  # floats: 1 MiB
 MIB = 1 << 20

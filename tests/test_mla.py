@@ -251,7 +251,7 @@ def test_mla_user_errors(extra, line):
 
 def test_model_flops_count_mla_projections_and_head_dims():
     """The throughput's FLOPs count MLA's own projections and its two head dims."""
-    from megatron_cp.training_log import model_flops_per_token
+    from megatron_cp.observability.training_log import model_flops_per_token
     config = tiny_config(num_layers=1, **MLA)
     plain = tiny_config(num_layers=1, normalization="RMSNorm", qk_layernorm=True)
     h, nh, s = 32, 4, 16

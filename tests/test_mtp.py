@@ -134,7 +134,7 @@ def test_loss_and_grads_match_the_reference(packed, repeated):
 def _train_recording(rank, world, argvs):
     """Worker: each run of ``argvs`` in turn; per run, per iteration [lm loss, mtp_1, ...]
     as the log sees them."""
-    from megatron_cp import training_log
+    from megatron_cp.observability import training_log
     record = training_log.TrainingLogger.record
     runs = []
 
@@ -327,7 +327,7 @@ def test_megatron_core_mtp_checkpoint_in_and_out(tmp_path):
 def test_throughput_counts_the_mtp_depths():
     """Megatron-LM's FLOPs count: each depth adds a transformer layer, its norms and eh_proj,
     and one more output layer."""
-    from megatron_cp.training_log import model_flops_per_token
+    from megatron_cp.observability.training_log import model_flops_per_token
     plain, mtp = tiny_config(num_layers=2), tiny_config(num_layers=2, mtp_num_layers=2)
     s, h = 64, plain.hidden_size
     layer = (model_flops_per_token(tiny_config(num_layers=3), s)

@@ -11,7 +11,7 @@ import pytest
 from dist_harness import run_workers
 
 from megatron_cp.cli.arguments import parse_args
-from megatron_cp.memory_peak import PeakMemory
+from megatron_cp.observability.memory_peak import PeakMemory
 from megatron_cp.planning.search import PlannedLayout, max_seq_length, sequence_unit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

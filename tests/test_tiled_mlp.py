@@ -5,7 +5,7 @@ import torch
 
 from dist_harness import run_workers
 from megatron_cp.initialize import initialize_model_parallel
-from megatron_cp.memory_peak import PeakMemory
+from megatron_cp.observability.memory_peak import PeakMemory
 from megatron_cp.model import GPTConfig, GPTModel
 from model_utils import full_grads, tiny_config
 from training_utils import TINY, assert_refused

@@ -1,4 +1,4 @@
-"""Weights & Biases logging (--wandb-project, megatron_cp/wandb_logging.py): the last rank
+"""Weights & Biases logging (--wandb-project, megatron_cp/observability/wandb_logging.py): the last rank
 writes one run, offline without a login, whose history holds the training scalars under
 Megatron-LM's names; without the wandb package the flag is one error line."""
 import contextlib

@@ -25,7 +25,7 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron_cp.inference.launch import run_inference_script  # noqa: E402
 from megatron_cp.inference.sampling import SamplingParams  # noqa: E402
-from megatron_cp.run_report import print_rank_0  # noqa: E402
+from megatron_cp.observability.run_report import print_rank_0  # noqa: E402
 
 SAMPLING_FLAGS = (("--temperature", "temperature"), ("--top-k", "top_k"), ("--top-p", "top_p"))
 

@@ -27,7 +27,7 @@ import threading
 import time
 
 from megatron_cp.faults import print_error_lines
-from megatron_cp.run_report import is_global_rank_zero
+from megatron_cp.observability.run_report import is_global_rank_zero
 
 USAGE_ERROR = 2
 # On a user error the ranks other than 0 wait this long before exiting: rank 0, which failed

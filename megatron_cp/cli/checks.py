@@ -8,7 +8,8 @@ import os
 
 import torch
 
-from megatron_cp import rerun, wandb_logging
+from megatron_cp import rerun
+from megatron_cp.observability import wandb_logging
 from megatron_cp.cli.megatron_flags import apply_compat_flags, dispatcher_note
 from megatron_cp.config.checkpoint import CheckpointConfig
 from megatron_cp.config.data import NOT_BUILT_TOKENIZERS, SENTENCEPIECE_TYPES, DataConfig

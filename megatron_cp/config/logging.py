@@ -20,7 +20,8 @@ class LoggingConfig:
              "tensorboard.")
     log_memory_to_tensorboard: bool = setting(False, group="checkpointing and logging",
         help="Write the tensor memory in bytes to tensorboard (mem-allocated-bytes, "
-             "mem-max-allocated-bytes: megatron_cp.memory_peak's meter, on GPUs and on CPU), "
+             "mem-max-allocated-bytes: megatron_cp.observability.memory_peak's meter, on "
+             "GPUs and on CPU), "
              "with the memory report after the first iterations (on GPUs that report is always "
              "printed; on CPU, whose meter is the profiler, only with this flag).")
     log_validation_ppl_to_tensorboard: bool = setting(False, group="checkpointing and logging",
@@ -51,7 +52,7 @@ class LoggingConfig:
     log_params_norm: bool = setting(False, group="checkpointing and logging", help="Log the norm of the parameters.")
     tensorboard_log_interval: int = setting(1, group="checkpointing and logging",
         help="Write tensorboard scalars every this many iterations.")
-    # profiling (megatron_cp/profiling.py)
+    # profiling (megatron_cp/observability/profiling.py)
     profile: bool = setting(False, group="training",
         help="Profile iterations --profile-step-start up to (not including) --profile-step-end "
              "on the ranks in --profile-ranks: with --use-pytorch-profiler a torch.profiler "

@@ -15,7 +15,7 @@ from megatron_cp.checkpoint import files as checkpoint_files
 from megatron_cp.checkpoint import load_save, megatron_lm_format
 from megatron_cp.model import GPTModel
 from megatron_cp.pipeline_parallel import build_model_chunks, layout_from_config
-from megatron_cp.run_report import print_rank_0
+from megatron_cp.observability.run_report import print_rank_0
 
 
 class _NoOptimizer:

@@ -6,14 +6,14 @@ Megatron's ``--log-throughput`` adds nothing here; ``--log-params-norm`` adds th
 all parameters (each counted once over TP/PP) to the line and to the scalars. The scalars go
 to every sink the run has: tensorboard (``--tensorboard-dir``, written by global rank 0) and
 Weights & Biases (``--wandb-project``, written by the last rank, as Megatron does;
-:mod:`megatron_cp.wandb_logging`).
+:mod:`megatron_cp.observability.wandb_logging`).
 
 Memory is reported as Megatron-LM does, after the first logged iteration (and once more after
 the second iteration when the first was logged, so the optimizer state is in it): a line
 ``[Rank r] (after N iterations) memory (MB) | allocated: .. | max allocated: ..`` for every
 rank of DP rank 0 (gathered and printed by the logging rank, so no other rank prints), tensor
-bytes measured by :class:`megatron_cp.memory_peak.PeakMemory`, and the largest peak over all
-ranks with its rank. On GPUs the allocator's counters are read over every iteration until the
+bytes measured by :class:`~megatron_cp.observability.memory_peak.PeakMemory`, and the largest
+peak over all ranks with its rank. On GPUs the allocator's counters are read over every iteration until the
 report. On CPU the exact live-tensor peak comes through the profiler's allocation events
 (operators are not recorded), which still cost a metered step some time and memory in every
 process (on a 32-layer MoE model about 0.3 CPU-seconds a step and 55 MB a rank), so it is
@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_cp import moe
-from megatron_cp.memory_peak import PeakMemory
-from megatron_cp import wandb_logging
+from megatron_cp.observability.memory_peak import PeakMemory
+from megatron_cp.observability import wandb_logging
 from megatron_cp.optimizer.clip_grads import get_param_norm
 from megatron_cp.optimizer.fsdp import is_fully_sharded
 
