@@ -26,6 +26,7 @@ formula of the training log line, for ours and Hugging Face's alike.
 are the GPU's). The JSON goes to runs/benchmarks/gpu.json unless --output says otherwise.
 """
 import argparse
+import collections
 import contextlib
 import os
 import re
@@ -41,6 +42,7 @@ from bench_common import add_output_argument, verdict, write_json  # noqa: E402
 from megatron_cp import device as device_mod  # noqa: E402
 from megatron_cp.model import GPTConfig  # noqa: E402
 from megatron_cp.observability.training_log import model_flops_per_token  # noqa: E402
+from tools.gpu_check_paths import cudnn_bypassed  # noqa: E402
 
 COMPILE_FLAG = "--torch-compile"
 MFU_GOAL, BLOCK_GOAL, PACKED_GOAL = 0.50, 0.90, 0.90
@@ -153,23 +155,6 @@ def attention_flops(b, h, d, lengths, causal):
     return 3.5 * forward
 
 
-@contextlib.contextmanager
-def kernel_route(route):
-    """None: the packed path's own choice (one padded dense cuDNN call on Hopper); "flash":
-    cuDNN made ineligible for the call, so the packed documents run as one flash varlen call
-    (the route of GPUs without cuDNN attention), to see which of the two is faster."""
-    if route is None:
-        yield
-        return
-    from megatron_cp.context_parallel import cuda_kernels
-    eligible = cuda_kernels.cudnn_eligible
-    cuda_kernels.cudnn_eligible = lambda q, k, v: False
-    try:
-        yield
-    finally:
-        cuda_kernels.cudnn_eligible = eligible
-
-
 def block_rates(s, device, dtype, heads=16, dim=128, documents=8):
     """TFLOP/s of SDPA and of our CP blocks (causal, full, packed documents) at length s.
 
@@ -229,7 +214,9 @@ def block_rates(s, device, dtype, heads=16, dim=128, documents=8):
         layout = build() if planned else None
 
         def run():
-            with kernel_route(route):
+            bypass = cudnn_bypassed(collections.Counter()) if route == "flash" \
+                else contextlib.nullcontext()  # flash: cuDNN made ineligible for the call
+            with bypass:
                 leaves = [t.detach().requires_grad_() for t in (q, k, v)]
                 out = local_attention(*leaves, tokens, docs, layout=layout)
                 torch.autograd.grad(out, leaves, g)

@@ -27,7 +27,7 @@ import torch
 from megatron_cp.context_parallel import comm
 from megatron_cp.context_parallel.layout import SequenceLayout
 from megatron_cp.context_parallel.ulysses import _permute
-from megatron_cp.model.gated_delta_rule import chunk_gated_delta_rule, packed_rows
+from megatron_cp.model.gated_delta_rule import chunk_gated_delta_rule, fla_packed_rows
 
 
 class _GatherStack(torch.autograd.Function):
@@ -172,13 +172,6 @@ def state_passing(layer, proj, document_ids, group, first_key_head=0, chunks=Non
     return y.reshape(b, s, *y.shape[1:])
 
 
-def _whole_sequence_rows(view):
-    """FLA's packed rows of an all-to-all's gathered documents (None without documents)."""
-    if view.docs is None:
-        return None
-    return view.inner.once("gdn_packed_rows", lambda: packed_rows(view.docs))
-
-
 def heads_all_to_all(layer, proj, token_index, document_ids, group, inner=None, layout=None):
     """Megatron-LM's way over ``group`` (U ranks): proj [b, s/U, n_k, rows] -> all-to-all to
     [b, s, n_k/U, rows] in token order -> ``inner(layer, proj, document_ids,
@@ -196,7 +189,8 @@ def heads_all_to_all(layer, proj, token_index, document_ids, group, inner=None, 
         x = _permute(x, view.perm, 2)  # token order
     if inner is None:
         y = layer.mix(x.transpose(1, 2), view.docs, rank * heads,
-                      packed_rows=_whole_sequence_rows(view))  # [b, s, r n_k/U, dv]
+                      packed_rows=fla_packed_rows(view.inner, view.docs,
+                                                  proj.dtype))  # [b, s, r n_k/U, dv]
     else:
         y = inner(layer, x.transpose(1, 2), view.docs, rank * heads, view.inner)
     y = y.transpose(1, 2)  # [b, r n_k/U, s, dv]
@@ -224,11 +218,12 @@ class GatedDeltaContextParallel:
         return state_passing(layer, proj, document_ids, self.outer_group, first_key_head,
                              chunks)
 
-    def prepare(self, layout, batch, length, device):
+    def prepare(self, layout, batch, length, device, dtype):
         """Work out in ``layout`` (the microbatch's SequenceLayout) what this layer will look
         up for ``batch`` samples of ``length`` local tokens: state passing's chunk rows, or
-        the all-to-all's gathered sequence (and, under the hybrid, its chunk rows; else its
-        packed rows). Collective over the CP group, like the attention's."""
+        the all-to-all's gathered sequence (and, under the hybrid, its chunk rows; else, where
+        FLA runs for values of ``dtype``, its packed rows). Collective over the CP group, like
+        the attention's."""
         if self.method == "state":
             _chunks(layout, layout.document_ids, batch, length, device)
             return
@@ -236,7 +231,7 @@ class GatedDeltaContextParallel:
         view = layout.ulysses(group)
         whole = length * comm.group_size(group)
         if self.method == "a2a":
-            _whole_sequence_rows(view)
+            fla_packed_rows(view.inner, view.docs, dtype)
         else:
             _chunks(view.inner, view.docs, batch, whole, device)
 

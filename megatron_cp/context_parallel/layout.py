@@ -13,9 +13,9 @@ Each attention layer needs from the microbatch's token metadata (``token_index``
   the outer group of that gathered sequence.
 
 Working these out reads the metadata on the host (a device-to-host copy: a sync on a GPU)
-and gathers it over the CP group (a collective). Per layer, that is a sync and a collective
-per layer and microbatch, with the device idle meanwhile: measured on an H200, a fixed
-~1.3 ms per packed attention call. :class:`SequenceLayout` does it once: the model builds
+and gathers it over the CP group (a collective). Done in each layer, that is a sync and a
+collective per layer and microbatch, with the device idle meanwhile: measured on an H200, a
+fixed ~1.3 ms per packed attention call. :class:`SequenceLayout` does it once: the model builds
 one per microbatch and :meth:`SequenceLayout.prepare` is called for every attention layer
 before the first layer runs (``GPTModel.forward``), which also copies each plan's index
 tensors to the device; the layers then only look plans up, with no host sync and no

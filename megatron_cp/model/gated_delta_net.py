@@ -35,7 +35,7 @@ from megatron_cp import tensor_parallel as tpar
 from megatron_cp.context_parallel.gated_delta import GatedDeltaContextParallel
 from megatron_cp.model.fused import norm_for
 from megatron_cp.model.gated_delta_rule import (causal_conv1d, chunk_gated_delta_rule, l2norm,
-                                                packed_rows, recurrent_gated_delta_rule)
+                                                fla_packed_rows, recurrent_gated_delta_rule)
 
 
 def _uniform_init(low, high):
@@ -161,15 +161,16 @@ class GatedDeltaNet(torch.nn.Module):
     def prepare_layout(self, layout, length, device):
         """Work out in the microbatch's SequenceLayout what this layer needs of the documents
         before any layer runs: without CP, FLA's packed rows (``packed_cu_seqlens`` of the
-        document ids, on the device and on the host: only the FLA route reads them); under
+        document ids, on the device and on the host; made only where FLA runs); under
         CP, what its CP path looks up (context_parallel/gated_delta.py). No layer then waits
         on the device for them."""
         if self.context_parallel is not None:
             batch = (layout.token_index if layout.document_ids is None
                      else layout.document_ids).shape[0]
-            self.context_parallel.prepare(layout, batch, length, device)
-        elif layout.document_ids is not None:
-            layout.once("gdn_packed_rows", lambda: packed_rows(layout.document_ids))
+            self.context_parallel.prepare(layout, batch, length, device,
+                                          self.in_proj.weight.dtype)
+        else:
+            fla_packed_rows(layout, layout.document_ids, self.in_proj.weight.dtype)
 
     def _mix(self, proj, document_ids=None, first_key_head=0, conv_tail=None, state=None,
              output_final_state=False, packed_rows=None):
@@ -200,8 +201,8 @@ class GatedDeltaNet(torch.nn.Module):
                 dropout_ids=None, layout=None):
         proj = self.project(x)  # [b, s(/cp), nk/tp, rows]
         if self.context_parallel is None:
-            rows = None if layout is None or document_ids is None else \
-                layout.once("gdn_packed_rows", lambda: packed_rows(document_ids))
+            rows = None if layout is None else \
+                fla_packed_rows(layout, document_ids, proj.dtype)
             y = self.mix(proj, document_ids, packed_rows=rows)
         else:
             y = self.context_parallel(self, proj, token_index, document_ids, layout)

@@ -241,6 +241,22 @@ def _fla_device(x):
     return x.is_cuda
 
 
+def fla_runs(x, dtype):
+    """Whether :func:`chunk_gated_delta_rule` hands values of ``dtype`` on x's device to FLA
+    (a sequence without a state carried in or out of packed documents)."""
+    return (_fla_device(x) and dtype in FLA_DTYPES
+            and fused.fla_chunk_gated_delta_rule() is not None)
+
+
+def fla_packed_rows(layout, document_ids, dtype):
+    """FLA's :func:`packed_rows` of ``document_ids``, kept once in ``layout`` (the
+    microbatch's SequenceLayout, or an all-to-all's gathered one); None where FLA does not
+    run (no documents, not CUDA, fp32 values, FLA absent): nothing is read then."""
+    if document_ids is None or not fla_runs(document_ids, dtype):
+        return None
+    return layout.once("gdn_packed_rows", lambda: packed_rows(document_ids))
+
+
 def _fla_chunk(q, k, v, g, beta, initial_state=None, output_final_state=False,
                document_ids=None, scale=None, cu_seqlens=None, cu_seqlens_cpu=None,
                chunk_indices=None):
@@ -300,8 +316,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_st
                              "document_ids; give one of them")
         document_ids = documents_from_cu_seqlens(cu_seqlens, k.shape[1])
     packed_state = document_ids is not None and (initial_state is not None or output_final_state)
-    if (_fla_device(k) and v.dtype in FLA_DTYPES and not packed_state
-            and fused.fla_chunk_gated_delta_rule() is not None):
+    if fla_runs(k, v.dtype) and not packed_state:
         cu_cpu = None
         if packed_rows is not None and cu_seqlens is None:
             cu_seqlens, cu_cpu = packed_rows
