@@ -118,7 +118,11 @@ def test_profile_flags_write_a_trace_of_the_chosen_iterations(tmp_path):
     outs = run_workers(_train_capturing, 2, argv)
     assert "profile of iterations 3..4 on rank 0" in outs[0]
     assert "profile of iterations 3..4 on rank 1" in outs[1]
-    assert "aten::mm" in outs[0] and "# of Calls" in outs[0]
+    # The operator table: its header and operator rows (which operators lead it depends on
+    # the machine's load, so no one operator is named).
+    table = outs[0].split("profile of iterations 3..4 on rank 0")[1]
+    assert "# of Calls" in table and "Self CPU" in table
+    assert sum(line.lstrip().startswith("aten::") for line in table.splitlines()) >= 3, table
     traces = sorted(f for f in os.listdir(tmp_path) if f.endswith(".pt.trace.json"))
     assert [t.split(".")[0] for t in traces] == ["rank0", "rank1"], traces
     import json
