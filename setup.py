@@ -28,7 +28,7 @@ setup(
         "bench": ["transformers"],
         "wandb": ["wandb"],  # --wandb-project
         # flash-linear-attention's ops: the Gated DeltaNet kernel on CUDA for bf16 / fp16 models
-        # (model/gated_delta_rule.py calls its chunk_gated_delta_rule's 0.6.0 entry point);
+        # (layers/gated_delta_rule.py calls its chunk_gated_delta_rule's 0.6.0 entry point);
         # Triton comes with the CUDA build of torch
         "gpu": ["fla-core==0.6.0"],
     },

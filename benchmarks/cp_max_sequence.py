@@ -43,7 +43,7 @@ def _kib(field):
 
 def _trial(rank, world, seq, hidden, heads, vocab):
     from megatron_cp.data.microbatch import prepare_microbatch
-    from megatron_cp.initialize import initialize_model_parallel
+    from megatron_cp.distributed.initialize import initialize_model_parallel
     from megatron_cp.model import GPTConfig, GPTModel
     state = initialize_model_parallel(context_parallel_size=world)
     baseline = _kib("VmRSS")

@@ -2,7 +2,7 @@
 
 1. Forward + backward of one token mixer of width h = 256 over a sequence of s tokens
    (batch 1): a GDN layer (2 key / 4 value heads of 64, conv 4, the chunked gated delta rule
-   of megatron_cp/model/gated_delta_rule.py) against causal softmax attention (4 heads of
+   of megatron_cp/layers/gated_delta_rule.py) against causal softmax attention (4 heads of
    64, SDPA). Goal: GDN's time grows linearly in s (time(s_max) / time(s_min) <= 1.5 x
    s_max / s_min) and attention's faster (its ratio above GDN's).
 2. The per-rank compute of GDN under CP = 1, 2, 4 at s = --cp-seq (ranks simulated in one

@@ -39,7 +39,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench_common import add_output_argument, verdict, write_json  # noqa: E402
-from megatron_cp import device as device_mod  # noqa: E402
+from megatron_cp.distributed import device as device_mod  # noqa: E402
 from megatron_cp.model import GPTConfig  # noqa: E402
 from megatron_cp.observability.training_log import model_flops_per_token  # noqa: E402
 from tools.gpu_check_paths import cudnn_bypassed  # noqa: E402

@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import add_output_argument, verdict, write_json  # noqa: E402
-from megatron_cp import device as device_mod  # noqa: E402
+from megatron_cp.distributed import device as device_mod  # noqa: E402
 from megatron_cp.model import GPTConfig, GPTModel  # noqa: E402
 
 BASE_SEQ = 4096

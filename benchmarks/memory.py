@@ -51,7 +51,8 @@ GOAL_STALL = 0.5  # async stall / synchronous torch_dist save
 
 def _trainer(world, argv):
     from megatron_cp.cli.arguments import parse_args
-    from megatron_cp.training import Trainer, build_parallel_state, run_config
+    from megatron_cp.training import Trainer
+    from megatron_cp.startup import build_parallel_state, run_config
     args = parse_args(argv.split(), world_size=world)
     run = run_config(args)
     state = build_parallel_state(run.parallel, run.model, run.optimizer, torch.device("cpu"))

@@ -71,7 +71,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from bench_common import add_output_argument, min_thread_time, verdict, write_json  # noqa: E402
-from megatron_cp import device as device_mod  # noqa: E402
+from megatron_cp.distributed import device as device_mod  # noqa: E402
 import megatron_cp.moe.experts  # noqa: E402
 
 experts_mod = megatron_cp.moe.experts
@@ -196,7 +196,8 @@ def _instrument(record):
 
 def _train_worker(rank, world, argv, threads):
     from megatron_cp.cli.arguments import parse_args
-    from megatron_cp.training import build_parallel_state, pretrain, run_config
+    from megatron_cp.training import pretrain
+    from megatron_cp.startup import build_parallel_state, run_config
     torch.set_num_threads(threads)
     args = parse_args(argv, world_size=world)
     run = run_config(args)

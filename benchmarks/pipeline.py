@@ -51,7 +51,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_common import add_output_argument, verdict, write_json  # noqa: E402
-from megatron_cp.initialize import initialize_model_parallel  # noqa: E402
+from megatron_cp.distributed.initialize import initialize_model_parallel  # noqa: E402
 from megatron_cp.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron_cp.pipeline_parallel.replay import ideal_bubble, record_program  # noqa: E402
 

@@ -1,5 +1,5 @@
 """megatron_cp's call of flash-linear-attention's ``chunk_gated_delta_rule`` (the Gated
-DeltaNet kernel on CUDA: model/gated_delta_rule.py's ``_fla_chunk``), driven on CPU through
+DeltaNet kernel on CUDA: layers/gated_delta_rule.py's ``_fla_chunk``), driven on CPU through
 FLA's real Python entry point, so that FLA's own argument handling runs as shipped. Run by
 tests/test_fla_call.py in a process that can import FLA (see there why only that one).
 
@@ -20,8 +20,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_cp.model import fused
-from megatron_cp.model import gated_delta_rule as rule
+from megatron_cp.layers import accelerators
+from megatron_cp.layers import gated_delta_rule as rule
 
 FLA_VERSION = "0.6.0"  # setup.py's "gpu" extra and scripts/env.sh pin the same
 INSTALL = "see tests/test_fla_call.py"
@@ -47,7 +47,7 @@ def fla(monkeypatch):
     monkeypatch.setattr(fla_chunk, "ChunkGatedDeltaRuleFunction", kernel)
     monkeypatch.setattr(rule, "_fla_device", lambda x: True)
     # the route reaches FLA's real entry point
-    assert fused.fla_chunk_gated_delta_rule() is fla_chunk.chunk_gated_delta_rule
+    assert accelerators.fla_chunk_gated_delta_rule() is fla_chunk.chunk_gated_delta_rule
     return kernel
 
 

@@ -7,7 +7,7 @@ import io
 import torch
 
 from dist_harness import run_workers
-from megatron_cp.activation_offload import ActivationOffloader, _OnHost
+from megatron_cp.layers.activation_offload import ActivationOffloader, _OnHost
 from megatron_cp.model import GPTModel
 from model_utils import tiny_config
 from training_utils import TINY, assert_refused, train_losses

@@ -19,7 +19,7 @@ from megatron_cp.context_parallel import (AttentionDropout, context_parallel_att
 from megatron_cp.context_parallel import dropout as dropout_mod
 from megatron_cp.context_parallel.reference import attention_mask
 from megatron_cp.data.microbatch import prepare_microbatch
-from megatron_cp.initialize import initialize_model_parallel
+from megatron_cp.distributed.initialize import initialize_model_parallel
 from megatron_cp.model import GPTModel
 from model_utils import tiny_config
 from test_context_parallel_partition import DOC_LENGTHS, make_batch

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dist_harness import run_workers
-from megatron_cp import training
+from megatron_cp import startup
 from megatron_cp.cli import arguments, checks
 from megatron_cp.checkpoint import files as checkpoint_files
 from megatron_cp.cli.arguments import build_parser, parse_args
@@ -19,7 +19,7 @@ from megatron_cp.config.checkpoint import NOT_BUILT_FORMATS
 from megatron_cp.config.setting import arg_of, checkpoint_args, flag_of, setting
 from megatron_cp.config.model import GPTConfig
 from megatron_cp.optimizer import OptimizerParamScheduler
-from megatron_cp.training import config_from_args
+from megatron_cp.startup import config_from_args
 
 _PARSER = build_parser()
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
@@ -46,7 +46,7 @@ class _WithNewSetting(GPTConfig):
 def test_a_new_field_is_one_edit(monkeypatch):
     monkeypatch.setattr(checks, "GPTConfig", _WithNewSetting)
     monkeypatch.setattr(arguments, "SECTIONS", (_WithNewSetting,) + arguments.SECTIONS[1:])
-    monkeypatch.setattr(training, "GPTConfig", _WithNewSetting)
+    monkeypatch.setattr(startup, "GPTConfig", _WithNewSetting)
     help_text = build_parser().format_help()
     assert "--attention-temperature" in help_text and "Divide the attention logits" in help_text
     args = _parse("--attention-temperature 2.5")
@@ -344,7 +344,7 @@ def test_weight_decay_increment_flags():
 
 
 def _trainer_schedule(rank, world, argv):
-    from megatron_cp.initialize import initialize_model_parallel
+    from megatron_cp.distributed.initialize import initialize_model_parallel
     from megatron_cp.training import Trainer
 
     args = parse_args(argv.split(), world_size=world)

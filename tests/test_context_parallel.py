@@ -15,7 +15,7 @@ from megatron_cp.context_parallel import (block_backward, block_forward, classif
                                           reference_attention, resolve_comm_type, zigzag_indices)
 from megatron_cp.context_parallel.layout import RingLayout
 from megatron_cp.data.microbatch import prepare_microbatch
-from megatron_cp.initialize import initialize_model_parallel
+from megatron_cp.distributed.initialize import initialize_model_parallel
 from test_context_parallel_partition import DOC_LENGTHS, make_batch
 
 TOL = dict(rtol=1e-5, atol=1e-5)

@@ -18,10 +18,10 @@ from torch import nn
 
 from dist_harness import run_workers
 from megatron_cp.cli.arguments import parse_args
-from megatron_cp.initialize import initialize_model_parallel
-from megatron_cp.optimizer import (DistributedDataParallel, DistributedOptimizer,
-                                   MixedPrecisionOptimizer, expected_bytes_per_param,
-                                   finalize_model_grads, get_param_groups, memory_breakdown)
+from megatron_cp.distributed.initialize import initialize_model_parallel
+from megatron_cp.optimizer import (DistributedOptimizer, MixedPrecisionOptimizer,
+                                   expected_bytes_per_param, get_param_groups, memory_breakdown)
+from megatron_cp.distributed.data_parallel import DistributedDataParallel, finalize_model_grads
 from megatron_cp.training import Trainer
 from training_utils import TINY, max_rel_diff, run_and_state
 
@@ -261,7 +261,7 @@ def test_optimizer_instances_are_checked_before_start():
 def test_optimizer_instances_cut_each_data_parallel_group_into_slices():
     """Megatron-LM's instance groups: K consecutive slices of each DP x CP (and expert-DP)
     group, and the ranks of one position across the slices."""
-    from megatron_cp.initialize import rank_layout
+    from megatron_cp.distributed.initialize import rank_layout
     layout = rank_layout(8, tensor_model_parallel_size=2, expert_tensor_parallel_size=2,
                          num_distributed_optimizer_instances=2)
     assert layout["dp_cp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]

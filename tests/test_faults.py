@@ -137,7 +137,8 @@ def _hung_peer(rank, world, argv):
     """Rank 1 stops answering (a hung process, a partitioned network) as iteration 3 starts,
     for longer than the collective timeout; returns what pretrain raised here, and when."""
     import torch
-    from megatron_cp import faults, training
+    from megatron_cp.resilience import faults
+    from megatron_cp import training
     from megatron_cp.cli.arguments import parse_args
     args = parse_args(argv.split(), world_size=world)
     args.distributed_timeout_minutes = 0.04  # 2.4 s (the flag takes whole minutes)
@@ -174,11 +175,12 @@ def _main_with_bad_value(rank, world, argv, kind, victim, at):
     inf in the gradient of its loss ("grad") at iteration ``at``; returns (status, stderr)."""
     import torch
     from megatron_cp import training
+    from megatron_cp.training import trainer as trainer_module
     from megatron_cp.cli import check_args
     check_args.OTHER_RANK_GRACE_SECONDS = 0.0  # no launcher here to end the other ranks
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))  # what main parses for
     current = {}
-    real_step, real_forward = training.Trainer.train_step, training.forward_step
+    real_step, real_forward = training.Trainer.train_step, trainer_module.forward_step
 
     def train_step(self):
         current["iteration"] = self.iteration + 1
@@ -192,7 +194,7 @@ def _main_with_bad_value(rank, world, argv, kind, victim, at):
             out.register_hook(lambda grad: torch.full_like(grad, float("inf")))
         return out
 
-    training.Trainer.train_step, training.forward_step = train_step, forward_step
+    training.Trainer.train_step, trainer_module.forward_step = train_step, forward_step
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         status = training.main(argv.split())
@@ -234,8 +236,9 @@ def test_inf_gradient_stops_every_rank_naming_the_iteration(optimizer):
 
 def _losses_with_nan_at(rank, world, argv, at):
     from megatron_cp import training
+    from megatron_cp.training import trainer as trainer_module
     current = {}
-    real_step, real_forward = training.Trainer.train_step, training.forward_step
+    real_step, real_forward = training.Trainer.train_step, trainer_module.forward_step
 
     def train_step(self):
         current["iteration"] = self.iteration + 1
@@ -245,7 +248,7 @@ def _losses_with_nan_at(rank, world, argv, at):
         out = real_forward(model, batch)
         return out * float("nan") if current["iteration"] == at else out
 
-    training.Trainer.train_step, training.forward_step = train_step, forward_step
+    training.Trainer.train_step, trainer_module.forward_step = train_step, forward_step
     with contextlib.redirect_stdout(io.StringIO()):
         return train_losses(rank, world, argv)
 

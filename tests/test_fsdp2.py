@@ -24,8 +24,8 @@ import torch.distributed as dist
 from dist_harness import run_workers
 from megatron_cp.optimizer import expected_bytes_per_param, memory_breakdown
 from megatron_cp.optimizer.clip_grads import get_param_norm, grad_of
-from megatron_cp.optimizer.fsdp import is_fully_sharded
-from megatron_cp.optimizer.shards import local_shard
+from megatron_cp.distributed.fsdp import is_fully_sharded
+from megatron_cp.distributed.shards import local_shard
 from training_utils import (NO_DROPOUT, TINY, assert_refused, max_rel_diff, train_losses,
                             trainer_of)
 

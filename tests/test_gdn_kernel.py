@@ -4,7 +4,7 @@ rule (chunk boundaries, incoming and outgoing state, packed documents) and the c
 import torch
 import torch.nn.functional as F
 
-from megatron_cp.model.gated_delta_rule import (causal_conv1d, chunk_gated_delta_rule,
+from megatron_cp.layers.gated_delta_rule import (causal_conv1d, chunk_gated_delta_rule,
                                                 documents_from_cu_seqlens, l2norm,
                                                 recurrent_gated_delta_rule)
 
@@ -33,7 +33,7 @@ def _docs(b, s):
 def test_chunked_equals_recurrence_fp64():
     q, k, v, g, beta = _inputs()
     state0 = torch.randn(2, 3, 8, 6, generator=torch.Generator().manual_seed(1))
-    from megatron_cp.model.gated_delta_rule import torch_chunk_gated_delta_rule
+    from megatron_cp.layers.gated_delta_rule import torch_chunk_gated_delta_rule
     # chunks of 16 in spans of 1 and 2 chunks: document boundaries (5, 16, 20) fall inside a
     # chunk, on a chunk start and on a span start, and the state crosses the spans
     for docs in (None, _docs(2, 37)):
@@ -52,7 +52,7 @@ def test_chunked_equals_recurrence_fp64():
 def test_chunked_gradients_equal_recurrence():
     q, k, v, g, beta = (x.double().requires_grad_() for x in _inputs(s=21))
     docs = _docs(2, 21)
-    from megatron_cp.model.gated_delta_rule import torch_chunk_gated_delta_rule
+    from megatron_cp.layers.gated_delta_rule import torch_chunk_gated_delta_rule
     ref, _ = recurrent_gated_delta_rule(q, k, v, g, beta, None, False, docs)
     ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v, g, beta))
     for span in (64, 1):  # one span, and a span per chunk (the state crossing spans)

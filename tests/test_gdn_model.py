@@ -45,7 +45,8 @@ def test_hybrid_layout_matches_single_process(references, layout, packed):
 
 def _broken_losses(rank, world, argv, broken):
     """Worker: train with one of the known GDN bugs patched into the layer."""
-    from megatron_cp.model import gated_delta_net, gated_delta_rule as rule
+    from megatron_cp.layers import gated_delta_rule as rule
+    from megatron_cp.model import gated_delta_net
     kernel, conv = rule.chunk_gated_delta_rule, rule.causal_conv1d
 
     def per_chunk(q, k, v, g, beta, initial_state=None, output_final_state=False,

@@ -3,7 +3,7 @@ every gradient; plus single-process behaviour (packed documents, recomputation).
 import torch
 
 from dist_harness import run_workers
-from megatron_cp.initialize import initialize_model_parallel
+from megatron_cp.distributed.initialize import initialize_model_parallel
 from megatron_cp.model import GPTModel
 from megatron_cp.tensor_parallel import gather_from_tensor_model_parallel_region
 from model_utils import full_grads, tiny_config

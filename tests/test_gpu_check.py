@@ -27,13 +27,13 @@ import pytest
 import torch
 
 from dist_harness import run_workers
-from megatron_cp.activation_offload import ActivationOffloader, _OnHost
+from megatron_cp.layers.activation_offload import ActivationOffloader, _OnHost
 from megatron_cp.context_parallel import (blockwise, context_parallel_attention, cuda_kernels,
                                           kernels, ring)
 from megatron_cp.context_parallel.simulate import simulated_attention
 from megatron_cp.data.microbatch import prepare_microbatch
-from megatron_cp.initialize import initialize_model_parallel
-from megatron_cp.model import gated_delta_rule, hidden_dropout
+from megatron_cp.distributed.initialize import initialize_model_parallel
+from megatron_cp.layers import gated_delta_rule, hidden_dropout
 from tools import gpu_check, gpu_check_layers, gpu_check_lib, gpu_check_paths
 from tools.gpu_check_lib import Randn, microbatch
 

@@ -156,7 +156,7 @@ def _our_logits(full, args, tokens):
     import argparse
 
     from megatron_cp.model import GPTModel
-    from megatron_cp.training import config_from_args
+    from megatron_cp.startup import config_from_args
     vocab = args["true_vocab_size"]
     namespace = argparse.Namespace(**{**_defaults(), **args, "params_dtype": torch.float32})
     model = GPTModel(config_from_args(namespace, vocab)).eval()

@@ -13,7 +13,7 @@ import torch
 
 from megatron_cp.context_parallel import zigzag_indices
 from megatron_cp.data.microbatch import prepare_microbatch
-from megatron_cp.model.hidden_dropout import (HIDDEN_START, SITE_ATTENTION, SITE_EMBEDDING,
+from megatron_cp.layers.hidden_dropout import (HIDDEN_START, SITE_ATTENTION, SITE_EMBEDDING,
                                               SITE_JITTER, SITE_MLP, Coordinates, DropoutIds,
                                               hidden_dropout, site_key, token_coordinates,
                                               token_states, uniform_multiplier, unit_hash)

@@ -4,7 +4,7 @@ import torch.distributed as dist
 
 from dist_harness import run_workers
 from megatron_cp.config.parallel import DEFAULT_RANK_ORDER, PP_OUTER_RANK_ORDER, RANK_ORDERS
-from megatron_cp.initialize import (GROUP_NAMES, distributed_env, expand_slurm_nodelist,
+from megatron_cp.distributed.initialize import (GROUP_NAMES, distributed_env, expand_slurm_nodelist,
                                     initialize_model_parallel, rank_layout, rank_order)
 
 # Both orders, innermost axis first (Megatron-LM's RankGenerator gives these dense lists):

@@ -11,7 +11,7 @@ from megatron_cp.cli.arguments import parse_args
 from megatron_cp.config.optimizer import WSD_DECAY_STYLES
 from megatron_cp.optimizer import OptimizerParamScheduler
 from megatron_cp.optimizer.factory import build_scheduler
-from megatron_cp.training import run_config
+from megatron_cp.startup import run_config
 from training_utils import TINY, assert_refused
 
 

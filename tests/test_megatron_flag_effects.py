@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dist_harness import run_workers
-from megatron_cp import device as device_mod
+from megatron_cp.distributed import device as device_mod
 from megatron_cp.checkpoint import load_save
 from megatron_cp.checkpoint.torch_dist_format import read_full, write_full
 from megatron_cp.cli.arguments import build_parser, parse_args

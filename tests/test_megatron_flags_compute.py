@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from dist_harness import run_workers
-from megatron_cp.initialize import initialize_model_parallel
+from megatron_cp.distributed.initialize import initialize_model_parallel
 from megatron_cp.optimizer.clip_grads import count_zeros
 from training_utils import TINY, train_losses
 

@@ -11,8 +11,8 @@ import torch
 
 from dist_harness import run_workers
 from megatron_cp.cli.arguments import ArgumentErrors, parse_args
-from megatron_cp.model.mlp import MLP
-from megatron_cp.training import config_from_args
+from megatron_cp.layers.mlp import MLP
+from megatron_cp.startup import config_from_args
 from training_utils import TINY
 
 H, F = 32, 64

@@ -3,7 +3,7 @@ known exactly."""
 import pytest
 import torch
 
-from megatron_cp import device as device_mod
+from megatron_cp.distributed import device as device_mod
 from megatron_cp.observability.memory_peak import PeakMemory, python_reachable_tensor_bytes
 
 N = 1 << 18  # floats: 1 MiB

@@ -12,7 +12,7 @@ from dist_harness import run_workers
 from megatron_cp.context_parallel import (ContextParallelAttention, reference_attention,
                                           zigzag_indices, zigzag_split)
 from megatron_cp.model.multi_latent_attention import MultiLatentAttention
-from megatron_cp.model.rotary import yarn_concentration_factor, yarn_frequencies
+from megatron_cp.layers.rotary import yarn_concentration_factor, yarn_frequencies
 from megatron_cp.tensor_parallel import RNGStatesTracker
 from model_utils import tiny_config
 from training_utils import TINY, assert_refused, max_rel_diff, train_losses, train_runs

@@ -3,9 +3,9 @@ written out here: forward and gradients, fp32 / fp64 exactly, bf16 within its ro
 import pytest
 import torch
 
-from megatron_cp.model.fused import RMSNorm
-from megatron_cp.model.mlp import swiglu
-from megatron_cp.model.rotary import apply_rotary, rotary_cos_sin, rotate
+from megatron_cp.layers.norms import RMSNorm
+from megatron_cp.layers.mlp import swiglu
+from megatron_cp.layers.rotary import apply_rotary, rotary_cos_sin, rotate
 
 
 def _reference_rotary(x, position_ids, rotary_dim, base):

@@ -25,8 +25,8 @@ from megatron_cp.checkpoint import torch_shards
 from megatron_cp.cli.arguments import parse_args
 from megatron_cp.checkpoint.torch_dist_format import read_full
 from megatron_cp.config.parallel import RANK_ORDERS
-from megatron_cp.initialize import ParallelState, rank_layout
-from megatron_cp.training import config_from_args
+from megatron_cp.distributed.initialize import ParallelState, rank_layout
+from megatron_cp.startup import config_from_args
 from tools import checkpoint_convert as convert
 from training_utils import max_rel_diff, train_losses
 

@@ -11,7 +11,7 @@ aux-loss-free expert bias, group-limited routing, per-sequence balancing loss, a
 expert, a dense first layer, alltoall, the router's input jitter), three balancing losses
 together with sqrtsoftplus scores, quantile balancing (plain and packed), all with Megatron-LM's
 default dropout (hidden and attention 0.1; every mask, and the jitter, follows global
-coordinates: model/hidden_dropout.py). Layouts: EP alone and borrowing DP ranks, TP x EP with
+coordinates: layers/hidden_dropout.py). Layouts: EP alone and borrowing DP ranks, TP x EP with
 ETP 1 and 2 (and quantile balancing), EP x CP (every comm type, packed; quantile balancing), EP x PP (also interleaved), TP(SP) x CP x PP x
 EP, full recomputation (statistics recorded once), the distributed optimizer with overlapped
 reduce-scatter and gathers, and capacity dropping under EP x DP (each rank routes whole

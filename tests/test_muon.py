@@ -9,7 +9,7 @@ import torch
 
 from dist_harness import run_workers
 from megatron_cp import tensor_parallel as tpar
-from megatron_cp.initialize import initialize_model_parallel
+from megatron_cp.distributed.initialize import initialize_model_parallel
 from megatron_cp.optimizer import MixedPrecisionOptimizer, get_param_groups
 from megatron_cp.config.optimizer import OptimizerConfig
 from megatron_cp.optimizer.muon import Orthogonalizer

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dist_harness import run_workers
-from megatron_cp.initialize import initialize_model_parallel
+from megatron_cp.distributed.initialize import initialize_model_parallel
 from megatron_cp.model import GPTModel
 from megatron_cp.optimizer import OptimizerParamScheduler, get_param_groups
 from megatron_cp.optimizer.optimizer import mup_group_overrides

@@ -11,11 +11,11 @@ import torch.nn.functional as F
 
 from megatron_cp.cli.arguments import parse_args
 from megatron_cp.model import GPTModel
-from megatron_cp.model.mlp import MLP
-from megatron_cp.model.rotary import (RotaryEmbedding, rotary_cos_sin, rotate,
+from megatron_cp.layers.mlp import MLP
+from megatron_cp.layers.rotary import (RotaryEmbedding, rotary_cos_sin, rotate,
                                       yarn_concentration_factor, yarn_frequencies)
 from megatron_cp.moe.experts import GroupedExperts
-from megatron_cp.training import config_from_args
+from megatron_cp.startup import config_from_args
 from model_utils import tiny_config
 from training_utils import TINY
 

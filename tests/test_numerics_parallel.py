@@ -10,9 +10,10 @@ from dist_harness import run_workers
 from megatron_cp.cli.arguments import parse_args
 from megatron_cp.context_parallel import zigzag_indices, zigzag_split
 from megatron_cp.checkpoint.torch_dist_format import read_full
-from megatron_cp.initialize import initialize_model_parallel
+from megatron_cp.distributed.initialize import initialize_model_parallel
 from megatron_cp.model import GPTModel
-from megatron_cp.optimizer import finalize_model_grads, get_param_groups
+from megatron_cp.optimizer import get_param_groups
+from megatron_cp.distributed.data_parallel import finalize_model_grads
 from megatron_cp.tensor_parallel import gather_from_tensor_model_parallel_region
 from megatron_cp.training import Trainer
 from model_utils import gather_full, tiny_config

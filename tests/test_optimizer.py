@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from dist_harness import run_workers
-from megatron_cp.initialize import initialize_model_parallel
-from megatron_cp.optimizer import (ConstantGradScaler, DistributedDataParallel, DynamicGradScaler,
-                                   MixedPrecisionOptimizer, OptimizerParamScheduler,
-                                   finalize_model_grads, get_param_groups)
+from megatron_cp.distributed.initialize import initialize_model_parallel
+from megatron_cp.optimizer import (ConstantGradScaler, DynamicGradScaler, MixedPrecisionOptimizer,
+                                   OptimizerParamScheduler, get_param_groups)
+from megatron_cp.distributed.data_parallel import DistributedDataParallel, finalize_model_grads
 
 
 def test_dynamic_scaler_hysteresis_backoff_and_growth():

@@ -12,9 +12,9 @@ from torch import nn
 from torch.testing import assert_close
 
 from dist_harness import run_workers
-from megatron_cp.initialize import initialize_model_parallel
-from megatron_cp.optimizer import (DistributedDataParallel, MixedPrecisionOptimizer, clip_grad_norm,
-                                   finalize_model_grads, get_grad_norm)
+from megatron_cp.distributed.initialize import initialize_model_parallel
+from megatron_cp.optimizer import MixedPrecisionOptimizer, clip_grad_norm, get_grad_norm
+from megatron_cp.distributed.data_parallel import DistributedDataParallel, finalize_model_grads
 
 
 def _param(full_value, grad, **attrs):

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from dist_harness import run_workers
-from megatron_cp.initialize import initialize_model_parallel
+from megatron_cp.distributed.initialize import initialize_model_parallel
 from megatron_cp.model import GPTModel
-from megatron_cp.optimizer.distributed import allreduce_embedding_grads
+from megatron_cp.distributed.data_parallel import allreduce_embedding_grads
 from megatron_cp.data.microbatch import prepare_microbatch
 from megatron_cp.pipeline_parallel import build_model_chunks, get_forward_backward_func
 from model_utils import tiny_config

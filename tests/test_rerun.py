@@ -18,7 +18,7 @@ import pytest
 from dist_harness import run_workers
 from training_utils import TINY, train_losses
 
-from megatron_cp import rerun, rerun_records
+from megatron_cp.resilience import rerun, rerun_records
 
 BASE = TINY + " --train-iters 3 --log-interval 1"  # TINY's dropout on
 # Only the spike check validates; its injected faults are not fatal, so training goes on.
@@ -58,7 +58,8 @@ def _losses_and_log(rank, world, argv):
 def _counting_runs(rank, world, argv):
     """:func:`_losses_and_log`, also counting the forward passes of each iteration."""
     from megatron_cp import training
-    runs, real_forward, real_step = {}, training.forward_step, training.Trainer.train_step
+    from megatron_cp.training import trainer as trainer_module
+    runs, real_forward, real_step = {}, trainer_module.forward_step, training.Trainer.train_step
     current = {}
 
     def train_step(self):
@@ -69,7 +70,7 @@ def _counting_runs(rank, world, argv):
         runs[current["it"]] = runs.get(current["it"], 0) + 1
         return real_forward(model, batch)
 
-    training.Trainer.train_step, training.forward_step = train_step, forward_step
+    training.Trainer.train_step, trainer_module.forward_step = train_step, forward_step
     return (*_losses_and_log(rank, world, argv), runs)
 
 
@@ -252,7 +253,8 @@ def test_a_real_nan_on_one_rank_is_rerun_and_reproduced(tmp_path, kind):
 def _bad_value_on_rank_1_at_2(rank, world, argv, kind):
     import torch
     from megatron_cp import training
-    real_forward, real_step, current = training.forward_step, training.Trainer.train_step, {}
+    from megatron_cp.training import trainer as trainer_module
+    real_forward, real_step, current = trainer_module.forward_step, training.Trainer.train_step, {}
 
     def train_step(self):
         current["it"] = self.iteration + 1
@@ -266,7 +268,7 @@ def _bad_value_on_rank_1_at_2(rank, world, argv, kind):
             out.register_hook(lambda grad: torch.full_like(grad, float("inf")))
         return out
 
-    training.Trainer.train_step, training.forward_step = train_step, forward_step
+    training.Trainer.train_step, trainer_module.forward_step = train_step, forward_step
     return _main(rank, world, argv)
 
 

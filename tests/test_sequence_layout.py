@@ -20,9 +20,9 @@ import torch
 from dist_harness import run_workers
 from megatron_cp.data.batch import get_ltor_batch
 from megatron_cp.data.microbatch import prepare_microbatch
-from megatron_cp.initialize import initialize_model_parallel
+from megatron_cp.distributed.initialize import initialize_model_parallel
 from megatron_cp.model import GPTModel
-from megatron_cp.model.hidden_dropout import DropoutIds
+from megatron_cp.layers.hidden_dropout import DropoutIds
 from model_utils import tiny_config
 from sync_counter import SyncCounter
 

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from dist_harness import run_workers
 from megatron_cp import tensor_parallel as tpar
-from megatron_cp.initialize import initialize_model_parallel
+from megatron_cp.distributed.initialize import initialize_model_parallel
 
 close = torch.testing.assert_close
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from dist_harness import run_workers
 from megatron_cp import tensor_parallel as tpar
 from megatron_cp.data.microbatch import prepare_microbatch
-from megatron_cp.initialize import initialize_model_parallel
+from megatron_cp.distributed.initialize import initialize_model_parallel
 from megatron_cp.observability.memory_peak import PeakMemory
 from megatron_cp.model import GPTConfig, GPTModel
 from model_utils import full_grads, tiny_config

@@ -4,7 +4,7 @@ its peak memory, and refused for MoE models and N < 1 at argument validation."""
 import torch
 
 from dist_harness import run_workers
-from megatron_cp.initialize import initialize_model_parallel
+from megatron_cp.distributed.initialize import initialize_model_parallel
 from megatron_cp.observability.memory_peak import PeakMemory
 from megatron_cp.model import GPTConfig, GPTModel
 from model_utils import full_grads, tiny_config

@@ -13,7 +13,7 @@ from megatron_cp.config.data import NOT_BUILT_TOKENIZERS
 from megatron_cp.data import tokenizers
 from megatron_cp.data.tokenizers import build_tokenizer
 from test_data_tokenizers import load_tool, small_corpus
-from megatron_cp.training import run_config
+from megatron_cp.startup import run_config
 from training_utils import TINY, assert_refused
 
 TEXTS = ("def f(x):\n    return x + 1  # the answer", "  Two  spaces, then é and 日本.",

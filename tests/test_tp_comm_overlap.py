@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from dist_harness import run_workers
 from megatron_cp import tensor_parallel as tpar
-from megatron_cp.initialize import initialize_model_parallel
+from megatron_cp.distributed.initialize import initialize_model_parallel
 from training_utils import TINY, assert_refused, max_rel_diff, train_losses
 
 EPS = torch.finfo(torch.float32).eps

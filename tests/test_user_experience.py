@@ -15,7 +15,7 @@ import torch
 from dist_harness import WorkerError, run_workers
 from megatron_cp.checkpoint import files
 from megatron_cp.cli.arguments import parse_args
-from megatron_cp.initialize import initialize_model_parallel
+from megatron_cp.distributed.initialize import initialize_model_parallel
 from megatron_cp.training import pretrain
 from training_utils import TINY, train_losses
 
@@ -93,13 +93,13 @@ def test_bad_flag_in_process_is_one_line_from_rank_0():
 def test_unknown_flag_in_process_is_one_line_and_a_crash_keeps_its_traceback(monkeypatch):
     (status, text), = run_workers(_main_capturing, 1, f"{TINY} --train-iters 4 --bogus 3")
     assert status == 2 and text.splitlines() == ["error: unrecognized arguments: --bogus 3 (see --help)"]
-    from megatron_cp import training
+    from megatron_cp.training import loop
 
     def crash(args):
         raise RuntimeError("a real bug")
-    monkeypatch.setattr(training, "pretrain", crash)
+    monkeypatch.setattr(loop, "pretrain", crash)
     with pytest.raises(RuntimeError, match="a real bug"):
-        training.main(f"{TINY} --train-iters 4".split())
+        loop.main(f"{TINY} --train-iters 4".split())
 
 
 def test_bad_flag_under_torchrun_prints_one_error_line_and_no_worker_traceback():
@@ -132,7 +132,7 @@ def test_example_script_bad_flag_is_one_line_and_status_2(tmp_path, flag, messag
 def _expected_parameters():
     from megatron_cp.data import build_tokenizer
     from megatron_cp.model import GPTModel
-    from megatron_cp.training import config_from_args
+    from megatron_cp.startup import config_from_args
     args = parse_args(TINY.split() + ["--train-iters", "3"], world_size=1)
     vocab = build_tokenizer("NullTokenizer", None, None, None, args.vocab_size).vocab_size
     model = GPTModel(config_from_args(args, vocab))

@@ -6,7 +6,8 @@ peer runs without dropout (megatron-core, Hugging Face) appends ``NO_DROPOUT``."
 import torch
 
 from megatron_cp.cli.arguments import ArgumentErrors, parse_args
-from megatron_cp.training import Trainer, build_parallel_state, pretrain, run_config
+from megatron_cp.training import Trainer, pretrain
+from megatron_cp.startup import build_parallel_state, run_config
 
 TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
         "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 2 "

@@ -62,7 +62,7 @@ def module_order(args, vocab_size):
     whatever order a checkpoint file listed them in."""
     import argparse
     from megatron_cp.model.gpt import GPTModel
-    from megatron_cp.training import config_from_args
+    from megatron_cp.startup import config_from_args
     # the saved dtype is a string; the order does not depend on it
     config = config_from_args(argparse.Namespace(**dict(args, params_dtype=torch.float32)),
                               vocab_size)

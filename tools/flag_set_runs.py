@@ -19,8 +19,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_cp.device import accelerator_available  # noqa: E402
-from megatron_cp.rerun import (EXIT_CODE_FAILED_ON_RESULT_VALIDATION,  # noqa: E402
+from megatron_cp.distributed.device import accelerator_available  # noqa: E402
+from megatron_cp.resilience.rerun import (EXIT_CODE_FAILED_ON_RESULT_VALIDATION,  # noqa: E402
                                 EXIT_CODE_RESUME_TO_DISAMBIGUATE)
 from tools.fim_corpus import fim_corpus_flags  # noqa: E402
 

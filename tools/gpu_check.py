@@ -68,7 +68,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_cp import device as device_mod  # noqa: E402
+from megatron_cp.distributed import device as device_mod  # noqa: E402
 from megatron_cp.context_parallel import (Block, block_backward, block_forward,  # noqa: E402
                                           classify_block, local_attention, zigzag_indices)
 from megatron_cp.context_parallel.reference import softmax_scale_for  # noqa: E402

@@ -31,11 +31,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_cp import tensor_parallel as tpar
-from megatron_cp.activation_offload import ActivationOffloader, _OnHost
+from megatron_cp.layers.activation_offload import ActivationOffloader, _OnHost
 from megatron_cp.context_parallel import AttentionDropout, dropout_key, keep_mask, local_attention
 from megatron_cp.data.microbatch import prepare_microbatch
-from megatron_cp.model import GPTConfig, GPTModel, hidden_dropout
-from megatron_cp.model.mlp import MLP, chunked_mlp
+from megatron_cp.layers import hidden_dropout
+from megatron_cp.model import GPTConfig, GPTModel
+from megatron_cp.layers.mlp import MLP, chunked_mlp
 from megatron_cp.tensor_parallel.overlap import ColumnParallelOverlap, RowParallelOverlap
 from tools.gpu_check_lib import DTYPE_NAMES, TOLERANCE, Randn, Verdict, microbatch
 

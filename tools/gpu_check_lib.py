@@ -24,7 +24,7 @@ from collections import namedtuple
 import torch
 import torch.distributed as dist
 
-from megatron_cp import device as device_mod
+from megatron_cp.distributed import device as device_mod
 from megatron_cp.context_parallel.reference import (attention_mask, reference_attention,
                                                     softmax_scale_for)
 

@@ -29,11 +29,12 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from megatron_cp import device as device_mod
+from megatron_cp.distributed import device as device_mod
 from megatron_cp.context_parallel import (block_backward, block_forward, cuda_kernels,
                                           local_attention)
 from megatron_cp.context_parallel.reference import softmax_scale_for
-from megatron_cp.model import GPTConfig, fused, gated_delta_rule
+from megatron_cp.layers import accelerators, gated_delta_rule
+from megatron_cp.model import GPTConfig
 from megatron_cp.model.gated_delta_net import GatedDeltaNet
 from megatron_cp.model.multi_latent_attention import MultiLatentAttention
 from megatron_cp.tensor_parallel import RNGStatesTracker
@@ -233,7 +234,7 @@ def section_gdn(report, device, quick, dtypes):
                check_layer_pair, lambda where: GatedDeltaNet(
                    gdn_config(hidden, head_dim), "decoder.layers.0.self_attention", None,
                    device=where), s, 2, hidden, {"document_ids": docs}, route, device)
-    fla = fused.fla_chunk_gated_delta_rule() is not None
+    fla = accelerators.fla_chunk_gated_delta_rule() is not None
     expected = {key: "fla" if fla and device.type == "cuda" and key[2] in gated_delta_rule.FLA_DTYPES
                 and not (key[0] and key[1]) else "torch" for key in routes}
     report.run("gdn/routes", lambda: Verdict(

@@ -32,7 +32,8 @@ import torch
 from megatron_cp.cli.arguments import parse_args
 from megatron_cp.moe.balancing import sinkhorn
 from megatron_cp.optimizer.muon import Orthogonalizer
-from megatron_cp.training import build_parallel_state, pretrain, run_config
+from megatron_cp.training import pretrain
+from megatron_cp.startup import build_parallel_state, run_config
 from tools.gpu_check_lib import (TF32_TOLERANCE, TOLERANCE, TRAIN_BF16_TOL,
                                  TRAIN_FP32_TOL, Series, supported_dtypes)
 from tools.gpu_check_moe import check_layer

@@ -40,7 +40,7 @@ Fixed in transformers and therefore required: the latent norms' epsilon 1e-6
 import torch
 
 from megatron_cp.config.layer_pattern import parse_layer_freq
-from megatron_cp.model.rotary import yarn_concentration_factor, yarn_mscale
+from megatron_cp.layers.rotary import yarn_concentration_factor, yarn_mscale
 from tools.hf_io import (dtype_name, experts_from_hf, experts_to_hf, read_config, read_weights,
                          real_rows, require, swiglu_from_hf, swiglu_to_hf, write_folder)
 

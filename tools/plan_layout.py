@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megatron_cp.device import accelerator_available  # noqa: E402
+from megatron_cp.distributed.device import accelerator_available  # noqa: E402
 from megatron_cp.cli.arguments import build_parser, parse_args  # noqa: E402
 from megatron_cp.checkpoint.use_checkpoint_args import given_on_command_line  # noqa: E402
 from megatron_cp.config.data import DataConfig  # noqa: E402

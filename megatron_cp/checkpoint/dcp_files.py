@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
-from megatron_cp import faults as training_faults
+from megatron_cp.resilience import faults as training_faults
 from megatron_cp.checkpoint import faults, files
 from megatron_cp.checkpoint import state as training_state
 

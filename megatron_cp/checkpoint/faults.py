@@ -7,7 +7,7 @@ tracker). :class:`SaveAttempt` runs each phase on every rank and then makes the 
 on its outcome (one collective), so no rank waits alone at the next barrier and none goes on
 training after another failed. A failure removes the partial files (the ``.tmp`` folder, a
 half-written tracker) and every rank raises the same :class:`SaveFailedError`, which global
-rank 0 prints as ``error: ...`` (megatron_cp.faults.report): the file, what the system said,
+rank 0 prints as ``error: ...`` (megatron_cp.resilience.faults.report): the file, what the system said,
 and that the tracker still names the previous checkpoint. A lost rank breaks the agreement
 itself: the partial files go as well and the lost-contact error of ``training.pretrain`` is
 the line.
@@ -31,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from megatron_cp import faults  # the training's faults: a SaveFailedError is one
+from megatron_cp.resilience import faults  # the training's faults: a SaveFailedError is one
 
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)

@@ -32,11 +32,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_cp import device as device_mod
+from megatron_cp.distributed import device as device_mod
 from megatron_cp.checkpoint import files
 from megatron_cp.checkpoint.canonical import canonical_name, expert_param_spec, param_spec
 from megatron_cp.checkpoint.pieces import Pieces
-from megatron_cp.optimizer.shards import model_piece
+from megatron_cp.distributed.shards import model_piece
 from megatron_cp.optimizer.inner import adam_step, set_adam_step
 
 RNG_KEYS = ("python", "numpy", "torch", "device", "tracker")

@@ -16,7 +16,7 @@ Read top-down, a flag's story is:
    failure.
 4. **Reported.** All problems raise together as :class:`ArgumentErrors`, a line each;
    check_args.py prints them (``error: ...``) and exits 2, before any collective starts.
-5. **Used.** ``training.config_from_args`` builds the typed config from the parsed flags.
+5. **Used.** ``startup.config_from_args`` builds the typed config from the parsed flags.
 """
 import argparse
 import sys

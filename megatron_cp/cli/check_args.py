@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 
-from megatron_cp.faults import print_error_lines
+from megatron_cp.resilience.faults import print_error_lines
 from megatron_cp.observability.run_report import is_global_rank_zero
 
 USAGE_ERROR = 2

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from megatron_cp import rerun
+from megatron_cp.resilience import rerun
 from megatron_cp.observability import wandb_logging
 from megatron_cp.cli.megatron_flags import apply_compat_flags, dispatcher_note
 from megatron_cp.config.checkpoint import CheckpointConfig
@@ -22,8 +22,8 @@ from megatron_cp.config.training import TrainingConfig
 from megatron_cp.data.batch_schedule import (SIZE_NAME, BatchSchedule, check_divisible,
                                               parse_schedule)
 from megatron_cp.data.utils import parse_and_normalize_split
-from megatron_cp.initialize import check_instances, rank_order, validate_sizes
-from megatron_cp.optimizer import fsdp
+from megatron_cp.distributed.initialize import check_instances, rank_order, validate_sizes
+from megatron_cp.distributed import fsdp
 from megatron_cp.pipeline_parallel.stages import (layout_from_config,
                                                   validate_interleaved_microbatches)
 
@@ -280,7 +280,7 @@ _FSDP2_SECTIONS = (OptimizerConfig, ParallelConfig, CheckpointConfig, TrainingCo
 
 
 def _validate_fsdp2(args):
-    """--use-torch-fsdp2's and --use-megatron-fsdp's companions (megatron_cp.optimizer.fsdp),
+    """--use-torch-fsdp2's and --use-megatron-fsdp's companions (megatron_cp.distributed.fsdp),
     and --ckpt-format fsdp_dtensor's, read from the sections that hold them."""
     problems = fsdp.argument_problems(*(build_config(section, args)
                                         for section in _FSDP2_SECTIONS))

@@ -211,7 +211,7 @@ COMPAT_FLAGS = (
                       "documents, while megatron_cp keeps them apart; drop one of the two"),
                effect=MEMORY),
     # --- Megatron-FSDP's knobs (--use-megatron-fsdp runs on FSDP2 / the distributed
-    # optimizer: megatron_cp/optimizer/fsdp.py, which also holds their rules) ---
+    # optimizer: megatron_cp/distributed/fsdp.py, which also holds their rules) ---
     CompatFlag("--megatron-fsdp-version", SAME, "version 1, Megatron-FSDP's default, is the one "
                "mapped onto megatron_cp's FSDP2 and distributed optimizer",
                argparse=dict(type=int, choices=[1, 2], default=1),

@@ -2,7 +2,7 @@
 
 - ``RingExchange``: send a tensor to the next rank of a ring and receive the previous
   rank's, with batched ``isend/irecv`` posted before the compute it should hide behind
-  (on GPU on a side stream from ``megatron_cp.device``; on CPU the stream helpers are no-ops).
+  (on GPU on a side stream from ``megatron_cp.distributed.device``; on CPU the stream helpers are no-ops).
 - ``all_gather_stack`` / ``gather_sequence`` / ``reduce_scatter_stack``: plain (non-autograd)
   collectives the attention Functions call inside their forward/backward.
 - ``seq_to_heads`` / ``heads_to_seq``: the Ulysses all-to-all as autograd Functions.
@@ -12,8 +12,8 @@ by the ``ParallelState`` (``hcp_inner`` / ``hcp_outer``).
 import torch
 import torch.distributed as dist
 
-from megatron_cp import device as device_mod
-from megatron_cp.dist_compat import all_gather_flat, reduce_scatter_flat
+from megatron_cp.distributed import device as device_mod
+from megatron_cp.distributed.compat import all_gather_flat, reduce_scatter_flat
 
 
 def group_size(group):

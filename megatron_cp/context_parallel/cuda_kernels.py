@@ -25,7 +25,7 @@ import functools
 
 import torch
 
-from megatron_cp import device as device_mod
+from megatron_cp.distributed import device as device_mod
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 

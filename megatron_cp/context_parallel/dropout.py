@@ -8,7 +8,7 @@ element (sample, head, query, key) is a pure function of where it sits in the ru
     (seed, layer number, the sample's number in the run's stream of training samples,
      the GLOBAL query head, the query's and the key's index in the unpadded sample)
 
-evaluated by the counter-based integer hash of megatron_cp/counter_hash.py (murmur3's
+evaluated by the counter-based integer hash of megatron_cp/layers/counter_hash.py (murmur3's
 32-bit finaliser, chained over those words; exact integer arithmetic, the same bits on CPU
 and CUDA). One process, TP heads, CP ring blocks / Ulysses head groups / all-gather, packed
 documents with their CP padding, DP shards, PP stages and recomputation all ask for the same
@@ -38,7 +38,7 @@ import torch
 
 from megatron_cp.context_parallel import comm
 from megatron_cp.context_parallel.reference import NEG_INF, attention_mask
-from megatron_cp.counter_hash import absorb, absorb_64, dropout_scale, keep_threshold
+from megatron_cp.layers.counter_hash import absorb, absorb_64, dropout_scale, keep_threshold
 
 MAX_TILE_SCORES = 1 << 22  # scores [b, nh, rows, sk] of one query tile (and its int64 hash)
 

@@ -27,7 +27,7 @@ import torch
 from megatron_cp.context_parallel import comm
 from megatron_cp.context_parallel.layout import SequenceLayout
 from megatron_cp.context_parallel.ulysses import _permute
-from megatron_cp.model.gated_delta_rule import chunk_gated_delta_rule, fla_packed_rows
+from megatron_cp.layers.gated_delta_rule import chunk_gated_delta_rule, fla_packed_rows
 
 
 class _GatherStack(torch.autograd.Function):

@@ -21,7 +21,7 @@ from megatron_cp.config.data import DataConfig
 from megatron_cp.config.run import RunConfig
 from megatron_cp.config.setting import build_config
 from megatron_cp.data import tokenizer_from_config
-from megatron_cp.initialize import distributed_env, initialize_distributed
+from megatron_cp.distributed.initialize import distributed_env, initialize_distributed
 from megatron_cp.inference.model import InferenceModel, check_checkpoint
 
 
@@ -50,7 +50,7 @@ def load_model(args, state):
 def run_inference_script(body, argv, extra_args_provider, check=None):
     """Parse, start the process groups and call ``body(args, state)``; returns the exit
     status (0, or 2 after one ``error:`` line) and leaves the process group destroyed."""
-    from megatron_cp.training import build_parallel_state, run_config
+    from megatron_cp.startup import build_parallel_state, run_config
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = parse_inference_args(argv, distributed_env()["world_size"], extra_args_provider,

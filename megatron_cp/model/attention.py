@@ -15,10 +15,10 @@ import torch.distributed as dist
 from megatron_cp import tensor_parallel as tpar
 from megatron_cp.context_parallel import (AttentionDropout, ContextParallelAttention,
                                           attention_kernel, dropout_key, local_attention)
-from megatron_cp.model.fused import norm_for
-from megatron_cp.model.hidden_dropout import DropoutIds, fresh_samples
-from megatron_cp.model.rotary import RotaryEmbedding
-from megatron_cp.weight_hash import check_replicas_equal
+from megatron_cp.layers.norms import norm_for
+from megatron_cp.layers.hidden_dropout import DropoutIds, fresh_samples
+from megatron_cp.layers.rotary import RotaryEmbedding
+from megatron_cp.resilience.weight_hash import check_replicas_equal
 
 
 class AttentionCore(torch.nn.Module):

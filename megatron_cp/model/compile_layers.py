@@ -16,7 +16,7 @@ one fused attention kernel either way, and everything context parallelism does t
 and Ulysses autograd Functions with p2p / all-to-all inside, block plans decided from token
 metadata on the host, the attention-dropout hash mask) then runs exactly as in eager mode, for
 every ``--cp-comm-type``. The layer becomes two graphs, before and after attention; with hidden
-dropout its hash mask (model/hidden_dropout.py ``keep_mask``) is eager too, one more break at
+dropout its hash mask (layers/hidden_dropout.py ``keep_mask``) is eager too, one more break at
 each of the layer's two dropouts.
 """
 import torch

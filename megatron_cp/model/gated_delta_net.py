@@ -4,7 +4,7 @@ attention): a layer's ``self_attention`` where ``--linear-attention-freq`` marks
     x -> in_proj -> q, k, v, z, b, a
       -> causal depthwise conv1d + SiLU over [q | k | v]   (document restarts)
       -> l2norm(q), l2norm(k); beta = sigmoid(b); g = -exp(A_log) softplus(a + dt_bias)
-      -> gated delta rule (fp32 state per value head; model/gated_delta_rule.py)
+      -> gated delta rule (fp32 state per value head; layers/gated_delta_rule.py)
       -> out_norm(o) * silu(z) per value head -> out_proj
 
 Parameters, as Megatron-LM names and shapes them (no biases, whatever --disable-bias-linear
@@ -33,8 +33,8 @@ import torch.nn.functional as F
 
 from megatron_cp import tensor_parallel as tpar
 from megatron_cp.context_parallel.gated_delta import GatedDeltaContextParallel
-from megatron_cp.model.fused import norm_for
-from megatron_cp.model.gated_delta_rule import (causal_conv1d, chunk_gated_delta_rule, l2norm,
+from megatron_cp.layers.norms import norm_for
+from megatron_cp.layers.gated_delta_rule import (causal_conv1d, chunk_gated_delta_rule, l2norm,
                                                 fla_packed_rows, recurrent_gated_delta_rule)
 
 

@@ -43,9 +43,9 @@ import torch.nn.functional as F
 
 from megatron_cp import tensor_parallel as tpar
 from megatron_cp.model.attention import AttentionCore
-from megatron_cp.model.fused import norm_for
-from megatron_cp.model.rotary import RotaryEmbedding, yarn_mscale
-from megatron_cp.weight_hash import check_replicas_equal
+from megatron_cp.layers.norms import norm_for
+from megatron_cp.layers.rotary import RotaryEmbedding, yarn_mscale
+from megatron_cp.resilience.weight_hash import check_replicas_equal
 
 
 class ReplicatedLinear(torch.nn.Module):

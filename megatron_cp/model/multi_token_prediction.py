@@ -29,7 +29,7 @@ MTPLossAutoScaler), so the forward value (the LM loss) is unchanged.
 import torch
 
 from megatron_cp import tensor_parallel as tpar
-from megatron_cp.model.fused import norm_for
+from megatron_cp.layers.norms import norm_for
 from megatron_cp.model.transformer import TransformerLayer, mark_sequence_parallel
 from megatron_cp.moe.balancing import AttachLoss
 

@@ -13,14 +13,14 @@ import contextlib
 import torch
 
 from megatron_cp import tensor_parallel as tpar
-from megatron_cp.activation_offload import offloader_for
+from megatron_cp.layers.activation_offload import offloader_for
 from megatron_cp.model.attention import SelfAttention
 from megatron_cp.model.compile_layers import compile_layer
-from megatron_cp.model.fused import norm_for
+from megatron_cp.layers.norms import norm_for
 from megatron_cp.model.gated_delta_net import GatedDeltaNet
-from megatron_cp.model.hidden_dropout import (hidden_dropout, layer_site_keys, sequence_shard,
+from megatron_cp.layers.hidden_dropout import (hidden_dropout, layer_site_keys, sequence_shard,
                                               token_coordinates)
-from megatron_cp.model.mlp import MLP, chunked_mlp
+from megatron_cp.layers.mlp import MLP, chunked_mlp
 from megatron_cp.model.multi_latent_attention import MultiLatentAttention
 # a module reference: megatron_cp.moe.layer imports the MLP from this package (import cycle)
 import megatron_cp.moe.layer as moe_layer

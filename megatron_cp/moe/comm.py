@@ -15,7 +15,7 @@ Uneven row counts are padded to the largest for the flat collectives and cut aft
 import torch
 import torch.distributed as dist
 
-from megatron_cp.dist_compat import all_gather_flat, reduce_scatter_flat
+from megatron_cp.distributed.compat import all_gather_flat, reduce_scatter_flat
 
 
 def _size(group):

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_cp import tensor_parallel as tpar
-from megatron_cp.model.mlp import activate
+from megatron_cp.layers.mlp import activate
 from megatron_cp.tensor_parallel.layers import _full_then_split, _mark
 
 

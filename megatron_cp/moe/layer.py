@@ -7,7 +7,7 @@ without sequence parallelism hold the same tokens, so each takes a contiguous sh
 and the shares are gathered after: every rank of the TP x CP group then routes distinct
 tokens of the microbatch (the group the balancing losses sum over), which is also what
 sequence parallelism gives. The router's input jitter (training) is keyed by each token's
-global coordinates (model/hidden_dropout.py), so every layout jitters the same tokens alike.
+global coordinates (layers/hidden_dropout.py), so every layout jitters the same tokens alike.
 The expert mesh (EDP x EP x ETP inside a pipeline stage) comes
 from the ParallelState: experts are split over EP, their hidden size over ETP.
 """
@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from megatron_cp import tensor_parallel as tpar
-from megatron_cp.model.hidden_dropout import (SITE_JITTER, sequence_shard, site_key,
+from megatron_cp.layers.hidden_dropout import (SITE_JITTER, sequence_shard, site_key,
                                               token_coordinates, token_states)
-from megatron_cp.model.mlp import MLP
+from megatron_cp.layers.mlp import MLP
 from megatron_cp.moe import comm
 from megatron_cp.moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher
 from megatron_cp.moe.experts import GroupedExperts

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_cp import tensor_parallel as tpar
-from megatron_cp.model.hidden_dropout import uniform_multiplier
+from megatron_cp.layers.hidden_dropout import uniform_multiplier
 from megatron_cp.moe import comm
 from megatron_cp.moe.balancing import AttachLoss, aux_loss, sinkhorn, z_loss
 from megatron_cp.moe.routing import (apply_capacity, expert_capacity, expert_quantiles,

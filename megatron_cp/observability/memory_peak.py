@@ -7,7 +7,7 @@ its worst moment, on a GPU and on the CPU alike.
     meter.baseline_bytes    # bytes live at entry (see below)
 
 GPU: the caching allocator's own counters, ``max_memory_allocated`` after a reset at entry,
-minus ``memory_allocated`` at entry (through megatron_cp.device, the one torch.cuda home).
+minus ``memory_allocated`` at entry (through megatron_cp.distributed.device, the one torch.cuda home).
 
 CPU: PyTorch's CPU allocator keeps no statistics, and the resident set (what the logs print)
 counts the Python heap, the allocator's cached pages and the code, so it can't tell 100 MB
@@ -45,7 +45,7 @@ import torch
 from torch._C._profiler import (ProfilerActivity, ProfilerConfig, ProfilerState, RecordScope,
                                 _ExperimentalConfig)
 
-from megatron_cp import device as device_mod
+from megatron_cp.distributed import device as device_mod
 
 _ACTIVE = []  # the meter running now, if any (meters do not nest)
 

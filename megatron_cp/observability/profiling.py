@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from megatron_cp import device as device_mod
+from megatron_cp.distributed import device as device_mod
 
 TABLE_ROWS = 25
 

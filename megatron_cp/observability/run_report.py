@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_cp.data.batch_schedule import BatchSchedule
-from megatron_cp.initialize import distributed_env
+from megatron_cp.distributed.initialize import distributed_env
 from megatron_cp.optimizer.clip_grads import counted_here
 from megatron_cp.pipeline_parallel.stages import layout_from_config
 

@@ -34,7 +34,7 @@ from megatron_cp import moe
 from megatron_cp.observability.memory_peak import PeakMemory
 from megatron_cp.observability import wandb_logging
 from megatron_cp.optimizer.clip_grads import get_param_norm
-from megatron_cp.optimizer.fsdp import is_fully_sharded
+from megatron_cp.distributed.fsdp import is_fully_sharded
 
 
 def model_flops_per_token(config, seq_length):

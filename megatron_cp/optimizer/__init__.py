@@ -1,11 +1,7 @@
-"""Optimizer side of training: grad buffers and DP reduction, loss scaling, global-norm
-clipping, mixed-precision AdamW and Muon, the distributed (ZeRO-1) optimizer, memory
+"""Optimizer side of training: loss scaling, global-norm clipping, mixed-precision AdamW and Muon, the distributed (ZeRO-1) optimizer, memory
 accounting and the learning-rate schedule; factory.py builds them from the run's sections."""
 from megatron_cp.optimizer.clip_grads import clip_grad_norm, get_grad_norm, grad_of
 from megatron_cp.optimizer.distrib_optimizer import DistributedOptimizer
-from megatron_cp.optimizer.distributed import (DistributedDataParallel, allreduce_embedding_grads,
-                                               allreduce_sequence_parallel_grads,
-                                               finalize_model_grads)
 from megatron_cp.optimizer.factory import build_optimizer, build_scheduler
 from megatron_cp.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron_cp.optimizer.inner import build_adamw
@@ -15,10 +11,10 @@ from megatron_cp.optimizer.optimizer import (GradNormNotFinite, MixedPrecisionOp
                                              get_param_groups)
 
 __all__ = [
-    "ConstantGradScaler", "DistributedDataParallel", "DistributedOptimizer", "DynamicGradScaler",
+    "ConstantGradScaler", "DistributedOptimizer", "DynamicGradScaler",
     "GradNormNotFinite", "MixedPrecisionOptimizer", "expected_bytes_per_param", "memory_breakdown",
-    "OptimizerParamScheduler", "allreduce_embedding_grads", "allreduce_sequence_parallel_grads",
+    "OptimizerParamScheduler",
     "build_adamw", "build_optimizer", "build_scheduler", "clip_grad_norm",
-    "finalize_model_grads", "get_grad_norm", "get_param_groups",
+    "get_grad_norm", "get_param_groups",
     "grad_of",
 ]

@@ -29,15 +29,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from megatron_cp.initialize import optimizer_groups
-from megatron_cp.optimizer.shards import local_tensor
-
-
-def grad_of(param):
-    """The gradient the optimizer uses: ``.grad``, else the DDP ``.main_grad`` buffer view."""
-    if param.grad is not None:
-        return param.grad
-    return getattr(param, "main_grad", None)
+from megatron_cp.distributed.initialize import optimizer_groups
+from megatron_cp.distributed.data_parallel import grad_of
+from megatron_cp.distributed.shards import local_tensor
 
 
 def counted_here(param, state):

@@ -4,8 +4,8 @@ The fp32 main params and the Adam moments (Muon's momentum with ``--optimizer di
 :class:`~megatron_cp.optimizer.muon.ShardedMuon`) are sharded over the data-parallel ranks: dense
 params over DP x CP, expert params over expert-DP (with ``--num-distributed-optimizer-instances``
 K, over one of K slices of those groups, each slice a full copy of the optimizer: see
-:mod:`megatron_cp.optimizer.buckets`). The shards are exactly the bucket shards
-of :mod:`megatron_cp.optimizer.buckets` -- one layout for the gradient reduce-scatter,
+:mod:`megatron_cp.distributed.buckets`). The shards are exactly the bucket shards
+of :mod:`megatron_cp.distributed.buckets` -- one layout for the gradient reduce-scatter,
 the optimizer state and the parameter all-gather -- so a rank's shard of a bucket may hold
 the tail of one param and the head of the next. One step:
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_cp import dist_compat
+from megatron_cp.distributed import compat as dist_compat
 from megatron_cp.optimizer.inner import (ADAM_KINDS, MUON_KINDS, adam_step, build_inner,
                                          param_state, set_adam_step)
 from megatron_cp.optimizer.muon import Orthogonalizer, ShardedMuon, sharding_plan

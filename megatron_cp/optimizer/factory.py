@@ -7,7 +7,8 @@ with ``--decoupled-lr``. Each function takes the sections it reads
 :class:`~megatron_cp.config.model.GPTConfig`, the checkpoint's
 :class:`~megatron_cp.config.checkpoint.CheckpointConfig`)."""
 from megatron_cp.optimizer.distrib_optimizer import DistributedOptimizer
-from megatron_cp.optimizer.fsdp import FullyShardedOptimizer, is_fully_sharded
+from megatron_cp.distributed.fsdp import is_fully_sharded
+from megatron_cp.optimizer.fsdp_optimizer import FullyShardedOptimizer
 from megatron_cp.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron_cp.optimizer.lr_scheduler import OptimizerParamScheduler
 from megatron_cp.optimizer.optimizer import (MixedPrecisionOptimizer, get_param_groups,

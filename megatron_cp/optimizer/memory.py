@@ -21,8 +21,8 @@ bucket); Adam's per-tensor step counters are left out.
 """
 import torch
 
-from megatron_cp.optimizer.fsdp import is_fully_sharded
-from megatron_cp.optimizer.shards import local_tensor
+from megatron_cp.distributed.fsdp import is_fully_sharded
+from megatron_cp.distributed.shards import local_tensor
 
 
 def expected_bytes_per_param(params_dtype, d=1, distributed=False, fully_sharded=False):

@@ -26,7 +26,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from megatron_cp.dist_compat import all_gather_flat, reduce_scatter_flat
+from megatron_cp.distributed.compat import all_gather_flat, reduce_scatter_flat
 from megatron_cp.optimizer.newton_schulz import newton_schulz, update_scale
 
 

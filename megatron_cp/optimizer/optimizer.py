@@ -3,7 +3,7 @@
 ``MixedPrecisionOptimizer`` keeps an fp32 copy ("main param") of every bf16/fp16 model
 param and steps AdamW on those; fp32 model params are stepped directly, with no copy. One
 ``step()`` does: gradients -> fp32 main grads (``param.main_grad`` from
-:class:`~megatron_cp.optimizer.distributed.DistributedDataParallel` when present, else
+:class:`~megatron_cp.distributed.data_parallel.DistributedDataParallel` when present, else
 ``param.grad``), unscale and inf/nan check (when a grad scaler is set), global-norm
 clipping, AdamW, and the copy of the main params back into the model params.
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_cp.faults import ranks_where
+from megatron_cp.resilience.faults import ranks_where
 from megatron_cp.optimizer.clip_grads import clip_grad_norm, count_zeros, get_grad_norm
 from megatron_cp.optimizer.grad_scaler import DynamicGradScaler
 from megatron_cp.optimizer.inner import build_inner, param_state

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_cp.context_parallel import resolve_comm_type
-from megatron_cp.model.gated_delta_rule import CHUNK_SIZE as GDN_CHUNK
+from megatron_cp.layers.gated_delta_rule import CHUNK_SIZE as GDN_CHUNK
 from megatron_cp.optimizer.memory import expected_bytes_per_param
 from megatron_cp.pipeline_parallel import layout_from_config
 
@@ -195,7 +195,7 @@ def _attention_bytes(c, sh, selective, cp_comm):
 def _gdn_bytes(c, sh):
     """Gated DeltaNet's saved tensors per layer (norm and in_proj input excluded), counted
     per token and value head from what the layer saves: on CPU the plain-PyTorch chunked
-    delta rule (model/gated_delta_rule.py, chunks of GDN_CHUNK positions) keeps 8 [C, C]
+    delta rule (layers/gated_delta_rule.py, chunks of GDN_CHUNK positions) keeps 8 [C, C]
     matrices per chunk and value head, about 10 key-width and 14 value-width vectors per
     token and value head (the convolution's input, output and SiLU, the chunked q, k, v and
     their decays and corrections, the per-chunk states, the output, its norm and gate); on

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from megatron_cp.initialize import rank_layout
+from megatron_cp.distributed.initialize import rank_layout
 from megatron_cp.planning.memory import pipeline_layout_of, routed_tokens, stage_param_counts
 
 # H100 SXM, bf16: ~60% of the 989 TFLOP/s dense peak for large GEMMs, flash attention a

@@ -7,7 +7,7 @@ backward. The sequence-parallel ones split / gather along dim 0, the sequence di
 import torch
 import torch.distributed as dist
 
-from megatron_cp.dist_compat import all_gather_flat, reduce_scatter_flat
+from megatron_cp.distributed.compat import all_gather_flat, reduce_scatter_flat
 
 
 def _world(group):

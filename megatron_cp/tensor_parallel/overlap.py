@@ -24,7 +24,7 @@ re-gathers the input (saved as this rank's chunk only) while the dgrad GEMM runs
 
 On CPU (gloo) the sends are asynchronous but gain little speed; what the tests show there is
 that the results are the plain path's. On GPU (NCCL) the sends run on the side stream of
-:mod:`megatron_cp.device` and overlap the GEMMs: written for it, untested on a GPU so far.
+:mod:`megatron_cp.distributed.device` and overlap the GEMMs: written for it, untested on a GPU so far.
 """
 from dataclasses import dataclass
 
@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_cp.context_parallel.comm import RingExchange
-from megatron_cp.dist_compat import all_gather_flat, reduce_scatter_flat
+from megatron_cp.distributed.compat import all_gather_flat, reduce_scatter_flat
 
 _TAG = 7100  # keeps these rings' gloo messages apart from other point-to-point traffic
 

@@ -14,7 +14,7 @@ import zlib
 import torch
 import torch.utils.checkpoint
 
-from megatron_cp import device as device_mod
+from megatron_cp.distributed import device as device_mod
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megatron_cp.data.microbatch import prepare_microbatch, split_multiple
 from megatron_cp.inference.logits import vocab_parallel_argmax
 from megatron_cp.pipeline_parallel import get_forward_backward_func, pipeline_tensor_shape
-from megatron_cp.training import forward_step as loss_forward_step
+from megatron_cp.startup import forward_step as loss_forward_step
 from tasks.zeroshot.datasets import (lambada_sample, lambada_tokens, lm_windows, read_lambada,
                                      window_sample, wikitext_tokens)
 

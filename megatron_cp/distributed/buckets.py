@@ -24,8 +24,8 @@ inside the instance.
 import torch
 import torch.distributed as dist
 
-from megatron_cp import dist_compat
-from megatron_cp.initialize import optimizer_groups
+from megatron_cp.distributed import compat as dist_compat
+from megatron_cp.distributed.initialize import optimizer_groups
 
 
 class Bucket:

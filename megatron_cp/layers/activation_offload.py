@@ -16,7 +16,7 @@ On a CPU the activations already live in host memory, so the model installs no h
 """
 import torch
 
-from megatron_cp import device as device_mod
+from megatron_cp.distributed import device as device_mod
 
 
 class ActivationOffloader:

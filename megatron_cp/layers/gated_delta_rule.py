@@ -16,7 +16,7 @@ a context-parallel wrapper passes from the rank before, and what a generation ca
 :func:`chunk_gated_delta_rule` is the chunked form (WY representation: per chunk of C tokens
 one triangular solve and matrix products, then one state step per chunk). On CUDA, for bf16 /
 fp16 models, it hands over to flash-linear-attention's ``chunk_gated_delta_rule`` when FLA is
-importable (fused.py; fla-core 0.6.0, setup.py's ``gpu`` extra) with the arguments its entry
+importable (layers/accelerators.py; fla-core 0.6.0, setup.py's ``gpu`` extra) with the arguments its entry
 point takes (:func:`_fla_chunk`: q, k, v and beta in the model's dtype, g fp32, packed
 documents as one row with int64 ``cu_seqlens`` from :func:`packed_cu_seqlens`);
 tests/test_fla_call.py (fla_call_checks.py) drives that call on CPU through FLA's real entry
@@ -27,7 +27,7 @@ and everything else run :func:`torch_chunk_gated_delta_rule`, plain PyTorch. Its
 import torch
 import torch.nn.functional as F
 
-from megatron_cp.model import fused
+from megatron_cp.layers import accelerators
 
 CHUNK_SIZE = 64  # FLA's and Megatron-LM's chunk
 
@@ -245,7 +245,7 @@ def fla_runs(x, dtype):
     """Whether :func:`chunk_gated_delta_rule` hands values of ``dtype`` on x's device to FLA
     (a sequence without a state carried in or out of packed documents)."""
     return (_fla_device(x) and dtype in FLA_DTYPES
-            and fused.fla_chunk_gated_delta_rule() is not None)
+            and accelerators.fla_chunk_gated_delta_rule() is not None)
 
 
 def fla_packed_rows(layout, document_ids, dtype):
@@ -260,7 +260,7 @@ def fla_packed_rows(layout, document_ids, dtype):
 def _fla_chunk(q, k, v, g, beta, initial_state=None, output_final_state=False,
                document_ids=None, scale=None, cu_seqlens=None, cu_seqlens_cpu=None,
                chunk_indices=None):
-    """The gated delta rule by FLA's ``chunk_gated_delta_rule`` (fused.py), given what Megatron-LM
+    """The gated delta rule by FLA's ``chunk_gated_delta_rule`` (accelerators.py), given what Megatron-LM
     gives it (megatron/core/ssm/gated_delta_net): q, k and v in one dtype, the model's bf16 /
     fp16 (v's), g the fp32 log decay, beta in the model's dtype; FLA's kernels take q and k
     with the v-derived tensors into the same dot products and return ``o`` in q's dtype. Our q,
@@ -278,7 +278,7 @@ def _fla_chunk(q, k, v, g, beta, initial_state=None, output_final_state=False,
     on the CPU) or ``chunk_indices`` (``fla.ops.utils.index.prepare_chunk_indices(cu_seqlens,
     64)``) is given: both are handed on as they are.
     """
-    fla = fused.fla_chunk_gated_delta_rule()
+    fla = accelerators.fla_chunk_gated_delta_rule()
     dtype = v.dtype
     q, k, beta, g = q.to(dtype), k.to(dtype), beta.to(dtype), g.to(torch.float32)
     if document_ids is None and cu_seqlens is None:

@@ -6,7 +6,7 @@ Every N iterations (and once before the first), each rank hashes each of its par
 replicas: dense parameters over the DP group, expert parameters over the expert-DP group.
 Replicas that differ mean silent corruption (a bit flip in memory or on the network, a
 rank that skipped an update): training stops with
-:class:`~megatron_cp.faults.ReplicaMismatchError` on every rank, before the next checkpoint
+:class:`~megatron_cp.resilience.faults.ReplicaMismatchError` on every rank, before the next checkpoint
 can save the damage, naming the ranks and parameters that differ from their DP rank 0
 (Megatron's ``[Rank r] Hash not matching for <name> in model chunk<i>`` lines also go to
 Python's logging at INFO). A passing check prints ``>>> Weight hashes match after N
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_cp import faults
+from megatron_cp.resilience import faults
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def _mismatches(params, group, device):
 
 def check_replicas_equal(named_params, group, device, where):
     """``--test-mode``: ``named_params`` (``[(name, param)]``) are the same on every rank of
-    ``group`` (a collective over it); else :class:`~megatron_cp.faults.ReplicaMismatchError`
+    ``group`` (a collective over it); else :class:`~megatron_cp.resilience.faults.ReplicaMismatchError`
     on every rank of the group, naming ``where`` and the parameters."""
     if not named_params:
         return
@@ -67,7 +67,7 @@ def check_replicas_equal(named_params, group, device, where):
 
 def check_weight_hashes(model_chunks, state, iteration):
     """Compare every parameter with its DP replicas (see the module doc); a collective over
-    the world. Raises :class:`~megatron_cp.faults.ReplicaMismatchError` on every rank when
+    the world. Raises :class:`~megatron_cp.resilience.faults.ReplicaMismatchError` on every rank when
     any replica differs, else prints the match line on global rank 0."""
     dense, expert = [], []
     for i, chunk in enumerate(model_chunks):

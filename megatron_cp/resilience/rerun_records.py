@@ -1,4 +1,4 @@
-"""What the rerun state machine (:mod:`megatron_cp.rerun`) writes down: the result-rejected
+"""What the rerun state machine (:mod:`megatron_cp.resilience.rerun`) writes down: the result-rejected
 tracker file and the variability statistics of ``--rerun-mode report_stats``.
 
 * The tracker file (``--result-rejected-tracker-filename``) gets one line per rejected
@@ -16,7 +16,7 @@ import logging
 import os
 import re
 
-logger = logging.getLogger("megatron_cp.rerun")
+logger = logging.getLogger("megatron_cp.resilience.rerun")
 
 # A record's status: the outcome that line reports (Megatron-LM's values).
 RERUN_DISABLED = "rerun_disabled"

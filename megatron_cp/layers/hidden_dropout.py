@@ -2,7 +2,7 @@
 
 Megatron-LM draws hidden-dropout masks from each rank's RNG stream, so which element is
 dropped depends on the layout. Here the keep bit of the element (sample, token, hidden unit)
-at a dropout site is the counter-based hash (megatron_cp/counter_hash.py) of
+at a dropout site is the counter-based hash (megatron_cp/layers/counter_hash.py) of
 
     (seed, the site, the sample's number in the run's stream of samples,
      the token's index in its unpadded sample, the hidden unit)
@@ -25,7 +25,7 @@ from collections import namedtuple
 import torch
 import torch.distributed as dist
 
-from megatron_cp.counter_hash import absorb, absorb_64, chain, dropout_scale, keep_threshold
+from megatron_cp.layers.counter_hash import absorb, absorb_64, chain, dropout_scale, keep_threshold
 
 DropoutIds = namedtuple("DropoutIds", "samples positions")
 DropoutIds.__doc__ = """Where a microbatch's tokens sit in the run, for every random draw:

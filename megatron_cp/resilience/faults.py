@@ -55,7 +55,7 @@ class NonFiniteError(TrainingFault):
 
 
 class ReplicaMismatchError(TrainingFault):
-    """Data-parallel replicas hold different weights (megatron_cp.weight_hash)."""
+    """Data-parallel replicas hold different weights (megatron_cp.resilience.weight_hash)."""
 
 
 class Progress:

@@ -1,5 +1,5 @@
 """Which elements of a parameter this rank holds: all of them, or, for a parameter that
-FSDP2 shards (a DTensor, :mod:`megatron_cp.optimizer.fsdp`), its rows of dim 0."""
+FSDP2 shards (a DTensor, :mod:`megatron_cp.distributed.fsdp`), its rows of dim 0."""
 from torch.distributed.tensor import DTensor
 
 

@@ -5,7 +5,7 @@ into one flat buffer per (dense/expert) set of params, fp32 by default. A
 post-accumulate-grad hook adds ``param.grad`` into ``main_grad`` and frees ``param.grad``,
 so microbatches accumulate in fp32 even for bf16/fp16 models and the reduction works in
 place on contiguous slices (buckets) of the buffer with no flatten/unflatten copies. The
-layout lives in :mod:`megatron_cp.optimizer.buckets`.
+layout lives in :mod:`megatron_cp.distributed.buckets`.
 
 The reduction is a SUM: the training loop makes each rank's loss
 ``sum(token_loss * mask) / global_num_tokens`` (tokens counted over the whole DP x CP
@@ -28,8 +28,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_cp.optimizer.buckets import build_buckets
-from megatron_cp.optimizer.clip_grads import grad_of
+from megatron_cp.distributed.buckets import build_buckets
+
+
+def grad_of(param):
+    """The gradient the optimizer uses: ``.grad``, else the DDP ``.main_grad`` buffer view."""
+    if param.grad is not None:
+        return param.grad
+    return getattr(param, "main_grad", None)
 
 
 class DistributedDataParallel(nn.Module):
@@ -44,7 +50,7 @@ class DistributedDataParallel(nn.Module):
     :class:`~megatron_cp.optimizer.distrib_optimizer.DistributedOptimizer` (module docstring).
     ``grad_check(index, grad_data)``, when set, sees each bucket's local gradient (``index``:
     its place in the launch order) just before its reduction starts: the result checks of
-    :mod:`megatron_cp.rerun` (NaN, inf, unexpectedly large), made on every rank's own part.
+    :mod:`megatron_cp.resilience.rerun` (NaN, inf, unexpectedly large), made on every rank's own part.
     """
 
     def __init__(self, module, state, bucket_size_mb=40.0, overlap_grad_reduce=False,

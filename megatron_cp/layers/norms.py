@@ -1,48 +1,11 @@
-"""The one import point for optional accelerators (apex, Transformer Engine, FLA), and the norms
-built on them (:func:`norm_for`: the config's norm, zero-centred or not).
-
-Each is used only when importable AND the tensors live on a CUDA device (FLA: also only for
-bf16 / fp16 values, and imported on first use); otherwise the pure-PyTorch modules below run
-(always on CPU, so the tests exercise them).
-"""
+"""The norms of a transformer layer (:func:`norm_for`: the config's LayerNorm or RMSNorm,
+zero-centred or not): apex's or Transformer Engine's fused kernels where
+:mod:`megatron_cp.layers.accelerators` found them and the tensors are on a CUDA device, else
+the pure-PyTorch modules here (always on CPU, so the tests exercise them)."""
 import torch
 import torch.nn.functional as F
 
-try:  # apex fused norms (CUDA kernels)
-    from apex.normalization import FusedLayerNorm as _ApexLayerNorm  # type: ignore
-    from apex.normalization import FusedRMSNorm as _ApexRMSNorm  # type: ignore
-except Exception:  # noqa: BLE001 - any import failure means "not available"
-    _ApexLayerNorm = _ApexRMSNorm = None
-
-try:  # apex fused Adam
-    from apex.optimizers import FusedAdam as ApexFusedAdam  # type: ignore
-except Exception:  # noqa: BLE001
-    ApexFusedAdam = None
-
-_NOT_LOOKED_UP = object()
-_fla_chunk = _NOT_LOOKED_UP  # FLA's chunk_gated_delta_rule, or None; looked up on first use
-
-
-def fla_chunk_gated_delta_rule():
-    """flash-linear-attention's ``chunk_gated_delta_rule`` (its Triton kernels; the Gated
-    DeltaNet layers on CUDA, pinned by setup.py's ``gpu`` extra), or None where FLA is not
-    importable. Imported on the first call, not with this module: ``fla.ops`` loads every FLA
-    op and Triton (2-3 s), which a CPU process or a model without GDN layers never needs.
-    model/gated_delta_rule.py calls it (``_fla_chunk``) with the dtypes and index types its
-    entry point takes."""
-    global _fla_chunk
-    if _fla_chunk is _NOT_LOOKED_UP:
-        try:
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # type: ignore
-        except Exception:  # noqa: BLE001
-            chunk_gated_delta_rule = None
-        _fla_chunk = chunk_gated_delta_rule
-    return _fla_chunk
-
-try:  # Transformer Engine norms
-    import transformer_engine.pytorch as _te  # type: ignore
-except Exception:  # noqa: BLE001
-    _te = None
+from megatron_cp.layers.accelerators import _ApexLayerNorm, _ApexRMSNorm, _te
 
 
 class RMSNorm(torch.nn.Module):
@@ -114,11 +77,3 @@ def norm_for(config, hidden_size, device=None):
     weights with ``layernorm_zero_centered_gamma``) over a last dim of ``hidden_size``."""
     return build_norm(config.normalization, hidden_size, config.norm_epsilon,
                       config.params_dtype, device, config.layernorm_zero_centered_gamma)
-
-
-def accelerators():
-    """Which optional accelerators are importable (for logs; imports FLA, see
-    :func:`fla_chunk_gated_delta_rule`)."""
-    return {"apex_norm": _ApexLayerNorm is not None, "apex_adam": ApexFusedAdam is not None,
-            "transformer_engine": _te is not None,
-            "fla": fla_chunk_gated_delta_rule() is not None}

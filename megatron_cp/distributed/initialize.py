@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_cp import device as device_mod
+from megatron_cp.distributed import device as device_mod
 from megatron_cp.config.parallel import (DEFAULT_RANK_ORDER, DP_OUTER_RANK_ORDER,
                                          PP_OUTER_RANK_ORDER, RANK_ORDERS,
                                          check_hierarchical_sizes)
