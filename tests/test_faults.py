@@ -1,4 +1,4 @@
-"""Faults, each ending in one clear line and a way to recover (the README's "Faults" table):
+"""Faults, each ending in one clear line and a way to recover (the table of docs/faults.md):
 a rank killed mid-training (the others exit at once; --load resumes exactly), a peer that
 stops answering (--distributed-timeout-minutes), a corrupted or truncated checkpoint or
 dataset file, a NaN/inf loss or gradient norm, and an fp16 overflow (a skipped step).

@@ -295,7 +295,8 @@ def counts(runs):
 
 
 def summary_table(sets, runs):
-    """The census table (the README's) of ``sets`` flag sets and the accepted ones' ``runs``."""
+    """The census table (printed in docs/megatron_lm_compatibility.md) of ``sets`` flag sets
+    and the accepted ones' ``runs``."""
     c = counts(runs)
     return ("| sets | accepted | trained 3 iterations (losses recorded) | stopped as written | "
             "failed | goal | result |\n| --- | --- | --- | --- | --- | --- | --- |\n"

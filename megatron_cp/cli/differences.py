@@ -1,6 +1,7 @@
-"""Where megatron_cp deliberately differs from Megatron-LM, each with its reason (the README
-prints this list; tests/test_config_declarations.py holds every default to Megatron-LM's
-census except these), and the defaults Megatron-LM fills in later than its parser.
+"""Where megatron_cp deliberately differs from Megatron-LM, each with its reason
+(docs/megatron_lm_compatibility.md prints this list; tests/test_config_declarations.py holds
+every default to Megatron-LM's census except these), and the defaults Megatron-LM fills in
+later than its parser.
 """
 
 # (what, Megatron-LM, megatron_cp, why): the whole list of deliberate differences

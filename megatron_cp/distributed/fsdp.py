@@ -179,9 +179,9 @@ def megatron_fsdp_flag_problems(args):
 
 
 def apply_megatron_fsdp(args):
-    """Map --use-megatron-fsdp onto megatron_cp's machinery (the README's table): optim is
-    the distributed optimizer, no_shard plain DDP, optim_grads and optim_grads_params FSDP2
-    (:attr:`~megatron_cp.config.optimizer.OptimizerConfig.fully_sharded`). Megatron-FSDP v1
+    """Map --use-megatron-fsdp onto megatron_cp's machinery (the table in docs/parallelism.md):
+    optim is the distributed optimizer, no_shard plain DDP, optim_grads and optim_grads_params
+    FSDP2 (:attr:`~megatron_cp.config.optimizer.OptimizerConfig.fully_sharded`). Megatron-FSDP v1
     steps its own sharded optimizer whatever --use-distributed-optimizer says, so here the
     strategy decides it; the parameter all-gather overlap of a strategy without the
     distributed optimizer is FSDP2's prefetch (or nothing to gather). Returns the start-up
