@@ -84,14 +84,17 @@ def _dir_bytes(path):
 
 
 def _save_as(trainer, ckpt_format, async_save):
-    """Point ``trainer``'s checkpoint section at ``ckpt_format`` (and ``--async-save``)."""
+    """Point ``trainer``'s checkpoint section at ``ckpt_format`` (and ``--async-save``), and
+    its Checkpointer with it."""
+    from megatron_cp.checkpoint.checkpointer import Checkpointer
     checkpoint = dataclasses.replace(trainer.run.checkpoint, ckpt_format=ckpt_format,
                                      async_save=async_save)
     trainer.run = dataclasses.replace(trainer.run, checkpoint=checkpoint)
+    trainer.checkpointer.wait_for_async_save()
+    trainer.checkpointer = Checkpointer(checkpoint, trainer.run.parallel, trainer.run.optimizer)
 
 
 def _checkpoint_worker(rank, world, model, folder):
-    from megatron_cp.checkpoint import load_save
     trainer = _trainer(world, model)
     trainer.train_step()
     step = _timed(trainer.train_step)
@@ -99,19 +102,19 @@ def _checkpoint_worker(rank, world, model, folder):
     for fmt in ("torch", "torch_dist"):
         root = os.path.join(folder, fmt)
         _save_as(trainer, fmt, False)
-        out[f"{fmt}_save_s"] = _timed(lambda: load_save.save_checkpoint(trainer, root))
+        out[f"{fmt}_save_s"] = _timed(lambda: trainer.checkpointer.save(trainer.train_state(), root))
         out[f"{fmt}_bytes"] = _dir_bytes(root) if rank == 0 else None
-        out[f"{fmt}_load_s"] = _timed(lambda: load_save.load_checkpoint(trainer, root))
+        out[f"{fmt}_load_s"] = _timed(lambda: trainer.checkpointer.load(trainer.train_state(), root))
     _save_as(trainer, "torch_dist", True)
     root = os.path.join(folder, "async")
     dist.barrier()
     start = time.perf_counter()
-    load_save.save_checkpoint(trainer, root)
+    trainer.checkpointer.save(trainer.train_state(), root)
     out["async_stall_s"] = time.perf_counter() - start  # training may go on from here
     out["async_step_during_write_s"] = time.perf_counter()
     trainer.train_step()  # a step while the background write runs
     out["async_step_during_write_s"] = time.perf_counter() - out["async_step_during_write_s"]
-    load_save.wait_for_async_save(trainer)
+    trainer.checkpointer.wait_for_async_save()
     out["async_total_s"] = time.perf_counter() - start
     dist.barrier()
     return out

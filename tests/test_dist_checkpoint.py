@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from dist_harness import WorkerError, run_workers
-from megatron_cp.checkpoint import files, load_save
+from megatron_cp.checkpoint import files
 from megatron_cp.cli.arguments import parse_args
 from megatron_cp.checkpoint.canonical import param_spec
 from megatron_cp.checkpoint.pieces import Pieces
@@ -50,8 +50,9 @@ def _load_and_resave(rank, world, argv, target_dir):
     args = parse_args(argv.split(), world_size=world)
     run, state = run_and_state(args)
     trainer = Trainer(args, state, run)
-    trainer.iteration, trainer.consumed_samples = load_save.load_checkpoint(trainer, args.load)
-    load_save.save_checkpoint(trainer, target_dir)
+    trainer.iteration, trainer.consumed_samples = trainer.checkpointer.load(
+        trainer.train_state(), args.load)
+    trainer.checkpointer.save(trainer.train_state(), target_dir)
     return trainer.iteration
 
 

@@ -337,7 +337,6 @@ def _load_errors(rank, world, roots):
     """Load each checkpoint under ``roots`` into a fresh trainer; returns {root: message}."""
     import torch
     from megatron_cp import training
-    from megatron_cp.checkpoint import load_save
     from megatron_cp.cli.arguments import parse_args
     messages, state = {}, None
     for root in roots:
@@ -345,7 +344,8 @@ def _load_errors(rank, world, roots):
         state = state or parallel_state(args)
         try:
             with contextlib.redirect_stdout(io.StringIO()):
-                load_save.load_checkpoint(training.Trainer(args, state), root)
+                trainer = training.Trainer(args, state)
+                trainer.checkpointer.load(trainer.train_state(), root)
             messages[root] = None
         except ValueError as error:
             messages[root] = str(error)

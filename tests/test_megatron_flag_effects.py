@@ -23,7 +23,6 @@ import torch.distributed as dist
 
 from dist_harness import run_workers
 from megatron_cp.distributed import device as device_mod
-from megatron_cp.checkpoint import load_save
 from megatron_cp.checkpoint.torch_dist_format import read_full, write_full
 from megatron_cp.cli.arguments import build_parser, parse_args
 from megatron_cp.cli.megatron_flags import IGNORED, MEMORY, all_entries, megatron_census
@@ -120,7 +119,7 @@ def _load_each(rank, world, argv, roots, modes, probe):
             printed = io.StringIO()
             try:
                 with contextlib.redirect_stdout(printed):
-                    load_save.load_checkpoint(trainer, root)
+                    trainer.checkpointer.load(trainer.train_state(), root)
                 result = printed.getvalue()
             except ValueError as error:
                 result = f"ERROR {error}"
@@ -218,9 +217,9 @@ def _save_and_load_without_gloo(rank, world, argv, root):
     args = parse_args(argv.split(), world_size=world)
     run, state = run_and_state(args)
     trainer = Trainer(args, state, run)
-    load_save.save_checkpoint(trainer, root)
+    trainer.checkpointer.save(trainer.train_state(), root)
     trainer = Trainer(args, state, run)
-    trainer.iteration, _ = load_save.load_checkpoint(trainer, root)
+    trainer.iteration, _ = trainer.checkpointer.load(trainer.train_state(), root)
     return created, trainer.iteration
 
 

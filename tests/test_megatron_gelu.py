@@ -141,14 +141,13 @@ def test_squared_relu_with_the_fusion_refused_as_megatron_core_does():
 def _resumed_mlp(rank, world, argv, x):
     """Worker: the trainer of ``argv`` after its load; (its banner notes, layer 0's MLP on
     ``x``, that MLP's fc2(gelu(fc1(x))) with the erf and with the tanh GELU, its activation)."""
-    from megatron_cp.checkpoint import load_save
     from megatron_cp.observability.run_report import format_compat_notes
     from megatron_cp.training import Trainer
     from training_utils import run_and_state
     args = parse_args(argv.split(), world_size=world)
     run, state = run_and_state(args)
     trainer = Trainer(args, state, run)
-    load_save.load_checkpoint(trainer, args.load)
+    trainer.checkpointer.load(trainer.train_state(), args.load)
     model = trainer.model_chunks[0]
     model = getattr(model, "module", model)
     mlp = model.decoder.layers[0].mlp

@@ -15,7 +15,7 @@ import torch
 
 import megatron.core  # noqa: F401  (a test requirement: scripts/env.sh installs it)
 from dist_harness import run_workers  # noqa: E402
-from megatron_cp.checkpoint import files, load_save  # noqa: E402
+from megatron_cp.checkpoint import files  # noqa: E402
 from megatron_cp.cli.arguments import parse_args  # noqa: E402
 from megatron_cp.training import Trainer, pretrain  # noqa: E402
 import megatron_core_utils as mcu  # noqa: E402
@@ -40,7 +40,7 @@ def _our_logits(rank, world, root, tokens):
                       world_size=world)
     run, state = run_and_state(args)
     trainer = Trainer(args, state, run)
-    it, consumed = load_save.load_checkpoint(trainer, root)
+    it, consumed = trainer.checkpointer.load(trainer.train_state(), root)
     model = trainer.model_chunks[0].module if hasattr(trainer.model_chunks[0], "module") \
         else trainer.model_chunks[0]
     model.eval()
@@ -99,7 +99,7 @@ def _refused(rank, world, root, tokens):
     run, state = run_and_state(args)
     trainer = Trainer(args, state, run)
     try:
-        load_save.load_checkpoint(trainer, root)
+        trainer.checkpointer.load(trainer.train_state(), root)
     except ValueError as error:
         return str(error)
     return "loaded"

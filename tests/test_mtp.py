@@ -272,14 +272,13 @@ def _our_mtp_losses(rank, world, root, tokens, labels):
     depth means [D]) on one microbatch, in training mode, no update."""
     import torch.distributed as dist
     from megatron_cp.cli.arguments import parse_args
-    from megatron_cp.checkpoint import load_save
     from megatron_cp.training import Trainer
     from training_utils import run_and_state
     args = parse_args(f"{MCORE_RUN} --load {root} --tensor-model-parallel-size {world}".split(),
                       world_size=world)
     run, state = run_and_state(args)
     trainer = Trainer(args, state, run)
-    load_save.load_checkpoint(trainer, root)
+    trainer.checkpointer.load(trainer.train_state(), root)
     model = trainer.model_chunks[0].module
     model.train()
     batch = add_mtp_targets({"tokens": tokens, "labels": labels,

@@ -2,11 +2,17 @@
 
 Read top-down:
 
-- ``load_save``: the entry. ``save_checkpoint`` picks the format; ``load_checkpoint`` picks
+- ``checkpointer``: what a run holds, :class:`Checkpointer` -- built from the checkpoint
+  section (and the parallel and optimizer sections where a format reads them), it saves and
+  loads a TrainState, and owns the checkpoint process group and the ``--async-save`` in
+  flight.
+- ``load_save``: the entry the Checkpointer calls. ``save`` picks the format; ``load`` picks
   the format and the layout of what ``--load`` holds (the one place to read how);
   ``saved_args`` serves ``--use-checkpoint-args``. It imports the formats; none imports it.
-- ``state``: what a training state is -- model, optimizer, scheduler, RNG, progress, args --
-  collected from a trainer and restored into one, in the canonical form every layout reads.
+- ``train_state``: :class:`TrainState`, what a checkpoint saves and restores -- model chunks,
+  optimizer, scheduler and rerun machine (each may be None), progress, the arguments to save,
+  the ParallelState, the model config. ``state``: how a TrainState is collected and restored
+  (RNG, schedule, optimizer scalars), in the canonical form every layout reads.
 - ``files``: the on-disk basics every format shares -- tracker, iteration folders, atomic
   writes and the commit, reading a file with one-line damage errors, the model-shape and
   rank-grid rules. ``faults``: a failed save in one line, a damaged file named.
@@ -14,7 +20,7 @@ Read top-down:
   ``torch_format`` (ours, a file per model-parallel rank; names: ``torch_shards``, read
   whole to reshard: ``torch_full``), ``torch_dist_format`` (ours, layout-free, on
   torch.distributed.checkpoint; ``integrity``: ``--verify-integrity``'s hashes) and
-  Megatron-LM's own: ``megatron_lm_format`` (its torch_dist names and files; a trainer's
+  Megatron-LM's own: ``megatron_lm_format`` (its torch_dist names and files; a TrainState's
   load from them: ``megatron_lm_load``) and ``fsdp_dtensor_format`` (Megatron-FSDP's
   ``--ckpt-format fsdp_dtensor``, written and read in any layout).
 - below them: ``canonical`` (canonical names and shapes, where a rank's piece lies),

@@ -6,7 +6,6 @@ line naming the damaged file. It knows neither format.
 import os
 import threading
 
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
@@ -44,19 +43,6 @@ def check_files(folder):
                              f"it is truncated; {files.earlier(root, it)}")
 
 
-def checkpoint_group(trainer):
-    """A gloo group over every rank for checkpoint coordination (created once, collectively),
-    so a background save never shares a communicator with training; the default group (None)
-    under --disable-gloo-process-groups, which writes an --async-save synchronously."""
-    if not trainer.run.parallel.use_gloo_process_groups:
-        return None
-    group = getattr(trainer, "_checkpoint_group", None)
-    if group is None:
-        group = dist.new_group(backend="gloo")
-        trainer._checkpoint_group = group
-    return group
-
-
 class AsyncSave:
     """One background save: a thread writing staged copies; :meth:`wait` re-raises its error."""
 
@@ -78,21 +64,22 @@ class AsyncSave:
             raise self.error
 
 
-def write(trainer, root, state, planner, rank0_files=None, before_commit=None):
+def write(train_state, ckpt, root, state, planner, rank0_files=None, before_commit=None):
     """Write ``state`` (what ``planner``, a DCP save planner class, takes) with DCP and this
-    rank's RNG states (unless --no-save-rng) as iteration ``trainer.iteration`` under
+    rank's RNG states (unless --no-save-rng) as iteration ``train_state.iteration`` under
     ``root``: into ``iter_N.tmp``, which becomes ``iter_N`` (the tracker last) once every rank
-    has written; in the background with ``--async-save`` (the state staged first).
-    ``rank0_files(tmp)`` writes rank 0's further files; ``before_commit(tmp)`` runs on rank 0
-    once every rank has written."""
-    st, checkpoint = trainer.state, trainer.run.checkpoint
+    has written, coordinated over the Checkpointer ``ckpt``'s group; in the background with
+    ``--async-save`` (the state staged first), returning the :class:`AsyncSave` in flight
+    (else None). ``rank0_files(tmp)`` writes rank 0's further files; ``before_commit(tmp)``
+    runs on rank 0 once every rank has written."""
+    st, checkpoint = train_state.parallel_state, ckpt.checkpoint
     # a background writer coordinates over a gloo group of its own: without gloo groups
     # (--disable-gloo-process-groups) the save is written before training goes on
-    async_save = checkpoint.async_save and trainer.run.parallel.use_gloo_process_groups
-    rng = None if checkpoint.no_save_rng else training_state.rng_state(trainer)
-    it = trainer.iteration
+    async_save = checkpoint.async_save and ckpt.parallel.use_gloo_process_groups
+    rng = None if checkpoint.no_save_rng else training_state.rng_state(train_state)
+    it = train_state.iteration
     tmp = files.iteration_dir(root, it) + ".tmp"
-    group = checkpoint_group(trainer)
+    group = ckpt.group()
     attempt = files.save_attempt(root, it, group)
     attempt.start()  # the ranks agree after each phase (where a barrier was)
     if async_save:
@@ -117,9 +104,9 @@ def write(trainer, root, state, planner, rank0_files=None, before_commit=None):
         attempt.phase(commit)
 
     if async_save:
-        trainer.pending_save = AsyncSave(write_all)
-    else:
-        write_all()
+        return AsyncSave(write_all)
+    write_all()
+    return None
 
 
 def read_dcp(folder, state, planner, group):

@@ -186,25 +186,25 @@ class _SavePlanner(PiecesSavePlanner):
         return value.piece_at(index) if isinstance(value, Pieces) else value
 
 
-def _megatron_args(trainer, record):
+def _megatron_args(train_state, ckpt, record):
     """The argument Namespace Megatron-LM saves, from our saved arguments."""
     census = megatron_lm.megatron_census_defaults()
     args = megatron_lm.megatron_args(record["args"], census, record["iteration"],
                                      record["consumed_samples"])
-    parallel = trainer.run.parallel
+    parallel = ckpt.parallel
     vars(args).update(
         ckpt_format="fsdp_dtensor", use_megatron_fsdp=True, use_distributed_optimizer=True,
         data_parallel_sharding_strategy=record["args"].get("data_parallel_sharding_strategy"),
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         context_parallel_size=parallel.context_parallel_size,
         expert_model_parallel_size=parallel.expert_model_parallel_size,
-        world_size=trainer.state.world_size)
+        world_size=train_state.parallel_state.world_size)
     return args
 
 
-def _groups_by_name(trainer):
+def _groups_by_name(train_state):
     """{canonical name: its param group's settings} of this rank's optimizer shards."""
-    inner = trainer.optimizer.optimizer
+    inner = train_state.optimizer.optimizer
     by_storage = {}
     for group in getattr(inner, "param_groups", []):
         settings = {k: v for k, v in group.items() if k != "params"}
@@ -212,9 +212,9 @@ def _groups_by_name(trainer):
             moment = getattr(inner, "state", {}).get(param, {}).get("exp_avg")
             if moment is not None:
                 by_storage[moment.untyped_storage().data_ptr()] = settings
-    specs = training_state._param_specs(trainer)
+    specs = training_state._param_specs(train_state)
     out = {}
-    for shard in trainer.optimizer.param_shards():
+    for shard in train_state.optimizer.param_shards():
         moment = shard.state.get("exp_avg")
         if moment is not None:
             out[specs[id(shard.model_param)][0].name] = by_storage.get(
@@ -236,41 +236,42 @@ def _group_meta(optimizer, group):
     return meta
 
 
-def save(trainer, root):
-    """Save ``trainer`` under ``root`` (every rank calls it) as its checkpoint section says
-    (``--no-save-optim``, ``--no-save-rng``, ``--async-save``); see the module docstring."""
-    checkpoint = trainer.run.checkpoint
-    training_state.wait_for_async_save(trainer)
-    trainer.optimizer.finish_param_sync()
+def save(train_state, ckpt, root):
+    """Save ``train_state`` under ``root`` (every rank calls it) as the checkpoint section
+    (``ckpt.checkpoint``) says (``--no-save-optim``, ``--no-save-rng``, ``--async-save``:
+    returns the save in flight, else None); see the module docstring."""
+    checkpoint = ckpt.checkpoint
+    train_state.optimizer.finish_param_sync()
     with_optimizer = not checkpoint.no_save_optim
-    ours = training_state.sharded_state(trainer, True, padded_vocab=True)
+    ours = training_state.sharded_state(train_state, True, padded_vocab=True)
     if not with_optimizer:  # the masters stay: they are the saved weights
         ours = {k: v for k, v in ours.items()
                 if _kind_and_name(k)[0] in ("model", "main_param")}
-    record = {**training_state.common(trainer, with_optimizer), "ckpt_format": "fsdp_dtensor"}
+    record = {**training_state.common(train_state, ckpt, with_optimizer),
+              "ckpt_format": "fsdp_dtensor"}
     naming = Naming.of(record["args"])
     entries = [(fqn, key, pieces) for fqn, key, pieces in _on_disk(ours, naming)
                if not key.startswith("model.") or f"optimizer.main_param.{key[6:]}" not in ours]
     state = {fqn: pieces for fqn, _, pieces in entries}
     if with_optimizer:
         step = torch.tensor(record["adam_step"], dtype=torch.float32)
-        groups = _groups_by_name(trainer)
+        groups = _groups_by_name(train_state)
         for fqn, key, _ in entries:
             if fqn.endswith(".exp_avg"):
                 base = fqn[:-len(".exp_avg")]
                 state[f"{base}.step"] = Pieces((), [((), step)])
                 meta = "optimizer.param_to_group_meta." + base[len("optimizer.state."):]
                 group = groups.get(_kind_and_name(key)[1], {})
-                for setting, value in _group_meta(trainer.run.optimizer, group).items():
+                for setting, value in _group_meta(ckpt.optimizer_config, group).items():
                     state[f"{meta}.{setting}"] = value
         schedule = megatron_lm.scheduler_to_megatron(
             record["opt_param_scheduler"], record["args"].get("global_batch_size") or 1,
-            trainer.run.optimizer.lr_counts_samples)
+            ckpt.optimizer_config.lr_counts_samples)
         state.update({f"opt_param_scheduler.{k}": v for k, v in schedule.items()})
-    state.update({"args": _megatron_args(trainer, record), "checkpoint_version": 3.0,
+    state.update({"args": _megatron_args(train_state, ckpt, record), "checkpoint_version": 3.0,
                   "iteration": record["iteration"], RECORD: record,
                   "num_floating_point_operations_so_far": 0})
-    dcp_files.write(trainer, root, state, _SavePlanner)
+    return dcp_files.write(train_state, ckpt, root, state, _SavePlanner)
 
 
 # --- loading -------------------------------------------------------------------------------
@@ -336,7 +337,7 @@ def _read(folder, group, entries=None, objects=()):
     return planner.objects
 
 
-def _megatron_record(objects, saved, trainer):
+def _megatron_record(objects, saved, lr_counts_samples):
     """Our record of a checkpoint Megatron-LM wrote (its ``args``, ``iteration``, schedule)."""
     args = megatron_lm.our_args(objects["args"])
     schedule = {k[len("opt_param_scheduler."):]: v for k, v in objects.items()
@@ -347,24 +348,25 @@ def _megatron_record(objects, saved, trainer):
             "has_optimizer": has_optimizer and bool(schedule), "layout": None,
             "opt_param_scheduler": megatron_lm.scheduler_state(
                 {"opt_param_scheduler": schedule}, args["global_batch_size"],
-                trainer.run.optimizer.lr_counts_samples),
+                lr_counts_samples),
             "adam_step": None, "param_groups": [], "num_skipped_iters": 0}
 
 
-def load(trainer, root, it):
+def load(train_state, ckpt, root, it):
     """Load the fsdp_dtensor checkpoint of iteration ``it`` under ``root`` (ours or
-    Megatron-LM's) into ``trainer``, whatever layout saved it; returns (iteration, consumed
-    samples)."""
+    Megatron-LM's) into ``train_state``, whatever layout saved it; returns (iteration,
+    consumed samples)."""
     folder = files.iteration_dir(root, it)
     dcp_files.check_files(folder)
-    group = dcp_files.checkpoint_group(trainer)
+    group = ckpt.group()
     saved = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
     if RECORD in saved:
         record = _read(folder, group, objects=[RECORD])[RECORD]
     else:
         wanted = ["args", "iteration"] + [k for k in saved if k.startswith("opt_param_scheduler.")]
-        record = _megatron_record(_read(folder, group, objects=wanted), saved, trainer)
-    checkpoint = trainer.run.checkpoint
+        record = _megatron_record(_read(folder, group, objects=wanted), saved,
+                                  ckpt.optimizer_config.lr_counts_samples)
+    checkpoint = ckpt.checkpoint
     naming = Naming.of(record["args"])
     by_name = {}
     for fqn in saved:
@@ -396,7 +398,7 @@ def load(trainer, root, it):
         if record["adam_step"] is None:
             record["adam_step"] = float(step) if steps else 0.0
 
-    return training_state.restore(trainer, root, it, record, read)
+    return training_state.restore(train_state, ckpt, root, it, record, read)
 
 
 def saved_args(folder):

@@ -15,15 +15,18 @@ run was started in:
    file by file, each rank its own (a bit-exact resume), and one of another layout is read
    whole by every rank, which takes its own pieces (resharded on load).
 
-Every decision here and in the formats is read from the trainer's sections: its checkpoint
-section (``trainer.run.checkpoint``: where, the format, what to load, async, integrity, the
-retain interval, ``--finetune``, ``--no-load-*``), the parallel layout (``trainer.run.parallel``)
-and the model and optimizer's. ``trainer.args``, Megatron-LM's flat argument namespace, is
-only what a checkpoint saves as its arguments (part of the on-disk format, which Megatron-LM
-and our tools read), and so what a load compares a checkpoint's saved arguments with for the
-model's shape, name for name.
+What is saved and loaded is a :class:`~megatron_cp.checkpoint.train_state.TrainState`
+(``train_state``); every decision here and in the formats is read from the
+:class:`~megatron_cp.checkpoint.checkpointer.Checkpointer` (``ckpt``) and its sections: the
+checkpoint section (``ckpt.checkpoint``: where, the format, what to load, async, integrity,
+the retain interval, ``--finetune``, ``--no-load-*``), the parallel layout (``ckpt.parallel``)
+and the optimizer's (``ckpt.optimizer_config``), with the model's config from the TrainState.
+``train_state.args``, Megatron-LM's flat argument namespace, is only what a checkpoint saves as
+its arguments (part of the on-disk format, which Megatron-LM and our tools read), and so what a
+load compares a checkpoint's saved arguments with for the model's shape, name for name.
 
-The formats live in their own modules and know nothing of each other or of this one.
+The Checkpointer calls :func:`save` and :func:`load`; the formats live in their own modules and
+know nothing of each other, of this one or of the Checkpointer's module.
 """
 import dataclasses
 import os
@@ -31,22 +34,19 @@ import os
 from megatron_cp.checkpoint import files, fsdp_dtensor_format, megatron_lm_format, megatron_lm_load
 from megatron_cp.checkpoint import torch_dist_format, torch_format
 from megatron_cp.checkpoint.state import saved_arguments
-from megatron_cp.checkpoint.state import wait_for_async_save  # noqa: F401 - the save's other half
 from megatron_cp.checkpoint.torch_shards import first_file
 
 
-def save_checkpoint(trainer, root=None):
-    """Save model, optimizer, scheduler, RNG, consumed samples and arguments (``trainer.args``)
-    atomically under ``root`` (default ``--save``), as ``trainer.run.checkpoint`` says: in its
-    ``--ckpt-format`` (with ``--async-save``, torch_dist, in the background: finish it with
-    :func:`wait_for_async_save`)."""
-    checkpoint = trainer.run.checkpoint
-    root = checkpoint.save if root is None else root
-    if checkpoint.ckpt_format == "torch_dist":
-        return torch_dist_format.save(trainer, root)
-    if checkpoint.ckpt_format == "fsdp_dtensor":
-        return fsdp_dtensor_format.save(trainer, root)
-    return torch_format.save(trainer, root)
+def save(train_state, ckpt, root):
+    """Save ``train_state`` under ``root`` in ``ckpt``'s ``--ckpt-format``; returns the
+    background save in flight (``--async-save``; the Checkpointer keeps it) or None."""
+    fmt = ckpt.checkpoint.ckpt_format
+    if fmt == "torch_dist":
+        return torch_dist_format.save(train_state, ckpt, root)
+    if fmt == "fsdp_dtensor":
+        return fsdp_dtensor_format.save(train_state, ckpt, root)
+    torch_format.save(train_state, ckpt, root)
+    return None
 
 
 def weights_only(checkpoint):
@@ -56,13 +56,11 @@ def weights_only(checkpoint):
     return dataclasses.replace(checkpoint, finetune=True, no_load_optim=True, no_load_rng=True)
 
 
-def load_checkpoint(trainer, root=None):
-    """Load the latest checkpoint under ``root`` (default ``--load``; ``--ckpt-step``'s
-    iteration when given) into ``trainer``, whatever its format and parallel layout (the
-    module docstring), as ``trainer.run.checkpoint`` says; returns (iteration, consumed
-    samples)."""
-    st, checkpoint = trainer.state, trainer.run.checkpoint
-    root = checkpoint.load if root is None else root
+def load(train_state, ckpt, root):
+    """Load the latest checkpoint under ``root`` (``--ckpt-step``'s iteration when given)
+    into ``train_state``, whatever its format and parallel layout (the module docstring), as
+    ``ckpt.checkpoint`` says; returns (iteration, consumed samples)."""
+    st, checkpoint = train_state.parallel_state, ckpt.checkpoint
     it = files.load_iteration(root, checkpoint.ckpt_step)
     if it is None:
         if checkpoint.exit_on_missing_checkpoint:
@@ -75,37 +73,38 @@ def load_checkpoint(trainer, root=None):
         return 0, 0
     folder = files.iteration_dir(root, it)
     if megatron_lm_format.is_megatron_lm(folder):  # written by Megatron-LM itself
-        return megatron_lm_load.load(trainer, root, it)
+        return megatron_lm_load.load(train_state, ckpt, root, it)
     if fsdp_dtensor_format.is_fsdp_dtensor(folder):  # Megatron-FSDP's layout, ours or its own
-        return fsdp_dtensor_format.load(trainer, root, it)
+        return fsdp_dtensor_format.load(train_state, ckpt, root, it)
     if torch_dist_format.is_torch_dist(folder):
-        return torch_dist_format.load(trainer, root, it)
-    return _load_torch(trainer, root, it)
+        return torch_dist_format.load(train_state, ckpt, root, it)
+    return _load_torch(train_state, ckpt, root, it)
 
 
-def _load_torch(trainer, root, it):
+def _load_torch(train_state, ckpt, root, it):
     """A ``torch`` checkpoint: each rank its own file when the saved layout spread the model
-    over the files as this run does (``trainer.run.parallel``), else every rank reads it
-    whole and reshards."""
-    st = trainer.state
-    if trainer.run.checkpoint.verify_integrity and st.global_rank == 0:
+    over the files as this run does (``ckpt.parallel``), else every rank reads it whole and
+    reshards."""
+    st = train_state.parallel_state
+    if ckpt.checkpoint.verify_integrity and st.global_rank == 0:
         print(f" --verify-integrity: the checkpoint under {root} is --ckpt-format torch, which "
               f"has no integrity manifest (Megatron-LM hashes torch_dist checkpoints only); "
               f"loading it unverified", flush=True)
-    payload = torch_format.read_own_file(trainer, root, it)  # or a namesake of another layout
+    # this rank's file, or a namesake of another layout's
+    payload = torch_format.read_own_file(train_state, ckpt, root, it)
     saved = payload["args"] if payload is not None else torch_format.saved_args(root, it)
-    files.check_args_match(saved, saved_arguments(trainer.args))
-    same_layout = files.same_model_layout(saved, trainer.run.parallel)
+    files.check_args_match(saved, saved_arguments(train_state.args))
+    same_layout = files.same_model_layout(saved, ckpt.parallel)
     if payload is None and same_layout:
-        raise ValueError(f"checkpoint file {torch_format.own_file(trainer, root, it)} is missing "
-                         f"(the same layout saved it: the copy is incomplete); "
+        raise ValueError(f"checkpoint file {torch_format.own_file(train_state, ckpt, root, it)} "
+                         f"is missing (the same layout saved it: the copy is incomplete); "
                          f"{files.earlier(root, it)}")
     if payload is None or not same_layout:
         if st.global_rank == 0:
             print(f" the torch checkpoint under {root} was saved under another parallel layout: "
                   f"every rank reads it whole and takes its own shards", flush=True)
-        return torch_format.load_resharded(trainer, root, it)
-    return torch_format.load_own_file(trainer, root, it, payload)
+        return torch_format.load_resharded(train_state, ckpt, root, it)
+    return torch_format.load_own_file(train_state, ckpt, root, it, payload)
 
 
 def args_file(root, step=None):

@@ -25,7 +25,7 @@ depths are not stacked: ``mtp.layers.<k>.transformer_layer.<layer name>`` per de
 
 The full weights here are plain (unsharded, TP=1) tensors under our names with global layer
 numbers (``decoder.layers.3.mlp.linear_fc1.weight``), the form tools/checkpoint_convert.py
-works in. This module knows nothing of our own formats; a trainer's load from it is
+works in. This module knows nothing of our own formats; a TrainState's load from it is
 :mod:`megatron_cp.checkpoint.megatron_lm_load`.
 """
 import argparse

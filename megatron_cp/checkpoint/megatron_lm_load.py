@@ -1,4 +1,4 @@
-"""A trainer resumes from a checkpoint Megatron-LM wrote, in any layout.
+"""A TrainState resumes from a checkpoint Megatron-LM wrote, in any layout.
 
 Each rank reads the whole model once (:func:`megatron_lm_format.read`: Megatron's stacked
 tensors as our full weights) and copies into its params the boxes it holds, the same boxes a
@@ -7,9 +7,10 @@ DP layout and the distributed optimizer load it alike. What carries over: the we
 the iteration, the consumed samples, the learning-rate schedule (its sample counts turned
 into our iterations) and, when Megatron saved them in a form read here, the Adam moments
 and step. One line at start-up says what does not (RNG states, Megatron's padded
-vocabulary rows, an optimizer state it did not save). What it loads follows the trainer's
-sections: the checkpoint's (``trainer.run.checkpoint``: ``--finetune``, ``--no-load-optim``),
-the optimizer's (``trainer.run.optimizer``) and the model (``trainer.run.model``).
+vocabulary rows, an optimizer state it did not save). What it loads follows the
+Checkpointer's sections: the checkpoint's (``ckpt.checkpoint``: ``--finetune``,
+``--no-load-optim``) and the optimizer's (``ckpt.optimizer_config``), the TrainState's model
+(``train_state.model_config``) and what the TrainState holds (no optimizer: the weights only).
 """
 import torch
 
@@ -36,11 +37,12 @@ def _copy_into(pieces_by_key, full_by_key, folder):
         pieces.fill_from(_canonical(full_by_key[key], pieces.global_shape))
 
 
-def check_args(saved, trainer, folder):
-    """The model of ``trainer`` must be the checkpoint's (its arguments ``saved``, ours):
-    the shape of what the trainer saves (its arguments), and the GELU of its model section."""
-    files.check_args_match(saved, training_state.saved_arguments(trainer.args))
-    model = trainer.run.model
+def check_args(saved, train_state, folder):
+    """The model of ``train_state`` must be the checkpoint's (its arguments ``saved``, ours):
+    the shape of what the TrainState saves (its arguments), and the GELU of its model
+    config."""
+    files.check_args_match(saved, training_state.saved_arguments(train_state.args))
+    model = train_state.model_config
     fused = bool(saved.get("bias_gelu_fusion"))
     if model.activation in ("gelu", "gelu_tanh") and fused != bool(model.bias_gelu_fusion):
         implied = "tanh (its bias-GELU fusion is on)" if fused else "exact (erf)"
@@ -49,20 +51,22 @@ def check_args(saved, trainer, folder):
                          f"--use-checkpoint-args) so the logits are Megatron-LM's")
 
 
-def load(trainer, root, it):
-    """Load Megatron-LM's checkpoint of iteration ``it`` under ``root`` into ``trainer``;
+def load(train_state, ckpt, root, it):
+    """Load Megatron-LM's checkpoint of iteration ``it`` under ``root`` into ``train_state``;
     returns (iteration, consumed samples)."""
-    st, checkpoint = trainer.state, trainer.run.checkpoint
-    optimizer = trainer.run.optimizer.optimizer
+    st, checkpoint, opt = train_state.parallel_state, ckpt.checkpoint, train_state.optimizer
+    optimizer = ckpt.optimizer_config.optimizer
     folder = files.iteration_dir(root, it)
-    vocab = trainer.config.vocab_size
+    vocab = train_state.model_config.vocab_size
     full, moments, saved, common = megatron_lm.read(folder, vocab_rows=vocab)
-    check_args(saved, trainer, folder)
-    trainer.optimizer.finish_param_sync()
+    check_args(saved, train_state, folder)
+    if opt is not None:
+        opt.finish_param_sync()
     step = megatron_lm.adam_step(common)
     with_optimizer = (bool(moments) and step is not None and not checkpoint.finetune
-                      and not checkpoint.no_load_optim and optimizer == "adam")
-    state = training_state.sharded_state(trainer, with_optimizer, for_load=True)
+                      and not checkpoint.no_load_optim and optimizer == "adam"
+                      and opt is not None)
+    state = training_state.sharded_state(train_state, with_optimizer, for_load=True)
     tensors = {f"model.{name}": t for name, t in full.items()}
     if with_optimizer:
         moments.setdefault("main_param", full)  # fp32 training: the weights are the main params
@@ -74,20 +78,23 @@ def load(trainer, root, it):
     if padded and padded > vocab:
         not_carried.append(f"its {padded - vocab} padded vocabulary rows")
     if not with_optimizer:
-        trainer.optimizer.reload_model_params()
+        if opt is not None:
+            opt.reload_model_params()
         not_carried.append("the optimizer state (" + (
             "--finetune" if checkpoint.finetune else "--no-load-optim" if checkpoint.no_load_optim
+            else "no optimizer here" if opt is None
             else f"--optimizer {optimizer}" if optimizer != "adam"
             else "none saved in a form read here") + ")")
     else:
-        set_adam_step(trainer.optimizer.optimizer, step)
+        set_adam_step(opt.optimizer, step)
     iteration = 0 if checkpoint.finetune else int(common.get("iteration", it))
     consumed = 0 if checkpoint.finetune else int(saved.get("consumed_train_samples") or 0)
-    if not checkpoint.finetune and common.get("opt_param_scheduler"):
-        trainer.scheduler.load_state_dict(megatron_lm.scheduler_state(
-            common, saved["global_batch_size"], trainer.run.optimizer.lr_counts_samples))
-    elif not checkpoint.finetune:
-        training_state.resume_schedule_only(trainer, root, it, iteration, consumed)
+    scheduler = train_state.scheduler
+    if not checkpoint.finetune and common.get("opt_param_scheduler") and scheduler is not None:
+        scheduler.load_state_dict(megatron_lm.scheduler_state(
+            common, saved["global_batch_size"], ckpt.optimizer_config.lr_counts_samples))
+    elif not checkpoint.finetune and scheduler is not None:
+        training_state.resume_schedule_only(train_state, ckpt, root, it, iteration, consumed)
     if st.global_rank == 0:
         print(f" loaded Megatron-LM checkpoint {root} at iteration {iteration} (weights, "
               f"iteration, consumed samples {consumed}, learning-rate schedule"

@@ -1,6 +1,7 @@
-"""What a training state is, collected from a trainer and restored into one, in no file format.
+"""What a training state holds, collected from a
+:class:`~megatron_cp.checkpoint.train_state.TrainState` and restored into one, in no file format.
 
-A checkpoint holds a trainer's
+A checkpoint holds a TrainState's
 
 - model: each param under its canonical name and global shape, this rank holding boxes of it
   (:func:`sharded_state`, :mod:`megatron_cp.checkpoint.canonical`), so any layout reads the
@@ -12,15 +13,17 @@ A checkpoint holds a trainer's
 - RNG: every rank's generators (:func:`rng_state`), restored only on the same rank grid;
 - progress: the iteration and the consumed samples;
 - args: the arguments it was saved with (:func:`saved_arguments`: Megatron-LM's flat
-  namespace, ``trainer.args``, part of the on-disk format), whose model shape a load must
-  match (:func:`megatron_cp.checkpoint.files.check_args_match`).
+  namespace, ``train_state.args``, part of the on-disk format), whose model shape a load
+  must match (:func:`megatron_cp.checkpoint.files.check_args_match`).
 
-What a save writes and a load restores is decided by the run's sections, not by
-``trainer.args``: the checkpoint section (``trainer.run.checkpoint``: ``--finetune``,
-``--no-load-optim``, ``--no-load-rng``, ...), the parallel layout (``trainer.run.parallel``:
-the rank grid) and the optimizer's (``trainer.run.optimizer``: which optimizer, how the
-schedule counts). ``trainer.args`` is what a checkpoint saves as its arguments, and so what
-the saved arguments' model shape is compared with.
+What a save writes and a load restores is decided by the Checkpointer's sections (``ckpt``),
+not by ``train_state.args``: the checkpoint section (``ckpt.checkpoint``: ``--finetune``,
+``--no-load-optim``, ``--no-load-rng``, ...), the parallel layout (``ckpt.parallel``: the rank
+grid) and the optimizer's (``ckpt.optimizer_config``: which optimizer, how the schedule
+counts). ``train_state.args`` is what a checkpoint saves as its arguments, and so what the
+saved arguments' model shape is compared with. What the TrainState has no object for (its
+``optimizer``, ``scheduler`` or ``rerun`` is None: a model for inference) a load leaves
+alone, and says nothing of.
 
 :func:`restore` puts a state back from the canonical record (``common``) and a ``read``
 that fills this rank's boxes, whichever format and layout the tensors come from.
@@ -45,9 +48,9 @@ GROUP_SETTINGS = ("lr", "weight_decay", "betas", "eps", "momentum", "wd_mult", "
 GROUP_KEY = ("optimizer", "wd_mult", "is_decoupled_lr", "is_mup_hidden")
 
 
-def model_chunks(trainer):
-    """The trainer's model chunks (one per virtual stage), without their DDP wrappers."""
-    return [c.module if hasattr(c, "module") else c for c in trainer.model_chunks]
+def model_chunks(train_state):
+    """The TrainState's model chunks (one per virtual stage), without their DDP wrappers."""
+    return [c.module if hasattr(c, "module") else c for c in train_state.model_chunks]
 
 
 def _plain(value):
@@ -55,7 +58,7 @@ def _plain(value):
 
 
 def saved_arguments(args):
-    """The arguments a checkpoint records: the plain values of ``args`` (the trainer's flat
+    """The arguments a checkpoint records: the plain values of ``args`` (the run's flat
     argument namespace, Megatron-LM's names: the on-disk format, which Megatron-LM and our
     tools read), the dtype by name."""
     saved = {k: v for k, v in vars(args).items() if _plain(v)}
@@ -63,39 +66,31 @@ def saved_arguments(args):
     return saved
 
 
-def wait_for_async_save(trainer):
-    """Block until the background save in flight (``--async-save``), if any, has written
-    and committed; it re-raises the save's error."""
-    pending, trainer.pending_save = getattr(trainer, "pending_save", None), None
-    if pending is not None:
-        pending.wait()
-
-
 # --- RNG ---------------------------------------------------------------------------------
 
-def rng_state(trainer):
+def rng_state(train_state):
     """This rank's RNG states and, while a rerun is pending (the rerun state machine's exit
     16), the machine's verdict so far: a rerun elsewhere needs both (the same dropout)."""
     rng = {"python": random.getstate(), "numpy": np.random.get_state(),
-           "torch": torch.get_rng_state(), "device": device_mod.rng_state(trainer.device),
-           "tracker": trainer.model_chunks[0].module.rng_tracker.get_states()}
-    pending = trainer.rerun.state_dict() if hasattr(trainer, "rerun") else None
+           "torch": torch.get_rng_state(), "device": device_mod.rng_state(train_state.device),
+           "tracker": model_chunks(train_state)[0].rng_tracker.get_states()}
+    rerun = train_state.rerun
+    pending = rerun.state_dict() if rerun is not None else None
     if pending is not None:
         rng["rerun"] = pending
     return rng
 
 
-def restore_rng(trainer, rng):
+def restore_rng(train_state, rng):
     """Set this rank's RNG states from :func:`rng_state`'s dict, and resume the pending
-    rerun it holds, if any."""
+    rerun it holds, if any (and if ``train_state`` has a rerun machine)."""
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
     torch.set_rng_state(rng["torch"])
-    device_mod.set_rng_state(rng["device"], trainer.device)
-    first = trainer.model_chunks[0]
-    getattr(first, "module", first).rng_tracker.set_states(rng["tracker"])
-    if "rerun" in rng and hasattr(trainer, "rerun"):
-        trainer.rerun.load_state_dict(rng["rerun"])
+    device_mod.set_rng_state(rng["device"], train_state.device)
+    model_chunks(train_state)[0].rng_tracker.set_states(rng["tracker"])
+    if "rerun" in rng and train_state.rerun is not None:
+        train_state.rerun.load_state_dict(rng["rerun"])
 
 
 def rng_file(root, it, global_rank):
@@ -103,40 +98,44 @@ def rng_file(root, it, global_rank):
     return os.path.join(files.iteration_dir(root, it), "rng", f"rank_{global_rank:05d}.pt")
 
 
-def load_rng(trainer, root, it, saved_layout):
+def load_rng(train_state, ckpt, root, it, saved_layout):
     """Restore this rank's RNG states from iteration ``it`` under ``root`` when the
     checkpoint was saved on the same rank grid (``saved_layout``: its
     :func:`~megatron_cp.checkpoint.files.rank_grid`) and has them; otherwise say in one line
     that the RNG streams start afresh: they are per global rank and cannot follow the ranks
     into another layout."""
-    st = trainer.state
+    st = train_state.parallel_state
     path = rng_file(root, it, st.global_rank)
     if saved_layout is None or files.rank_grid(saved_layout) != \
-            files.rank_grid(trainer.run.parallel) or not os.path.exists(path):
+            files.rank_grid(ckpt.parallel) or not os.path.exists(path):
         if st.global_rank == 0:
             print(" the checkpoint was saved under another parallel layout (or without RNG "
                   "states): the per-rank RNG streams start afresh; data order, optimizer and "
                   "dropout (drawn from global coordinates, not those streams) resume exactly",
                   flush=True)
         return
-    restore_rng(trainer, files.load_file(path, root, it, keys=RNG_KEYS))
+    restore_rng(train_state, files.load_file(path, root, it, keys=RNG_KEYS))
 
 
 # --- schedule and optimizer --------------------------------------------------------------
 
-def resume_schedule_only(trainer, root, it, iteration, consumed_samples):
+def resume_schedule_only(train_state, ckpt, root, it, iteration, consumed_samples):
     """After loading weights only (a converted checkpoint, or one saved with
     ``--no-save-optim``): the optimizer and RNG start fresh, but the learning-rate schedule
     goes on at the saved iteration (one step per iteration, or per sample under a batch-size
-    schedule), as the iteration count does, instead of warming up again. Returns (iteration,
-    consumed samples)."""
-    trainer.scheduler.num_steps = 0
-    counts_samples = trainer.run.optimizer.lr_counts_samples
-    trainer.scheduler.step(consumed_samples if counts_samples else iteration)
-    if trainer.state.global_rank == 0:
+    schedule), as the iteration count does, instead of warming up again (a TrainState without
+    a schedule: nothing to resume). Returns (iteration, consumed samples)."""
+    scheduler = train_state.scheduler
+    if scheduler is not None:
+        scheduler.num_steps = 0
+        counts_samples = ckpt.optimizer_config.lr_counts_samples
+        scheduler.step(consumed_samples if counts_samples else iteration)
+    if train_state.parallel_state.global_rank == 0 and scheduler is not None:
         print(f" loaded weights only from {root} at iteration {it}: optimizer and RNG "
               f"start fresh, the learning-rate schedule resumes at iteration {iteration}",
               flush=True)
+    elif train_state.parallel_state.global_rank == 0:
+        print(f" loaded weights only from {root} at iteration {it}", flush=True)
     return iteration, consumed_samples
 
 
@@ -175,13 +174,13 @@ def _restore_optimizer(opt, common):
 COPIES_OF_THE_EMBEDDING = ("output_layer.weight", "mtp_word_embeddings.weight")
 
 
-def _param_specs(trainer, padded_vocab=False):
+def _param_specs(train_state, padded_vocab=False):
     """{id(param): (CanonicalSpec, is the last stage's tied copy)} for this rank's params
     (``padded_vocab``: the vocabulary params with their padded rows, as Megatron-LM saves
     them)."""
-    st = trainer.state
+    st = train_state.parallel_state
     out = {}
-    for chunk in model_chunks(trainer):
+    for chunk in model_chunks(train_state):
         layers = list(chunk.decoder.layer_numbers)
         for name, param in chunk.named_parameters():
             tied_copy = name in COPIES_OF_THE_EMBEDDING and getattr(param, "shared_embedding",
@@ -192,7 +191,7 @@ def _param_specs(trainer, padded_vocab=False):
                                          st.size("etp"), st.rank("etp"))
             else:
                 spec = param_spec(canon, param, st.size("tp"), st.rank("tp"),
-                                  None if padded_vocab else trainer.config.vocab_size)
+                                  None if padded_vocab else train_state.model_config.vocab_size)
             out[id(param)] = (spec, tied_copy)
     return out
 
@@ -207,12 +206,12 @@ def _persistent_buffers(chunk):
             yield canonical_name(name, layers), buffer
 
 
-def sharded_state(trainer, with_optimizer, for_load=False, padded_vocab=False):
+def sharded_state(train_state, with_optimizer, for_load=False, padded_vocab=False):
     """``{key: Pieces}`` of this rank: live views of the model params and, with
     ``with_optimizer``, of the optimizer shards. ``for_load`` includes the tied copy (it
     reads the embedding's key); a save leaves it out. ``padded_vocab``: the vocabulary
     params whole, padded rows included."""
-    specs = _param_specs(trainer, padded_vocab)
+    specs = _param_specs(train_state, padded_vocab)
     state = {}
 
     def put(key, spec, flat, start, stop):
@@ -220,7 +219,7 @@ def sharded_state(trainer, with_optimizer, for_load=False, padded_vocab=False):
             raise AssertionError(f"two pieces of {key} on one rank")
         state[key] = Pieces.of_flat(spec, flat, start, stop)
 
-    for chunk in model_chunks(trainer):
+    for chunk in model_chunks(train_state):
         for param in chunk.parameters():
             spec, tied_copy = specs[id(param)]
             piece = model_piece(param, for_load, with_optimizer)  # FSDP2: this rank's rows
@@ -230,7 +229,7 @@ def sharded_state(trainer, with_optimizer, for_load=False, padded_vocab=False):
             put(f"model.{canon}", param_spec(canon, buffer, 1, 0), buffer.view(-1), 0,
                 buffer.numel())
     if with_optimizer:
-        for shard in trainer.optimizer.param_shards():
+        for shard in train_state.optimizer.param_shards():
             spec, tied_copy = specs[id(shard.model_param)]
             if tied_copy and not for_load:
                 continue
@@ -240,17 +239,18 @@ def sharded_state(trainer, with_optimizer, for_load=False, padded_vocab=False):
     return state
 
 
-def common(trainer, with_optimizer):
-    """The record of everything but the tensors: progress, args (``trainer.args``, the saved
-    namespace), the rank grid (of ``trainer.run.parallel``), schedule and the optimizer's
+def common(train_state, ckpt, with_optimizer):
+    """The record of everything but the tensors: progress, args (``train_state.args``, the
+    saved namespace), the rank grid (of ``ckpt.parallel``), schedule and the optimizer's
     scalars. A collective (the Adam step count is agreed by every rank)."""
-    opt = trainer.optimizer
+    opt = train_state.optimizer
     step = torch.tensor([adam_step(opt.optimizer)], dtype=torch.float64)
     dist.all_reduce(step, op=dist.ReduceOp.MAX)  # a distributed-optimizer rank may own nothing
-    record = {"iteration": trainer.iteration, "consumed_samples": trainer.consumed_samples,
-              "args": saved_arguments(trainer.args), "checkpoint_version": 3.0,
-              "layout": files.rank_grid(trainer.run.parallel), "has_optimizer": with_optimizer,
-              "opt_param_scheduler": trainer.scheduler.state_dict()}
+    record = {"iteration": train_state.iteration,
+              "consumed_samples": train_state.consumed_samples,
+              "args": saved_arguments(train_state.args), "checkpoint_version": 3.0,
+              "layout": files.rank_grid(ckpt.parallel), "has_optimizer": with_optimizer,
+              "opt_param_scheduler": train_state.scheduler.state_dict()}
     if with_optimizer:
         record.update(adam_step=step.item(), num_skipped_iters=opt.num_skipped_iters,
                       grad_scaler=None if opt.grad_scaler is None else opt.grad_scaler.state_dict(),
@@ -259,32 +259,34 @@ def common(trainer, with_optimizer):
     return record
 
 
-def restore(trainer, root, it, record, read):
-    """Restore ``trainer`` from a checkpoint held as canonical tensors: ``record`` is its
+def restore(train_state, ckpt, root, it, record, read):
+    """Restore ``train_state`` from a checkpoint held as canonical tensors: ``record`` is its
     :func:`common` record, ``read(state)`` fills this rank's :func:`sharded_state`
     (``{key: Pieces}``) from its tensors, whichever layout saved them; what it restores
-    follows ``trainer.run.checkpoint``. Returns (iteration, consumed samples)."""
-    st, checkpoint = trainer.state, trainer.run.checkpoint
-    files.check_args_match(record["args"], saved_arguments(trainer.args))
-    wait_for_async_save(trainer)
-    trainer.optimizer.finish_param_sync()
+    follows ``ckpt.checkpoint`` and what ``train_state`` holds (no optimizer: the weights,
+    no optimizer state). Returns (iteration, consumed samples)."""
+    st, checkpoint, opt = train_state.parallel_state, ckpt.checkpoint, train_state.optimizer
+    files.check_args_match(record["args"], saved_arguments(train_state.args))
+    if opt is not None:
+        opt.finish_param_sync()
     with_optimizer = (record["has_optimizer"] and not checkpoint.finetune
-                      and not checkpoint.no_load_optim)
+                      and not checkpoint.no_load_optim and opt is not None)
     if with_optimizer:
-        check_optimizer_matches(record["args"], trainer.run.optimizer)
-    read(sharded_state(trainer, with_optimizer, for_load=True))
-    if not with_optimizer:
-        trainer.optimizer.reload_model_params()
+        check_optimizer_matches(record["args"], ckpt.optimizer_config)
+    read(sharded_state(train_state, with_optimizer, for_load=True))
+    if opt is not None and not with_optimizer:
+        opt.reload_model_params()
     if checkpoint.finetune:
         return 0, 0
     if not record["has_optimizer"]:
-        return resume_schedule_only(trainer, root, it, record["iteration"],
+        return resume_schedule_only(train_state, ckpt, root, it, record["iteration"],
                                     record["consumed_samples"])
     if with_optimizer:
-        trainer.scheduler.load_state_dict(record["opt_param_scheduler"])
-        _restore_optimizer(trainer.optimizer, record)
+        if train_state.scheduler is not None:
+            train_state.scheduler.load_state_dict(record["opt_param_scheduler"])
+        _restore_optimizer(opt, record)
     if not checkpoint.no_load_rng:
-        load_rng(trainer, root, it, record.get("layout"))
+        load_rng(train_state, ckpt, root, it, record.get("layout"))
     if st.global_rank == 0:
         print(f" loaded checkpoint from {root} at iteration {it}", flush=True)
     return record["iteration"], record["consumed_samples"]

@@ -1,4 +1,4 @@
-"""Our ``--ckpt-format torch_dist`` (the default): a trainer's state
+"""Our ``--ckpt-format torch_dist`` (the default): a TrainState
 (:mod:`megatron_cp.checkpoint.state`) saved with torch.distributed.checkpoint so that
 ``--load`` restores it under any TP / PP / CP / DP / EP / ETP layout, with or without the
 distributed optimizer. This module knows no other format.
@@ -25,14 +25,15 @@ pipeline stage is not saved (it loads from ``model.embedding.word_embeddings.wei
 
 A save goes into ``iter_N.tmp`` and becomes ``iter_N`` (tracker file last) only when every
 rank has written; with ``--async-save`` the state is first copied (the only time training
-waits) and a background thread writes it, coordinated over a gloo group of its own. A failed
+waits) and a background thread writes it, coordinated over a gloo group of its own (the
+Checkpointer's, which keeps the save in flight). A failed
 save (faults.SaveAttempt) removes its files and raises on every rank; in the
 background, at the next save or at the end of training.
 
 What a save writes (``--no-save-optim``, ``--no-save-rng``, ``--async-save``,
 ``--verify-integrity``, ``--save-retain-interval``) and what a load checks follow the
-trainer's checkpoint section (``trainer.run.checkpoint``); ``common.pt`` saves
-``trainer.args`` as the checkpoint's arguments.
+Checkpointer's checkpoint section (``ckpt.checkpoint``); ``common.pt`` saves
+``train_state.args`` as the checkpoint's arguments.
 
 A load first reads ``.metadata`` and checks that every file it indexes is there and long
 enough (:func:`~megatron_cp.checkpoint.dcp_files.check_files`), so a truncated or corrupted file is a ValueError naming it (as
@@ -78,23 +79,23 @@ def saved_keys(folder):
     return set(dcp.FileSystemReader(folder).read_metadata().state_dict_metadata)
 
 
-def _say(trainer):
+def _say(train_state):
     def say(line):
-        if trainer.state.global_rank == 0:
+        if train_state.parallel_state.global_rank == 0:
             print(f" {line}", flush=True)
     return say
 
 
-def save(trainer, root):
-    """Save ``trainer`` under ``root`` (every rank calls it) as its checkpoint section
-    (``trainer.run.checkpoint``) says: in the background with ``--async-save``; see the
-    module docstring."""
-    checkpoint = trainer.run.checkpoint
-    training_state.wait_for_async_save(trainer)
-    trainer.optimizer.finish_param_sync()
+def save(train_state, ckpt, root):
+    """Save ``train_state`` under ``root`` (every rank calls it) as the checkpoint section
+    (``ckpt.checkpoint``) says: in the background with ``--async-save`` (returns the save in
+    flight, else None); see the module docstring."""
+    checkpoint = ckpt.checkpoint
+    train_state.optimizer.finish_param_sync()
     with_optimizer = not checkpoint.no_save_optim
-    state = training_state.sharded_state(trainer, with_optimizer)
-    common = {**training_state.common(trainer, with_optimizer), "ckpt_format": "torch_dist"}
+    state = training_state.sharded_state(train_state, with_optimizer)
+    common = {**training_state.common(train_state, ckpt, with_optimizer),
+              "ckpt_format": "torch_dist"}
 
     def common_file(tmp):
         files.atomic_torch_save(common, os.path.join(tmp, COMMON))
@@ -103,26 +104,27 @@ def save(trainer, root):
         if checkpoint.verify_integrity:
             integrity.write_manifest(tmp)
 
-    dcp_files.write(trainer, root, state, PiecesSavePlanner, common_file, manifest)
+    return dcp_files.write(train_state, ckpt, root, state, PiecesSavePlanner, common_file,
+                           manifest)
 
 
-def load(trainer, root, it):
-    """Load the torch_dist checkpoint of iteration ``it`` under ``root`` into ``trainer``,
-    whatever layout saved it, as its checkpoint section (``trainer.run.checkpoint``) says;
+def load(train_state, ckpt, root, it):
+    """Load the torch_dist checkpoint of iteration ``it`` under ``root`` into ``train_state``,
+    whatever layout saved it, as the checkpoint section (``ckpt.checkpoint``) says;
     returns (iteration, consumed samples)."""
     folder = files.iteration_dir(root, it)
-    if trainer.run.checkpoint.verify_integrity:  # before a byte of it is read
-        integrity.verify(folder, dcp_files.checkpoint_group(trainer), files.earlier(root, it))
+    if ckpt.checkpoint.verify_integrity:  # before a byte of it is read
+        integrity.verify(folder, ckpt.group(), files.earlier(root, it))
     common = read_common(folder)
 
     def read(state):
         dcp_files.check_files(folder)
-        state = strictness.apply(trainer.run.checkpoint.dist_ckpt_strictness, state,
-                                 lambda: saved_keys(folder), folder, _say(trainer),
-                                 dcp_files.checkpoint_group(trainer))
-        dcp_files.read_dcp(folder, state, PiecesLoadPlanner(), dcp_files.checkpoint_group(trainer))
+        state = strictness.apply(ckpt.checkpoint.dist_ckpt_strictness, state,
+                                 lambda: saved_keys(folder), folder, _say(train_state),
+                                 ckpt.group())
+        dcp_files.read_dcp(folder, state, PiecesLoadPlanner(), ckpt.group())
 
-    return training_state.restore(trainer, root, it, common, read)
+    return training_state.restore(train_state, ckpt, root, it, common, read)
 
 
 # --- one process, whole tensors -----------------------------------------------------------

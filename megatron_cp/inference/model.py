@@ -3,9 +3,9 @@
 :class:`InferenceModel` builds the model chunks this rank holds in the parallel layout of the
 run's sections (TP shards, the pipeline stage and its virtual stages) exactly as training
 builds them, in eval mode and without gradients, then loads their weights from ``--load`` with
-:func:`megatron_cp.checkpoint.load_save.load_checkpoint`: a torch or torch_dist checkpoint saved
-under any layout. Only the weights are read: no optimizer, schedule
-or RNG state, and no DDP wrapper or optimizer is built.
+the training run's loader (:class:`~megatron_cp.checkpoint.checkpointer.Checkpointer`): any
+checkpoint format, saved under any layout. Only the weights are read: the TrainState it loads
+has no optimizer, schedule or rerun machine, and no DDP wrapper or optimizer is built.
 """
 from dataclasses import replace
 
@@ -13,19 +13,11 @@ import torch
 
 from megatron_cp.checkpoint import files as checkpoint_files
 from megatron_cp.checkpoint import load_save, megatron_lm_format
+from megatron_cp.checkpoint.checkpointer import Checkpointer
+from megatron_cp.checkpoint.train_state import TrainState
 from megatron_cp.model import GPTModel
 from megatron_cp.pipeline_parallel import build_model_chunks, layout_from_config
 from megatron_cp.observability.run_report import print_rank_0
-
-
-class _NoOptimizer:
-    """The two optimizer calls a checkpoint load makes, for a model that has none."""
-
-    def reload_model_params(self):
-        """Nothing holds a copy of the weights to refresh."""
-
-    def finish_param_sync(self):
-        """No parameter all-gather is ever in flight."""
 
 
 def check_checkpoint(checkpoint, data):
@@ -62,15 +54,12 @@ class InferenceModel:
 
     ``run``: the :class:`~megatron_cp.config.run.RunConfig` of the script's checked arguments,
     built with ``tokenizer``'s vocabulary (:func:`megatron_cp.inference.launch.load_model`
-    builds both). ``checkpoint_args``: the parsed arguments, which
-    :func:`~megatron_cp.checkpoint.load_save.load_checkpoint` compares with the checkpoint's
-    saved ones (``trainer.args``).
+    builds both). ``checkpoint_args``: the parsed arguments, which the load compares with the
+    checkpoint's saved ones for the model's shape (the TrainState's ``args``).
 
     Attributes: ``run`` (its checkpoint section set to load the weights only), ``state``,
     ``device``, ``tokenizer``, ``config`` (the GPTConfig), ``model_chunks`` (one per virtual
-    stage of this pipeline rank), ``iteration`` (of the checkpoint). Also what
-    :func:`~megatron_cp.checkpoint.load_save.load_checkpoint` reads from a trainer (``args``,
-    ``optimizer``).
+    stage of this pipeline rank), ``iteration`` (of the checkpoint).
     """
 
     def __init__(self, run, state, tokenizer, *, checkpoint_args):
@@ -94,10 +83,10 @@ class InferenceModel:
             chunk.eval()
             chunk.requires_grad_(False)
         self.model_chunks = chunks
-        self.optimizer = _NoOptimizer()
-        self.args = checkpoint_args
         print_rank_0(f"> loading weights from {load} ...")
-        load_save.load_checkpoint(self)
+        weights = TrainState(model_chunks=chunks, parallel_state=state, model_config=self.config,
+                             args=checkpoint_args)  # no optimizer, schedule or rerun machine
+        Checkpointer(self.run.checkpoint, run.parallel, run.optimizer).load(weights)
         self.iteration = checkpoint_files.load_iteration(load, step)
         print_rank_0(f" loaded the weights of iteration {self.iteration} "
                      f"(TP={state.size('tp')}, CP={state.size('cp')}, PP={state.size('pp')}, "

@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_cp.checkpoint import files as checkpoint_files
-from megatron_cp.checkpoint import load_save
 from megatron_cp.distributed import device as device_mod
 from megatron_cp.resilience import faults
 from megatron_cp.resilience import rerun
@@ -141,7 +140,7 @@ def _pretrain(args, run, tokenizer, state, progress):
         print_rank_0(f"> loading checkpoint from {run.checkpoint.load} ...")
         progress.activity = f"the checkpoint load from {run.checkpoint.load}"
         trainer.iteration, trainer.consumed_samples = _on_every_rank(
-            lambda: load_save.load_checkpoint(trainer), state.device)
+            lambda: trainer.checkpointer.load(trainer.train_state()), state.device)
         train_iters = run.training.train_iters
         if trainer.iteration >= train_iters:
             print_rank_0(f"checkpoint at iteration {trainer.iteration} already reached --train-iters "
@@ -222,7 +221,7 @@ def _train(trainer, logger, start):
             if microbatches != before and save and saved_at != trainer.iteration:
                 # Megatron-LM saves before the first iteration of a new batch size
                 trainer.progress.activity = f"the checkpoint save at iteration {trainer.iteration}"
-                load_save.save_checkpoint(trainer)
+                trainer.checkpointer.save(trainer.train_state())
                 saved_at = trainer.iteration
             t0 = time.time()
             try:
@@ -245,7 +244,7 @@ def _train(trainer, logger, start):
                 trainer.check_weight_hashes()
             if save and checkpoint.save_interval and it % checkpoint.save_interval == 0:
                 trainer.progress.activity = f"the checkpoint save at iteration {it}"
-                load_save.save_checkpoint(trainer)
+                trainer.checkpointer.save(trainer.train_state())
                 saved_at = it
                 collect = manual_gc
             if collect:
@@ -264,9 +263,9 @@ def _train(trainer, logger, start):
                 break
         trainer.progress.activity = f"the end of training (iteration {trainer.iteration})"
         if save and saved_at != trainer.iteration:
-            load_save.save_checkpoint(trainer)
+            trainer.checkpointer.save(trainer.train_state())
         if save:
-            load_save.wait_for_async_save(trainer)  # the tracker is written before we return
+            trainer.checkpointer.wait_for_async_save()  # the tracker is written before we return
         trainer.optimizer.finish_param_sync()  # no all-gather left running (--overlap-param-gather)
     finally:
         profiler.close()
@@ -284,8 +283,8 @@ def _checkpoint_for_rerun(trainer, stop):
     if not trainer.run.checkpoint.save:
         return stop.without_checkpoint(" and no --save to keep it for a rerun on another GPU")
     trainer.progress.activity = f"the checkpoint save before iteration {stop.iteration}"
-    load_save.save_checkpoint(trainer)
-    load_save.wait_for_async_save(trainer)
+    trainer.checkpointer.save(trainer.train_state())
+    trainer.checkpointer.wait_for_async_save()
     return stop
 
 

@@ -1,6 +1,7 @@
 """The Trainer: what one training run holds (model chunks in their data-parallel wrappers, the
-optimizer and schedule, the data feed, the rerun state machine) and one training step, one
-skipped step and one evaluation. :mod:`megatron_cp.training.loop` drives it."""
+optimizer and schedule, the data feed, the rerun state machine, the Checkpointer) and one
+training step, one skipped step and one evaluation. :mod:`megatron_cp.training.loop` drives
+it."""
 import math
 from functools import partial
 
@@ -11,6 +12,8 @@ from megatron_cp.distributed import device as device_mod
 from megatron_cp.resilience import faults
 from megatron_cp.pipeline_parallel import loss_weighting
 from megatron_cp import moe
+from megatron_cp.checkpoint.checkpointer import Checkpointer
+from megatron_cp.checkpoint.train_state import TrainState
 from megatron_cp.resilience import rerun
 from megatron_cp.config.data import DataConfig
 from megatron_cp.config.run import RunConfig
@@ -113,9 +116,10 @@ class Trainer:
                                        check_large=training.check_for_large_grads)
         self.skipped_samples = 0  # of the iterations skipped (--iterations-to-skip)
         self.num_zeros = None  # of the latest step, with --log-num-zeros-in-grad
-        self.pending_save = None  # the --async-save in flight (megatron_cp.checkpoint.torch_dist_format)
         self.scheduler = build_scheduler(self.run.optimizer, self.run.checkpoint, self.optimizer)
         self.iteration, self.consumed_samples = 0, 0
+        # saves and loads train_state(); owns the checkpoint group and the --async-save in flight
+        self.checkpointer = Checkpointer(self.run.checkpoint, parallel, self.run.optimizer)
         self.batches = BatchSchedule.from_config(self.run.training, parallel)
         self.global_batch_size = None  # of the latest iteration (the log line's)
         self.data = DataFeed(self.run.data, self.run.training, parallel, self.config, state,
@@ -125,6 +129,15 @@ class Trainer:
         self.forward_backward = get_forward_backward_func(
             state, dtype=self.config.params_dtype, overlap_p2p_comm=parallel.overlap_p2p_comm,
             microbatch_group_size=parallel.microbatch_group_size_per_vp_stage)
+
+    def train_state(self):
+        """What a checkpoint of this run saves and restores, as of now: the live model
+        chunks, optimizer, schedule and rerun machine, and the progress (iteration, consumed
+        samples) so far."""
+        return TrainState(model_chunks=self.model_chunks, parallel_state=self.state,
+                          model_config=self.config, args=self.args, optimizer=self.optimizer,
+                          scheduler=self.scheduler, rerun=self.rerun, iteration=self.iteration,
+                          consumed_samples=self.consumed_samples)
 
     # ----- data (megatron_cp.data.feed) -------------------------------------------------
     def build_iterators(self):
