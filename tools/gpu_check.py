@@ -40,9 +40,10 @@ docstrings of tools/gpu_check_paths.py, gpu_check_layers.py and gpu_check_train.
 - tp_overlap: the overlapped TP linears at TP world size 1 (the ring's sends need 2 GPUs).
 - offload: a model with activations offloaded to (pinned) host memory against none, and
   training with --cpu-offloading-num-layers.
-- mtp, mup, muon, fsdp2, sinkhorn: the real trainer (pretrain) with --mtp-num-layers,
-  --use-mup, --optimizer muon, --use-torch-fsdp2, sinkhorn routing, a few steps on the device
-  against the CPU (fp32) and bf16 against fp32; Muon's orthogonalised update, the sinkhorn
+- mtp, mup, muon, fsdp2, sinkhorn: the real trainer (pretrain_gpt.py, run as a one-rank job
+  and its logged losses read) with --mtp-num-layers, --use-mup, --optimizer muon,
+  --use-torch-fsdp2, sinkhorn routing, a few steps on the device against the CPU (fp32) and
+  bf16 against fp32; Muon's orthogonalised update, the sinkhorn
   balancing and a sinkhorn MoE layer on the device against the CPU.
 
 Time budgets: each section runs under a budget (--section-seconds; by default on CUDA the
@@ -364,7 +365,7 @@ def section_train(report, device, steps, seq):
 # Each section's time budget in seconds (--section-seconds replaces them all): two to four
 # times what its sizes are estimated to take on an H100 (the first six: the 2026-11-28 H200
 # run, 38 s together, plus a third for the H100's lower bandwidth; the later ones: their CPU
-# references on the host's cores and the trainer's start-up; gdn: room for the first
+# references on the host's cores and the start-up of pretrain_gpt.py's runs; gdn: room for the first
 # compilation of FLA's Triton kernels), so that the whole suite, start-up and a check past a
 # budget included, stays within 5 minutes there. On the CPU no budget applies unless given.
 SUITE_SECONDS, START_UP_SECONDS = 300, 30  # the goal on an H100; Python, torch and CUDA start
@@ -422,7 +423,7 @@ def main(argv=None):
     if device.type == "cuda" and not device_mod.accelerator_available():
         print("no CUDA device: nothing checked (use --device cpu to check the suite's logic)")
         return EXIT_FAIL
-    if device.type == "cuda" and device.index is None:  # the trainer's state names its index
+    if device.type == "cuda" and device.index is None:  # the training runs take its index
         device = torch.device("cuda", torch.cuda.current_device())
     torch.set_float32_matmul_precision("highest")  # the fp32 truth must not run on TF32
     sizes, cp_sizes, cp_seq, steps, train_seq = plan_sizes(args, device)
@@ -442,7 +443,7 @@ def main(argv=None):
         "moe": lambda: section_moe(report, device, steps, train_seq, train_losses),
         **path_sections(report, device, args.quick, dtypes, sizes, section_blocks, section_local),
     }
-    with process_group(device):  # the trainer, FSDP2 and the TP linears run in one
+    with process_group(device):  # the checks of distributed code (the TP linears) run in one
         for name in SECTIONS:
             if name in wanted:
                 run_section(report, name, sections[name], section_budget(args, device, name))

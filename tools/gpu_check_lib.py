@@ -12,7 +12,7 @@
 - ``doc_lengths`` / ``microbatch`` / :class:`Randn`: packed-document microbatches and random
   q, k, v in the layouts the model passes (contiguous or permuted [s, b, h, d] views).
 - :func:`process_group`: the one-rank process group that the checks of distributed code
-  (the trainer, FSDP2, the TP linears) run in.
+  (the TP linears) run in.
 """
 import contextlib
 import math

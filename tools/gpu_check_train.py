@@ -1,7 +1,9 @@
 """Sections of tools/gpu_check.py for training paths that landed after its first GPU run (see
-tools/gpu_check_paths.py), through the real trainer (``megatron_cp.training.pretrain``, the
-one pretrain_gpt.py runs) in this process, on a one-rank process group (gloo for the CPU,
-NCCL for CUDA: tools/gpu_check_lib.process_group).
+tools/gpu_check_paths.py), through the real trainer: each run is ``pretrain_gpt.py`` itself,
+the training entry point, started as its own one-rank job (gloo on the CPU, NCCL on CUDA), and
+its losses are read from its log (``lm loss`` at --log-interval 1, seven significant digits:
+far below the tolerances). Nothing here imports the training loop. The runs a path compares
+start together, so their start-ups overlap.
 
 Each path trains a small Llama-style GPT (RMSNorm, SwiGLU, GQA, rotary, packed documents) a
 few steps with its flag, three times: fp32 on the device against fp32 on the CPU (the loss
@@ -22,30 +24,33 @@ device (within TRAIN_BF16_TOL), as gpu_check's ``train`` section does for the pl
   sinkhorn router (top-2, both dispatchers) on the device against the CPU, fp32.
 - offload: --cpu-offloading-num-layers 1 (run at the end of the offload section).
 """
-import contextlib
 import functools
-import io
+import os
+import re
+import socket
+import subprocess
+import sys
 import types
 
 import torch
 
-from megatron_cp.cli.arguments import parse_args
 from megatron_cp.moe.balancing import sinkhorn
 from megatron_cp.optimizer.muon import Orthogonalizer
-from megatron_cp.training import pretrain
-from megatron_cp.startup import build_parallel_state, run_config
 from tools.gpu_check_lib import (TF32_TOLERANCE, TOLERANCE, TRAIN_BF16_TOL,
                                  TRAIN_FP32_TOL, Series, supported_dtypes)
 from tools.gpu_check_moe import check_layer
 
 TRAIN_SECTIONS = ("mtp", "mup", "muon", "fsdp2", "sinkhorn")  # offload: gpu_check_layers.py
 CPU = torch.device("cpu")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENTRY = os.path.join(ROOT, "pretrain_gpt.py")  # the training entry point, run as a program
+LOSS = re.compile(r"\biteration\s+(\d+)/\s*\d+ \|.* lm loss: (\S+) \|")
 BASE = ("--num-layers 2 --hidden-size {hidden} --num-attention-heads 4 --group-query-attention "
         "--num-query-groups 2 --seq-length {seq} --max-position-embeddings {seq} "
         "--micro-batch-size 2 --global-batch-size 4 --train-iters {steps} --lr 3e-3 "
         "--min-lr 3e-4 --lr-warmup-iters 1 --lr-decay-style cosine --clip-grad 1.0 "
         "--hidden-dropout 0 --attention-dropout 0 --mock-data --vocab-size 256 "
-        "--make-vocab-size-divisible-by 64 --log-interval 1000 --eval-iters 0 --seed 11 "
+        "--make-vocab-size-divisible-by 64 --log-interval 1 --eval-iters 0 --seed 11 "
         "--num-workers 0 --position-embedding-type rope --normalization RMSNorm --swiglu "
         "--disable-bias-linear --untie-embeddings-and-output-weights "
         "--reset-attention-mask --reset-position-ids --eod-mask-loss")
@@ -59,36 +64,75 @@ PATH_FLAGS = {
 }
 
 
-def trained_losses(argv, device, states):
-    """The per-iteration losses (float64 [n]) of ``pretrain`` of ``argv`` on ``device``; its
-    log is swallowed (an exception carries what went wrong). ``states``: {device:
-    ParallelState}, one per device for every run (all runs have the same one-rank layout)."""
-    args = parse_args(argv.split(), world_size=1)
-    run = run_config(args)
-    if device not in states:
-        states[device] = build_parallel_state(run.parallel, run.model, run.optimizer, device)
-    log = io.StringIO()
-    with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-        losses = pretrain(args, states[device])
-    return torch.tensor([float(x) for x in losses], dtype=torch.float64)
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
-def section_train_path(report, device, path, plan, states):
+class TrainingRun:
+    """``pretrain_gpt.py`` with ``argv`` on ``device`` as a one-rank job, started now (a
+    process of its own: the CPU through gloo, a CUDA device through NCCL, as torchrun would
+    start rank 0 there); :meth:`losses` waits for it."""
+
+    def __init__(self, argv, device):
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"the training rows run on the CPU or CUDA, not {device}")
+        env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(_free_port()),
+               "LOCAL_RANK": str(device.index or 0) if device.type == "cuda" else "0"}
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        command = [sys.executable, ENTRY, *argv.split(), "--distributed-backend", backend]
+        self.argv, self.device = argv, device
+        self.process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True)
+        self.result = None
+
+    def losses(self):
+        """The per-iteration losses (float64 [n]); RuntimeError with the end of its log when
+        the run failed or logged no loss."""
+        if self.result is None:
+            out, _ = self.process.communicate()
+            found = {int(it): float(loss) for it, loss in LOSS.findall(out)}
+            if self.process.returncode != 0 or not found:
+                tail = "\n".join(out.strip().splitlines()[-15:])
+                raise RuntimeError(f"pretrain_gpt.py on {self.device} ended with status "
+                                   f"{self.process.returncode} ({len(found)} losses logged):"
+                                   f"\n{tail}")
+            self.result = torch.tensor([found[it] for it in sorted(found)], dtype=torch.float64)
+        return self.result
+
+    def stop(self):
+        """End it if it still runs (its row was not needed)."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.communicate()
+
+
+def section_train_path(report, device, path, plan):
     """The path's two loss-curve rows (see the module docstring)."""
     hidden, seq, steps = plan
     argv = f"{BASE} {PATH_FLAGS[path]}".format(hidden=hidden, seq=seq, steps=steps,
                                                 base=hidden // 4)
-    losses = functools.cache(lambda where, bf16: trained_losses(
-        argv + (" --bf16" if bf16 else ""), where, states))
+    bf16 = torch.bfloat16 in supported_dtypes(device)
+    runs = {}
+    for where, low in ((device, False), (CPU, False)) + (((device, True),) if bf16 else ()):
+        if (where, low) not in runs:  # on the CPU, its own reference
+            runs[(where, low)] = TrainingRun(argv + (" --bf16" if low else ""), where)
     tol = TRAIN_BF16_TOL if path == "muon" else TRAIN_FP32_TOL  # Newton-Schulz in bf16
     tag = f"{steps}-steps/s={seq}/loss"
-    report.run(f"{path}/train/fp32/{device.type}-vs-cpu/{tag}",
-               lambda: Series(losses(device, False), losses(CPU, False), tol))
-    name = f"{path}/train/bf16-vs-fp32/{device.type}/{tag}"
-    if torch.bfloat16 not in supported_dtypes(device):
-        report.skip(name, f"{device} has no bf16 support")
-        return
-    report.run(name, lambda: Series(losses(device, True), losses(device, False), TRAIN_BF16_TOL))
+    try:
+        report.run(f"{path}/train/fp32/{device.type}-vs-cpu/{tag}", lambda: Series(
+            runs[(device, False)].losses(), runs[(CPU, False)].losses(), tol))
+        name = f"{path}/train/bf16-vs-fp32/{device.type}/{tag}"
+        if not bf16:
+            report.skip(name, f"{device} has no bf16 support")
+            return
+        report.run(name, lambda: Series(runs[(device, True)].losses(),
+                                        runs[(device, False)].losses(), TRAIN_BF16_TOL))
+    finally:
+        for run in runs.values():
+            run.stop()
 
 
 # ----------------------------------------------------------------------------- muon
@@ -155,8 +199,7 @@ def section_sinkhorn(report, device, quick, train):
 def train_sections(report, device, quick):
     """{section: run} of :data:`TRAIN_SECTIONS` and "offload" (its training rows only)."""
     plan = (32, 32, 2) if quick else (128, 512, 8)  # hidden, seq, steps
-    states = {}
-    train = functools.partial(section_train_path, report, device, plan=plan, states=states)
+    train = functools.partial(section_train_path, report, device, plan=plan)
     sections = {path: functools.partial(train, path) for path in ("mtp", "mup", "fsdp2",
                                                                    "offload")}
     sections["muon"] = lambda: section_muon(report, device, quick, train)
