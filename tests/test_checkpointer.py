@@ -82,7 +82,8 @@ def _weights(chunks):
 
 def _load_into_a_bare_model(rank, world, argv, root):
     saver = trainer_of(argv, world)
-    saver.train_step()
+    for _ in range(3):  # past the warm-up's first step (learning rate 0)
+        saver.train_step()
     saver.checkpointer.save(saver.train_state(), root)
     saver.checkpointer.wait_for_async_save()
     saved = _weights(saver.model_chunks)
@@ -99,7 +100,7 @@ def _load_into_a_bare_model(rank, world, argv, root):
     moved = any(not torch.equal(before[n], saved[n]) for n in saved)
     untouched = (loader.scheduler.num_steps == steps_before and state_before == 0
                  and len(inner.state) == 0 and adam_step(inner) == 0
-                 and adam_step(saver.optimizer.optimizer) == 1)
+                 and adam_step(saver.optimizer.optimizer) == 3)
     try:
         loader.checkpointer.save(bare, root + "_bare")
         refused = None
@@ -116,5 +117,5 @@ def test_a_train_state_without_optimizer_loads_the_weights_and_nothing_else(tmp_
                 _load_into_a_bare_model, 2, argv, root):
             assert same and moved, fmt  # the saved weights, which differ from the fresh ones
             assert untouched, fmt
-            assert progress == (1, 8), fmt
+            assert progress == (3, 24), fmt
             assert refused and "optimizer" in refused and not written, fmt
