@@ -20,7 +20,7 @@ from megatron_cp.config.parallel import ParallelConfig
 from megatron_cp.config.setting import build_config, fill_args, name_flags
 from megatron_cp.config.training import TrainingConfig
 from megatron_cp.data.batch_schedule import (SIZE_NAME, BatchSchedule, check_divisible,
-                                              parse_schedule)
+                                             parse_schedule)
 from megatron_cp.data.utils import parse_and_normalize_split
 from megatron_cp.distributed.initialize import check_instances, rank_order, validate_sizes
 from megatron_cp.distributed import fsdp

@@ -17,7 +17,7 @@ from megatron_cp.context_parallel.kernels import attention_kernel
 from megatron_cp.context_parallel.reference import softmax_scale_for
 from megatron_cp.context_parallel.layout import SequenceLayout
 from megatron_cp.context_parallel.ring import (Accumulator, add_kv_grads, backward_blocks,
-                                              forward_blocks)
+                                               forward_blocks)
 
 
 class _AllGatherAttention(torch.autograd.Function):

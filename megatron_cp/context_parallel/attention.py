@@ -12,8 +12,7 @@ from megatron_cp.context_parallel.all_gather import all_gather_attention
 from megatron_cp.context_parallel.kernels import attention_kernel
 from megatron_cp.context_parallel.local import local_attention
 from megatron_cp.context_parallel.ring import ring_attention
-from megatron_cp.context_parallel.ulysses import (plan_heads, prepare_head_indices,
-                                                 ulysses_attention)
+from megatron_cp.context_parallel.ulysses import plan_heads, prepare_head_indices, ulysses_attention
 from megatron_cp.config.parallel import resolve_comm_type
 
 class ContextParallelAttention:

@@ -29,7 +29,7 @@ from megatron_cp.context_parallel.kernels import attention_kernel
 from megatron_cp.context_parallel.reference import softmax_scale_for
 from megatron_cp.context_parallel.layout import RingLayout
 from megatron_cp.context_parallel.ring import (Accumulator, add_kv_grads, backward_blocks,
-                                              forward_blocks)
+                                               forward_blocks)
 from megatron_cp.context_parallel.layout import token_order
 from megatron_cp.context_parallel.ulysses import _local_inner, _permute, _select_heads, plan_heads
 

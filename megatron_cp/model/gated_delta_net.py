@@ -35,7 +35,7 @@ from megatron_cp import tensor_parallel as tpar
 from megatron_cp.context_parallel.gated_delta import GatedDeltaContextParallel
 from megatron_cp.layers.norms import norm_for
 from megatron_cp.layers.gated_delta_rule import (causal_conv1d, chunk_gated_delta_rule, l2norm,
-                                                fla_packed_rows, recurrent_gated_delta_rule)
+                                                 fla_packed_rows, recurrent_gated_delta_rule)
 
 
 def _uniform_init(low, high):

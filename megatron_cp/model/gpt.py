@@ -23,7 +23,7 @@ from megatron_cp import tensor_parallel as tpar
 from megatron_cp.context_parallel.layout import SequenceLayout
 from megatron_cp.layers.norms import norm_for
 from megatron_cp.layers.hidden_dropout import (SITE_EMBEDDING, DropoutIds, hidden_dropout,
-                                              sequence_shard, site_key, token_coordinates)
+                                               sequence_shard, site_key, token_coordinates)
 from megatron_cp.model.multi_token_prediction import MultiTokenPrediction
 from megatron_cp.model.transformer import TransformerBlock, mark_sequence_parallel
 

@@ -19,7 +19,7 @@ from megatron_cp.model.compile_layers import compile_layer
 from megatron_cp.layers.norms import norm_for
 from megatron_cp.model.gated_delta_net import GatedDeltaNet
 from megatron_cp.layers.hidden_dropout import (hidden_dropout, layer_site_keys, sequence_shard,
-                                              token_coordinates)
+                                               token_coordinates)
 from megatron_cp.layers.mlp import MLP, chunked_mlp
 from megatron_cp.model.multi_latent_attention import MultiLatentAttention
 # a module reference: megatron_cp.moe.layer imports the MLP from this package (import cycle)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from megatron_cp import tensor_parallel as tpar
 from megatron_cp.layers.hidden_dropout import (SITE_JITTER, sequence_shard, site_key,
-                                              token_coordinates, token_states)
+                                               token_coordinates, token_states)
 from megatron_cp.layers.mlp import MLP
 from megatron_cp.moe import comm
 from megatron_cp.moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher

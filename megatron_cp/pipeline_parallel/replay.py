@@ -16,7 +16,7 @@ import functools
 import torch
 
 from megatron_cp.pipeline_parallel.p2p_communication import (BACKWARD_TAG, FORWARD_TAG,
-                                                              P2PCommunicator)
+                                                             P2PCommunicator)
 
 _SHAPE = (2, 1, 2)  # [s, b, h] of the stand-in activations
 

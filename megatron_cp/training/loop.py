@@ -298,7 +298,7 @@ def main(argv=None):
     result validation) after its log lines and one ``error:`` line; any other exception
     keeps its traceback."""
     from megatron_cp.cli.check_args import (OTHER_RANK_GRACE_SECONDS, parse_arguments,
-                                        report_user_error)
+                                            report_user_error)
     from megatron_cp.distributed.initialize import distributed_env
     try:
         args = parse_arguments(argv, distributed_env()["world_size"])
