@@ -18,11 +18,9 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_cp.data.indexed_dataset import (  # noqa: E402
-    IndexedDatasetBuilder, data_file_path, index_file_path, optimal_dtype)
-from megatron_cp.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megatron_cp.data.indexed_dataset import (IndexedDatasetBuilder, data_file_path,
+                                              index_file_path, optimal_dtype)
+from megatron_cp.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
 
 
 class Encoder:
@@ -169,7 +167,3 @@ def _log_progress(num_docs, total_bytes, start):
     elapsed = max(time.time() - start, 1e-9)
     print(f"processed {num_docs} documents ({num_docs / elapsed:.1f} docs/s, "
           f"{total_bytes / elapsed / 1024 / 1024:.2f} MB/s)", file=sys.stderr, flush=True)
-
-
-if __name__ == "__main__":
-    main()

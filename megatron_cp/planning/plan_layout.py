@@ -17,23 +17,19 @@ documented H100 defaults unless a GPU is here to measure, and the rate flags ove
 """
 import argparse
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from megatron_cp.distributed.device import accelerator_available  # noqa: E402
-from megatron_cp.cli.arguments import build_parser, parse_args  # noqa: E402
-from megatron_cp.checkpoint.use_checkpoint_args import given_on_command_line  # noqa: E402
-from megatron_cp.config.data import DataConfig  # noqa: E402
-from megatron_cp.config.run import RunConfig  # noqa: E402
-from megatron_cp.config.setting import build_config  # noqa: E402
-from megatron_cp.planning.memory import tokenizer_vocab_size  # noqa: E402
-from megatron_cp.planning.search import plan_layouts  # noqa: E402
-from megatron_cp.planning.step_time import (DEFAULT_CACHE, GPU_DEFAULTS, DeviceRates,  # noqa: E402
-                                            calibrate)
+from megatron_cp.distributed.device import accelerator_available
+from megatron_cp.cli.arguments import build_parser, parse_args
+from megatron_cp.checkpoint.use_checkpoint_args import given_on_command_line
+from megatron_cp.config.data import DataConfig
+from megatron_cp.config.run import RunConfig
+from megatron_cp.config.setting import build_config
+from megatron_cp.planning.memory import tokenizer_vocab_size
+from megatron_cp.planning.search import plan_layouts
+from megatron_cp.planning.step_time import DEFAULT_CACHE, GPU_DEFAULTS, DeviceRates, calibrate
 
 GIB = 2 ** 30
 # the arguments each open dimension owns (given on the command line: not searched)
@@ -206,7 +202,3 @@ def main(argv=None):
     else:
         print(format_table(rows, cap, flags.seq_length))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
