@@ -42,7 +42,6 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_cp.checkpoint import files, torch_shards  # noqa: E402
 from megatron_cp.checkpoint.canonical import (LAYER, VOCAB_PARAMS, canonical_name,  # noqa: E402
                                               canonical_tensors, full_from_canonical, is_expert,
