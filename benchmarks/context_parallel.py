@@ -19,31 +19,24 @@
     each other's kernel time); --free-running adds a run without the lock. Each repeat is
     paired with its own baseline and the median ratio is reported (the box is shared).
 
-Run: python benchmarks/context_parallel.py [--full] [--output PATH]. Prints a table with a
+Run: PYTHONPATH=.:tests python benchmarks/context_parallel.py [--full] [--output PATH]. Prints a table with a
 PASS/FAIL verdict per goal ((c) on the compute clock of the serialized runs) and writes JSON
 (default runs/benchmarks/context_parallel.json, untracked; benchmarks/results/ holds the
 committed figures). A quick smoke run: --seq-lens 512 --balance-seq-len 512
 --overhead-seq-len 512 --repeats 1.
 """
 import argparse
-import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for path in (ROOT, os.path.join(ROOT, "tests")):
-    if path not in sys.path:
-        sys.path.insert(0, path)
-
-from bench_common import add_output_argument, min_thread_time, verdict, write_json  # noqa: E402
-from dist_harness import run_workers  # noqa: E402
-from megatron_cp.context_parallel import (blockwise, context_parallel_attention,  # noqa: E402
+from bench_common import add_output_argument, min_thread_time, verdict, write_json
+from dist_harness import run_workers
+from megatron_cp.context_parallel import (blockwise, context_parallel_attention,
                                           local_attention, ring, zigzag_indices)
-from megatron_cp.context_parallel.layout import RingLayout  # noqa: E402
+from megatron_cp.context_parallel.layout import RingLayout
 
 # (a) ring bytes x CP / CP=1 bytes, (b) zigzag max/min rank compute, (c) sum-over-ranks
 # compute time / one-process SDPA: the goals of the docstring

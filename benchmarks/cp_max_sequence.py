@@ -10,19 +10,14 @@ The cap is the CP=1 step memory at --cap-seq tokens. For CP=1 and CP=4 a binary 
 lengths (multiples of --granularity) finds the longest s whose max per-rank memory stays
 under the cap; goal: CP=4 reaches >= 3.8x the CP=1 length. Prints a table and writes JSON.
 
-    python benchmarks/cp_max_sequence.py [--cap-seq 8192] [--output benchmarks/results/cp_max_sequence.json]
+    PYTHONPATH=.:tests python benchmarks/cp_max_sequence.py [--cap-seq 8192] [--output benchmarks/results/cp_max_sequence.json]
 
 The JSON goes to runs/benchmarks/cp_max_sequence.json (untracked) unless --output says otherwise;
 a quick smoke run: --cap-seq 512 --granularity 256.
 """
 import argparse
 import os
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for path in (ROOT, os.path.join(ROOT, "tests")):
-    if path not in sys.path:
-        sys.path.insert(0, path)
 os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # inherited by the spawned workers
 
 import torch  # noqa: E402

@@ -32,16 +32,12 @@ import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from bench_common import (add_output_argument, layer_fwd_bwd_time, verdict,  # noqa: E402
+from bench_common import (add_output_argument, layer_fwd_bwd_time, verdict,
                           write_json)
-from megatron_cp.model import GPTConfig  # noqa: E402
-from megatron_cp.model.attention import SelfAttention  # noqa: E402
-from megatron_cp.model.gated_delta_net import GatedDeltaNet  # noqa: E402
-from megatron_cp.tensor_parallel import model_parallel_seed  # noqa: E402
+from megatron_cp.model import GPTConfig
+from megatron_cp.model.attention import SelfAttention
+from megatron_cp.model.gated_delta_net import GatedDeltaNet
+from megatron_cp.tensor_parallel import model_parallel_seed
 
 SEQUENCES = (4096, 8192, 16384, 32768, 65536)
 KEEP_HEAP = {"MALLOC_MMAP_THRESHOLD_": str(2 ** 40), "MALLOC_TRIM_THRESHOLD_": str(2 ** 40)}

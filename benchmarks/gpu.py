@@ -18,9 +18,9 @@ FLOPs follow the flash-attention convention (forward 4 b h s^2 d, halved for cau
 2.5 x forward); the models' by ``megatron_cp.observability.training_log.model_flops_per_token``, the
 formula of the training log line, for ours and Hugging Face's alike.
 
-    python benchmarks/gpu.py                          # everything, on the GPU
-    python benchmarks/gpu.py --only blocks            # or: models
-    python benchmarks/gpu.py --smoke --device cpu     # the script's logic on a tiny config
+    PYTHONPATH=. python benchmarks/gpu.py                         # everything, on the GPU
+    PYTHONPATH=. python benchmarks/gpu.py --only blocks           # or: models
+    PYTHONPATH=. python benchmarks/gpu.py --smoke --device cpu    # the script's logic on a tiny config
 
 ``--smoke`` runs tiny sizes (its figures mean nothing; the verdicts are printed but the goals
 are the GPU's). The JSON goes to runs/benchmarks/gpu.json unless --output says otherwise.
@@ -36,13 +36,13 @@ import time
 
 import torch
 
+from bench_common import add_output_argument, verdict, write_json
+from megatron_cp.distributed import device as device_mod
+from megatron_cp.model import GPTConfig
+from megatron_cp.context_parallel.kernel_routes import cudnn_bypassed
+from megatron_cp.observability.training_log import model_flops_per_token
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from bench_common import add_output_argument, verdict, write_json  # noqa: E402
-from megatron_cp.distributed import device as device_mod  # noqa: E402
-from megatron_cp.model import GPTConfig  # noqa: E402
-from megatron_cp.observability.training_log import model_flops_per_token  # noqa: E402
-from tools.gpu_check_paths import cudnn_bypassed  # noqa: E402
 
 COMPILE_FLAG = "--torch-compile"
 MFU_GOAL, BLOCK_GOAL, PACKED_GOAL = 0.50, 0.90, 0.90

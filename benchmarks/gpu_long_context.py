@@ -17,18 +17,13 @@ Goal (issue 24): report the figure and what limits it; no pass/fail threshold of
 beyond "the 1.3B config trains at 4x its 4096 training length", printed as the verdict.
 """
 import argparse
-import os
-import sys
 import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import add_output_argument, verdict, write_json  # noqa: E402
-from megatron_cp.distributed import device as device_mod  # noqa: E402
-from megatron_cp.model import GPTConfig, GPTModel  # noqa: E402
+from bench_common import add_output_argument, verdict, write_json
+from megatron_cp.distributed import device as device_mod
+from megatron_cp.model import GPTConfig, GPTModel
 
 BASE_SEQ = 4096
 MODEL = dict(layers=24, hidden=2048, heads=16, ffn=5504, vocab=32000)

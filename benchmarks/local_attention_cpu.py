@@ -10,17 +10,11 @@ slower than the mask at every size from s = 1024 up (it does less work: sum(len^
 Run: python benchmarks/local_attention_cpu.py [--repeats N] [--output PATH]
 """
 import argparse
-import os
-import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from bench_common import add_output_argument, min_thread_time, verdict, write_json  # noqa: E402
-from megatron_cp.context_parallel import attention_mask, masked_attention  # noqa: E402
+from bench_common import add_output_argument, min_thread_time, verdict, write_json
+from megatron_cp.context_parallel import attention_mask, masked_attention
 
 # (sequence, document length, query heads, head dim, batch); KV heads = query heads / 2
 SHAPES = [(32, 5, 4, 8, 2), (512, 37, 4, 32, 1), (1024, 128, 8, 64, 1), (2048, 256, 8, 64, 1),

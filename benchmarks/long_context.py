@@ -29,19 +29,13 @@ length runs longer than the planned one.
 """
 import argparse
 import gc
-import os
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+import torch
 
-import torch  # noqa: E402
-
-from bench_common import add_output_argument, verdict, write_json  # noqa: E402
-from megatron_cp.observability.memory_peak import PeakMemory  # noqa: E402
-from megatron_cp.model import GPTConfig, GPTModel  # noqa: E402
+from bench_common import add_output_argument, verdict, write_json
+from megatron_cp.observability.memory_peak import PeakMemory
+from megatron_cp.model import GPTConfig, GPTModel
 
 GOAL_RATIO = 1.5  # longest s with tiled logits over the untiled longest s
 

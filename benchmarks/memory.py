@@ -16,7 +16,7 @@ stalled: staging copies, versus the background write). Loads read right after th
 so mostly from the page cache. Goal: the async save stalls training for at most 50% of a
 synchronous torch_dist save.
 
-    python benchmarks/memory.py [--output benchmarks/results/memory.json] [--quick]
+    PYTHONPATH=.:tests python benchmarks/memory.py [--output benchmarks/results/memory.json] [--quick]
 
 The JSON goes to runs/benchmarks/memory.json (untracked) unless --output says otherwise.
 """
@@ -27,16 +27,11 @@ import shutil
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for path in (ROOT, os.path.join(ROOT, "tests")):
-    if path not in sys.path:
-        sys.path.insert(0, path)
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from bench_common import RESULTS_DIR, add_output_argument, verdict, write_json  # noqa: E402
-from dist_harness import run_workers  # noqa: E402
+from bench_common import RESULTS_DIR, add_output_argument, verdict, write_json
+from dist_harness import run_workers
 
 MEMORY_MODEL = ("--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 64 "
                 "--micro-batch-size 1 --global-batch-size 4 --mock-data --vocab-size 1000 "

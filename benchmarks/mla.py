@@ -22,23 +22,18 @@
 Run: python benchmarks/mla.py [--seqs 512 1024 2048] [--repeats 2] [--output PATH]
 """
 import argparse
-import os
 import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from bench_common import (add_output_argument, layer_fwd_bwd_time, verdict,  # noqa: E402
+from bench_common import (add_output_argument, layer_fwd_bwd_time, verdict,
                           write_json)
-from megatron_cp.inference.kv_cache import KVCache, cached_chunk_forward  # noqa: E402
-from megatron_cp.inference.mla_cache import LatentCache  # noqa: E402
-from megatron_cp.model import GPTConfig, GPTModel  # noqa: E402
-from megatron_cp.model.attention import SelfAttention  # noqa: E402
-from megatron_cp.model.multi_latent_attention import MultiLatentAttention  # noqa: E402
-from megatron_cp.tensor_parallel import model_parallel_seed  # noqa: E402
+from megatron_cp.inference.kv_cache import KVCache, cached_chunk_forward
+from megatron_cp.inference.mla_cache import LatentCache
+from megatron_cp.model import GPTConfig, GPTModel
+from megatron_cp.model.attention import SelfAttention
+from megatron_cp.model.multi_latent_attention import MultiLatentAttention
+from megatron_cp.tensor_parallel import model_parallel_seed
 
 DSV3_MLA = dict(multi_latent_attention=True, q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128,
                 qk_pos_emb_head_dim=64, v_head_dim=128, qk_layernorm=True)

@@ -62,17 +62,13 @@ import tempfile
 import time
 import traceback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-
-from bench_common import add_output_argument, min_thread_time, verdict, write_json  # noqa: E402
-from megatron_cp.distributed import device as device_mod  # noqa: E402
-import megatron_cp.moe.experts  # noqa: E402
+from bench_common import add_output_argument, min_thread_time, verdict, write_json
+from megatron_cp.distributed import device as device_mod
+import megatron_cp.moe.experts
 
 experts_mod = megatron_cp.moe.experts
 

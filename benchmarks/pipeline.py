@@ -48,12 +48,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_common import add_output_argument, verdict, write_json  # noqa: E402
-from megatron_cp.distributed.initialize import initialize_model_parallel  # noqa: E402
-from megatron_cp.pipeline_parallel import get_forward_backward_func  # noqa: E402
-from megatron_cp.pipeline_parallel.replay import ideal_bubble, record_program  # noqa: E402
+from bench_common import add_output_argument, verdict, write_json
+from megatron_cp.distributed.initialize import initialize_model_parallel
+from megatron_cp.pipeline_parallel import get_forward_backward_func
+from megatron_cp.pipeline_parallel.replay import ideal_bubble, record_program
 
 GOAL_RELATIVE_ERROR = 0.10  # measured bubble vs theory
 SHAPE = (16, 1, 32)  # [s, b, h] of the activations: tiny, so P2P costs little

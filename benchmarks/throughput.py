@@ -13,16 +13,13 @@ megatron_cp / HF >= 0.95 (PASS/FAIL printed with the table).
 The JSON goes to runs/benchmarks/throughput.json (untracked) unless --output says otherwise.
 """
 import argparse
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_common import add_output_argument, verdict, write_json  # noqa: E402
-from megatron_cp.model import GPTConfig, GPTModel  # noqa: E402
-from megatron_cp.observability.training_log import model_flops_per_token  # noqa: E402
+from bench_common import add_output_argument, verdict, write_json
+from megatron_cp.model import GPTConfig, GPTModel
+from megatron_cp.observability.training_log import model_flops_per_token
 
 
 GOAL_RATIO = 0.95  # tokens/s of megatron_cp over HF Llama: parity within timing noise

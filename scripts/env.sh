@@ -36,6 +36,15 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     pip install --quiet -e "$ROOT[dev]"
     echo "$WANT" > "$STAMP"
 fi
+# The scripts (tools/, benchmarks/, tasks/) import megatron_cp as an installed package, never
+# through a path of their own: make sure the environment's editable install is this checkout's
+# (a .venv copied from, or shared with, another checkout points elsewhere). -I: what the
+# environment holds, not the megatron_cp/ of the current folder. --no-deps: nothing else moves.
+HERE="$(python -I -c 'import megatron_cp, os; print(os.path.dirname(os.path.dirname(os.path.abspath(megatron_cp.__file__))))' 2>/dev/null || true)"
+if [ "$HERE" != "$ROOT" ]; then
+    echo "> installing megatron_cp from $ROOT (editable, --no-deps) into $VENV"
+    pip install --quiet --no-deps --no-build-isolation -e "$ROOT"
+fi
 # megatron-core itself, for the tests that check Megatron-LM checkpoints in and out against it
 # (tests/test_megatron_lm_checkpoints.py); test-only, never a runtime dependency. --no-deps:
 # its requirements would pull another torch.

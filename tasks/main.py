@@ -17,10 +17,9 @@ A bad flag or input prints one ``error:`` line and exits with status 2.
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_cp.inference.launch import run_inference_script  # noqa: E402
-from megatron_cp.observability.run_report import print_rank_0  # noqa: E402
+from megatron_cp.inference.launch import run_inference_script
+from megatron_cp.observability.run_report import print_rank_0
 
 TASKS = ("WIKITEXT103", "LAMBADA")
 

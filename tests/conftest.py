@@ -1,11 +1,7 @@
-"""Shared pytest setup: tests import the harness and the package from the repo root."""
+"""Shared pytest setup. The package, the test helpers (dist_harness, training_utils, ...) and
+the tool scripts are found through pytest.ini's ``pythonpath`` (the repository root, tests/ and
+tools/), nothing here touches the import path."""
 import os
-import sys
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for path in (ROOT, os.path.join(ROOT, "tests")):
-    if path not in sys.path:
-        sys.path.insert(0, path)
 
 # torch.compile's kernel cache lives under /tmp by default and outlives a run; kernels built
 # for another CPU capability (ATEN_CPU_CAPABILITY=avx2 on an AVX-512 machine) were found to

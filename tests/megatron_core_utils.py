@@ -155,7 +155,7 @@ def megatron_args(kind, **overrides):
     model's flags, what its validate_args derives, and one of its enums (``overrides``: a
     run's own values)."""
     from megatron.core.transformer.enums import AttnBackend
-    from tools.megatron_lm_convert import megatron_defaults
+    from megatron_cp.checkpoint.megatron_lm_convert import megatron_defaults
     values = megatron_defaults()
     values.update(num_layers=2, hidden_size=32, num_attention_heads=4, kv_channels=8,
                   ffn_hidden_size=128, tokenizer_type="NullTokenizer", vocab_size=VOCAB - 1,

@@ -4,10 +4,10 @@ at TP=2 and 640 at TP=1: conversions carry exactly the real rows."""
 import torch
 
 from dist_harness import run_workers
+from megatron_cp.checkpoint.hf import llama as hf_llama
 from megatron_cp.model import GPTModel
 from model_utils import tiny_config
 from tools import checkpoint_convert as convert
-from tools import hf_llama
 from training_utils import TINY, train_losses
 
 LLAMA = (TINY.replace("--position-embedding-type rope", "--position-embedding-type rope "

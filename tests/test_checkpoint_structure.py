@@ -17,8 +17,10 @@ CHECKPOINTER = f"{PACKAGE}.checkpointer"  # above the entry: what a run holds
 FORMATS = {
     "torch": ("torch_format", "torch_shards", "torch_full"),
     "torch_dist": ("torch_dist_format", "integrity", "strictness"),
-    # Megatron-LM's own formats: its torch_dist, and Megatron-FSDP's fsdp_dtensor
-    "megatron_lm": ("megatron_lm_format", "megatron_lm_load", "fsdp_dtensor_format"),
+    # Megatron-LM's own formats: its torch_dist (and its conversion to and from our full
+    # weights), and Megatron-FSDP's fsdp_dtensor
+    "megatron_lm": ("megatron_lm_format", "megatron_lm_load", "megatron_lm_convert",
+                    "fsdp_dtensor_format"),
 }
 # what every format builds on: none of these imports a format or the entry
 SHARED = ("__init__", "state", "train_state", "files", "faults", "canonical", "pieces",

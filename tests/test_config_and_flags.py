@@ -81,7 +81,7 @@ def test_every_field_has_help_a_flag_or_a_source_and_reaches_the_config():
 def test_shape_args_are_the_shaping_fields_and_never_the_layout():
     shaping = [arg_of(f) for f in dataclasses.fields(GPTConfig) if f.metadata.get("shapes")]
     assert set(checkpoint_files.SHAPE_ARGS) == set(shaping) and "params_dtype" in shaping
-    # the names tools/checkpoint_convert.py and tools/hf_llama.py read from saved args
+    # the names tools/checkpoint_convert.py and megatron_cp/checkpoint/hf/llama.py read from saved args
     for name in ("swiglu", "disable_bias_linear", "untie_embeddings_and_output_weights",
                  "num_query_groups", "kv_channels", "normalization", "position_embedding_type"):
         assert name in checkpoint_files.SHAPE_ARGS, name

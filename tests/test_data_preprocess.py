@@ -15,7 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run_tool(name, *args):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", name), *args],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+                          capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
     assert proc.returncode == 0, proc.stderr
     return proc
 
@@ -33,11 +34,7 @@ def corpus_and_model(tmp_path_factory):
             f.write(json.dumps({"text": text, "title": key}) + "\n")
             if i == 3:
                 f.write("\n")  # blank lines are ignored
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
-    try:
-        import train_tokenizer
-    finally:
-        sys.path.pop(0)
+    import train_tokenizer  # tools/ is on pytest's path (pytest.ini)
     model = train_tokenizer.train(str(corpus), str(tmp / "sp"), 300)
     return tmp, corpus, model, keys
 

@@ -16,7 +16,7 @@ from megatron_cp.config.setting import build_config
 from megatron_cp.data.builder import build_train_valid_test_datasets
 from megatron_cp.data.fim import FimDataset, FimSettings, FimTransform, fim_settings
 from megatron_cp.data.tokenizers import build_tokenizer
-from tools.fim_corpus import fim_corpus_flags
+from fim_corpus import fim_corpus_flags
 from training_utils import assert_refused, max_rel_diff, train_runs
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz|"

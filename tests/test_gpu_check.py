@@ -27,6 +27,11 @@ import pytest
 import torch
 
 from dist_harness import run_workers
+import gpu_check  # tools/ is on pytest's path (pytest.ini), as gpu_check.py's siblings are on its own
+import gpu_check_layers
+import gpu_check_lib
+import gpu_check_paths
+from gpu_check_lib import Randn, microbatch
 from megatron_cp.layers.activation_offload import ActivationOffloader, _OnHost
 from megatron_cp.context_parallel import (blockwise, context_parallel_attention, cuda_kernels,
                                           kernels, ring)
@@ -34,8 +39,6 @@ from megatron_cp.context_parallel.simulate import simulated_attention
 from megatron_cp.data.microbatch import prepare_microbatch
 from megatron_cp.distributed.initialize import initialize_model_parallel
 from megatron_cp.layers import gated_delta_rule, hidden_dropout
-from tools import gpu_check, gpu_check_layers, gpu_check_lib, gpu_check_paths
-from tools.gpu_check_lib import Randn, microbatch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROW = re.compile(r"^(?P<name>[a-z]\S*)\s+(?P<worst>\S+)\s+(?P<abs>\S+)\s+(?P<rel>\S+)\s+"
@@ -62,7 +65,7 @@ def _run_in_process(capsys, *flags):
 
 
 def test_quick_cpu_suite_passes_every_section():
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}  # as docs/gpu.md runs it
     result = subprocess.run([sys.executable, "tools/gpu_check.py", "--device", "cpu", "--quick"],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = result.stdout
@@ -280,7 +283,7 @@ def test_a_comparison_that_cannot_be_made_is_a_failed_row_not_an_aborted_section
     """On the H200 the MoE layer check (device result against the CPU truth) raised inside
     the comparison, outside the check, and took the whole MoE section down with it. Now such
     a row fails on its own and the next check still runs."""
-    from tools.gpu_check_lib import Report, errors
+    from gpu_check_lib import Report, errors
     report = Report()
     report.run("broken", lambda: {"out": (torch.zeros(2), "not a tensor", 1e-4)})
     report.run("fine", lambda: {"out": (torch.ones(2), torch.ones(2), 1e-4)})

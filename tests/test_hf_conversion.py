@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from dist_harness import run_workers
+from megatron_cp.checkpoint.hf import convert as hf_convert, gpt2 as hf_gpt2
+from megatron_cp.checkpoint.hf import sentencepiece as hf_sentencepiece, tokenizer as hf_tokenizer
 from megatron_cp.data.tokenizers import build_tokenizer
 from megatron_cp.model import GPTModel
 from model_utils import tiny_config
 from test_data_tokenizers import load_tool, small_corpus
 from tools import checkpoint_convert as convert
-from tools import hf_convert, hf_gpt2, hf_sentencepiece, hf_tokenizer
 from training_utils import TINY, train_losses
 
 # Megatron's defaults: learned absolute positions, tied embeddings, LayerNorm + GELU, biases
@@ -198,7 +199,7 @@ def test_export_refusals_name_the_setting(tmp_path):
     with pytest.raises(ValueError, match="normalization='RMSNorm'.*LlamaForCausalLM needs.*"
                                          "GPT2LMHeadModel needs"):
         hf_convert.pick_layout({**base, "normalization": "RMSNorm"})
-    assert hf_convert.pick_layout({**base, **hf_convert.hf_llama.REQUIRED}) == "llama"
+    assert hf_convert.pick_layout({**base, **hf_convert.llama.REQUIRED}) == "llama"
     with pytest.raises(ValueError, match=r"num_query_groups \(2\).*grouped-query"):
         hf_gpt2.to_hf({}, {**base, "num_query_groups": 2}, str(tmp_path))
     with pytest.raises(ValueError, match="--hf-skip-tokenizer"):

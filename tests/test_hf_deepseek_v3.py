@@ -11,10 +11,10 @@ import torch
 
 from dist_harness import run_workers
 from inference_utils import imported_checkpoint
+from megatron_cp.checkpoint.hf import convert as hf_convert
+from megatron_cp.checkpoint.hf.io import read_weights, write_folder
 from test_gdn_generation import _args, _rounding_scale
 from tools import checkpoint_convert as convert
-from tools import hf_convert, hf_deepseek_v3
-from tools.hf_io import read_weights, write_folder
 
 VOCAB = 120  # test_gdn_generation's: NullTokenizer --vocab-size VOCAB - 1
 NEW_TOKENS = 8

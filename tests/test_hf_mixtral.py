@@ -10,12 +10,12 @@ import json
 import pytest
 import torch
 
+from megatron_cp.checkpoint.hf import convert as hf_convert, llama as hf_llama, mixtral as hf_mixtral
+from megatron_cp.checkpoint.hf.io import real_rows, write_folder
 from megatron_cp.model import GPTModel
 from model_utils import tiny_config
 from test_hf_conversion import _gpt_model, _logits, _perturbed
 from tools import checkpoint_convert as convert
-from tools import hf_convert, hf_llama, hf_mixtral
-from tools.hf_io import real_rows, write_folder
 
 # GPTConfig of the exported model: Llama-style, every layer MoE (4 experts, top-2), GQA, untied
 MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,

@@ -5,10 +5,10 @@ import ast
 
 import torch
 
+from megatron_cp.checkpoint.hf import convert as hf_convert
 from megatron_cp.model import GPTConfig, GPTModel
 from model_utils import qwen3_next_hf_model
 from tools import checkpoint_convert as convert
-from tools import hf_convert
 
 
 def _our_model(args, full):

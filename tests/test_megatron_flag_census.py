@@ -161,7 +161,7 @@ def test_census_runs_keep_their_losses_and_the_docs_show_them():
     a set counted as trained has its 3 finite losses recorded; the table in
     docs/megatron_lm_compatibility.md is the one the JSON gives (tools/megatron_flag_sets.py
     --summary)."""
-    from tools.megatron_flag_sets import counts, summary_table, trained
+    from megatron_flag_sets import counts, summary_table, trained
     with open(os.path.join(ROOT, "benchmarks", "results", "megatron_flag_sets.json")) as file:
         report = json.load(file)
     assert report["census"]["megatron_lm_commit"] == megatron_census()["commit"]

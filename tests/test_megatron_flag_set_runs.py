@@ -14,7 +14,7 @@ import re
 import pytest
 
 from megatron_cp.cli.arguments import parse_args
-from tools import flag_set_runs
+import flag_set_runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 with open(os.path.join(ROOT, "tests", "data", "megatron_flag_sets.json")) as _file:

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from dist_harness import run_workers
+from megatron_cp.checkpoint.hf import convert as hf_convert
 from megatron_cp.cli.arguments import parse_args
 from megatron_cp.context_parallel import zigzag_indices, zigzag_split
 from megatron_cp.checkpoint.torch_dist_format import read_full
@@ -18,7 +19,6 @@ from megatron_cp.tensor_parallel import gather_from_tensor_model_parallel_region
 from megatron_cp.training import Trainer
 from model_utils import gather_full, tiny_config
 from tools import checkpoint_convert as convert
-from tools import hf_convert
 from training_utils import TINY, max_rel_diff, run_and_state, train_losses
 
 close = torch.testing.assert_close

@@ -4,7 +4,6 @@ import contextlib
 import io
 import json
 import os
-import sys
 
 import pytest
 
@@ -12,11 +11,8 @@ from dist_harness import run_workers
 
 from megatron_cp.cli.arguments import parse_args
 from megatron_cp.observability.memory_peak import PeakMemory
+from megatron_cp.planning import plan_layout
 from megatron_cp.planning.search import PlannedLayout, max_seq_length, sequence_unit
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-import plan_layout  # noqa: E402
 
 # Llama-3-8B as Megatron-LM's examples/llama/train_llama3_8b_h100_fp8.sh trains it (bf16 here)
 LLAMA3_8B = ("--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 "

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from dist_harness import run_workers
+from megatron_cp.checkpoint.hf.convert import pick_layout
 from megatron_cp.cli.arguments import parse_args
 from megatron_cp.model import GPTModel
 from model_utils import tiny_config
-from tools.hf_convert import pick_layout
 from training_utils import TINY, assert_refused, train_runs
 
 NOPE = TINY.replace("--position-embedding-type rope", "--position-embedding-type none")
@@ -71,7 +71,7 @@ def test_hf_export_refuses_nope_in_one_line(extra):
 
 
 def test_qwen3_next_export_refuses_a_nope_hybrid(tmp_path):
-    from tools import hf_qwen3_next
+    from megatron_cp.checkpoint.hf import qwen3_next as hf_qwen3_next
     args = {**hf_qwen3_next.REQUIRED, "position_embedding_type": "none"}
     with pytest.raises(ValueError, match="position_embedding_type='none' \\(needs 'rope'\\)"):
         hf_qwen3_next.to_hf({}, args, str(tmp_path))

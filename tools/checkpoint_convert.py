@@ -42,7 +42,6 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_cp.checkpoint import files, torch_shards  # noqa: E402
 from megatron_cp.checkpoint.canonical import (LAYER, VOCAB_PARAMS, canonical_name,  # noqa: E402
                                               canonical_tensors, full_from_canonical, is_expert,
@@ -99,7 +98,7 @@ def load_full(load_dir):
         raise ValueError(f"{load_dir} has no {files.TRACKER}: not a megatron_cp checkpoint")
     folder = files.iteration_dir(load_dir, it)
     if is_megatron_lm(folder):  # written by Megatron-LM itself
-        from tools.megatron_lm_convert import import_megatron
+        from megatron_cp.checkpoint.megatron_lm_convert import import_megatron
         return import_megatron(folder)
     full, args, meta = (_load_torch_dist(folder) if is_torch_dist(folder)
                         else read_torch_full(load_dir, it))
@@ -319,7 +318,7 @@ def main(argv=None):
         full, args, meta = load_full(a.load_dir)
         source_dist = is_torch_dist(files.iteration_dir(a.load_dir, meta["iteration"]))
     else:
-        from tools.hf_convert import import_hf
+        from megatron_cp.checkpoint.hf.convert import import_hf
         full, args, meta = import_hf(a.from_hf)
     if a.save_dir and a.target_ckpt_format == "torch_dist":
         save_torch_dist(full, args, meta, a.save_dir)
@@ -333,11 +332,11 @@ def main(argv=None):
               f"PP={a.target_pipeline_parallel_size}, EP={a.target_expert_model_parallel_size}) "
               f"at iteration {meta['iteration']}")
     if a.to_megatron:
-        from tools.megatron_lm_convert import export_megatron
+        from megatron_cp.checkpoint.megatron_lm_convert import export_megatron
         export_megatron(full, args, meta, a.to_megatron)
         print(f"wrote Megatron-LM checkpoint {a.to_megatron} at iteration {meta['iteration']}")
     if a.to_hf:
-        from tools.hf_convert import export_hf
+        from megatron_cp.checkpoint.hf.convert import export_hf
         architecture = export_hf(full, args, a.to_hf, tokenizer=not a.hf_skip_tokenizer)
         print(f"wrote Hugging Face {architecture} folder {a.to_hf}")
     return 0

@@ -4,15 +4,16 @@ FIM rewrites the text of real documents, so it cannot run on mock tokens (Megatr
 ``--mock-data`` with ``--fim-data`` too). :func:`fim_corpus_flags` writes, under a folder, a
 GPT-2 byte-level vocabulary (the 256 byte symbols, ``<|endoftext|>`` and Megatron-LM's four
 default FIM tokens; no merges) and a few hundred short code-like documents, tokenizes them with
-tools/preprocess_data.py into ``.bin``/``.idx``, and returns the data and tokenizer flags that
-replace the mock data of a flag set (tools/flag_set_runs.py).
+megatron_cp.data.preprocess (tools/preprocess_data.py's work) into ``.bin``/``.idx``, and
+returns the data and tokenizer flags that replace the mock data of a flag set
+(tools/flag_set_runs.py).
 """
 import contextlib
 import io
 import json
 import os
 
-from tools import preprocess_data
+from megatron_cp.data import preprocess
 
 FIM_SPECIAL_TOKENS = ("<|endoftext|>", "<fim_prefix>", "<fim_middle>", "<fim_suffix>",
                       "<fim_pad>")
@@ -64,8 +65,8 @@ def fim_corpus_flags(folder):
             file.write(json.dumps({"text": _document(i)}) + "\n")
     report = io.StringIO()  # the tool's progress lines: not part of a census table
     with contextlib.redirect_stdout(report), contextlib.redirect_stderr(report):
-        preprocess_data.main(["--input", corpus, "--output-prefix", prefix, "--tokenizer-type",
-                              "GPT2BPETokenizer", "--vocab-file", vocab_file, "--merge-file",
-                              merge_file, "--append-eod", "--workers", "1",
-                              "--log-interval", str(10 * NUM_DOCUMENTS)])
+        preprocess.main(["--input", corpus, "--output-prefix", prefix, "--tokenizer-type",
+                         "GPT2BPETokenizer", "--vocab-file", vocab_file, "--merge-file",
+                         merge_file, "--append-eod", "--workers", "1",
+                         "--log-interval", str(10 * NUM_DOCUMENTS)])
     return flags

@@ -18,11 +18,10 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_cp.distributed.device import accelerator_available  # noqa: E402
-from megatron_cp.resilience.rerun import (EXIT_CODE_FAILED_ON_RESULT_VALIDATION,  # noqa: E402
+from megatron_cp.distributed.device import accelerator_available
+from megatron_cp.resilience.rerun import (EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
                                 EXIT_CODE_RESUME_TO_DISAMBIGUATE)
-from tools.fim_corpus import fim_corpus_flags  # noqa: E402
+from fim_corpus import fim_corpus_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ITERATIONS = 3

@@ -30,7 +30,6 @@ import socket
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _PR_SET_PDEATHSIG = 1  # prctl option: the signal this process gets when its parent dies
 _PR_SET_CHILD_SUBREAPER = 36  # prctl option: orphaned descendants are re-parented to this process

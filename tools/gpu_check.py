@@ -56,33 +56,31 @@ Exit status: 0 every check ran and passed; 1 a check failed (whatever was capped
 failed but some checks were capped (rerun those sections, e.g. --sections gdn with a larger
 --section-seconds).
 
-    python tools/gpu_check.py                        # the GPU suite (cuda:0), one call
-    python tools/gpu_check.py --device cpu --quick   # the same checks, small sizes (a test)
+    PYTHONPATH=. python tools/gpu_check.py                       # the GPU suite (cuda:0), one call
+    PYTHONPATH=. python tools/gpu_check.py --device cpu --quick  # the same checks, small sizes (a test)
 """
 import argparse
 import functools
 import math
-import os
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_cp.distributed import device as device_mod  # noqa: E402
-from megatron_cp.context_parallel import (Block, block_backward, block_forward,  # noqa: E402
-                                          classify_block, local_attention, zigzag_indices)
-from megatron_cp.context_parallel.reference import softmax_scale_for  # noqa: E402
-from megatron_cp.context_parallel.layout import RingLayout  # noqa: E402
-from megatron_cp.context_parallel.simulate import simulated_attention  # noqa: E402
-from megatron_cp.data.microbatch import prepare_microbatch  # noqa: E402
-from megatron_cp.model import GPTConfig, GPTModel  # noqa: E402
-from tools.gpu_check_moe import section_moe  # noqa: E402
-from tools.gpu_check_lib import (AUTOGRAD_REFERENCE_MAX_SEQ, DTYPE_NAMES, HEAD_DIM,  # noqa: E402
-                                 LSE_TOLERANCE, TOLERANCE, TRAIN_BF16_TOL, TRAIN_FP32_TOL, Randn,
-                                 Report, Series, Verdict, masked_reference, microbatch,
-                                 process_group, self_reference, supported_dtypes)
-from tools.gpu_check_paths import PATH_SECTIONS, path_sections  # noqa: E402
+from megatron_cp.distributed import device as device_mod
+from megatron_cp.context_parallel import (Block, block_backward, block_forward, classify_block,
+                                          local_attention, zigzag_indices)
+from megatron_cp.context_parallel.reference import softmax_scale_for
+from megatron_cp.context_parallel.layout import RingLayout
+from megatron_cp.context_parallel.simulate import simulated_attention
+from megatron_cp.data.microbatch import prepare_microbatch
+from megatron_cp.model import GPTConfig, GPTModel
+from gpu_check_moe import section_moe
+from gpu_check_lib import (AUTOGRAD_REFERENCE_MAX_SEQ, DTYPE_NAMES, HEAD_DIM, LSE_TOLERANCE,
+                           TOLERANCE, TRAIN_BF16_TOL, TRAIN_FP32_TOL, Randn, Report, Series,
+                           Verdict, masked_reference, microbatch, process_group, self_reference,
+                           supported_dtypes)
+from gpu_check_paths import PATH_SECTIONS, path_sections
 
 SECTIONS = ("reference", "blocks", "local", "cp", "train", "moe", *PATH_SECTIONS)
 TORCH_KERNEL_MAX_SEQ = 8192  # the "torch" kernel materialises [b, nh, sq, sk] fp32 scores

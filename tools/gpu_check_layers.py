@@ -38,7 +38,7 @@ from megatron_cp.layers import hidden_dropout
 from megatron_cp.model import GPTConfig, GPTModel
 from megatron_cp.layers.mlp import MLP, chunked_mlp
 from megatron_cp.tensor_parallel.overlap import ColumnParallelOverlap, RowParallelOverlap
-from tools.gpu_check_lib import DTYPE_NAMES, TOLERANCE, Randn, Verdict, microbatch
+from gpu_check_lib import DTYPE_NAMES, TOLERANCE, Randn, Verdict, microbatch
 
 LAYER_SECTIONS = ("dropout", "tiled", "tp_overlap", "offload")
 CPU, FP32 = torch.device("cpu"), torch.float32

@@ -17,7 +17,7 @@ import torch
 from megatron_cp.model import GPTConfig
 from megatron_cp.moe.experts import grouped_linear
 from megatron_cp.moe.layer import MoELayer
-from tools.gpu_check_lib import (DTYPE_NAMES, TRAIN_BF16_TOL, TRAIN_FP32_TOL, Series,
+from gpu_check_lib import (DTYPE_NAMES, TRAIN_BF16_TOL, TRAIN_FP32_TOL, Series,
                                  supported_dtypes)
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}

@@ -8,8 +8,8 @@ the overlapped TP linears, activation offload); tools/gpu_check_train.py what tr
 (multi-token prediction, muP, Muon, FSDP2, sinkhorn routing, offload).
 
 - flash: the ``blocks`` and packed ``local`` checks in fp16 / bf16 with cuDNN bypassed
-  (``cuda_kernels.cudnn_eligible`` answers False inside :func:`cudnn_bypassed`, restored
-  after): on sm90+ cuDNN takes every dense block, so the flash kernels (dense and varlen)
+  (``cuda_kernels.cudnn_eligible`` answers False inside
+  megatron_cp.context_parallel.kernel_routes' :func:`cudnn_bypassed`, restored after): on sm90+ cuDNN takes every dense block, so the flash kernels (dense and varlen)
   never run otherwise. A route row counts the kernel calls: flash ran, cuDNN did not.
 - gdn: ``chunk_gated_delta_rule`` on the device (FLA's kernel for bf16 / fp16 values where
   CUDA and flash-linear-attention are there, else the chunked PyTorch rule: the route is in
@@ -30,24 +30,22 @@ import torch
 import torch.nn.functional as F
 
 from megatron_cp.distributed import device as device_mod
-from megatron_cp.context_parallel import (block_backward, block_forward, cuda_kernels,
-                                          local_attention)
+from megatron_cp.context_parallel import block_backward, block_forward, local_attention
+from megatron_cp.context_parallel.kernel_routes import COUNTED, cudnn_bypassed
 from megatron_cp.context_parallel.reference import softmax_scale_for
 from megatron_cp.layers import accelerators, gated_delta_rule
 from megatron_cp.model import GPTConfig
 from megatron_cp.model.gated_delta_net import GatedDeltaNet
 from megatron_cp.model.multi_latent_attention import MultiLatentAttention
 from megatron_cp.tensor_parallel import RNGStatesTracker
-from tools.gpu_check_layers import LAYER_SECTIONS, layer_sections
-from tools.gpu_check_lib import (DTYPE_NAMES, LSE_TOLERANCE, TF32_TOLERANCE, TOLERANCE, Randn,
-                                 Verdict, masked_reference, microbatch, patched, self_reference)
-from tools.gpu_check_train import TRAIN_SECTIONS, train_sections
+from gpu_check_layers import LAYER_SECTIONS, layer_sections
+from gpu_check_lib import (DTYPE_NAMES, LSE_TOLERANCE, TF32_TOLERANCE, TOLERANCE, Randn, Verdict,
+                           masked_reference, microbatch, patched, self_reference)
+from gpu_check_train import TRAIN_SECTIONS, train_sections
 
 PATH_SECTIONS = ("flash", "gdn", "mla", *LAYER_SECTIONS, *TRAIN_SECTIONS)
 CPU = torch.device("cpu")
 FP32 = torch.float32
-# kernels the CUDA backend calls through cuda_kernels, counted by the flash section
-COUNTED = ("flash_forward", "flash_varlen_forward", "cudnn_forward", "efficient_forward")
 
 
 def _cpu_leaves(*tensors):
@@ -60,24 +58,6 @@ def _grads(out, leaves, grad):
 
 
 # ----------------------------------------------------------------------------- flash
-@contextlib.contextmanager
-def cudnn_bypassed(calls):
-    """Inside: ``cuda_kernels.cudnn_eligible`` is False (dense blocks take flash; packed
-    causal batches flash varlen) and ``calls`` counts the kernels of :data:`COUNTED`."""
-    def counting(name, kernel):
-        def call(*args, **kwargs):
-            calls[name] += 1
-            return kernel(*args, **kwargs)
-        return call
-
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(patched(cuda_kernels, "cudnn_eligible", lambda q, k, v: False))
-        for name in COUNTED:
-            stack.enter_context(patched(cuda_kernels, name,
-                                        counting(name, getattr(cuda_kernels, name))))
-        yield
-
-
 def check_flash_route(device, calls):
     """The kernels the flash section ran: flash (dense and varlen) and never cuDNN."""
     counts = {name: calls[name] for name in COUNTED}

@@ -36,9 +36,9 @@ import torch
 
 from megatron_cp.moe.balancing import sinkhorn
 from megatron_cp.optimizer.muon import Orthogonalizer
-from tools.gpu_check_lib import (TF32_TOLERANCE, TOLERANCE, TRAIN_BF16_TOL,
-                                 TRAIN_FP32_TOL, Series, supported_dtypes)
-from tools.gpu_check_moe import check_layer
+from gpu_check_lib import (TF32_TOLERANCE, TOLERANCE, TRAIN_BF16_TOL, TRAIN_FP32_TOL, Series,
+                           supported_dtypes)
+from gpu_check_moe import check_layer
 
 TRAIN_SECTIONS = ("mtp", "mup", "muon", "fsdp2", "sinkhorn")  # offload: gpu_check_layers.py
 CPU = torch.device("cpu")

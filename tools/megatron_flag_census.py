@@ -16,6 +16,7 @@ Megatron-LM sources use as a decorator; an identity function stands in for it.
 import argparse
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import json
 import os
 import subprocess
@@ -67,10 +68,24 @@ def _plain(value):
         return repr(value)
 
 
+def _import_checkout(megatron_root):
+    """Import the ``megatron`` package of the checkout at ``megatron_root``, not an installed
+    megatron-core's: found in that folder only, and in sys.modules before its submodules
+    (``megatron.training``, ``megatron.core``) are imported from its own folder."""
+    spec = importlib.machinery.PathFinder.find_spec("megatron", [megatron_root])
+    if spec is None:
+        raise SystemExit(f"error: {megatron_root} holds no megatron/ package: not a Megatron-LM "
+                         f"checkout")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["megatron"] = module
+    if spec.loader is not None:
+        spec.loader.exec_module(module)
+
+
 def census(megatron_root):
     """The census of the Megatron-LM checkout at ``megatron_root`` (a dict, JSON-ready)."""
-    sys.path.insert(0, megatron_root)
     sys.meta_path.insert(0, _StubFinder())
+    _import_checkout(megatron_root)
     typing.override = getattr(typing, "override", lambda function: function)
     sys.argv = [sys.argv[0]]
     from megatron.training.arguments import add_megatron_arguments

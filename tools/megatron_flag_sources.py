@@ -16,10 +16,8 @@ import argparse
 import json
 import os
 import re
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_cp.cli.megatron_flags import (IGNORED, SAME, SOURCES_FILE, all_entries,  # noqa: E402
+from megatron_cp.cli.megatron_flags import (IGNORED, SAME, SOURCES_FILE, all_entries,
                                             megatron_census)
 
 DEFINITIONS = ("megatron/training/arguments.py", "megatron/training/config/")

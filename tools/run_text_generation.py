@@ -16,16 +16,14 @@ key/value cache (``--no-kv-cache`` recomputes the whole sequence each step). Wit
 parallelism the prompts are shared out over the model replicas. Global rank 0 prints, per
 prompt, the prompt and its completion. A bad flag prints one ``error:`` line (status 2).
 """
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch.distributed as dist  # noqa: E402
+import torch.distributed as dist
 
-from megatron_cp.inference.launch import run_inference_script  # noqa: E402
-from megatron_cp.inference.sampling import SamplingParams  # noqa: E402
-from megatron_cp.observability.run_report import print_rank_0  # noqa: E402
+from megatron_cp.inference.launch import run_inference_script
+from megatron_cp.inference.sampling import SamplingParams
+from megatron_cp.observability.run_report import print_rank_0
 
 SAMPLING_FLAGS = (("--temperature", "temperature"), ("--top-k", "top_k"), ("--top-p", "top_p"))
 

@@ -1,6 +1,5 @@
 """GPU probe (a diagnostic, not a goal): see benchmarks/probes/README.md. Run from the repository root on a CUDA machine."""
-import sys, time, torch
-sys.path.insert(0, '.')
+import time, torch
 from megatron_cp.context_parallel import cuda_kernels as ck
 dev = torch.device('cuda'); bf = torch.bfloat16
 def ref(q, k, v, cu, dout):

@@ -1,6 +1,5 @@
 """GPU probe (a diagnostic, not a goal): see benchmarks/probes/README.md. Run from the repository root on a CUDA machine."""
-import sys, time, torch
-sys.path.insert(0, '.')
+import time, torch
 from megatron_cp.context_parallel import local_attention, cuda_kernels as ck
 dev = torch.device('cuda'); h, d, D = 16, 128, 8
 def bench(fn, n=20):

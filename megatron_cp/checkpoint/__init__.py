@@ -21,11 +21,13 @@ Read top-down:
   whole to reshard: ``torch_full``), ``torch_dist_format`` (ours, layout-free, on
   torch.distributed.checkpoint; ``integrity``: ``--verify-integrity``'s hashes) and
   Megatron-LM's own: ``megatron_lm_format`` (its torch_dist names and files; a TrainState's
-  load from them: ``megatron_lm_load``) and ``fsdp_dtensor_format`` (Megatron-FSDP's
+  load from them: ``megatron_lm_load``; tools/checkpoint_convert.py's conversion to and from
+  our full weights: ``megatron_lm_convert``) and ``fsdp_dtensor_format`` (Megatron-FSDP's
   ``--ckpt-format fsdp_dtensor``, written and read in any layout).
 - below them: ``canonical`` (canonical names and shapes, where a rank's piece lies),
   ``pieces`` (a rank's boxes of one global tensor, and DCP's planners over them) and
   ``dcp_files`` (the DCP formats' atomic, optionally background, write and checked read).
+- ``hf/``: the Hugging Face converters (a package of its own: one module per model family).
 - ``use_checkpoint_args``: the ``--use-checkpoint-args`` rule (the model from the checkpoint,
   never its layout), applied by :func:`megatron_cp.cli.arguments.parse_args`.
 

@@ -6,4 +6,6 @@ command line and a parallel layout, without starting it.
   measured matmul / attention throughput and each collective's volume.
 - :mod:`~megatron_cp.planning.search`: the layouts the flags leave open that the argument
   validation accepts, ranked (``tools/plan_layout.py`` prints them).
+- :mod:`~megatron_cp.planning.plan_layout`: the planner's command line (``tools/plan_layout.py``
+  is its front): the machine's flags, the layouts to try, the printed table or JSON.
 """

@@ -15,7 +15,7 @@ embeddings) is GPT2LMHeadModel. What differs on the way:
   and add learned positions to the word embeddings; the position table has
   ``max_position_embeddings`` rows (GPT-2's ``n_positions``).
 """
-from tools.hf_io import dtype_name, read_config, read_weights, real_rows, require, write_folder
+from megatron_cp.checkpoint.hf.io import dtype_name, read_config, read_weights, real_rows, require, write_folder
 
 REQUIRED = {"normalization": "LayerNorm", "swiglu": False, "disable_bias_linear": False,
             "position_embedding_type": "learned_absolute"}

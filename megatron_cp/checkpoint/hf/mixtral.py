@@ -1,6 +1,6 @@
 """Name and layout mapping between megatron_cp's full state dict and Hugging Face Mixtral.
 
-Mixtral is Llama (tools/hf_llama.py: embedding, norms, attention, most of config.json) with
+Mixtral is Llama (llama.py: embedding, norms, attention, most of config.json) with
 every MLP replaced by a sparse MoE block: a router ``gate`` [E, h] and E SwiGLU experts. The
 export writes the experts as the Hugging Face Hub checkpoints and ``save_pretrained`` do::
 
@@ -22,8 +22,8 @@ model runs dropless, as Mixtral does.
 import torch
 
 from megatron_cp.config.layer_pattern import parse_layer_freq
-from tools import hf_llama
-from tools.hf_io import read_config, read_weights, real_rows, write_folder
+from megatron_cp.checkpoint.hf import llama as hf_llama
+from megatron_cp.checkpoint.hf.io import read_config, read_weights, real_rows, write_folder
 
 REQUIRED = hf_llama.REQUIRED  # Llama-style attention, norms and SwiGLU experts
 FLAGS = {"normalization": "--normalization RMSNorm", "swiglu": "--swiglu",

@@ -23,7 +23,7 @@ The router is softmax, top-k, renormalised (``norm_topk_prob``), megatron_cp's d
 import torch
 
 from megatron_cp.config.layer_pattern import parse_layer_freq
-from tools.hf_io import (dtype_name, experts_from_hf, experts_to_hf, read_config, read_weights,
+from megatron_cp.checkpoint.hf.io import (dtype_name, experts_from_hf, experts_to_hf, read_config, read_weights,
                          real_rows, swiglu_from_hf, swiglu_to_hf, write_folder)
 
 

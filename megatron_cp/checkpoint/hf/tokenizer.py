@@ -7,7 +7,7 @@ none, and end with the eod token):
 
 - SentencePieceTokenizer (and its aliases GPTSentencePieceTokenizer, Llama2Tokenizer):
   ``tokenizer.json`` built from the ``.model`` (see
-  tools/hf_sentencepiece.py), a copy of the ``.model`` as ``tokenizer.model``;
+  sentencepiece.py), a copy of the ``.model`` as ``tokenizer.model``;
 - GPT2BPETokenizer: ``vocab.json`` + ``merges.txt`` for ``GPT2Tokenizer``;
 - HuggingFaceTokenizer: the tokenizer files of its folder, or its ``tokenizer.json``;
 - NullTokenizer: nothing (text is whitespace-separated ids); a printed note says so.
@@ -47,7 +47,7 @@ def _write_config(out_dir, config):
 
 
 def _sentencepiece(args, out_dir, common):
-    from tools import hf_sentencepiece
+    from megatron_cp.checkpoint.hf import sentencepiece as hf_sentencepiece
 
     model = args["tokenizer_model"]
     special = hf_sentencepiece.write_folder(model, out_dir)
@@ -108,7 +108,7 @@ def token_ids(args):
                           args.get("merge_file"), args.get("vocab_size"))
     ids = {"bos_token_id": tok.eod, "eos_token_id": tok.eod}
     if kind in SENTENCEPIECE:
-        from tools.hf_sentencepiece import read_proto
+        from megatron_cp.checkpoint.hf.sentencepiece import read_proto
         bos = read_proto(args["tokenizer_model"]).trainer_spec.bos_id
         if bos >= 0:
             ids["bos_token_id"] = bos

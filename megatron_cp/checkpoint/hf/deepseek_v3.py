@@ -41,7 +41,7 @@ import torch
 
 from megatron_cp.config.layer_pattern import parse_layer_freq
 from megatron_cp.layers.rotary import yarn_concentration_factor, yarn_mscale
-from tools.hf_io import (dtype_name, experts_from_hf, experts_to_hf, read_config, read_weights,
+from megatron_cp.checkpoint.hf.io import (dtype_name, experts_from_hf, experts_to_hf, read_config, read_weights,
                          real_rows, require, swiglu_from_hf, swiglu_to_hf, write_folder)
 
 # megatron_cp's name in a layer: DeepseekV3's (a rename, the same layout)

@@ -1,12 +1,12 @@
 """Hugging Face export and import: the layout a checkpoint maps to, and the folder as a whole.
 
 The export picks the layout from the checkpoint's arguments: MoE models (``--num-experts``)
-become ``MixtralForCausalLM`` (tools/hf_mixtral.py: Llama-style with every MLP an MoE block),
+become ``MixtralForCausalLM`` (checkpoint/hf/mixtral.py: Llama-style with every MLP an MoE block),
 and only that; dense Llama-style models (RMSNorm, SwiGLU, RoPE, no biases)
-``LlamaForCausalLM`` (tools/hf_llama.py), multi-latent attention models
-``DeepseekV3ForCausalLM`` (tools/hf_deepseek_v3.py, MTP depths included), Megatron's
-default architecture (LayerNorm, GELU, learned absolute positions, biases) ``GPT2LMHeadModel`` (tools/hf_gpt2.py); the tokenizer
-files travel along (tools/hf_tokenizer.py). The import picks the layout from
+``LlamaForCausalLM`` (llama.py), multi-latent attention models
+``DeepseekV3ForCausalLM`` (deepseek_v3.py, MTP depths included), Megatron's
+default architecture (LayerNorm, GELU, learned absolute positions, biases) ``GPT2LMHeadModel`` (gpt2.py); the tokenizer
+files travel along (tokenizer.py). The import picks the layout from
 ``config.json``'s ``model_type``.
 
 Zero-centred norm weights (``--apply-layernorm-1p``: the norms scale by 1 + w) are exported as
@@ -14,13 +14,13 @@ the plain weights 1 + w, which every layout here multiplies by. Settings none of
 express (QK norms, interleaved rotary pairs, squared ReLU; YaRN, which no layout picks) are
 refused, naming the flag.
 """
-from tools import hf_deepseek_v3, hf_gpt2, hf_llama, hf_mixtral, hf_qwen3_next
-from tools.hf_io import read_config
+from megatron_cp.checkpoint.hf import deepseek_v3, gpt2, llama, mixtral, qwen3_next
+from megatron_cp.checkpoint.hf.io import read_config
 
-LAYOUTS = {"mixtral": (hf_mixtral, "MixtralForCausalLM"), "llama": (hf_llama, "LlamaForCausalLM"),
-           "gpt2": (hf_gpt2, "GPT2LMHeadModel"),
-           "qwen3_next": (hf_qwen3_next, "Qwen3NextForCausalLM"),
-           "deepseek_v3": (hf_deepseek_v3, "DeepseekV3ForCausalLM")}
+LAYOUTS = {"mixtral": (mixtral, "MixtralForCausalLM"), "llama": (llama, "LlamaForCausalLM"),
+           "gpt2": (gpt2, "GPT2LMHeadModel"),
+           "qwen3_next": (qwen3_next, "Qwen3NextForCausalLM"),
+           "deepseek_v3": (deepseek_v3, "DeepseekV3ForCausalLM")}
 SIGNATURE = ("normalization", "swiglu", "disable_bias_linear", "position_embedding_type")
 
 
@@ -54,13 +54,13 @@ def pick_layout(args):
     a dense one onto Llama or GPT-2; a Gated DeltaNet hybrid onto Qwen3-Next. Settings no
     layout expresses are refused first."""
     if args.get("experimental_attention_variant") in ("gdn", "gated_delta_net"):
-        return "qwen3_next"  # its own checks (tools/hf_qwen3_next.py); it has QK norms
+        return "qwen3_next"  # its own checks (qwen3_next.py); it has QK norms
     if args.get("multi_latent_attention"):
-        hf_deepseek_v3.check_args(args)  # its latent norms are --qk-layernorm
+        deepseek_v3.check_args(args)  # its latent norms are --qk-layernorm
         return "deepseek_v3"
     check_expressible(args)
     if args.get("num_experts"):
-        hf_mixtral.check_args(args)
+        mixtral.check_args(args)
         return "mixtral"
     dense = {name: entry for name, entry in LAYOUTS.items() if name in ("llama", "gpt2")}
     for name, (module, _) in dense.items():
@@ -75,7 +75,7 @@ def pick_layout(args):
 def export_hf(full, args, out_dir, tokenizer=True):
     """Write ``full`` as a Hugging Face folder (the layout from ``args``) with the tokenizer
     files of the tokenizer ``args`` names; returns the architecture written."""
-    from tools import hf_tokenizer
+    from megatron_cp.checkpoint.hf import tokenizer as hf_tokenizer
 
     layout = pick_layout(args)
     module, architecture = LAYOUTS[layout]
@@ -93,14 +93,14 @@ def import_hf(hf_dir):
     """(full state dict, args dict, meta dict) of a Hugging Face folder, by its model_type."""
     model_type = read_config(hf_dir).get("model_type")
     if model_type == "gpt2":
-        return hf_gpt2.from_hf(hf_dir)
+        return gpt2.from_hf(hf_dir)
     if model_type == "llama":
-        return hf_llama.from_hf(hf_dir)
+        return llama.from_hf(hf_dir)
     if model_type == "mixtral":
-        return hf_mixtral.from_hf(hf_dir)
+        return mixtral.from_hf(hf_dir)
     if model_type == "qwen3_next":
-        return hf_qwen3_next.from_hf(hf_dir)
+        return qwen3_next.from_hf(hf_dir)
     if model_type == "deepseek_v3":
-        return hf_deepseek_v3.from_hf(hf_dir)
+        return deepseek_v3.from_hf(hf_dir)
     raise ValueError(f"{hf_dir}: model_type {model_type!r} has no import; megatron_cp reads "
                      f"{', '.join(LAYOUTS)} folders")

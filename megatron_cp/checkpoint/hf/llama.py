@@ -5,12 +5,12 @@ SwiGLU's [gate; up] in fc1; Llama keeps q/k/v and gate/up separate. Both use the
 half-split rotary convention, so no permutation of head dims is needed.
 
 Everything but the MLPs (embedding, norms, attention, output layer, most of config.json) is
-shared with Mixtral (tools/hf_mixtral.py): ``shared_to_hf`` / ``shared_config`` on export,
+shared with Mixtral (mixtral.py): ``shared_to_hf`` / ``shared_config`` on export,
 ``check_config`` / ``shared_from_hf`` / ``shared_args`` on import.
 """
 import torch
 
-from tools.hf_io import dtype_name, read_config, read_weights, real_rows, require, write_folder
+from megatron_cp.checkpoint.hf.io import dtype_name, read_config, read_weights, real_rows, require, write_folder
 
 REQUIRED = {"normalization": "RMSNorm", "swiglu": True, "disable_bias_linear": True,
             "position_embedding_type": "rope"}
@@ -72,7 +72,7 @@ def to_hf(full, args, out_dir, token_ids=None):
     if args.get("num_experts"):
         raise ValueError(f"the checkpoint has MoE layers (num_experts={args['num_experts']}): "
                          f"LlamaForCausalLM has dense MLPs only; export it as MixtralForCausalLM "
-                         f"(tools/hf_mixtral.py)")
+                         f"(mixtral.py)")
     check_export(args, "LlamaForCausalLM")
     full = real_rows(full, args)
     out = shared_to_hf(full, args)
