@@ -46,7 +46,7 @@ if [ "$HERE" != "$ROOT" ]; then
     pip install --quiet --no-deps --no-build-isolation -e "$ROOT"
 fi
 # megatron-core itself, for the tests that check Megatron-LM checkpoints in and out against it
-# (tests/test_megatron_lm_checkpoints.py); test-only, never a runtime dependency. --no-deps:
+# (tests/checkpoint/test_megatron_lm_checkpoints.py); test-only, never a runtime dependency. --no-deps:
 # its requirements would pull another torch.
 MCORE_PIN="megatron-core==0.16.1"
 if ! python -c 'import importlib.metadata as m, sys; sys.exit(m.version("megatron-core") != "0.16.1")' 2>/dev/null; then
@@ -54,13 +54,13 @@ if ! python -c 'import importlib.metadata as m, sys; sys.exit(m.version("megatro
     pip install --quiet --no-deps "$MCORE_PIN"
 fi
 # einops: megatron-core's Megatron-FSDP builds its device meshes with it
-# (tests/test_megatron_fsdp.py saves a checkpoint with it); test-only as well
+# (tests/parity/test_megatron_fsdp.py saves a checkpoint with it); test-only as well
 if ! python -c 'import einops' 2>/dev/null; then
     echo "> installing einops==0.8.2 (tests only) into $VENV"
     pip install --quiet --no-deps "einops==0.8.2"
 fi
 # flash-linear-attention's ops (fla-core, what setup.py's "gpu" extra pins) and Triton, which
-# FLA imports, for tests/test_fla_call.py only: it calls FLA's own entry point through
+# FLA imports, for tests/layers/test_fla_call.py only: it calls FLA's own entry point through
 # megatron_cp's route in a subprocess that puts this folder on its path. Not in the environment
 # itself: transformers' Qwen3-Next would then run FLA's Triton kernels, which fail on CPU.
 # --no-deps: fla-core's extras would pull torch.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The tests, from a fresh machine: set up .venv when needed (scripts/env.sh), then run pytest
-# (extra arguments pass through, e.g. bash scripts/test.sh tests/test_gpt_model.py -x).
+# (extra arguments pass through, e.g. bash scripts/test.sh tests/parity/test_gpt_model.py -x).
 # Two pytest-xdist workers share the tests, a test file at a time (MEGATRON_CP_TEST_WORKERS
 # sets how many; 0 runs them in this process): while one test's ranks start up or wait on
 # each other, the other worker's run.

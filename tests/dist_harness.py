@@ -25,7 +25,7 @@ class WorkerError(AssertionError):
 
 # Workers fork from one forkserver per test process, started once with torch and the
 # package already imported: a worker then starts in milliseconds instead of importing torch
-# anew (about 2.5 s of CPU a rank under "spawn"; tests/test_context_parallel.py went from
+# anew (about 2.5 s of CPU a rank under "spawn"; tests/context_parallel/test_context_parallel.py went from
 # 26 s to 6 s). The server itself has run no torch op, so no thread pool is forked
 # half-initialised.
 _PRELOAD = ["torch", "torch.distributed", "megatron_cp.training", "megatron_cp.model.gpt",

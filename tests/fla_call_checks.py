@@ -1,7 +1,7 @@
 """megatron_cp's call of flash-linear-attention's ``chunk_gated_delta_rule`` (the Gated
 DeltaNet kernel on CUDA: layers/gated_delta_rule.py's ``_fla_chunk``), driven on CPU through
 FLA's real Python entry point, so that FLA's own argument handling runs as shipped. Run by
-tests/test_fla_call.py in a process that can import FLA (see there why only that one).
+tests/layers/test_fla_call.py in a process that can import FLA (see there why only that one).
 
 FLA's Triton kernels do not run on CPU: Triton has no CPU backend, and its interpreter
 (TRITON_INTERPRET=1) does not run FLA 0.6.0's kernels (Triton 3.5 and 3.8: the autotuner asks
@@ -24,7 +24,7 @@ from megatron_cp.layers import accelerators
 from megatron_cp.layers import gated_delta_rule as rule
 
 FLA_VERSION = "0.6.0"  # setup.py's "gpu" extra and scripts/env.sh pin the same
-INSTALL = "see tests/test_fla_call.py"
+INSTALL = "see tests/layers/test_fla_call.py"
 B, S, H, DK, DV = 2, 128, 2, 16, 16
 
 

@@ -9,7 +9,7 @@ data (a small real corpus for FIM sets: ``with_data``) and a fresh --save/--load
 --tensorboard-dir (and gloo for a set that names NCCL, on a
 machine without CUDA), and says whether the iterations ran.
 
-Used by tools/megatron_flag_sets.py (--run) and tests/test_megatron_flag_set_runs.py.
+Used by tools/megatron_flag_sets.py (--run) and tests/integration/test_megatron_flag_set_runs.py.
 """
 import math
 import os

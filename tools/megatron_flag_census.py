@@ -6,7 +6,7 @@ The census is a fact about one Megatron-LM commit: for each argparse action of
 ``megatron.training.arguments.add_megatron_arguments``, its option strings, its kind
 (``store``, ``store_true``, ``store_false``, ``boolean_optional``), nargs, value type,
 choices and default. megatron_cp's flag table (megatron_cp/cli/megatron_flags.py) must place
-every one of them; tests/test_megatron_flag_census.py holds the two together.
+every one of them; tests/cli/test_megatron_flag_census.py holds the two together.
 
 Megatron-LM's parser is built by importing it, so its imports must resolve: the modules named
 in STUBS (GPU kernels such as triton, which the parser never calls) are replaced by inert

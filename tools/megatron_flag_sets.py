@@ -40,7 +40,7 @@ from flag_set_runs import (LAUNCHERS, parallel_sizes, path_flags, run,
                                  with_data)
 
 GOAL = 200  # sets that must train unchanged (the bar, of 224 here)
-# what tests/test_megatron_flag_set_runs.py trains (spread over examples, GPT and MoE tests, and
+# what tests/integration/test_megatron_flag_set_runs.py trains (spread over examples, GPT and MoE tests, and
 # over TP/PP/CP/DP/EP, virtual stages, recompute, the distributed optimizer, FSDP2,
 # Megatron-FSDP) and sees refused
 SAMPLE_TRAIN = (
@@ -54,7 +54,7 @@ SAMPLE_TRAIN = (
     "moe/gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_resume_torch_dist_dist_optimizer",
     "moe/gpt3_mcore_te_tp2_pp1_te_a2a_ovlp_8experts_etp1_ep4",
     "gpt/gpt3_mcore_te_tp1_pp1_mup", "gpt/gpt3_mcore_te_tp1_pp1_dist_optimizer_fim_dataset",
-    # (the --use-torch-fsdp2 sets: tests/test_fsdp2.py and the census)
+    # (the --use-torch-fsdp2 sets: tests/parity/test_fsdp2.py and the census)
     "gpt/gpt3_mcore_te_tp2_zp_z3_resume_fsdp_dtensor")
 SAMPLE_REFUSE = ("moe/deepseek_proxy_fsdp_ep2_fsdp2",
                  "moe/gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph")
@@ -201,7 +201,7 @@ def main():
                         help="print the census table of an earlier --run --json file and stop")
     parser.add_argument("--write-sample", default=None, metavar="JSON",
                         help="write SAMPLE_TRAIN and SAMPLE_REFUSE's flag sets here (the data of "
-                             "tests/test_megatron_flag_set_runs.py) and stop")
+                             "tests/integration/test_megatron_flag_set_runs.py) and stop")
     args = parser.parse_args()
     if args.summary:
         with open(args.summary) as file:

@@ -9,7 +9,7 @@ parser gives it (from the census) is looked up outside the argument definitions
 (megatron/training/arguments.py, megatron/training/config/): the first line that reads it as
 an attribute (``args.name``, ``config.name``, ...) in megatron/core, then megatron/training,
 then elsewhere; a flag read nowhere says so. ``--write`` stores the result in
-megatron_cp/cli/megatron_flag_sources.json, which tests/test_megatron_flag_census.py holds
+megatron_cp/cli/megatron_flag_sources.json, which tests/cli/test_megatron_flag_census.py holds
 every accepted entry to.
 """
 import argparse

@@ -7,8 +7,8 @@ Read top-down, a flag's story is:
    gives its flag, Megatron-LM's default, choices and help; every other Megatron-LM flag is
    an entry of the table in megatron_flags.py (accepted as what megatron_cp does anyway, an
    alias, or refused with the reason). Together they cover Megatron-LM's whole parser (the
-   census megatron_lm_flags.json; tests/test_megatron_flag_census.py,
-   tests/test_config_declarations.py).
+   census megatron_lm_flags.json; tests/cli/test_megatron_flag_census.py,
+   tests/cli/test_config_declarations.py).
 2. **Parsed.** :func:`parse_args` notes every unknown flag and every bad value instead of
    stopping at the first.
 3. **Checked.** :func:`~megatron_cp.cli.checks.validate_args` derives what the flags imply,

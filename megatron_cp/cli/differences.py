@@ -1,5 +1,5 @@
 """Where megatron_cp deliberately differs from Megatron-LM, each with its reason
-(docs/megatron_lm_compatibility.md prints this list; tests/test_config_declarations.py holds
+(docs/megatron_lm_compatibility.md prints this list; tests/cli/test_config_declarations.py holds
 every default to Megatron-LM's census except these), and the defaults Megatron-LM fills in
 later than its parser.
 """

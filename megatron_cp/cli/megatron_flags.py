@@ -32,7 +32,7 @@ default is not refused.
 The explicit entries (``COMPAT_FLAGS``) carry their own argparse spec. The grouped ones
 (``AS_IS``: kind, effect, text and the flags; ``NOT_BUILT``: a reason and the flags it
 covers) take theirs from the census,
-so they parse exactly as Megatron-LM's parser does. tests/test_megatron_flag_census.py holds
+so they parse exactly as Megatron-LM's parser does. tests/cli/test_megatron_flag_census.py holds
 the table, the census and the parser together.
 """
 import argparse

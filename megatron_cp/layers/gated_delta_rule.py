@@ -19,7 +19,7 @@ fp16 models, it hands over to flash-linear-attention's ``chunk_gated_delta_rule`
 importable (layers/accelerators.py; fla-core 0.6.0, setup.py's ``gpu`` extra) with the arguments its entry
 point takes (:func:`_fla_chunk`: q, k, v and beta in the model's dtype, g fp32, packed
 documents as one row with int64 ``cu_seqlens`` from :func:`packed_cu_seqlens`);
-tests/test_fla_call.py (fla_call_checks.py) drives that call on CPU through FLA's real entry
+tests/layers/test_fla_call.py (fla_call_checks.py) drives that call on CPU through FLA's real entry
 point. fp32 models
 and everything else run :func:`torch_chunk_gated_delta_rule`, plain PyTorch. Its reference is
 :func:`recurrent_gated_delta_rule`, the recurrence above run token by token.
