@@ -1,8 +1,6 @@
-"""Communication used by context parallelism: ring exchange, gathers, all-to-all, sub-groups.
+"""Communication used by context parallelism: gathers, all-to-all, sub-groups (the ring
+exchange, shared with the TP overlap, is :mod:`megatron_cp.distributed.ring_exchange`).
 
-- ``RingExchange``: send a tensor to the next rank of a ring and receive the previous
-  rank's, with batched ``isend/irecv`` posted before the compute it should hide behind
-  (on GPU on a side stream from ``megatron_cp.distributed.device``; on CPU the stream helpers are no-ops).
 - ``all_gather_stack`` / ``gather_sequence`` / ``reduce_scatter_stack``: plain (non-autograd)
   collectives the attention Functions call inside their forward/backward.
 - ``seq_to_heads`` / ``heads_to_seq``: the Ulysses all-to-all as autograd Functions.
@@ -12,7 +10,6 @@ by the ``ParallelState`` (``hcp_inner`` / ``hcp_outer``).
 import torch
 import torch.distributed as dist
 
-from megatron_cp.distributed import device as device_mod
 from megatron_cp.distributed.compat import all_gather_flat, reduce_scatter_flat
 
 
@@ -24,51 +21,6 @@ def group_size(group):
 def group_rank(group):
     """This process's rank in ``group`` (0 for None)."""
     return 0 if group is None else dist.get_rank(group)
-
-
-def _side_waits_for_compute(stream, device):
-    # The side stream must see everything the compute stream queued (the tensors it sends).
-    device_mod.side_waits_for_current(stream, device)
-
-
-class RingExchange:
-    """Rotate tensors around the ring of ``group``: send to rank+1, receive from rank-1.
-
-    ``post(tensors)`` starts the exchange of a list of tensors (returns at once); ``wait()``
-    returns the received list (same shapes/dtypes) after the compute stream has been made
-    to wait for it. Every rank posts the same sequence of exchanges, so the batched
-    isend/irecv pairs match and cannot deadlock. ``tag`` (+ position in the list) keeps
-    concurrent rings on the same ranks (KV and dKV) apart on gloo.
-    """
-
-    def __init__(self, group, device, tag=0):
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        self.group, self.device, self.tag = group, device, tag
-        self.next_rank = dist.get_global_rank(group, (rank + 1) % size)
-        self.prev_rank = dist.get_global_rank(group, (rank - 1) % size)
-        self.stream = device_mod.side_stream(device)
-        self._pending = None
-
-    def post(self, tensors):
-        assert self._pending is None, "wait() for the previous exchange first"
-        tensors = [t.contiguous() for t in tensors]  # kernels may return permuted layouts
-        received = [torch.empty_like(t) for t in tensors]
-        _side_waits_for_compute(self.stream, self.device)
-        with device_mod.stream_context(self.stream):
-            ops = [dist.P2POp(dist.isend, t, self.next_rank, self.group, self.tag + n)
-                   for n, t in enumerate(tensors)]
-            ops += [dist.P2POp(dist.irecv, t, self.prev_rank, self.group, self.tag + n)
-                    for n, t in enumerate(received)]
-            requests = dist.batch_isend_irecv(ops)
-        self._pending = (requests, tensors, received)  # keep the sent tensors alive until done
-
-    def wait(self):
-        requests, _, received = self._pending
-        self._pending = None
-        for request in requests:
-            request.wait()
-        device_mod.wait_stream(self.stream)
-        return received
 
 
 def all_gather_stack(x, group):

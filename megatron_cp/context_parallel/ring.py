@@ -42,6 +42,7 @@ from megatron_cp.context_parallel.dropout import RingDropout
 from megatron_cp.context_parallel.kernels import attention_kernel
 from megatron_cp.context_parallel.layout import SequenceLayout
 from megatron_cp.context_parallel.reference import softmax_scale_for
+from megatron_cp.distributed.ring_exchange import RingExchange
 
 _KV_TAG, _DKV_TAG = 10, 20  # + index of the tensor in the message
 
@@ -149,7 +150,7 @@ class _RingAttention(torch.autograd.Function):
 
         acc = Accumulator(q, v.shape[-1])
         kv = [k, v]  # [b, nkv, s/P, dk], [.., dv]: the only tensors that travel
-        ring = comm.RingExchange(group, q.device, _KV_TAG) if size > 1 else None
+        ring = RingExchange(group, q.device, _KV_TAG) if size > 1 else None
         for step in range(size):
             if step + 1 < size:
                 ring.post(kv)  # next step's KV travels while this step computes
@@ -172,8 +173,8 @@ class _RingAttention(torch.autograd.Function):
         dout = dout.contiguous()
 
         dq, dkv, kv = None, None, [k, v]
-        kv_ring = comm.RingExchange(group, q.device, _KV_TAG) if size > 1 else None
-        dkv_ring = comm.RingExchange(group, q.device, _DKV_TAG) if size > 1 else None
+        kv_ring = RingExchange(group, q.device, _KV_TAG) if size > 1 else None
+        dkv_ring = RingExchange(group, q.device, _DKV_TAG) if size > 1 else None
         for step in range(size):
             if step + 1 < size:
                 kv_ring.post(kv)

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_cp.context_parallel.comm import RingExchange
+from megatron_cp.distributed.ring_exchange import RingExchange
 from megatron_cp.distributed.compat import all_gather_flat, reduce_scatter_flat
 
 _TAG = 7100  # keeps these rings' gloo messages apart from other point-to-point traffic
