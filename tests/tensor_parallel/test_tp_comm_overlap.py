@@ -106,11 +106,11 @@ OVERLAP = "--tp-comm-overlap"
 def _train_counting_rings(rank, world, argvs):
     """Worker: train each of ``argvs``; per run its losses and how many ring exchanges the
     overlapped linears posted (0: the plain path ran)."""
-    from megatron_cp.context_parallel import comm
+    from megatron_cp.distributed import ring_exchange
     from megatron_cp.tensor_parallel import overlap
     posts = []
 
-    class CountingRing(comm.RingExchange):
+    class CountingRing(ring_exchange.RingExchange):
         def post(self, tensors):
             posts.append(1)
             super().post(tensors)
