@@ -202,7 +202,8 @@ def test_rank_lost_during_a_save_removes_the_partial_files(tmp_path):
     from (iteration 2, still the latest), and the partial iter_0000004.tmp is gone."""
     argv = f"{BASE} --ckpt-format torch_dist --save {tmp_path} --save-interval 2".split()
     env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()), PYTHONPATH=os.pathsep.join([ROOT, ROOT + "/tests"]))
+               MASTER_PORT=str(_free_port()),  # the package, the harness, this file:
+               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.path.dirname(THIS)]))
     code = f"from test_checkpoint_faults import _rank_killed_mid_save as f; f({argv!r})"
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True,

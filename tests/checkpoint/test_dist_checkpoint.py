@@ -144,7 +144,8 @@ def test_save_killed_while_writing_keeps_the_previous_checkpoint(tmp_path):
     argv = (f"{run} --ckpt-format torch_dist --async-save --save-interval 2 --train-iters 1000 "
             f"--save {tmp_path}").split()
     env = dict(os.environ, MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+               PYTHONPATH=os.pathsep.join([  # the package, the harness, this file
+                   ROOT, os.path.join(ROOT, "tests"), os.path.dirname(os.path.abspath(__file__))]))
     for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID"):
         env.pop(key, None)
     code = ("import sys; from test_dist_checkpoint import _slow_save_then_train; "
