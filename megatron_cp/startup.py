@@ -2,8 +2,6 @@
 checked arguments, the ParallelState of those sections, the model config, and the forward step
 of one microbatch. The training loop (megatron_cp.training), inference, the evaluation tasks
 and the tools all start from here; nothing here imports the loop."""
-
-
 from megatron_cp.config.data import DataConfig
 from megatron_cp.config.run import RunConfig
 from megatron_cp.config.setting import build_config
@@ -11,7 +9,6 @@ from megatron_cp.data import tokenizer_from_config
 from megatron_cp.data.batch import mtp_targets
 from megatron_cp.distributed.initialize import initialize_model_parallel
 from megatron_cp.model import GPTConfig
-
 
 
 def config_from_args(args, vocab_size):

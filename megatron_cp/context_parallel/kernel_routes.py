@@ -6,22 +6,12 @@ kernels in :data:`COUNTED`; tools/gpu_check.py's flash section and benchmarks/gp
 rows run inside it.
 """
 import contextlib
+from unittest import mock
 
 from megatron_cp.context_parallel import cuda_kernels
 
 # kernels the CUDA backend calls through cuda_kernels, counted inside cudnn_bypassed
 COUNTED = ("flash_forward", "flash_varlen_forward", "cudnn_forward", "efficient_forward")
-
-
-@contextlib.contextmanager
-def _patched(owner, name, value):
-    """``owner.name`` is ``value`` inside, restored after."""
-    saved = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, saved)
 
 
 @contextlib.contextmanager
@@ -35,8 +25,9 @@ def cudnn_bypassed(calls):
         return call
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_patched(cuda_kernels, "cudnn_eligible", lambda q, k, v: False))
+        stack.enter_context(mock.patch.object(cuda_kernels, "cudnn_eligible",
+                                              lambda q, k, v: False))
         for name in COUNTED:
-            stack.enter_context(_patched(cuda_kernels, name,
-                                         counting(name, getattr(cuda_kernels, name))))
+            stack.enter_context(mock.patch.object(cuda_kernels, name,
+                                                  counting(name, getattr(cuda_kernels, name))))
         yield

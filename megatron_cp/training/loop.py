@@ -37,7 +37,6 @@ from megatron_cp.observability.run_report import (
     format_parallel_sizes, format_parameter_counts, format_summary, is_global_rank_zero,
     print_rank_0)
 from megatron_cp.observability.training_log import TrainingLogger, model_flops_per_token
-
 from megatron_cp.startup import build_parallel_state, tokenizer_and_run
 from megatron_cp.training.trainer import Trainer
 

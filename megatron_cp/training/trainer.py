@@ -30,7 +30,6 @@ from megatron_cp.distributed.fsdp import TorchFullyShardedDataParallel
 from megatron_cp.pipeline_parallel import (build_model_chunks, get_forward_backward_func,
                                            layout_from_config, pipeline_tensor_shape)
 from megatron_cp.resilience.weight_hash import check_weight_hashes
-
 from megatron_cp.startup import forward_step
 
 
