@@ -327,13 +327,6 @@ AS_IS = (  # (kind, effect, text, flags): SAME (text: what megatron_cp does, whi
      "Transformer Engine's op fuser); here the plain PyTorch ops compute the same",
      ("--use-fused-weighted-squared-relu", "--fused-residual-rmsnorm",
       "--use-transformer-engine-op-fuser",)),
-    (IGNORED, MEMORY, "splits the inputs that full recompute saves across the tensor-parallel "
-     "ranks (here each rank keeps them whole)",
-     ("--distribute-saved-activations",)),
-    (IGNORED, MEMORY, "chooses which modules selective recompute covers (MLP, norms, MoE, MLA "
-     "up-projections, ...) or recomputes MoE layers whole (here selective recompute covers "
-     "core attention, Megatron-LM's default core_attn)",
-     ("--recompute-modules", "--moe-layer-recompute",)),
     (IGNORED, SPEED, "runs the shared expert or dense MLP through Transformer Engine's "
      "GroupedLinear; here plain linear layers compute the same",
      ("--use-grouped-gemm-for-shared-expert", "--use-grouped-gemm-for-dense-mlp",)),

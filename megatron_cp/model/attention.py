@@ -72,8 +72,9 @@ class AttentionCore(torch.nn.Module):
                                kernel=self.attention_kernel, dropout=dropout, layout=layout)
 
     def attend(self, q, k, v, token_index, document_ids, dropout_ids, layout=None):
-        """:meth:`core_attention`, checkpointed with --recompute-granularity selective."""
-        if self.config.recompute_granularity == "selective":
+        """:meth:`core_attention`, checkpointed in training with --recompute-granularity
+        selective when --recompute-modules holds core_attn (its default)."""
+        if self.training and self.config.recomputes("core_attn"):
             return tpar.checkpoint(self.core_attention, self.rng_tracker, q, k, v, token_index,
                                    document_ids, dropout_ids, layout)
         return self.core_attention(q, k, v, token_index, document_ids, dropout_ids, layout)

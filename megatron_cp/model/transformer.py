@@ -92,17 +92,40 @@ class TransformerLayer(torch.nn.Module):
         coords = None  # built only when something is drawn
         if self.training and (c.hidden_dropout > 0 or (self.is_moe and c.moe_input_jitter_eps)):
             coords = token_coordinates(dropout_ids, x, self.shard)
-        attn = self.self_attention(self.input_layernorm(x), position_ids, token_index, document_ids,
-                                   dropout_ids, layout=layout)
+        h, rebuild = self._norm(self.input_layernorm, x)
+        attn = self.self_attention(h, position_ids, token_index, document_ids, dropout_ids,
+                                   layout=layout)
+        if rebuild is not None:
+            rebuild.discard_after(attn)
         x = x + hidden_dropout(attn, c.hidden_dropout, self.training, keys[0], coords)
-        h = self.pre_mlp_layernorm(x)
-        if self.is_moe:
-            mlp = self.mlp(h, loss_mask, coords, keys[2])
-        elif c.mlp_chunks_for_training > 1 and self.training:
-            mlp = chunked_mlp(self.mlp, h, c.mlp_chunks_for_training, self.rng_tracker)
-        else:
-            mlp = self.mlp(h)
+        h, rebuild = self._norm(self.pre_mlp_layernorm, x)
+        mlp = self._mlp(h, loss_mask, coords, keys[2])
+        if rebuild is not None:
+            rebuild.discard_after(mlp)
         return x + hidden_dropout(mlp, c.hidden_dropout, self.training, keys[1], coords)
+
+    def _norm(self, norm, x):
+        """(norm(x), its DiscardedOutput or None): with --recompute-modules layernorm the
+        norm's output is not kept once the module after it has run; backward rebuilds it."""
+        if not (self.training and self.config.recomputes("layernorm")):
+            return norm(x), None
+        rebuild = tpar.DiscardedOutput(norm)
+        return rebuild(x), rebuild
+
+    def _mlp(self, h, loss_mask, coords, jitter_key):
+        """The MLP or MoE of ``h`` [s(/tp), b, h], checkpointed with --recompute-modules mlp
+        (dense layers) or moe (MoE layers, also --moe-layer-recompute)."""
+        c, training = self.config, self.training
+        if self.is_moe:
+            if training and c.recomputes("moe"):
+                return tpar.checkpoint(self.mlp, self.rng_tracker, h, loss_mask, coords,
+                                       jitter_key)
+            return self.mlp(h, loss_mask, coords, jitter_key)
+        if c.mlp_chunks_for_training > 1 and training:  # each chunk is recomputed already
+            return chunked_mlp(self.mlp, h, c.mlp_chunks_for_training, self.rng_tracker)
+        if training and c.recomputes("mlp"):
+            return tpar.checkpoint(self.mlp, self.rng_tracker, h)
+        return self.mlp(h)
 
 
 class TransformerBlock(torch.nn.Module):
