@@ -135,6 +135,8 @@ class TransformerBlock(torch.nn.Module):
                  state=None):
         super().__init__()
         self.config, self.rng_tracker = config, rng_tracker
+        # --distribute-saved-activations: each recomputed chunk's input split over TP
+        self.distribute_group = tp_group if config.distribute_saved_activations else None
         self.layer_numbers = list(layer_numbers)
         self.layers = torch.nn.ModuleList(
             TransformerLayer(config, n, tp_group, cp_group, rng_tracker, device, state=state)
@@ -168,7 +170,7 @@ class TransformerBlock(torch.nn.Module):
         tensors away from it)."""
         with self._offload(self.layer_numbers[start]):
             return tpar.checkpoint(self._run(start, end, offload=False), self.rng_tracker, x,
-                                   *args)
+                                   *args, distribute_group=self.distribute_group)
 
     def prepare_layout(self, layout, length, device):
         """Work out in ``layout`` (the microbatch's SequenceLayout) every plan the layers'

@@ -53,6 +53,7 @@ INT64 = 8
 # Per token of every microbatch read up front: tokens, labels, position ids and token index
 # (int64) and the fp32 loss mask (data/batch.py's microbatch fields).
 BATCH_BYTES_PER_TOKEN = 4 * INT64 + FP32
+CPU_RNG_STATE = torch.get_rng_state().numel()  # bytes of the CPU generator's state
 
 
 @dataclass
@@ -155,9 +156,19 @@ class _Shapes:
     offloaded: int = 0  # layers [0, N) keep their saved tensors in host memory (GPU)
 
 
-def _norm_bytes(sh, h, normalization):
+def _checkpoint_bytes(sh):
+    """What one checkpoint (random.checkpoint) keeps besides its inputs: the default
+    generator's state and the RNG tracker's snapshot; host memory on a GPU, CPU generator
+    states (CPU_RNG_STATE bytes each) on a CPU."""
+    return 0 if sh.fused_norm else 2 * CPU_RNG_STATE
+
+
+def _norm_bytes(sh, h, normalization, rebuilt=False):
     """A norm's saved tensors over ``norm_tokens`` tokens (its output is saved by the next
-    linear and counted there)."""
+    linear and counted there). ``rebuilt`` (--recompute-modules layernorm): only its input,
+    the statistics are recomputed with the output."""
+    if rebuilt:
+        return sh.norm_tokens * h * sh.act
     per = h * sh.act + FP32 * (2 if normalization == "LayerNorm" else 1)
     if normalization == "RMSNorm" and not sh.fused_norm:
         per += h * sh.act  # F.rms_norm's decomposition keeps x * rstd for the weight grad
@@ -235,35 +246,53 @@ def routed_tokens(c, tokens, ep):
 def _moe_bytes(c, sh, ep, etp):
     """An MoE layer's saved tensors: the router's input and routing tensors (probabilities
     and map [t, E], top-k indices and weights), the permuted token copies, each expert's fc1
-    output and activation, and the combine's weighted copies."""
+    output and activation, and the combine's weighted copies. --recompute-modules moe: its
+    input and the checkpoint's RNG states only; moe_act: no activation output (rebuilt in
+    backward); shared_experts: the shared MLP's input and RNG states only."""
     h, t, k, experts = c.hidden_size, sh.tokens, c.moe_router_topk, c.num_moe_experts
+    if c.recomputes("moe"):
+        return sh.norm_tokens * h * sh.act + _checkpoint_bytes(sh)
     routing = t * h * sh.act + t * experts * (FP32 + 1) + t * k * (2 * INT64 + 2 * FP32)
     copies = routed_tokens(c, t, ep)
     ffn = c.moe_ffn_hidden_size // etp
     fc1_out = ffn * (2 if c.activation == "swiglu" else 1)
     # [copies, h] thrice: the permuted input, the experts' output and its probability-weighted
     # copy (the all-to-all's own buffers are not saved)
-    experts_bytes = copies * (3 * h + fc1_out + ffn) * sh.act
+    act_out = 0 if c.recomputes("moe_act") else ffn
+    experts_bytes = copies * (3 * h + fc1_out + act_out) * sh.act
     shared = 0
     if c.moe_shared_expert_intermediate_size:
         shared = _mlp_bytes(c, sh, c.moe_shared_expert_intermediate_size)
+        if c.recomputes("shared_experts"):
+            shared = sh.norm_tokens * h * sh.act + _checkpoint_bytes(sh)
     return routing + experts_bytes + shared
 
 
 def layer_activation_bytes(c, sh, number, ep=1, etp=1):
-    """Saved tensors of global layer ``number`` for one microbatch, without full recompute."""
-    selective = c.recompute_granularity == "selective"
-    total = 2 * _norm_bytes(sh, c.hidden_size, c.normalization)
+    """Saved tensors of global layer ``number`` for one microbatch, without full recompute;
+    selective recomputation drops what its --recompute-modules rebuild in backward."""
+    h = c.hidden_size
+    rebuilt_norms = c.recomputes("layernorm")
+    # a norm output that is rebuilt frees what its reader kept of it: the token-local copy
+    # (the next linear's input without SP; under SP that linear keeps its all-gathered input)
+    sp = sh.norm_tokens < sh.tokens
+    norm_output = sh.norm_tokens * h * sh.act if rebuilt_norms else 0
+    total = 2 * _norm_bytes(sh, h, c.normalization, rebuilt_norms)
     if c.linear_attention_pattern()[number]:
         total += _gdn_bytes(c, sh)
     else:
-        total += _attention_bytes(c, sh, selective, sh.cp_comms and sh.cp_comms[number])
+        total += _attention_bytes(c, sh, c.recomputes("core_attn"),
+                                  sh.cp_comms and sh.cp_comms[number])
+        total -= 0 if sp else norm_output
     if c.moe_layer_pattern()[number]:
-        total += _moe_bytes(c, sh, ep, etp)
+        # the router keeps the norm's output itself, with or without SP
+        total += _moe_bytes(c, sh, ep, etp) - norm_output
     elif c.mlp_chunks_for_training > 1:  # tiled MLP: each chunk saves only its input
-        total += sh.norm_tokens * c.hidden_size * sh.act
+        total += sh.norm_tokens * h * sh.act
+    elif c.recomputes("mlp"):  # the checkpoint keeps the MLP's input
+        total += sh.norm_tokens * h * sh.act + _checkpoint_bytes(sh) - norm_output
     else:
-        total += _mlp_bytes(c, sh, c.ffn_hidden_size)
+        total += _mlp_bytes(c, sh, c.ffn_hidden_size) - (0 if sp else norm_output)
     if c.hidden_dropout > 0:
         total += 2 * sh.norm_tokens * c.hidden_size  # bool masks of both dropouts
     return total
@@ -297,7 +326,10 @@ def _chunk_activation_bytes(c, sh, layers, ep, etp):
         back = max((b for b, kept in zip(per_layer, on_device) if not kept), default=0)
         return sum(b for b, kept in zip(per_layer, on_device) if kept), transient + back
     k = c.recompute_num_layers or 1
-    chunk_input = sh.norm_tokens * c.hidden_size * sh.act
+    chunk_input = sh.norm_tokens * c.hidden_size
+    if c.distribute_saved_activations and sh.tp > 1:  # each TP rank keeps 1/TP (padded)
+        chunk_input = -(-chunk_input // sh.tp)
+    chunk_input *= sh.act
     if c.recompute_method == "uniform":
         starts = range(0, len(per_layer), k)
         chunks = [per_layer[i:i + k] for i in starts]

@@ -116,3 +116,43 @@ def test_moe_layer_recompute_refuses_full_granularity():
     with pytest.raises(ValueError, match="moe_layer_recompute"):
         tiny_config(**MOE, moe_layer_recompute=True, recompute_granularity="full",
                     recompute_method="uniform", recompute_num_layers=1)
+
+
+FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
+def _tp2_distributed(rank, world):
+    """TP2 without SP, full recomputation: with --distribute-saved-activations each rank
+    keeps half of every recomputed layer's input, and the losses and gradients are the
+    one-process model's without recomputation."""
+    state = initialize_model_parallel(tensor_model_parallel_size=2)
+    tokens, pos, labels = _batch()
+    ref = GPTModel(tiny_config(**DROPOUT))
+    loss_ref = _loss_and_grads(ref, tokens, pos, labels)
+    for method in ("uniform", "block"):
+        model = GPTModel(tiny_config(**DROPOUT, **dict(FULL, recompute_method=method),
+                                     distribute_saved_activations=True), state=state)
+        loss = _loss_and_grads(model, tokens, pos, labels)
+        torch.testing.assert_close(loss, loss_ref)
+        got = full_grads(model, state.group("tp"))
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(got[name], p.grad, msg=lambda m: f"{method} {name}: {m}")
+    return True
+
+
+def test_distribute_saved_activations_tp2_matches_one_process():
+    assert all(run_workers(_tp2_distributed, 2, timeout=300))
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(FULL, sequence_parallel=True), "must be off with sequence_parallel"),
+    (dict(recompute_granularity="selective"), "use recompute_granularity full"),
+])
+def test_distribute_saved_activations_rules(kw, words):
+    with pytest.raises(ValueError, match=words):
+        tiny_config(distribute_saved_activations=True, **kw)
+
+
+def test_distribute_saved_activations_needs_tp():
+    with pytest.raises(ValueError, match="tensor_model_parallel_size is 1"):
+        tiny_config(distribute_saved_activations=True, **FULL).validate_parallel(1)

@@ -59,6 +59,25 @@ CASES = {
                "--linear-num-value-heads 8 --linear-value-head-dim 32"),
     "moe-ep2": (2, "--global-batch-size 2 --num-experts 4 --moe-router-topk 2 "
                    "--moe-ffn-hidden-size 256 --expert-model-parallel-size 2 --no-bias-gelu-fusion"),
+    # the activation savers, one row each (tests/planning/test_activation_savers.py checks
+    # the bytes each removes to the byte)
+    "selective-layernorm": (1, "--global-batch-size 2 --recompute-granularity selective "
+                               "--recompute-modules layernorm"),
+    "selective-mlp": (1, "--global-batch-size 2 --recompute-granularity selective "
+                         "--recompute-modules core_attn mlp"),
+    "moe-ep2-moe-layer-recompute": (2, "--global-batch-size 2 --num-experts 4 "
+                                       "--moe-router-topk 2 --moe-ffn-hidden-size 256 "
+                                       "--expert-model-parallel-size 2 --moe-layer-recompute"),
+    "moe-ep2-moe-act-shared-experts": (2, "--global-batch-size 2 --num-experts 4 "
+                                          "--moe-router-topk 2 --moe-ffn-hidden-size 256 "
+                                          "--expert-model-parallel-size 2 "
+                                          "--moe-shared-expert-intermediate-size 256 "
+                                          "--recompute-granularity selective "
+                                          "--recompute-modules moe_act shared_experts"),
+    "tp2-distribute-saved-activations": (2, "--global-batch-size 2 --tensor-model-parallel-size 2 "
+                                            "--recompute-granularity full --recompute-method "
+                                            "uniform --recompute-num-layers 1 "
+                                            "--distribute-saved-activations"),
 }
 
 PEAK_LINE = re.compile(r"peak tensor memory \(MB\) after 2 iterations: ([0-9.]+) on rank (\d+)")
