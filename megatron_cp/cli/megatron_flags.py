@@ -309,13 +309,6 @@ AS_IS = (  # (kind, effect, text, flags): SAME (text: what megatron_cp does, whi
     (IGNORED, SPEED, "overlaps P2P with compute in the warmup and flush phases of the pipeline "
      "schedule",
      ("--overlap-p2p-communication-warmup-flush",)),
-    (IGNORED, MEMORY, "offloads activations to host memory module by module (fine-grained "
-     "offloading, its modules, sizes and in-flight limits; --cpu-offloading-num-layers is "
-     "built)",
-     ("--cpu-offloading-retain-pinned-cpu-buffers",
-      "--fine-grained-activation-offloading", "--offload-modules",
-      "--min-offloaded-tensor-size", "--delta-offload-bytes-across-pp-ranks",
-      "--activation-offload-fraction", "--fine-grained-offloading-max-inflight-offloads",)),
     (IGNORED, SPEED, "pins the FlashAttention generation (2 or 3) for core attention; here the "
      "kernel is chosen per device",
      ("--flash-attention-version",)),

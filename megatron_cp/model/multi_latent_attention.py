@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from megatron_cp import tensor_parallel as tpar
 from megatron_cp.model.attention import AttentionCore
+from megatron_cp.layers.fine_grained_offload import offload_group
 from megatron_cp.layers.norms import norm_for
 from megatron_cp.layers.rotary import RotaryEmbedding, yarn_mscale
 from megatron_cp.resilience.weight_hash import check_replicas_equal
@@ -197,7 +198,8 @@ class MultiLatentAttention(AttentionCore):
     def _query_key_value(self, x, position_ids):
         """:meth:`query_key_value`, and the DiscardedOutput of the up projections and rotary
         with --recompute-modules mla_up_proj in training (else None)."""
-        q_in, c_kv, k_pe = self.latents(x)
+        with offload_group(self.offload, "qkv_linear"):  # the down projections
+            q_in, c_kv, k_pe = self.latents(x)
         cos, sin = self.rotary.cos_sin(position_ids)  # [s, b, 1, pos/2]
         if self.training and self.config.recomputes("mla_up_proj"):
             rebuild = tpar.DiscardedOutput(self._up_and_rotary)
@@ -225,7 +227,7 @@ class MultiLatentAttention(AttentionCore):
         if rebuild is not None:  # q, k, v come back when backward reaches the core output
             rebuild.discard_after(out)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.v_dim)
-        return self.linear_proj(out)  # [s(/tp), b, h]
+        return self.output_projection(out)  # [s(/tp), b, h]
 
     def project_out(self, out, gate=None):
         """The attention output [s, b, nh/tp * v_head_dim] through linear_proj (the

@@ -32,7 +32,8 @@ Every term is read off what OUR code holds, not a paper's formula:
 
 - **Offloading** (``--cpu-offloading-num-layers N``, GPU only): the first N layers' saved
   tensors (under full recompute: their checkpoints' inputs) live in host memory and come
-  back one layer at a time in backward.
+  back one layer at a time in backward. Fine-grained offloading (GPU only): the groups
+  :func:`offloaded_bytes` counts live in host memory and come back one group at a time.
 
 The peak is the largest of three moments (forward at the loss, backward at the loss,
 backward of the last layer) on the stage whose sum is largest. ``device`` "gpu" assumes the
@@ -44,6 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_cp.context_parallel import resolve_comm_type
+from megatron_cp.layers.fine_grained_offload import plan_offload
 from megatron_cp.layers.gated_delta_rule import CHUNK_SIZE as GDN_CHUNK
 from megatron_cp.optimizer.memory import expected_bytes_per_param
 from megatron_cp.pipeline_parallel import layout_from_config
@@ -154,6 +156,7 @@ class _Shapes:
     act: int  # bytes per activation element (the params dtype)
     fused_norm: bool  # device norms save input and statistics only
     offloaded: int = 0  # layers [0, N) keep their saved tensors in host memory (GPU)
+    fine_offload: bool = False  # --fine-grained-activation-offloading moves its groups (GPU)
 
 
 def _checkpoint_bytes(sh):
@@ -316,11 +319,70 @@ def _layer_backward_transient(c, sh, number):
     return (t * (ffn // sh.tp + fc1 + h) + h * fc1) * sh.act + extra
 
 
+def _offload_group_bytes(c, sh, number, ep, etp):
+    """[(name, bytes)] of layer ``number``'s fine-grained offloading groups (its calls of the
+    --offload-modules, in forward order): the bytes of the tensors each saves that have at
+    least --min-offloaded-tensor-size elements, counted once per save as the offloader copies
+    them. Softmax attention (not MLA, whose groups are not modelled) and MoE experts taking
+    one grouped matmul."""
+    h, t, nt, act = c.hidden_size, sh.tokens, sh.norm_tokens, sh.act
+    rebuilt = c.recomputes("layernorm")
+    if rebuilt:
+        norm = [(nt * h, act)]
+    elif c.normalization == "LayerNorm":
+        norm = [(nt * h, act), (nt, FP32), (nt, FP32)]
+    elif sh.fused_norm:
+        norm = [(nt * h, act), (nt, FP32)]
+    else:  # F.rms_norm's decomposition saves the input and x * rstd thrice, rstd twice
+        norm = [(nt * h, act)] * 3 + [(nt, FP32)] * 2
+    heads, groups, d = c.num_attention_heads // sh.tp, c.num_query_groups // sh.tp, c.kv_channels
+    saves = {"attn_norm": norm, "mlp_norm": norm}
+    softmax = not (c.linear_attention_pattern()[number] or c.multi_latent_attention)
+    if softmax:
+        saves["qkv_linear"] = [(t * h, act)]
+        # the kernel's q, k, v, output and log-sum-exp; a checkpoint keeps its own inputs
+        saves["core_attn"] = [] if c.recomputes("core_attn") else [
+            (t * heads * d, act), (t * groups * d, act), (t * groups * d, act),
+            (t * heads * d, act), (t * heads, FP32)]
+        saves["attn_proj"] = [(t * heads * d, act)]
+    if c.moe_layer_pattern()[number]:
+        copies, ffn = routed_tokens(c, t, ep), c.moe_ffn_hidden_size // etp
+        fc1_out = ffn * (2 if c.activation == "swiglu" else 1)
+        # the permuted tokens and the grouped matmul's int32 offsets [E_local]
+        saves["expert_fc1"] = [(copies * h, act), (c.num_moe_experts // ep, 4)]
+        twice = c.activation == "squared_relu" and not c.recomputes("moe_act")
+        saves["moe_act"] = [(copies * fc1_out, act)] * (2 if twice else 1)
+    order = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1",
+             "moe_act")
+    return [(name, sum(n * size for n, size in saves[name]
+                       if n >= c.min_offloaded_tensor_size))
+            for name in order if name in c.offload_modules and name in saves]
+
+
+def offloaded_bytes(c, sh, layers, ep=1, etp=1):
+    """(bytes fine-grained offloading moves to the host in one microbatch's forward through
+    ``layers``, the largest group's bytes): Megatron-LM's choice (layers/
+    fine_grained_offload.py's plan_offload) with the last group of each name kept, as on
+    the last stage (earlier stages keep them in each step's first microbatch only, so there
+    this predicts a little more on the device); 0 without --fine-grained-activation-
+    offloading or under full recompute (its layers save nothing outside the checkpoints).
+    The host holds these bytes for each microbatch in flight."""
+    if not c.fine_grained_activation_offloading or c.recompute_granularity == "full":
+        return 0, 0
+    groups = [g for n in layers for g in _offload_group_bytes(c, sh, n, ep, etp)]
+    moves, _ = plan_offload(groups, c.activation_offload_fraction)
+    moved = [size for (_, size), move in zip(groups, moves) if move]
+    return sum(moved), max(moved, default=0)
+
+
 def _chunk_activation_bytes(c, sh, layers, ep, etp):
     """(saved bytes of one microbatch through ``layers``, extra of the largest backward)."""
     per_layer = [layer_activation_bytes(c, sh, n, ep, etp) for n in layers]
     on_device = [n >= sh.offloaded for n in layers]  # --cpu-offloading-num-layers moves the rest
     transient = max((_layer_backward_transient(c, sh, n) for n in layers), default=0)
+    if sh.fine_offload and c.recompute_granularity != "full":  # back one group at a time
+        moved, largest = offloaded_bytes(c, sh, layers, ep, etp)
+        return sum(per_layer) - moved, transient + largest
     if c.recompute_granularity != "full" or not layers:
         # an offloaded layer's tensors come back one layer at a time, in its backward
         back = max((b for b, kept in zip(per_layer, on_device) if not kept), default=0)
@@ -441,7 +503,8 @@ def estimate_memory(run, device="cpu"):
     sp = c.sequence_parallel and tp > 1
     gpu = device == "gpu"  # CPU activations live in host memory already: nothing offloads
     sh = _Shapes(micro_batch, tokens, tokens // tp if sp else tokens, tp, cp, cp_comms,
-                 act, gpu, c.cpu_offloading_num_layers if gpu else 0)
+                 act, gpu, c.cpu_offloading_num_layers if gpu else 0,
+                 gpu and c.fine_grained_activation_offloading)
     distributed = optimizer.use_distributed_optimizer
     instances = optimizer.num_distributed_optimizer_instances  # validated: at least 1
     world = dp * cp * tp * pp
