@@ -35,6 +35,8 @@ from megatron_cp.distributed import compat as dist_compat
 from megatron_cp.optimizer.inner import (ADAM_KINDS, MUON_KINDS, adam_step, build_inner,
                                          param_state, set_adam_step)
 from megatron_cp.optimizer.muon import Orthogonalizer, ShardedMuon, sharding_plan
+from megatron_cp.optimizer.offload import offload_shards, offload_transfers
+from megatron_cp.optimizer.precision import build_precision_aware
 from megatron_cp.optimizer.optimizer import (_PARAM_ATTRS, MixedPrecisionOptimizer, ParamShard,
                                              check_saved_groups, muon_settings)
 
@@ -49,6 +51,7 @@ class _Shard:
     main: torch.Tensor  # [stop - start] fp32; the param-buffer view itself for fp32 params
     grad_view: torch.Tensor  # [stop - start] view of the gradient buffer
     param_view: torch.Tensor  # [stop - start] view of the parameter buffer
+    host_grad: torch.Tensor | None = None  # offloaded: main is on the host, this its grad copy
 
 
 class DistributedOptimizer(MixedPrecisionOptimizer):
@@ -64,7 +67,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def __init__(self, model_params, model_chunks, state, lr, weight_decay=0.0,
                  betas=(0.9, 0.999), eps=1e-8, clip_grad=1.0, params_dtype=torch.float32,
-                 grad_scaler=None, use_fused=None, check_for_nan_in_grad=False, muon=None):
+                 grad_scaler=None, use_fused=None, check_for_nan_in_grad=False, muon=None,
+                 precision=None, offload=None):
         groups = self._setup(model_params, state, clip_grad, params_dtype, grad_scaler)
         self.check_for_nan_in_grad = check_for_nan_in_grad
         self.model_chunks = list(model_chunks)
@@ -79,9 +83,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self._pairs = []  # the base class's (model, main) pairs: none, the shards replace them
         self._groups = groups
         self._shards = []
-        inner_groups = []
+        per_group = []
         for group in groups:
-            mains = []
+            per_group.append([])
             for param in group["params"]:
                 if id(param) not in location:
                     raise ValueError(f"a parameter of shape {tuple(param.shape)} is in no "
@@ -93,8 +97,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 shard = self._make_shard(param, location[id(param)])
                 if shard is not None:
                     self._shards.append(shard)
-                    mains.append(shard.main)
-            inner_groups.append({**group, "params": mains})
+                    per_group[-1].append(shard)
+        if offload is not None:
+            offload_shards(self._shards, offload, proxy=lambda shard: shard.param_view)
+        inner_groups = [{**group, "params": [s.main for s in shards]}
+                        for group, shards in zip(groups, per_group)]
 
         def make_muon(groups):
             mains = {id(m) for g in groups for m in g["params"]}
@@ -103,8 +110,13 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                                [s for s in self._shards if id(s.main) in mains],
                                sharding_plan(self.model_chunks, params), lr=lr,
                                weight_decay=weight_decay, **muon_settings(muon))
-        self.optimizer = build_inner(inner_groups, lr, weight_decay, betas, eps, state.device,
-                                     use_fused, make_muon)
+        if precision is None:
+            self.optimizer = build_inner(inner_groups, lr, weight_decay, betas, eps,
+                                         state.device, use_fused, make_muon)
+        else:
+            self.optimizer = build_precision_aware(
+                inner_groups, lr, weight_decay, betas, eps, state.device, use_fused, precision,
+                offload_transfers(self._shards, offload), offload is not None and offload.overlap)
 
     @staticmethod
     def _make_shard(param, bucket):
@@ -123,11 +135,17 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     # ----- the step's stages (the base class's step() drives them) -----------------------
     def _main_params(self):
-        return [s.main for s in self._shards]
+        """What clipping reads: the main params, or for those on the host the device param
+        views carrying the gradient as ``main_grad``."""
+        return [s.param_view if s.host_grad is not None else s.main for s in self._shards]
 
     def _prepare_main_grads(self):
         for s in self._shards:
-            s.main.grad = s.grad_view if s.grad_view.dtype == torch.float32 else s.grad_view.float()
+            if s.host_grad is not None:
+                s.param_view.main_grad = s.grad_view  # copied to the host after clipping
+            else:
+                s.main.grad = s.grad_view if s.grad_view.dtype == torch.float32 \
+                    else s.grad_view.float()
 
     def _release_aliased_grads(self):
         for s in self._shards:
@@ -161,9 +179,23 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 s.main.copy_(s.param_view)
 
     def param_shards(self):
-        """A :class:`ParamShard` per shard of this rank, in param-group order."""
-        return [ParamShard(s.model, s.start, s.stop, None if s.main is s.param_view else s.main,
+        """A :class:`ParamShard` per shard of this rank, in param-group order (an fp32 model's
+        params are their own main params, on the host too)."""
+        return [ParamShard(s.model, s.start, s.stop,
+                           None if s.model.dtype == torch.float32 else s.main,
                            param_state(self.optimizer, s.main)) for s in self._shards]
+
+    def main_tensors(self):
+        """The main params apart from the param buffer: fp32 copies of a bf16/fp16 model's
+        shards, and the host copies of --optimizer-cpu-offload."""
+        return [s.main for s in self._shards if s.main is not s.param_view]
+
+    @torch.no_grad()
+    def reload_host_copies(self):
+        """After a load: an fp32 model's params on the host take the loaded values."""
+        for s in self._shards:
+            if s.host_grad is not None and s.model.dtype == torch.float32:
+                s.main.copy_(s.param_view)
 
     # ----- the plain (unsharded) format, for --ckpt-format torch --------------------------
     def _model_order(self):
@@ -257,6 +289,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 s.main.copy_(main_of[id(s.model)].reshape(-1)[s.start:s.stop])
                 s.param_view.copy_(s.main)
         set_adam_step(self.optimizer, step)
+        self.reload_host_copies()
         saved_scaler = state_dict.get("grad_scaler")
         if self.grad_scaler is not None and saved_scaler is not None:
             self.grad_scaler.load_state_dict(saved_scaler)

@@ -1,0 +1,152 @@
+"""--use-precision-aware-optimizer (moments in bf16) and --optimizer-cpu-offload (a fraction
+of the optimizer on the host), at DP=2 with the distributed optimizer and with FSDP2
+(Megatron-FSDP's optim_grads_params, which Megatron-LM allows them with), against the run
+without them: losses, the state's dtypes and the bytes by placement."""
+import pytest
+import torch
+
+from dist_harness import run_workers
+from megatron_cp.config.optimizer import OptimizerConfig
+from megatron_cp.optimizer.memory import optimizer_bytes_per_param
+from megatron_cp.optimizer.offload import choose_offloaded
+from training_utils import TINY, max_rel_diff
+
+STEPS = TINY + " --train-iters 10 --clip-grad 0.5"
+DIST = "--use-distributed-optimizer"
+FSDP = "--use-megatron-fsdp --ckpt-format fsdp_dtensor"
+PA = "--use-precision-aware-optimizer"
+BF16_MOMENTS = f"{PA} --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16"
+
+
+def offload(fraction):
+    return f"{PA} --optimizer-cpu-offload --optimizer-offload-fraction {fraction}"
+
+
+JOBS = {
+    "dist": f"{STEPS} {DIST}",
+    "dist_pa_fp32": f"{STEPS} {DIST} {PA}",
+    "dist_pa_bf16": f"{STEPS} {DIST} {BF16_MOMENTS}",
+    "dist_off0.5": f"{STEPS} {DIST} {offload(0.5)}",
+    "dist_off1.0": f"{STEPS} {DIST} {offload(1.0)}",
+    "fsdp": f"{STEPS} {FSDP}",
+    "fsdp_off0.5": f"{STEPS} {FSDP} {offload(0.5)}",
+    "fsdp_off1.0": f"{STEPS} {FSDP} {offload(1.0)}",
+}
+
+
+def _run(rank, world, argv):
+    """(losses, memory breakdown, [(dtype, numel) of each state tensor], elements of this
+    rank's optimizer params, of those on the host) of training ``argv``."""
+    from megatron_cp import training
+    from megatron_cp.optimizer.memory import memory_breakdown
+    from training_utils import train_losses
+    trainers, real_init = [], training.Trainer.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        trainers.append(self)
+    training.Trainer.__init__ = init
+    losses = train_losses(rank, world, argv)
+    trainer = trainers[0]
+    opt = trainer.optimizer
+    shards = opt.param_shards()
+    states = [(str(t.dtype), t.numel()) for s in shards for t in s.state.values()]
+    numels = [s.stop - s.start for s in shards]
+    on_host = sum(t.numel() for t in opt.host_grad_tensors())
+    memory = memory_breakdown(trainer.model_chunks, opt)
+    return losses, memory, states, numels, on_host
+
+
+def _all(rank, world, jobs):
+    return {name: _run(rank, world, argv) for name, argv in jobs.items()}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_workers(_all, 2, JOBS, timeout=900)
+
+
+def test_fp32_dtypes_are_the_plain_optimizer_bit_for_bit(results):
+    for rank in results:
+        assert rank["dist_pa_fp32"][0] == rank["dist"][0]
+
+
+def test_bf16_moments_stay_within_bf16s_bound_and_take_half_the_bytes(results):
+    """The moments are rounded to bf16 (unit roundoff u = 2^-8) after each step; the update
+    is computed in fp32, so each step's update moves by at most ~1.5 u of itself, and the
+    updates are lr-sized: over 10 steps the loss stays within u of the fp32 run."""
+    bound = 2.0 ** -8
+    for rank in results:
+        diff = max_rel_diff(rank["dist_pa_bf16"][0], rank["dist"][0])
+        assert 0 < diff <= bound, diff  # the dtype acts, within its bound
+        states = rank["dist_pa_bf16"][2]
+        assert states and {dtype for dtype, _ in states} == {"torch.bfloat16"}
+        fp32_state = rank["dist"][1]["optimizer_state"]
+        assert rank["dist_pa_bf16"][1]["optimizer_state"] * 2 == fp32_state
+        assert fp32_state == 4 * sum(n for _, n in rank["dist"][2])
+
+
+@pytest.mark.parametrize("fraction", ["0.5", "1.0"])
+@pytest.mark.parametrize("wrapper", ["dist", "fsdp"])
+def test_offload_trains_bit_for_bit_as_without(results, wrapper, fraction):
+    for rank in results:
+        assert rank[f"{wrapper}_off{fraction}"][0] == rank[wrapper][0]
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_offloaded_bytes_follow_the_formula_exactly(results, fraction):
+    """Host: fp32 main (4) + moments (8) + gradient copy (4) per offloaded element; device:
+    the run without offload less the main params (fp32 model: none) and moments moved."""
+    for rank in results:
+        _, memory, _, numels, on_host = rank[f"dist_off{fraction}"]
+        chosen = choose_offloaded(numels, fraction)
+        moved = sum(n for n, c in zip(numels, chosen) if c)
+        assert on_host == moved > 0
+        assert memory["host"] == 16 * moved
+        assert memory["device"] == rank["dist"][1]["total"] - 8 * moved
+        config = OptimizerConfig(use_distributed_optimizer=True,
+                                 use_precision_aware_optimizer=True, optimizer_cpu_offload=True,
+                                 optimizer_offload_fraction=moved / sum(numels))
+        device, host = optimizer_bytes_per_param(config, torch.float32, 2, distributed=True)
+        n = memory["num_params"]
+        assert host * n == pytest.approx(memory["host"], rel=1e-12)
+        assert device * n == pytest.approx(memory["device"], rel=2e-3)  # bucket padding
+
+
+def test_fsdp_offload_of_everything_is_fsdp2s_host_offload(results):
+    for rank in results:
+        memory, plain = rank["fsdp_off1.0"][1], rank["fsdp"][1]
+        assert memory["device"] == 0 and memory["host"] == plain["total"]
+        half = rank["fsdp_off0.5"]
+        numels = half[3]
+        moved = sum(n for n, c in zip(numels, choose_offloaded(numels, 0.5)) if c)
+        assert half[1]["host"] == 16 * moved
+        assert half[1]["device"] == plain["total"] - 8 * moved
+
+
+def test_offload_resumes_from_a_checkpoint_to_the_same_losses(tmp_path):
+    save = tmp_path / "ckpt"
+    argv = f"{TINY} --train-iters 4 {DIST} {offload(0.5)} --ckpt-format torch_dist"
+    straight = run_workers(_run, 2, argv)
+    run_workers(_run, 2, f"{argv} --save {save} --save-interval 2 --exit-interval 2")
+    resumed = run_workers(_run, 2, f"{argv} --load {save}")
+    for whole, tail in zip(straight, resumed):
+        assert tail[0] == whole[0][2:], (tail[0], whole[0])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (f"{DIST} --optimizer-cpu-offload", "add --use-precision-aware-optimizer"),
+    (PA, "add --use-distributed-optimizer"),
+    (f"{DIST} --exp-avg-dtype bf16", "add --use-precision-aware-optimizer"),
+    (f"{DIST} {PA} --exp-avg-dtype fp8", "FP8 optimizer state is not built"),
+    (f"{DIST} {PA} --main-grads-dtype bf16", "add --bf16"),
+    (f"{DIST} {offload(1.5)}", "give a number in [0, 1]"),
+    (f"{DIST} {offload(0.5)} --exp-avg-dtype bf16", "hybrid CPU/GPU optimizer keeps fp32"),
+    (f"--use-torch-fsdp2 --ckpt-format torch_dist {PA}", "use --use-megatron-fsdp"),
+])
+def test_refused_in_one_line(flags, message):
+    from megatron_cp.cli.arguments import parse_args
+    from megatron_cp.cli.arguments import ArgumentErrors
+    with pytest.raises(ArgumentErrors) as error:
+        parse_args(f"{TINY} --train-iters 2 {flags}".split(), world_size=2)
+    assert [line for line in error.value.lines if message in line], error.value.lines
