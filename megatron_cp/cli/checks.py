@@ -234,9 +234,10 @@ def _validate_optimizer(args, names):
     """The optimizer config's own rules (naming flags, not fields). dist_muon is Muon under
     the distributed optimizer, which Megatron-LM also rewrites it to."""
     try:
-        build_config(OptimizerConfig, args)
+        config = build_config(OptimizerConfig, args)
     except ValueError as err:
         raise ValueError(name_flags(str(err), names)) from err
+    args.compat_notes += config.offload_notes()
     if args.optimizer == "dist_muon":
         args.optimizer, args.use_distributed_optimizer = "muon", True
 

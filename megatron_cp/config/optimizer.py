@@ -279,6 +279,23 @@ class OptimizerConfig:
         --optimizer-cpu-offload)."""
         return self.optimizer_offload_fraction if self.optimizer_cpu_offload else 0.0
 
+    def offload_notes(self):
+        """Start-up notes for the host-offload switches that compute nothing different:
+        what they do in Megatron-LM, and where they act here (on a GPU only)."""
+        given = [flag for flag, on in (("--overlap-cpu-optimizer-d2h-h2d",
+                                        self.overlap_cpu_optimizer_d2h_h2d),
+                                       ("--no-pin-cpu-grads", not self.pin_cpu_grads),
+                                       ("--no-pin-cpu-params", not self.pin_cpu_params)) if on]
+        if not given:
+            return []
+        if not self.optimizer_cpu_offload:
+            return [f"{', '.join(given)}: no effect without --optimizer-cpu-offload (as in "
+                    f"Megatron-LM)"]
+        return [f"{', '.join(given)}: the host copies' speed only, the same numbers: Megatron-LM "
+                f"copies gradients to the host and updated params back on side streams and "
+                f"pins (page-locks) the host buffers; here too on a GPU, through the device "
+                f"helper; on a CPU nothing moves"]
+
     def _check_precision_aware(self):
         lowered = [f for f in _PRECISION_FIELDS if getattr(self, f) != "fp32"]
         if not self.use_precision_aware_optimizer:

@@ -150,3 +150,11 @@ def test_refused_in_one_line(flags, message):
     with pytest.raises(ArgumentErrors) as error:
         parse_args(f"{TINY} --train-iters 2 {flags}".split(), world_size=2)
     assert [line for line in error.value.lines if message in line], error.value.lines
+
+
+def test_copy_switches_are_noted_at_start_up():
+    from megatron_cp.cli.arguments import parse_args
+    args = parse_args(f"{TINY} --train-iters 4 {DIST} {offload(0.5)} --no-pin-cpu-params "
+                      f"--overlap-cpu-optimizer-d2h-h2d".split(), world_size=2)
+    notes = [n for n in args.compat_notes if n.startswith("--overlap-cpu-optimizer-d2h-h2d")]
+    assert len(notes) == 1 and "--no-pin-cpu-params" in notes[0] and "same numbers" in notes[0]
