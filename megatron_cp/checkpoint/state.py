@@ -277,7 +277,7 @@ def restore(train_state, ckpt, root, it, record, read):
     if opt is not None and not with_optimizer:
         opt.reload_model_params()
     elif opt is not None:
-        opt.reload_host_copies()  # --optimizer-cpu-offload: host main params of fp32 params
+        opt.after_load()  # --optimizer-cpu-offload: host main params of fp32 params
     if checkpoint.finetune:
         return 0, 0
     if not record["has_optimizer"]:

@@ -317,9 +317,6 @@ class OptimizerConfig:
             if value == "fp8":
                 raise ValueError(f"{name} ('fp8'): FP8 optimizer state is not built yet; use "
                                  f"bf16 or fp32")
-            if value == "fp16":
-                raise ValueError(f"{name} ('fp16'): Transformer Engine's per-tensor scaled fp16 "
-                                 f"state is not built; use bf16 or fp32")
         if self.main_params_dtype != "fp32":
             raise ValueError(f"main_params_dtype ({self.main_params_dtype!r}): Transformer "
                              f"Engine's scaled fp16 master params are not built; use fp32")

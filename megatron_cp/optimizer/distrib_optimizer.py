@@ -191,8 +191,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return [s.main for s in self._shards if s.main is not s.param_view]
 
     @torch.no_grad()
-    def reload_host_copies(self):
+    def after_load(self):
         """After a load: an fp32 model's params on the host take the loaded values."""
+        super().after_load()
         for s in self._shards:
             if s.host_grad is not None and s.model.dtype == torch.float32:
                 s.main.copy_(s.param_view)
@@ -289,7 +290,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 s.main.copy_(main_of[id(s.model)].reshape(-1)[s.start:s.stop])
                 s.param_view.copy_(s.main)
         set_adam_step(self.optimizer, step)
-        self.reload_host_copies()
+        self.after_load()
         saved_scaler = state_dict.get("grad_scaler")
         if self.grad_scaler is not None and saved_scaler is not None:
             self.grad_scaler.load_state_dict(saved_scaler)

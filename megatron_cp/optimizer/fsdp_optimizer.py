@@ -113,8 +113,9 @@ class FullyShardedOptimizer(MixedPrecisionOptimizer):
         return [s.main for s in self._shards if s.main is not s.local]
 
     @torch.no_grad()
-    def reload_host_copies(self):
+    def after_load(self):
         """After a load: the rows stepped on the host take the loaded model rows."""
+        super().after_load()
         for s in self._shards:
             if s.main is not s.local:
                 s.main.copy_(s.local)
@@ -122,7 +123,7 @@ class FullyShardedOptimizer(MixedPrecisionOptimizer):
     def reload_model_params(self):
         """The main params are the model's shards: nothing to refresh after a load but the
         params kept whole (ZeRO-2), freed to be gathered anew."""
-        self.reload_host_copies()
+        self.after_load()
         for chunk in self._chunks:
             chunk.reshard_params()
 

@@ -123,10 +123,10 @@ def param_state(optimizer, param):
     ``optimizer``, created as zeros when it has not stepped yet (module docstring)."""
     if hasattr(optimizer, "owner"):  # a chain, or the hybrid device/host optimizer
         optimizer = optimizer.owner(param)
+    if hasattr(optimizer, "unscaled_state"):  # the precision-aware Adam: its dtypes, scales
+        return optimizer.unscaled_state(param)
     kinds = state_kinds(optimizer)
     state = optimizer.state[param]
-    if kinds[0] not in state and hasattr(optimizer, "initialize_state"):
-        optimizer.initialize_state(param)  # the precision-aware Adam's dtypes
     if kinds[0] not in state:
         if kinds == ADAM_KINDS:
             group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))

@@ -91,7 +91,7 @@ def memory_breakdown(model_chunks, optimizer):
     else:
         grad_bytes = sum(b.numel() * b.element_size() for chunk in model_chunks
                          for b in chunk.buffers)
-    shards = optimizer.param_shards()
+    optimizer.param_shards()  # creates the state of params that have not stepped yet
     rows_on_host = any(getattr(c, "offload_params", False) for c in model_chunks)
     device, host = {}, {}  # category: bytes, by where the tensors live (would live, on a CPU)
 
@@ -100,7 +100,7 @@ def memory_breakdown(model_chunks, optimizer):
             where = host if on_host(t, rows_on_host) else device
             where[category] = where.get(category, 0) + t.numel() * t.element_size()
     add("main_params", optimizer.main_tensors())
-    add("optimizer_state", [t for s in shards for t in s.state.values()])
+    add("optimizer_state", optimizer.state_tensors())  # as stored (shards created it)
     add("host_grads", optimizer.host_grad_tensors())
     place = host if rows_on_host else device
     place["params"], place["grads"] = param_bytes, grad_bytes

@@ -32,7 +32,8 @@ import torch.distributed as dist
 from megatron_cp.resilience.faults import ranks_where
 from megatron_cp.optimizer.clip_grads import clip_grad_norm, count_zeros, get_grad_norm, grad_of
 from megatron_cp.optimizer.grad_scaler import DynamicGradScaler
-from megatron_cp.optimizer.inner import build_inner, param_state
+from megatron_cp.optimizer.inner import (ADAM_KINDS, MUON_KINDS, build_inner, param_state,
+                                         torch_optimizers)
 from megatron_cp.optimizer.muon import Muon, Orthogonalizer
 
 # Attributes that get_grad_norm and Muon read; main params carry them like their model params.
@@ -354,13 +355,23 @@ class MixedPrecisionOptimizer:
         """The fp32 main params this optimizer holds apart from the model's params."""
         return [main for model, main in self._pairs if main is not model]
 
+    def state_tensors(self):
+        """The per-param state tensors as stored (Adam's moments in their dtypes, Muon's
+        momentum), without step counters or fp16 scales."""
+        return [st[kind] for opt in torch_optimizers(self.optimizer) for st in opt.state.values()
+                for kind in ADAM_KINDS + MUON_KINDS if kind in st]
+
     def host_grad_tensors(self):
         """The host gradient copies of --optimizer-cpu-offload (none here)."""
         return [s.host_grad for s in getattr(self, "_shards", []) if s.host_grad is not None]
 
-    def reload_host_copies(self):
-        """After a checkpoint load: refresh the main params kept on the host from the model
-        (none here: --optimizer-cpu-offload shards the optimizer)."""
+    def after_load(self):
+        """After a checkpoint load wrote into :meth:`param_shards`' tensors: the fp16 moments
+        of the precision-aware Adam take the values loaded into their fp32 copies, and the
+        main params kept on the host (--optimizer-cpu-offload) those of fp32 model params."""
+        for opt in torch_optimizers(self.optimizer):
+            if hasattr(opt, "absorb_loaded"):
+                opt.absorb_loaded()
 
     def finish_param_sync(self):
         """Nothing is gathered after a step here (the distributed optimizer waits for its

@@ -15,15 +15,23 @@ from megatron_cp.optimizer.inner import ADAM_KINDS, build_adamw
 from megatron_cp.optimizer.offload import HybridDeviceAdamW
 
 
+# fp16 state is stored scaled so that its largest entry sits at half fp16's range
+# (Transformer Engine's FusedAdam: amax / scale = 65504 / 2)
+FP16_RANGE = torch.finfo(torch.float16).max / 2.0
+
+
 class PrecisionAwareAdamW(torch.optim.AdamW):
     """torch's AdamW with ``exp_avg`` stored in ``exp_avg_dtype`` and ``exp_avg_sq`` in
     ``exp_avg_sq_dtype`` (module docstring); plain (non-fused, one tensor at a time) arithmetic
-    on every device."""
+    on every device. fp16 moments are stored divided by a per-tensor fp32 scale
+    (``<kind>_scale``) as Transformer Engine keeps them; :meth:`unscaled_state` gives their
+    values for checkpoints and :meth:`absorb_loaded` stores what a load wrote into them."""
 
     def __init__(self, params, exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32,
                  **kwargs):
         super().__init__(params, foreach=False, **kwargs)
         self.state_dtypes = dict(zip(ADAM_KINDS, (exp_avg_dtype, exp_avg_sq_dtype)))
+        self._unscaled = {}  # param: {kind: fp32 values handed out by unscaled_state}
 
     def initialize_state(self, param):
         """Create ``param``'s step counter and zero moments in their storage dtypes."""
@@ -31,11 +39,55 @@ class PrecisionAwareAdamW(torch.optim.AdamW):
         state["step"] = torch.zeros((), dtype=torch.float32)
         for kind, dtype in self.state_dtypes.items():
             state[kind] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
+            if dtype == torch.float16:
+                state[f"{kind}_scale"] = torch.ones(1, dtype=torch.float32, device=param.device)
+
+    def _read(self, state, kind):
+        """The fp32 values of a moment (the stored tensor itself when it is fp32)."""
+        stored = state[kind]
+        if stored.dtype == torch.float16:
+            return stored.float().mul_(state[f"{kind}_scale"])
+        return stored.float()
+
+    @staticmethod
+    def _write(state, kind, values):
+        """Round fp32 ``values`` into the moment's storage (fp16: rescaled first)."""
+        stored = state[kind]
+        if values is stored:
+            return
+        if stored.dtype == torch.float16:
+            scale = state[f"{kind}_scale"]
+            torch.div(values.abs().max().reshape(1), FP16_RANGE, out=scale)
+            values = values * torch.where(scale > 0, scale.reciprocal(), 0.0)
+        stored.copy_(values)  # round to nearest in the storage dtype
+
+    def unscaled_state(self, param):
+        """``{kind: tensor}`` holding the moments' values: the stored tensors, or for fp16
+        ones fp32 copies, which :meth:`absorb_loaded` stores back after a checkpoint load."""
+        if "step" not in self.state[param]:
+            self.initialize_state(param)
+        state, out = self.state[param], {}
+        for kind in ADAM_KINDS:
+            if state[kind].dtype == torch.float16:
+                out[kind] = self._unscaled.setdefault(param, {})[kind] = self._read(state, kind)
+            else:
+                out[kind] = state[kind]
+        return out
+
+    @torch.no_grad()
+    def absorb_loaded(self):
+        """Store into the fp16 moments the values a load wrote into :meth:`unscaled_state`'s
+        copies."""
+        for param, kinds in self._unscaled.items():
+            for kind, values in kinds.items():
+                self._write(self.state[param], kind, values)
+        self._unscaled.clear()
 
     @torch.no_grad()
     def step(self, closure=None):
         """One AdamW step over every param with a gradient, each in fp32 (module docstring)."""
         assert closure is None, "no closure: the loss comes from the schedule"
+        self._unscaled.clear()  # copies handed out for a save are stale now
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for param in group["params"]:
@@ -44,14 +96,13 @@ class PrecisionAwareAdamW(torch.optim.AdamW):
                 if "step" not in self.state[param]:
                     self.initialize_state(param)
                 state = self.state[param]
-                moments = [state[kind].float() for kind in ADAM_KINDS]  # fp32 (copies if lower)
+                moments = [self._read(state, kind) for kind in ADAM_KINDS]  # fp32
                 torch_adamw.adamw([param], [param.grad.float()], moments[:1], moments[1:], [],
                                   [state["step"]], foreach=False, amsgrad=False, beta1=beta1,
                                   beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
                                   eps=group["eps"], maximize=False)
-                for kind, value in zip(ADAM_KINDS, moments):
-                    if value is not state[kind]:
-                        state[kind].copy_(value)  # rounded to the storage dtype
+                for kind, values in zip(ADAM_KINDS, moments):
+                    self._write(state, kind, values)
 
     def load_state_dict(self, state_dict):
         """torch's load casts the moments to the params' dtype: cast them back."""
