@@ -317,9 +317,10 @@ class OptimizerConfig:
             if value == "fp8":
                 raise ValueError(f"{name} ('fp8'): FP8 optimizer state is not built yet; use "
                                  f"bf16 or fp32")
-        if self.main_params_dtype != "fp32":
-            raise ValueError(f"main_params_dtype ({self.main_params_dtype!r}): Transformer "
-                             f"Engine's scaled fp16 master params are not built; use fp32")
+        if self.main_params_dtype != "fp32" and self.fully_sharded:
+            raise ValueError(f"main_params_dtype ({self.main_params_dtype!r}): FSDP's fp32 rows "
+                             f"are the main params here (Megatron-FSDP has "
+                             f"--megatron-fsdp-main-params-dtype); use fp32")
         if self.main_grads_dtype == "bf16" and not self.bf16:
             raise ValueError("main_grads_dtype ('bf16') is the gradient buffers of a bf16 model "
                              "(Megatron-LM's rule); add --bf16 or use fp32")

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from megatron_cp.distributed import compat as dist_compat
 from megatron_cp.optimizer.inner import (ADAM_KINDS, MUON_KINDS, adam_step, build_inner,
-                                         param_state, set_adam_step)
+                                         param_state, set_adam_step, torch_optimizers)
 from megatron_cp.optimizer.muon import Orthogonalizer, ShardedMuon, sharding_plan
 from megatron_cp.optimizer.offload import offload_shards, offload_transfers
 from megatron_cp.optimizer.precision import build_precision_aware
@@ -84,6 +84,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self._groups = groups
         self._shards = []
         per_group = []
+        # --main-params-dtype fp16: the inner Adam steps the param views, masters in its state
+        masters_in_state = precision is not None and precision[2] is not None
+        self._masters_in_state = masters_in_state
         for group in groups:
             per_group.append([])
             for param in group["params"]:
@@ -94,7 +97,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 if param.dtype not in (torch.float32, params_dtype):
                     raise ValueError(f"a parameter has dtype {param.dtype} but params_dtype is "
                                      f"{params_dtype}; cast the model to params_dtype")
-                shard = self._make_shard(param, location[id(param)])
+                shard = self._make_shard(param, location[id(param)], masters_in_state)
                 if shard is not None:
                     self._shards.append(shard)
                     per_group[-1].append(shard)
@@ -119,7 +122,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 offload_transfers(self._shards, offload), offload is not None and offload.overlap)
 
     @staticmethod
-    def _make_shard(param, bucket):
+    def _make_shard(param, bucket, masters_in_state=False):
         lo, hi = bucket.offsets[id(param)]
         first, last = bucket.shard_range()
         a, b = max(lo, first), min(hi, last)
@@ -127,7 +130,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             return None  # no element of this param in this rank's shard
         param_view = bucket.param_data[a:b]  # [b - a]
         grad_view = bucket.grad_data[a:b]
-        main = param_view if param.dtype == torch.float32 else param_view.detach().float()
+        main = param_view if param.dtype == torch.float32 or masters_in_state else \
+            param_view.detach().float()
         for attr in _PARAM_ATTRS:
             if hasattr(param, attr):
                 setattr(main, attr, getattr(param, attr))
@@ -141,8 +145,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def _prepare_main_grads(self):
         for s in self._shards:
-            if s.host_grad is not None:
-                s.param_view.main_grad = s.grad_view  # copied to the host after clipping
+            if s.host_grad is not None or self._masters_in_state:
+                s.param_view.main_grad = s.grad_view  # the host copies it after clipping
             else:
                 s.main.grad = s.grad_view if s.grad_view.dtype == torch.float32 \
                     else s.grad_view.float()
@@ -177,22 +181,37 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for s in self._shards:
             if s.main is not s.param_view:
                 s.main.copy_(s.param_view)
+        for opt in torch_optimizers(self.optimizer):
+            if hasattr(opt, "reload_masters"):
+                opt.reload_masters()
 
     def param_shards(self):
         """A :class:`ParamShard` per shard of this rank, in param-group order (an fp32 model's
-        params are their own main params, on the host too)."""
-        return [ParamShard(s.model, s.start, s.stop,
-                           None if s.model.dtype == torch.float32 else s.main,
+        params are their own main params, on the host too; fp16 masters kept in the state
+        appear as fp32 copies, which :meth:`after_load` stores back)."""
+        return [ParamShard(s.model, s.start, s.stop, self._main_of(s),
                            param_state(self.optimizer, s.main)) for s in self._shards]
+
+    def _main_of(self, s):
+        if s.model.dtype == torch.float32:
+            return None
+        return self.optimizer.unscaled_master(s.main) if self._masters_in_state else s.main
 
     def main_tensors(self):
         """The main params apart from the param buffer: fp32 copies of a bf16/fp16 model's
-        shards, and the host copies of --optimizer-cpu-offload."""
-        return [s.main for s in self._shards if s.main is not s.param_view]
+        shards, the host copies of --optimizer-cpu-offload, the fp16 masters in the state."""
+        return [s.main for s in self._shards if s.main is not s.param_view] + \
+            [st["master_param"] for opt in torch_optimizers(self.optimizer)
+             for st in opt.state.values() if "master_param" in st]
 
     @torch.no_grad()
     def after_load(self):
-        """After a load: an fp32 model's params on the host take the loaded values."""
+        """After a load: masters kept in the state take the loaded params' values (those
+        loaded as main params then take theirs, in the base class), and an fp32 model's
+        params on the host take the loaded values."""
+        for opt in torch_optimizers(self.optimizer):
+            if hasattr(opt, "reload_masters"):
+                opt.reload_masters()
         super().after_load()
         for s in self._shards:
             if s.host_grad is not None and s.model.dtype == torch.float32:
@@ -287,8 +306,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     value.copy_(per_param[kind].reshape(-1)[s.start:s.stop])
                 step = float(per_param.get("step", step))
             if id(s.model) in main_of:
-                s.main.copy_(main_of[id(s.model)].reshape(-1)[s.start:s.stop])
-                s.param_view.copy_(s.main)
+                shard.main.copy_(main_of[id(s.model)].reshape(-1)[s.start:s.stop])
+                s.param_view.copy_(shard.main)
         set_adam_step(self.optimizer, step)
         self.after_load()
         saved_scaler = state_dict.get("grad_scaler")

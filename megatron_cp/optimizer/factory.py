@@ -6,6 +6,8 @@ with ``--decoupled-lr``. Each function takes the sections it reads
 (:class:`~megatron_cp.config.optimizer.OptimizerConfig`, the model's
 :class:`~megatron_cp.config.model.GPTConfig`, the checkpoint's
 :class:`~megatron_cp.config.checkpoint.CheckpointConfig`)."""
+import torch
+
 from megatron_cp.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron_cp.distributed.fsdp import is_fully_sharded
 from megatron_cp.optimizer.fsdp_optimizer import FullyShardedOptimizer
@@ -46,8 +48,10 @@ def build_optimizer(optimizer, model, models, model_chunks, state, check_for_nan
                     grad_scaler=grad_scaler(optimizer),
                     check_for_nan_in_grad=check_for_nan_in_grad,
                     muon=optimizer if optimizer.uses_muon else None)
+    master = optimizer.state_dtype("main_params_dtype")
     sharded = dict(offload=OffloadSettings.from_config(optimizer), precision=(
-        optimizer.state_dtype("exp_avg_dtype"), optimizer.state_dtype("exp_avg_sq_dtype"))
+        optimizer.state_dtype("exp_avg_dtype"), optimizer.state_dtype("exp_avg_sq_dtype"),
+        None if master == torch.float32 else master)
         if optimizer.use_precision_aware_optimizer else None)
     if optimizer.use_distributed_optimizer:
         return DistributedOptimizer(groups, model_chunks, state, **settings, **sharded)

@@ -20,8 +20,9 @@ Measured figures include the distributed optimizer's bucket padding (< d element
 bucket); Adam's per-tensor step counters are left out.
 
 :func:`optimizer_bytes_per_param` adds the precision-aware optimizer and the host offload:
-the gradient buffer and the Adam moments take their dtypes' sizes (--main-grads-dtype,
---exp-avg-dtype, --exp-avg-sq-dtype), and the offloaded fraction f of the optimizer's
+the gradient buffer, the Adam moments and the main params take their dtypes' sizes
+(--main-grads-dtype, --exp-avg-dtype, --exp-avg-sq-dtype, --main-params-dtype: fp16 masters
+are kept, 2 bytes, for fp32 models too, as Transformer Engine does), and the offloaded fraction f of the optimizer's
 elements moves its fp32 main params (4, also for fp32 models, whose device params stay), its
 moments (8) and a gradient copy (4) to the host, 16 f / d bytes, taking its share of the main
 params and moments off the device. Under FSDP2, f = 1 is FSDP2's own host offload: the fp32
@@ -62,7 +63,8 @@ def optimizer_bytes_per_param(optimizer_config, params_dtype, d=1, distributed=F
         return (4 + 4 + (1 - f) * adam) / d, host_part / d
     param, grad = (2 if half else 4), size("main_grads_dtype")
     shard = d if distributed else 1
-    main = 4 if half else 0
+    # fp32 masters of a half model; fp16 masters (in the optimizer's state) of any model
+    main = size("main_params_dtype") if half or size("main_params_dtype") == 2 else 0
     return param + grad + (1 - f) * (main + adam) / shard, host_part / shard
 
 

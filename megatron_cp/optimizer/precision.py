@@ -6,15 +6,20 @@ Megatron-LM hands these dtypes to Transformer Engine's FusedAdam, which keeps ``
 fp32, the AdamW update runs in fp32, and the new moment is rounded back to its storage dtype
 (bf16: a plain round to nearest). :class:`PrecisionAwareAdamW` does the same one param at a
 time, through torch's own AdamW arithmetic, so with fp32 moments it is torch's AdamW bit for
-bit. The main params stay fp32 (their lower dtypes are refused by the config).
+bit. With ``--main-params-dtype fp16`` the optimizer's params are the model's own (shards)
+and their masters live in the state in fp16, scaled per tensor as Transformer Engine keeps
+them; each step reads a master into fp32, updates it, writes the model param from it and
+stores it back.
 """
 import torch
 from torch.optim import adamw as torch_adamw
 
+from megatron_cp.distributed.data_parallel import grad_of
 from megatron_cp.optimizer.inner import ADAM_KINDS, build_adamw
 from megatron_cp.optimizer.offload import HybridDeviceAdamW
 
 
+MASTER = "master_param"  # Transformer Engine's name of the master copy in the state
 # fp16 state is stored scaled so that its largest entry sits at half fp16's range
 # (Transformer Engine's FusedAdam: amax / scale = 65504 / 2)
 FP16_RANGE = torch.finfo(torch.float16).max / 2.0
@@ -28,9 +33,10 @@ class PrecisionAwareAdamW(torch.optim.AdamW):
     values for checkpoints and :meth:`absorb_loaded` stores what a load wrote into them."""
 
     def __init__(self, params, exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32,
-                 **kwargs):
+                 master_dtype=None, **kwargs):
         super().__init__(params, foreach=False, **kwargs)
         self.state_dtypes = dict(zip(ADAM_KINDS, (exp_avg_dtype, exp_avg_sq_dtype)))
+        self.master_dtype = master_dtype  # fp16: the params' masters live in the state
         self._unscaled = {}  # param: {kind: fp32 values handed out by unscaled_state}
 
     def initialize_state(self, param):
@@ -41,6 +47,32 @@ class PrecisionAwareAdamW(torch.optim.AdamW):
             state[kind] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
             if dtype == torch.float16:
                 state[f"{kind}_scale"] = torch.ones(1, dtype=torch.float32, device=param.device)
+        if self.master_dtype is not None:
+            self._init_master(param)
+
+    def _init_master(self, param):
+        """The master copy of ``param`` in ``master_dtype`` (fp16: scaled per tensor)."""
+        state = self.state[param]
+        state[MASTER] = torch.empty_like(param, dtype=self.master_dtype)
+        state[f"{MASTER}_scale"] = torch.ones(1, dtype=torch.float32, device=param.device)
+        self._write(state, MASTER, param.detach().float().clone())
+
+    @torch.no_grad()
+    def reload_masters(self):
+        """Masters kept in the state take the params' values (after loading weights)."""
+        for group in self.param_groups:
+            for param in group["params"]:
+                if MASTER in self.state[param]:
+                    self._write(self.state[param], MASTER, param.detach().float().clone())
+
+    def unscaled_master(self, param):
+        """An fp32 copy of ``param``'s master (checkpoints read it; a load's values are
+        stored back by :meth:`absorb_loaded`)."""
+        if "step" not in self.state[param]:
+            self.initialize_state(param)
+        values = self._read(self.state[param], MASTER)
+        self._unscaled.setdefault(param, {})[MASTER] = values
+        return values
 
     def _read(self, state, kind):
         """The fp32 values of a moment (the stored tensor itself when it is fp32)."""
@@ -91,18 +123,23 @@ class PrecisionAwareAdamW(torch.optim.AdamW):
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for param in group["params"]:
-                if param.grad is None:
+                grad = grad_of(param)  # main_grad: a lower-precision param's fp32 gradient
+                if grad is None:
                     continue
                 if "step" not in self.state[param]:
                     self.initialize_state(param)
                 state = self.state[param]
                 moments = [self._read(state, kind) for kind in ADAM_KINDS]  # fp32
-                torch_adamw.adamw([param], [param.grad.float()], moments[:1], moments[1:], [],
+                master = self._read(state, MASTER) if MASTER in state else param
+                torch_adamw.adamw([master], [grad.float()], moments[:1], moments[1:], [],
                                   [state["step"]], foreach=False, amsgrad=False, beta1=beta1,
                                   beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
                                   eps=group["eps"], maximize=False)
                 for kind, values in zip(ADAM_KINDS, moments):
                     self._write(state, kind, values)
+                if master is not param:
+                    param.copy_(master)  # the model param from the fp32 result
+                    self._write(state, MASTER, master)
 
     def load_state_dict(self, state_dict):
         """torch's load casts the moments to the params' dtype: cast them back."""
@@ -118,14 +155,15 @@ def build_precision_aware(groups, lr, weight_decay, betas, eps, device, use_fuse
     """The inner Adam of the precision-aware optimizer over ``groups``: with ``transfers``
     (the offloaded params', :func:`~megatron_cp.optimizer.offload.offload_transfers`) the
     hybrid device/host AdamW, else torch's AdamW when ``dtypes`` (``(exp_avg dtype,
-    exp_avg_sq dtype)``) are fp32, else :class:`PrecisionAwareAdamW`. ``overlap``: the
+    exp_avg_sq dtype, master dtype or None)``) are fp32 (no master), else
+    :class:`PrecisionAwareAdamW`. ``overlap``: the
     host copies on a side stream (--overlap-cpu-optimizer-d2h-h2d)."""
     if transfers is not None:
         return HybridDeviceAdamW(groups, transfers, lr, weight_decay, betas, eps, device,
                                  use_fused, overlap)
-    if all(dtype == torch.float32 for dtype in dtypes):
+    exp_avg_dtype, exp_avg_sq_dtype, master_dtype = dtypes
+    if exp_avg_dtype == exp_avg_sq_dtype == torch.float32 and master_dtype is None:
         return build_adamw(groups, lr, weight_decay, betas, eps, device, use_fused)
-    exp_avg_dtype, exp_avg_sq_dtype = dtypes
     return PrecisionAwareAdamW(groups, exp_avg_dtype=exp_avg_dtype,
-                               exp_avg_sq_dtype=exp_avg_sq_dtype, lr=lr,
+                               exp_avg_sq_dtype=exp_avg_sq_dtype, master_dtype=master_dtype, lr=lr,
                                weight_decay=weight_decay, betas=tuple(betas), eps=eps)

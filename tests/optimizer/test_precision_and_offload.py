@@ -30,6 +30,9 @@ JOBS = {
     "dist_pa_fp32": f"{STEPS} {DIST} {PA}",
     "dist_pa_bf16": f"{STEPS} {DIST} {BF16_MOMENTS}",
     "dist_pa_fp16": f"{STEPS} {DIST} {FP16_MOMENTS}",
+    "dist_pa_fp16_main": f"{STEPS} {DIST} {PA} --main-params-dtype fp16",
+    "dist_bf16": f"{STEPS} {DIST} --bf16",
+    "dist_bf16_pa_fp16_main": f"{STEPS} {DIST} --bf16 {PA} --main-params-dtype fp16",
     "dist_off0.5": f"{STEPS} {DIST} {offload(0.5)}",
     "dist_off1.0": f"{STEPS} {DIST} {offload(1.0)}",
     "fsdp": f"{STEPS} {FSDP}",
@@ -139,6 +142,10 @@ def test_fsdp_offload_of_everything_is_fsdp2s_host_offload(results):
     # fp16: saved unscaled (as Transformer Engine's state_dict), rescaled on load from the
     # loaded values' maximum: at most one fp16 rounding more
     (FP16_MOMENTS, UNIT_ROUNDOFF["fp16"]),
+    # fp16 masters: an fp32 model's are rebuilt from its loaded params, a bf16 model's saved
+    # unscaled and rescaled on load
+    (f"{PA} --main-params-dtype fp16", UNIT_ROUNDOFF["fp16"]),
+    (f"--bf16 {PA} --main-params-dtype fp16", UNIT_ROUNDOFF["fp16"]),
 ])
 def test_resumes_from_a_checkpoint_to_the_same_losses(tmp_path, flags, bound):
     save = tmp_path / "ckpt"
@@ -158,6 +165,7 @@ def test_resumes_from_a_checkpoint_to_the_same_losses(tmp_path, flags, bound):
     (PA, "add --use-distributed-optimizer"),
     (f"{DIST} --exp-avg-dtype bf16", "add --use-precision-aware-optimizer"),
     (f"{DIST} {PA} --exp-avg-dtype fp8", "FP8 optimizer state is not built"),
+    (f"{FSDP} {PA} --main-params-dtype fp16", "FSDP's fp32 rows are the main params"),
     (f"{DIST} {PA} --main-grads-dtype bf16", "add --bf16"),
     (f"{DIST} {offload(1.5)}", "give a number in [0, 1]"),
     (f"{DIST} {offload(0.5)} --exp-avg-dtype bf16", "hybrid CPU/GPU optimizer keeps fp32"),
@@ -177,3 +185,22 @@ def test_copy_switches_are_noted_at_start_up():
                       f"--overlap-cpu-optimizer-d2h-h2d".split(), world_size=2)
     notes = [n for n in args.compat_notes if n.startswith("--overlap-cpu-optimizer-d2h-h2d")]
     assert len(notes) == 1 and "--no-pin-cpu-params" in notes[0] and "same numbers" in notes[0]
+
+
+@pytest.mark.parametrize("model", ["fp32", "bf16"])
+def test_fp16_main_params_stay_within_fp16s_bound(results, model):
+    """--main-params-dtype fp16: the masters are rounded to fp16 (u = 2^-11) after each
+    step, so every weight the next step starts from moves by at most u of itself (a bf16
+    model's weights are rounded coarser still, 2^-8, after every step either way): over 10
+    steps the loss stays within u of the fp32-master run. The masters (2 bytes) take the
+    place of fp32 ones (4; none for an fp32 model)."""
+    prefix = "dist" if model == "fp32" else "dist_bf16"
+    for rank in results:
+        losses, memory = rank[f"{prefix}_pa_fp16_main"][:2]
+        reference, plain = rank[prefix][:2]
+        diff = max_rel_diff(losses, reference)
+        print(f"{model} model, fp16 masters: losses within {diff:.1e} of fp32 masters'")
+        assert 0 < diff <= UNIT_ROUNDOFF["fp16"], diff
+        elements = sum(rank[prefix][3])
+        assert memory["main_params"] == 2 * elements
+        assert plain["main_params"] == (4 * elements if model == "bf16" else 0)
