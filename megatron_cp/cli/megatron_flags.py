@@ -101,8 +101,9 @@ COMPAT_FLAGS = (
                        "external": "external data loaders are not built; "
                                    "use --dataloader-type single"}, effect=NUMERICS),
     # --- accepted, they select what megatron_cp does anyway ---
-    CompatFlag("--accumulate-allreduce-grads-in-fp32", SAME, "gradients always accumulate and "
-               "are all-reduced in fp32 buffers", effect=NUMERICS),
+    CompatFlag("--accumulate-allreduce-grads-in-fp32", SAME, "gradients accumulate and are "
+               "all-reduced in fp32 buffers (unless --main-grads-dtype bf16, which Megatron-LM "
+               "refuses with it, and so do we)", effect=NUMERICS),
     CompatFlag("--use-torch-optimizer-for-cpu-offload", SAME, "with --optimizer adam "
                "Megatron-LM's hybrid optimizer sets its classes back (Transformer Engine's "
                "FusedAdam on the GPU, torch's AdamW on the host) after reading it, so it "

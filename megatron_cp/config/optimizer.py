@@ -312,6 +312,10 @@ class OptimizerConfig:
                              "(Megatron-LM's rule; Megatron-FSDP turns it on itself, "
                              "--use-torch-fsdp2 takes none): add --use-distributed-optimizer, or "
                              "use --use-megatron-fsdp for FSDP")
+        if self.use_megatron_fsdp and self.data_parallel_sharding_strategy == "no_shard":
+            raise ValueError("use_precision_aware_optimizer: --data-parallel-sharding-strategy "
+                             "no_shard runs the replicated optimizer here, which does not build "
+                             "it; use optim or a sharding strategy above it")
         for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
             value = getattr(self, name)
             if value == "fp8":

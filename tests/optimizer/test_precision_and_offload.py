@@ -33,11 +33,13 @@ JOBS = {
     "dist_pa_fp16_main": f"{STEPS} {DIST} {PA} --main-params-dtype fp16",
     "dist_bf16": f"{STEPS} {DIST} --bf16",
     "dist_bf16_pa_fp16_main": f"{STEPS} {DIST} --bf16 {PA} --main-params-dtype fp16",
+    "dist_bf16_pa_bf16_grads": f"{STEPS} {DIST} --bf16 {PA} --main-grads-dtype bf16",
     "dist_off0.5": f"{STEPS} {DIST} {offload(0.5)}",
     "dist_off1.0": f"{STEPS} {DIST} {offload(1.0)}",
     "fsdp": f"{STEPS} {FSDP}",
     "fsdp_off0.5": f"{STEPS} {FSDP} {offload(0.5)}",
     "fsdp_off1.0": f"{STEPS} {FSDP} {offload(1.0)}",
+    "fsdp_pa_bf16": f"{STEPS} {FSDP} {BF16_MOMENTS}",
 }
 
 
@@ -166,7 +168,10 @@ def test_resumes_from_a_checkpoint_to_the_same_losses(tmp_path, flags, bound):
     (f"{DIST} --exp-avg-dtype bf16", "add --use-precision-aware-optimizer"),
     (f"{DIST} {PA} --exp-avg-dtype fp8", "FP8 optimizer state is not built"),
     (f"{FSDP} {PA} --main-params-dtype fp16", "FSDP's fp32 rows are the main params"),
+    (f"{FSDP} --data-parallel-sharding-strategy no_shard {PA}", "no_shard runs the replicated"),
     (f"{DIST} {PA} --main-grads-dtype bf16", "add --bf16"),
+    (f"{DIST} --bf16 {PA} --main-grads-dtype bf16 --accumulate-allreduce-grads-in-fp32",
+     "Megatron-LM refuses both"),
     (f"{DIST} {offload(1.5)}", "give a number in [0, 1]"),
     (f"{DIST} {offload(0.5)} --exp-avg-dtype bf16", "hybrid CPU/GPU optimizer keeps fp32"),
     (f"--use-torch-fsdp2 --ckpt-format torch_dist {PA}", "use --use-megatron-fsdp"),
@@ -204,3 +209,26 @@ def test_fp16_main_params_stay_within_fp16s_bound(results, model):
         elements = sum(rank[prefix][3])
         assert memory["main_params"] == 2 * elements
         assert plain["main_params"] == (4 * elements if model == "bf16" else 0)
+
+
+def test_bf16_main_grads_accumulate_and_reduce_in_bf16(results):
+    """--main-grads-dtype bf16 (a bf16 model): the gradient buffers are bf16, so each
+    microbatch's addition and the reduce-scatter round to bf16 (u = 2^-8); Adam divides the
+    rounding out of the update's size, leaving its direction off by about u: the loss stays
+    within u of the fp32-buffer run, and the buffers take half the bytes."""
+    for rank in results:
+        losses, memory = rank["dist_bf16_pa_bf16_grads"][:2]
+        reference, plain = rank["dist_bf16"][:2]
+        diff = max_rel_diff(losses, reference)
+        print(f"bf16 main grads: losses within {diff:.1e} of fp32 buffers'")
+        assert 0 < diff <= UNIT_ROUNDOFF["bf16"], diff
+        assert memory["grads"] * 2 == plain["grads"]
+
+
+def test_fsdp_keeps_bf16_moments_within_bf16s_bound(results):
+    """The same bound as under the distributed optimizer, on FSDP2's rows."""
+    for rank in results:
+        losses, memory, states = rank["fsdp_pa_bf16"][:3]
+        assert 0 < max_rel_diff(losses, rank["fsdp"][0]) <= UNIT_ROUNDOFF["bf16"]
+        assert {dtype for dtype, _ in states} == {"torch.bfloat16"}
+        assert memory["optimizer_state"] * 2 == rank["fsdp"][1]["optimizer_state"]
