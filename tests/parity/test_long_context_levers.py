@@ -7,7 +7,8 @@ ring, and their a2a+p2p hybrid over CP = 4), logits and cross entropy in sequenc
 recomputation (uniform and block) with the recomputed layers' checkpoints offloaded
 (--cpu-offloading-num-layers: on the CPU nothing has anywhere to go, so the decoder is given
 the GPU's offloader over host tensors, which copies every checkpoint out and back as a GPU
-run would). Each run's losses and gradient norms equal the one-process run of the same model
+run would), and the optimizer on the host (--optimizer-cpu-offload, all of it or half).
+Each run's losses and gradient norms equal the one-process run of the same model
 without any lever, within the fp32 bound every layout's parity test uses (1e-5: the shards and
 tiles sum the same fp32 numbers in another order); and the offloader really moved the
 checkpoints (so a run that silently dropped the lever would not pass).
@@ -16,6 +17,7 @@ import pytest
 
 from dist_harness import run_workers
 from megatron_cp.layers.activation_offload import ActivationOffloader
+from megatron_cp.optimizer import memory_breakdown
 from training_utils import TINY, max_rel_diff, trainer_of
 
 STEPS = 6
@@ -30,12 +32,18 @@ FULL_UNIFORM = "--recompute-granularity full --recompute-method uniform --recomp
 FULL_BLOCK = "--recompute-granularity full --recompute-method block --recompute-num-layers 2"
 OFFLOAD = "--cpu-offloading-num-layers 1"
 FSDP = "--use-torch-fsdp2"
+# FSDP2 with the optimizer on the host: Megatron-LM builds the precision-aware optimizer (which
+# --optimizer-cpu-offload needs) with Megatron-FSDP, not --use-torch-fsdp2; ours runs on the
+# same FSDP2 wrapper (fraction 1: torch's CPUOffloadPolicy, params and gradients on the host
+# too; below 1: the first parameters' masters and Adam state on the host)
+FSDP_HOST = ("--use-megatron-fsdp --ckpt-format fsdp_dtensor --use-precision-aware-optimizer "
+             "--optimizer-cpu-offload --optimizer-offload-fraction")
 TOL = 1e-5
 # name: layout flags at world size 4 (FSDP2 shards over DP x CP = 4 in each)
 RUNS = {
-    "ulysses_cp2_dp2": f"--context-parallel-size 2 --cp-comm-type a2a {FSDP} {TILES} "
+    "ulysses_cp2_dp2": f"--context-parallel-size 2 --cp-comm-type a2a {FSDP_HOST} 1.0 {TILES} "
                        f"{FULL_UNIFORM} {OFFLOAD}",
-    "ring_cp2_dp2": f"--context-parallel-size 2 --cp-comm-type p2p {FSDP} {TILES} "
+    "ring_cp2_dp2": f"--context-parallel-size 2 --cp-comm-type p2p {FSDP_HOST} 0.5 {TILES} "
                     f"{FULL_BLOCK} {OFFLOAD}",
     "hybrid_cp4": f"--context-parallel-size 4 --cp-comm-type a2a+p2p "
                   f"--hierarchical-context-parallel-sizes 2 2 {FSDP} {TILES} {FULL_UNIFORM} "
@@ -58,7 +66,8 @@ class _CountingOffloader(ActivationOffloader):
 
 
 def _train(rank, world, argv):
-    """(losses, grad norms, bytes the offloader moved) of ``argv``."""
+    """(losses, grad norms, bytes the offloader moved, bytes the optimizer keeps on the
+    host) of ``argv``."""
     trainer = trainer_of(argv, world)
     offloader = None
     if trainer.run.model.cpu_offloading_num_layers:
@@ -70,7 +79,8 @@ def _train(rank, world, argv):
         loss, norm, _ = trainer.train_step()
         losses.append(loss)
         norms.append(norm)
-    return losses, norms, offloader.moved_bytes if offloader else 0
+    host = memory_breakdown(trainer.model_chunks, trainer.optimizer)["host"]
+    return losses, norms, offloader.moved_bytes if offloader else 0, host
 
 
 def _jobs(rank, world, jobs):
@@ -88,10 +98,10 @@ def results():
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_all_levers_together_equal_one_process(results, name):
-    ref_losses, ref_norms, _ = results["ref"]
+    ref_losses, ref_norms, _, _ = results["ref"]
     assert ref_losses[-1] < ref_losses[0], "the tiny model must learn"
     for rank_results in results["runs"]:
-        losses, norms, moved = rank_results[name]
+        losses, norms, moved, host = rank_results[name]
         loss_diff, norm_diff = max_rel_diff(losses, ref_losses), max_rel_diff(norms, ref_norms)
         print(f"{name}: losses {loss_diff:.1e}, grad norms {norm_diff:.1e} (tolerance {TOL})")
         assert loss_diff <= TOL and norm_diff <= TOL
@@ -103,3 +113,6 @@ def test_all_levers_together_equal_one_process(results, name):
         microbatches = 8 // (2 * (4 // cp))  # global batch / (micro batch x DP)
         checkpoints = STEPS * microbatches * (2 * 64 // cp) * 32 * 4
         assert checkpoints <= moved <= 1.25 * checkpoints, (moved, checkpoints)
+        # the optimizer on the host held its share there (a run that dropped the flags would
+        # hold nothing)
+        assert (host > 0) == ("--optimizer-cpu-offload" in RUNS[name]), (name, host)
