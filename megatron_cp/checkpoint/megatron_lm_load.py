@@ -87,6 +87,7 @@ def load(train_state, ckpt, root, it):
             else "none saved in a form read here") + ")")
     else:
         set_adam_step(opt.optimizer, step)
+        opt.after_load()  # --optimizer-cpu-offload: host main params of fp32 params
     iteration = 0 if checkpoint.finetune else int(common.get("iteration", it))
     consumed = 0 if checkpoint.finetune else int(saved.get("consumed_train_samples") or 0)
     scheduler = train_state.scheduler

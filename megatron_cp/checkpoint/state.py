@@ -276,6 +276,8 @@ def restore(train_state, ckpt, root, it, record, read):
     read(sharded_state(train_state, with_optimizer, for_load=True))
     if opt is not None and not with_optimizer:
         opt.reload_model_params()
+    elif opt is not None:
+        opt.after_load()  # --optimizer-cpu-offload: host main params of fp32 params
     if checkpoint.finetune:
         return 0, 0
     if not record["has_optimizer"]:

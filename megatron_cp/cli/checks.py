@@ -234,9 +234,15 @@ def _validate_optimizer(args, names):
     """The optimizer config's own rules (naming flags, not fields). dist_muon is Muon under
     the distributed optimizer, which Megatron-LM also rewrites it to."""
     try:
-        build_config(OptimizerConfig, args)
+        config = build_config(OptimizerConfig, args)
     except ValueError as err:
         raise ValueError(name_flags(str(err), names)) from err
+    args.compat_notes += config.offload_notes()
+    if getattr(args, "accumulate_allreduce_grads_in_fp32", False) and \
+            config.main_grads_dtype != "fp32":
+        raise ValueError("--main-grads-dtype bf16 reduces the gradients in bf16, "
+                         "--accumulate-allreduce-grads-in-fp32 in fp32 (Megatron-LM refuses "
+                         "both); drop one")
     if args.optimizer == "dist_muon":
         args.optimizer, args.use_distributed_optimizer = "muon", True
 

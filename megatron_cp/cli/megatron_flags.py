@@ -101,8 +101,14 @@ COMPAT_FLAGS = (
                        "external": "external data loaders are not built; "
                                    "use --dataloader-type single"}, effect=NUMERICS),
     # --- accepted, they select what megatron_cp does anyway ---
-    CompatFlag("--accumulate-allreduce-grads-in-fp32", SAME, "gradients always accumulate and "
-               "are all-reduced in fp32 buffers", effect=NUMERICS),
+    CompatFlag("--accumulate-allreduce-grads-in-fp32", SAME, "gradients accumulate and are "
+               "all-reduced in fp32 buffers (unless --main-grads-dtype bf16, which Megatron-LM "
+               "refuses with it, and so do we)", effect=NUMERICS),
+    CompatFlag("--use-torch-optimizer-for-cpu-offload", SAME, "with --optimizer adam "
+               "Megatron-LM's hybrid optimizer sets its classes back (Transformer Engine's "
+               "FusedAdam on the GPU, torch's AdamW on the host) after reading it, so it "
+               "changes nothing there; here the host part is torch's AdamW too",
+               effect=SPEED),
     CompatFlag("--attention-softmax-in-fp32", SAME, "the attention softmax always runs in fp32",
                effect=NUMERICS),
     CompatFlag("--apply-query-key-layer-scaling", SAME, "it does not change the math here: the "
@@ -608,10 +614,6 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
     ("deprecated Megatron spelling; use --recompute-granularity full --recompute-method "
      "uniform",
      ("--checkpoint-activations",)),
-    ("optimizer CPU offload (hybrid CPU/GPU Adam) is not built; drop these flags",
-     ("--optimizer-cpu-offload", "--optimizer-offload-fraction",
-      "--use-torch-optimizer-for-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d",
-      "--no-pin-cpu-grads", "--no-pin-cpu-params",)),
     ("it needs CUDA graphs, which are not used; drop it",
      ("--optimizer-cuda-graph",)),
     ("writing a param-to-param-group map file is not built; drop it",
@@ -767,10 +769,6 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
      ("--hybrid-layer-pattern", "--hybrid-override-pattern",)),
     ("megatron_cp reads no YAML config; pass every setting as a command-line flag",
      ("--yaml-cfg",)),
-    ("the precision-aware optimizer of Transformer Engine (a GPU library) is not built; main "
-     "params, grads and Adam moments stay fp32, drop these",
-     ("--use-precision-aware-optimizer", "--main-grads-dtype", "--main-params-dtype",
-      "--exp-avg-dtype", "--exp-avg-sq-dtype",)),
     ("megatron_cp has no fault injector, so no hang or crash can be injected; drop the fault "
      "injector flags",
      ("--fault-injector-ranks", "--fault-injector-num-ranks", "--fault-injector-fault-types",

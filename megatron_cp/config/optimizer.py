@@ -9,6 +9,8 @@ rate, its schedule and Adam's betas are the run's own flags (arguments.py).
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
 from megatron_cp.config.setting import check_choices, setting
 
 # Muon's Newton-Schulz coefficient sets (their values: optimizer/newton_schulz.py) and the
@@ -25,6 +27,10 @@ _NOT_BUILT = {
 MUON_TP_MODES = ("blockwise", "duplicated", "distributed")
 # Megatron-FSDP's --data-parallel-sharding-strategy, ZeRO-0 to ZeRO-3
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+# Megatron-LM's spellings of the precision-aware optimizer's dtypes
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+                "fp8": torch.uint8}
+_PRECISION_FIELDS = ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
 # the shapes of WSD's annealing phase (--lr-wsd-decay-style), Megatron-LM's names
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 
@@ -175,6 +181,43 @@ class OptimizerConfig:
              "each microbatch, the gathered params kept whole from the step's first forward to "
              "its last backward); optim_grads_params, also the params (FSDP2, each layer gathered just "
              "before it runs, as --use-torch-fsdp2).")
+    # the precision-aware optimizer and the optimizer on the host (Megatron-LM's names)
+    use_precision_aware_optimizer: bool = setting(False, group="training",
+        help="Keep the optimizer's tensors in the dtypes of --main-grads-dtype, "
+             "--main-params-dtype, --exp-avg-dtype and --exp-avg-sq-dtype (Adam, with "
+             "--use-distributed-optimizer or --use-megatron-fsdp); the update itself is "
+             "computed in fp32.")
+    main_grads_dtype: str = setting("fp32", choices=("fp32", "bf16"), group="training",
+        help="With --use-precision-aware-optimizer: dtype of the gradient buffers the "
+             "gradients accumulate and are reduced in (bf16 with --bf16 only).")
+    main_params_dtype: str = setting("fp32", choices=("fp32", "fp16"), group="training",
+        help="With --use-precision-aware-optimizer: dtype of the main (master) params.")
+    exp_avg_dtype: str = setting("fp32", choices=("fp32", "fp16", "bf16", "fp8"),
+        group="training",
+        help="With --use-precision-aware-optimizer: dtype Adam's first moment is stored in "
+             "between steps (the update is computed in fp32).")
+    exp_avg_sq_dtype: str = setting("fp32", choices=("fp32", "fp16", "bf16", "fp8"),
+        group="training",
+        help="With --use-precision-aware-optimizer: dtype Adam's second moment is stored in "
+             "between steps (the update is computed in fp32).")
+    optimizer_cpu_offload: bool = setting(False, group="training",
+        help="Keep --optimizer-offload-fraction of this rank's optimizer params (fp32 main "
+             "params, Adam moments and a gradient copy) in host memory and step them there; "
+             "the updated params are copied back. Needs --use-precision-aware-optimizer.")
+    optimizer_offload_fraction: float = setting(1.0, group="training",
+        help="With --optimizer-cpu-offload: the fraction of this rank's optimizer params, by "
+             "element count in parameter order, kept and stepped on the host.")
+    overlap_cpu_optimizer_d2h_h2d: bool = setting(False, group="training",
+        help="With --optimizer-cpu-offload on a GPU: copy the gradients to the host and the "
+             "updated params back on a side stream (the same numbers).")
+    pin_cpu_grads: bool = setting(True, flag="--no-pin-cpu-grads", arg="pin_cpu_grads",
+        store_false=True, group="training",
+        help="With --optimizer-cpu-offload on a GPU: keep the host gradient copies in "
+             "page-locked (pinned) memory; --no-pin-cpu-grads uses pageable memory.")
+    pin_cpu_params: bool = setting(True, flag="--no-pin-cpu-params", arg="pin_cpu_params",
+        store_false=True, group="training",
+        help="With --optimizer-cpu-offload on a GPU: keep the host main params in page-locked "
+             "(pinned) memory; --no-pin-cpu-params uses pageable memory.")
     # derived by the command line's checks (megatron_cp/cli/checks.py)
     lr_counts_samples: bool = setting(
         False, flag=None, arg="lr_counts_samples",
@@ -209,6 +252,8 @@ class OptimizerConfig:
                                  f"({self.optimizer!r}) is not Muon; add --optimizer muon or "
                                  f"drop {'it' if len(given) == 1 else 'them'}")
         self._check_decoupled_lr()
+        self._check_precision_aware()
+        self._check_offload()
 
     @property
     def fully_sharded(self):
@@ -223,6 +268,84 @@ class OptimizerConfig:
         backward (ZeRO-2: Megatron-FSDP's optim_grads; --torch-fsdp2-no-reshard-after-forward
         keeps them from each forward to its backward only)."""
         return self.use_megatron_fsdp and self.data_parallel_sharding_strategy == "optim_grads"
+
+    def state_dtype(self, name):
+        """The torch dtype of precision-aware field ``name`` (e.g. ``"exp_avg_dtype"``)."""
+        return STATE_DTYPES[getattr(self, name)]
+
+    @property
+    def offload_fraction(self):
+        """The fraction of this rank's optimizer params kept on the host (0 without
+        --optimizer-cpu-offload)."""
+        return self.optimizer_offload_fraction if self.optimizer_cpu_offload else 0.0
+
+    def offload_notes(self):
+        """Start-up notes for the host-offload switches that compute nothing different:
+        what they do in Megatron-LM, and where they act here (on a GPU only)."""
+        given = [flag for flag, on in (("--overlap-cpu-optimizer-d2h-h2d",
+                                        self.overlap_cpu_optimizer_d2h_h2d),
+                                       ("--no-pin-cpu-grads", not self.pin_cpu_grads),
+                                       ("--no-pin-cpu-params", not self.pin_cpu_params)) if on]
+        if not given:
+            return []
+        if not self.optimizer_cpu_offload:
+            return [f"{', '.join(given)}: no effect without --optimizer-cpu-offload (as in "
+                    f"Megatron-LM)"]
+        return [f"{', '.join(given)}: the host copies' speed only, the same numbers: Megatron-LM "
+                f"copies gradients to the host and updated params back on side streams and "
+                f"pins (page-locks) the host buffers; here too on a GPU, through the device "
+                f"helper; on a CPU nothing moves"]
+
+    def _check_precision_aware(self):
+        lowered = [f for f in _PRECISION_FIELDS if getattr(self, f) != "fp32"]
+        if not self.use_precision_aware_optimizer:
+            if lowered:
+                raise ValueError(f"{lowered[0]} ({getattr(self, lowered[0])!r}) can only be fp32 "
+                                 f"without the precision-aware optimizer (Megatron-LM's rule); "
+                                 f"add --use-precision-aware-optimizer")
+            return
+        if self.optimizer != "adam":
+            raise ValueError(f"use_precision_aware_optimizer works with Adam only (Megatron-LM's "
+                             f"rule), not optimizer ({self.optimizer!r}); use --optimizer adam")
+        if not (self.use_distributed_optimizer or self.use_megatron_fsdp):
+            raise ValueError("use_precision_aware_optimizer needs the distributed optimizer "
+                             "(Megatron-LM's rule; Megatron-FSDP turns it on itself, "
+                             "--use-torch-fsdp2 takes none): add --use-distributed-optimizer, or "
+                             "use --use-megatron-fsdp for FSDP")
+        if self.use_megatron_fsdp and self.data_parallel_sharding_strategy == "no_shard":
+            raise ValueError("use_precision_aware_optimizer: --data-parallel-sharding-strategy "
+                             "no_shard runs the replicated optimizer here, which does not build "
+                             "it; use optim or a sharding strategy above it")
+        for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+            value = getattr(self, name)
+            if value == "fp8":
+                raise ValueError(f"{name} ('fp8'): FP8 optimizer state is not built yet; use "
+                                 f"bf16 or fp32")
+        if self.main_params_dtype != "fp32" and self.fully_sharded:
+            raise ValueError(f"main_params_dtype ({self.main_params_dtype!r}): FSDP's fp32 rows "
+                             f"are the main params here (Megatron-FSDP has "
+                             f"--megatron-fsdp-main-params-dtype); use fp32")
+        if self.main_grads_dtype == "bf16" and not self.bf16:
+            raise ValueError("main_grads_dtype ('bf16') is the gradient buffers of a bf16 model "
+                             "(Megatron-LM's rule); add --bf16 or use fp32")
+        if self.main_grads_dtype == "bf16" and self.fully_sharded:
+            raise ValueError("main_grads_dtype ('bf16'): FSDP reduces the gradients in fp32 "
+                             "here (Megatron-FSDP has --megatron-fsdp-main-grads-dtype); use fp32")
+
+    def _check_offload(self):
+        if not 0.0 <= self.optimizer_offload_fraction <= 1.0:
+            raise ValueError(f"optimizer_offload_fraction ({self.optimizer_offload_fraction}) is "
+                             f"a fraction of the optimizer params: give a number in [0, 1]")
+        if not self.optimizer_cpu_offload:
+            return
+        if not self.use_precision_aware_optimizer:
+            raise ValueError("optimizer_cpu_offload reuses the precision-aware optimizer's path "
+                             "(Megatron-LM's rule): add --use-precision-aware-optimizer")
+        lowered = [f for f in _PRECISION_FIELDS[1:] if getattr(self, f) != "fp32"]
+        if lowered:
+            raise ValueError(f"{lowered[0]} ({getattr(self, lowered[0])!r}): Megatron-LM's "
+                             f"hybrid CPU/GPU optimizer keeps fp32 main params and moments "
+                             f"whatever it says; drop it with --optimizer-cpu-offload")
 
     @property
     def uses_muon(self):

@@ -31,7 +31,7 @@ import contextlib
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from megatron_cp.distributed.shards import local_shard, local_tensor
 
@@ -227,7 +227,9 @@ class TorchFullyShardedDataParallel(nn.Module):
     interface as :class:`~megatron_cp.distributed.data_parallel.DistributedDataParallel`.
 
     ``unit_types``: the module classes that each become one FSDP unit (the transformer
-    layers); ``grad_check(index, grad)``, when set, sees each param's reduced local shard
+    layers); ``offload_params``: FSDP2's CPUOffloadPolicy, the rows, their gradients and
+    ``main_grad`` in host memory (``pin_memory``: page-locked, on a GPU) -- what
+    --optimizer-cpu-offload with an offload fraction of 1 is under FSDP2; ``grad_check(index, grad)``, when set, sees each param's reduced local shard
     gradient in :meth:`finish_grad_sync` (FSDP reduces inside backward, so the rerun checks
     see this rank's shard of the summed gradient, not its own part before the reduction).
     """
@@ -235,9 +237,11 @@ class TorchFullyShardedDataParallel(nn.Module):
     use_distributed_optimizer = False
 
     def __init__(self, module, state, unit_types, params_dtype=torch.float32,
-                 reshard_after_forward=True, keep_params_whole=False):
+                 reshard_after_forward=True, keep_params_whole=False, offload_params=False,
+                 pin_memory=True):
         super().__init__()
         self.module, self.state = module, state
+        self.offload_params = offload_params  # the rows and their main_grad live on the host
         self.grad_check = None
         self.keep_params_whole = keep_params_whole
         half = params_dtype in (torch.bfloat16, torch.float16)
@@ -256,6 +260,9 @@ class TorchFullyShardedDataParallel(nn.Module):
                                       reduce_dtype=torch.float32, cast_forward_inputs=False)
         settings = dict(mesh=mesh, reshard_after_forward=reshard_after_forward and
                         not keep_params_whole, mp_policy=policy)
+        if offload_params:  # --optimizer-cpu-offload of every row: FSDP2's own host offload
+            settings["offload_policy"] = CPUOffloadPolicy(
+                pin_memory=pin_memory and state.device.type == "cuda")
         # routed experts (EP > 1 or not) are their own units over the expert-DP group, the
         # ranks that hold the same experts, as the DDP reduces their gradients
         experts = _expert_modules(module)

@@ -123,7 +123,7 @@ def _global_norm(params, state, norm_type, tensor_of, sharded=False):
         if not tensors:
             return torch.zeros((), dtype=torch.float32, device=state.device)
         norms = torch.stack([torch.linalg.vector_norm(t, norm_type, dtype=torch.float32)
-                             for t in tensors])
+                             for t in tensors]).to(state.device)  # FSDP2's host rows: here
         return norms.max() if norm_type == math.inf else norms.pow(norm_type).sum()
 
     op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM

@@ -33,8 +33,10 @@ import torch.distributed as dist
 
 from megatron_cp.distributed import compat as dist_compat
 from megatron_cp.optimizer.inner import (ADAM_KINDS, MUON_KINDS, adam_step, build_inner,
-                                         param_state, set_adam_step)
+                                         param_state, set_adam_step, torch_optimizers)
 from megatron_cp.optimizer.muon import Orthogonalizer, ShardedMuon, sharding_plan
+from megatron_cp.optimizer.offload import offload_shards, offload_transfers
+from megatron_cp.optimizer.precision import build_precision_aware
 from megatron_cp.optimizer.optimizer import (_PARAM_ATTRS, MixedPrecisionOptimizer, ParamShard,
                                              check_saved_groups, muon_settings)
 
@@ -49,6 +51,7 @@ class _Shard:
     main: torch.Tensor  # [stop - start] fp32; the param-buffer view itself for fp32 params
     grad_view: torch.Tensor  # [stop - start] view of the gradient buffer
     param_view: torch.Tensor  # [stop - start] view of the parameter buffer
+    host_grad: torch.Tensor | None = None  # offloaded: main is on the host, this its grad copy
 
 
 class DistributedOptimizer(MixedPrecisionOptimizer):
@@ -64,7 +67,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def __init__(self, model_params, model_chunks, state, lr, weight_decay=0.0,
                  betas=(0.9, 0.999), eps=1e-8, clip_grad=1.0, params_dtype=torch.float32,
-                 grad_scaler=None, use_fused=None, check_for_nan_in_grad=False, muon=None):
+                 grad_scaler=None, use_fused=None, check_for_nan_in_grad=False, muon=None,
+                 precision=None, offload=None):
         groups = self._setup(model_params, state, clip_grad, params_dtype, grad_scaler)
         self.check_for_nan_in_grad = check_for_nan_in_grad
         self.model_chunks = list(model_chunks)
@@ -79,9 +83,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self._pairs = []  # the base class's (model, main) pairs: none, the shards replace them
         self._groups = groups
         self._shards = []
-        inner_groups = []
+        per_group = []
+        # --main-params-dtype fp16: the inner Adam steps the param views, masters in its state
+        masters_in_state = precision is not None and precision[2] is not None
+        self._masters_in_state = masters_in_state
         for group in groups:
-            mains = []
+            per_group.append([])
             for param in group["params"]:
                 if id(param) not in location:
                     raise ValueError(f"a parameter of shape {tuple(param.shape)} is in no "
@@ -90,11 +97,14 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 if param.dtype not in (torch.float32, params_dtype):
                     raise ValueError(f"a parameter has dtype {param.dtype} but params_dtype is "
                                      f"{params_dtype}; cast the model to params_dtype")
-                shard = self._make_shard(param, location[id(param)])
+                shard = self._make_shard(param, location[id(param)], masters_in_state)
                 if shard is not None:
                     self._shards.append(shard)
-                    mains.append(shard.main)
-            inner_groups.append({**group, "params": mains})
+                    per_group[-1].append(shard)
+        if offload is not None:
+            offload_shards(self._shards, offload, proxy=lambda shard: shard.param_view)
+        inner_groups = [{**group, "params": [s.main for s in shards]}
+                        for group, shards in zip(groups, per_group)]
 
         def make_muon(groups):
             mains = {id(m) for g in groups for m in g["params"]}
@@ -103,11 +113,16 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                                [s for s in self._shards if id(s.main) in mains],
                                sharding_plan(self.model_chunks, params), lr=lr,
                                weight_decay=weight_decay, **muon_settings(muon))
-        self.optimizer = build_inner(inner_groups, lr, weight_decay, betas, eps, state.device,
-                                     use_fused, make_muon)
+        if precision is None:
+            self.optimizer = build_inner(inner_groups, lr, weight_decay, betas, eps,
+                                         state.device, use_fused, make_muon)
+        else:
+            self.optimizer = build_precision_aware(
+                inner_groups, lr, weight_decay, betas, eps, state.device, use_fused, precision,
+                offload_transfers(self._shards, offload), offload is not None and offload.overlap)
 
     @staticmethod
-    def _make_shard(param, bucket):
+    def _make_shard(param, bucket, masters_in_state=False):
         lo, hi = bucket.offsets[id(param)]
         first, last = bucket.shard_range()
         a, b = max(lo, first), min(hi, last)
@@ -115,7 +130,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             return None  # no element of this param in this rank's shard
         param_view = bucket.param_data[a:b]  # [b - a]
         grad_view = bucket.grad_data[a:b]
-        main = param_view if param.dtype == torch.float32 else param_view.detach().float()
+        main = param_view if param.dtype == torch.float32 or masters_in_state else \
+            param_view.detach().float()
         for attr in _PARAM_ATTRS:
             if hasattr(param, attr):
                 setattr(main, attr, getattr(param, attr))
@@ -123,11 +139,17 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     # ----- the step's stages (the base class's step() drives them) -----------------------
     def _main_params(self):
-        return [s.main for s in self._shards]
+        """What clipping reads: the main params, or for those on the host the device param
+        views carrying the gradient as ``main_grad``."""
+        return [s.param_view if s.host_grad is not None else s.main for s in self._shards]
 
     def _prepare_main_grads(self):
         for s in self._shards:
-            s.main.grad = s.grad_view if s.grad_view.dtype == torch.float32 else s.grad_view.float()
+            if s.host_grad is not None or self._masters_in_state:
+                s.param_view.main_grad = s.grad_view  # the host copies it after clipping
+            else:
+                s.main.grad = s.grad_view if s.grad_view.dtype == torch.float32 \
+                    else s.grad_view.float()
 
     def _release_aliased_grads(self):
         for s in self._shards:
@@ -159,11 +181,41 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for s in self._shards:
             if s.main is not s.param_view:
                 s.main.copy_(s.param_view)
+        for opt in torch_optimizers(self.optimizer):
+            if hasattr(opt, "reload_masters"):
+                opt.reload_masters()
 
     def param_shards(self):
-        """A :class:`ParamShard` per shard of this rank, in param-group order."""
-        return [ParamShard(s.model, s.start, s.stop, None if s.main is s.param_view else s.main,
+        """A :class:`ParamShard` per shard of this rank, in param-group order (an fp32 model's
+        params are their own main params, on the host too; fp16 masters kept in the state
+        appear as fp32 copies, which :meth:`after_load` stores back)."""
+        return [ParamShard(s.model, s.start, s.stop, self._main_of(s),
                            param_state(self.optimizer, s.main)) for s in self._shards]
+
+    def _main_of(self, s):
+        if s.model.dtype == torch.float32:
+            return None
+        return self.optimizer.unscaled_master(s.main) if self._masters_in_state else s.main
+
+    def main_tensors(self):
+        """The main params apart from the param buffer: fp32 copies of a bf16/fp16 model's
+        shards, the host copies of --optimizer-cpu-offload, the fp16 masters in the state."""
+        return [s.main for s in self._shards if s.main is not s.param_view] + \
+            [st["master_param"] for opt in torch_optimizers(self.optimizer)
+             for st in opt.state.values() if "master_param" in st]
+
+    @torch.no_grad()
+    def after_load(self):
+        """After a load: masters kept in the state take the loaded params' values (those
+        loaded as main params then take theirs, in the base class), and an fp32 model's
+        params on the host take the loaded values."""
+        for opt in torch_optimizers(self.optimizer):
+            if hasattr(opt, "reload_masters"):
+                opt.reload_masters()
+        super().after_load()
+        for s in self._shards:
+            if s.host_grad is not None and s.model.dtype == torch.float32:
+                s.main.copy_(s.param_view)
 
     # ----- the plain (unsharded) format, for --ckpt-format torch --------------------------
     def _model_order(self):
@@ -254,9 +306,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     value.copy_(per_param[kind].reshape(-1)[s.start:s.stop])
                 step = float(per_param.get("step", step))
             if id(s.model) in main_of:
-                s.main.copy_(main_of[id(s.model)].reshape(-1)[s.start:s.stop])
-                s.param_view.copy_(s.main)
+                shard.main.copy_(main_of[id(s.model)].reshape(-1)[s.start:s.stop])
+                s.param_view.copy_(shard.main)
         set_adam_step(self.optimizer, step)
+        self.after_load()
         saved_scaler = state_dict.get("grad_scaler")
         if self.grad_scaler is not None and saved_scaler is not None:
             self.grad_scaler.load_state_dict(saved_scaler)

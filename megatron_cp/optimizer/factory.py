@@ -6,11 +6,14 @@ with ``--decoupled-lr``. Each function takes the sections it reads
 (:class:`~megatron_cp.config.optimizer.OptimizerConfig`, the model's
 :class:`~megatron_cp.config.model.GPTConfig`, the checkpoint's
 :class:`~megatron_cp.config.checkpoint.CheckpointConfig`)."""
+import torch
+
 from megatron_cp.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron_cp.distributed.fsdp import is_fully_sharded
 from megatron_cp.optimizer.fsdp_optimizer import FullyShardedOptimizer
 from megatron_cp.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron_cp.optimizer.lr_scheduler import OptimizerParamScheduler
+from megatron_cp.optimizer.offload import OffloadSettings
 from megatron_cp.optimizer.optimizer import (MixedPrecisionOptimizer, get_param_groups,
                                              mup_group_overrides)
 
@@ -31,8 +34,10 @@ def grad_scaler(optimizer):
 def build_optimizer(optimizer, model, models, model_chunks, state, check_for_nan_in_grad=True):
     """The optimizer over ``models``' params (``model_chunks``: their DDP wrappers) that the
     optimizer section ``optimizer`` (:class:`~megatron_cp.config.optimizer.OptimizerConfig`)
-    describes; the model section ``model`` (:class:`~megatron_cp.config.model.GPTConfig`)
-    gives the params' dtype and muP's width multiplier."""
+    describes (the precision-aware moments' dtypes and the host offload go to the sharded
+    optimizers, the only ones Megatron-LM builds them for); the model section ``model``
+    (:class:`~megatron_cp.config.model.GPTConfig`) gives the params' dtype and muP's width
+    multiplier."""
     mup = mup_group_overrides(model.mup_width_mult, optimizer.lr, optimizer.min_lr,
                               optimizer.adam_eps, optimizer.optimizer) if model.use_mup else None
     groups = get_param_groups(models, optimizer.weight_decay, optimizer.decoupled_lr is not None,
@@ -43,10 +48,16 @@ def build_optimizer(optimizer, model, models, model_chunks, state, check_for_nan
                     grad_scaler=grad_scaler(optimizer),
                     check_for_nan_in_grad=check_for_nan_in_grad,
                     muon=optimizer if optimizer.uses_muon else None)
+    master = optimizer.state_dtype("main_params_dtype")
+    sharded = dict(offload=OffloadSettings.from_config(optimizer), precision=(
+        optimizer.state_dtype("exp_avg_dtype"), optimizer.state_dtype("exp_avg_sq_dtype"),
+        None if master == torch.float32 else master)
+        if optimizer.use_precision_aware_optimizer else None)
     if optimizer.use_distributed_optimizer:
-        return DistributedOptimizer(groups, model_chunks, state, **settings)
+        return DistributedOptimizer(groups, model_chunks, state, **settings, **sharded)
     if is_fully_sharded(model_chunks):
-        return FullyShardedOptimizer(groups, state, model_chunks=model_chunks, **settings)
+        return FullyShardedOptimizer(groups, state, model_chunks=model_chunks, **settings,
+                                     **sharded)
     return MixedPrecisionOptimizer(groups, state, **settings)
 
 

@@ -6,6 +6,8 @@ import torch
 from megatron_cp.distributed.fsdp import FLAG
 from megatron_cp.distributed.shards import local_shard
 from megatron_cp.optimizer.inner import build_inner, param_state
+from megatron_cp.optimizer.offload import offload_shards, offload_transfers
+from megatron_cp.optimizer.precision import build_precision_aware
 from megatron_cp.optimizer.optimizer import _PARAM_ATTRS, MixedPrecisionOptimizer, ParamShard
 
 
@@ -15,6 +17,8 @@ class _Shard:
     def __init__(self, model):
         self.model = model
         self.main, self.start, self.stop = local_shard(model)
+        self.local = self.main  # the model's rows; ``main`` moves to the host when offloaded
+        self.host_grad = None
         for attr in _PARAM_ATTRS:
             if hasattr(model, attr):
                 setattr(self.main, attr, getattr(model, attr))
@@ -34,7 +38,8 @@ class FullyShardedOptimizer(MixedPrecisionOptimizer):
 
     def __init__(self, model_params, state, lr, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8,
                  clip_grad=1.0, params_dtype=torch.float32, grad_scaler=None, use_fused=None,
-                 check_for_nan_in_grad=False, muon=None, model_chunks=()):
+                 check_for_nan_in_grad=False, muon=None, model_chunks=(), precision=None,
+                 offload=None):
         self._chunks = list(model_chunks)  # their gathered params are stale after a step
         if muon is not None:
             raise ValueError(f"{FLAG} shards every matrix, and Muon orthogonalizes whole "
@@ -42,9 +47,9 @@ class FullyShardedOptimizer(MixedPrecisionOptimizer):
         groups = self._setup(model_params, state, clip_grad, params_dtype, grad_scaler)
         self.check_for_nan_in_grad = check_for_nan_in_grad
         self._pairs = []  # the base class's (model, main) pairs: none, the shards replace them
-        self._shards, inner_groups = [], []
+        self._shards, per_group = [], []
         for group in groups:
-            mains = []
+            per_group.append([])
             for param in group["params"]:
                 if not hasattr(param, "main_grad"):
                     raise ValueError(f"a parameter of shape {tuple(param.shape)} is not in a "
@@ -56,36 +61,69 @@ class FullyShardedOptimizer(MixedPrecisionOptimizer):
                 shard = _Shard(param)
                 if shard.stop > shard.start:  # a param of fewer rows than ranks: none here
                     self._shards.append(shard)
-                    mains.append(shard.main)
-            inner_groups.append({**group, "params": mains})
-        self.optimizer = build_inner(inner_groups, lr, weight_decay, betas, eps, state.device,
-                                     use_fused, None)
+                    per_group[-1].append(shard)
+        # FSDP2's CPUOffloadPolicy (offload fraction 1) holds the rows on the host already
+        device = torch.device("cpu") if any(getattr(c, "offload_params", False)
+                                            for c in self._chunks) else state.device
+        if offload is not None and offload.fraction < 1.0:
+            offload_shards(self._shards, offload, proxy=lambda shard: shard.local)
+        else:
+            offload = None
+        inner_groups = [{**group, "params": [s.main for s in shards]}
+                        for group, shards in zip(groups, per_group)]
+        if precision is None:
+            self.optimizer = build_inner(inner_groups, lr, weight_decay, betas, eps, device,
+                                         use_fused, None)
+        else:
+            self.optimizer = build_precision_aware(
+                inner_groups, lr, weight_decay, betas, eps, device, use_fused, precision,
+                offload_transfers(self._shards, offload, lambda shard: shard.local.grad),
+                offload is not None and offload.overlap)
 
     def _main_params(self):
-        return [s.main for s in self._shards]
+        """The model's rows (what clipping reads; on the host part a host copy steps)."""
+        return [s.local for s in self._shards]
 
     def _prepare_main_grads(self):
         for s in self._shards:
-            s.main.grad = s.model.main_grad.view_as(s.main)
+            s.local.grad = s.model.main_grad.view_as(s.local)
 
     def _release_aliased_grads(self):
         for s in self._shards:
-            s.main.grad = None
+            s.local.grad = None
 
     def _copy_main_to_model(self):
         """The main params are the model's shards: nothing to copy; params kept whole
-        (ZeRO-2) are freed, to be gathered updated by the next forward."""
+        (ZeRO-2) are freed, to be gathered updated by the next forward. Rows stepped on the
+        host are copied back first."""
+        for s in self._shards:
+            if s.main is not s.local:
+                s.local.copy_(s.main)
         for chunk in self._chunks:
             chunk.reshard_params()
 
     def zero_grad(self, set_to_none=True):
         """Drop the shard grads (``zero_grad_buffer`` zeroes the ``main_grad``)."""
         for s in self._shards:
-            s.main.grad = None
+            s.local.grad = None
+
+    def main_tensors(self):
+        """The host copies of --optimizer-cpu-offload (the rows are their own main params,
+        counted as params)."""
+        return [s.main for s in self._shards if s.main is not s.local]
+
+    @torch.no_grad()
+    def after_load(self):
+        """After a load: the rows stepped on the host take the loaded model rows."""
+        super().after_load()
+        for s in self._shards:
+            if s.main is not s.local:
+                s.main.copy_(s.local)
 
     def reload_model_params(self):
         """The main params are the model's shards: nothing to refresh after a load but the
         params kept whole (ZeRO-2), freed to be gathered anew."""
+        self.after_load()
         for chunk in self._chunks:
             chunk.reshard_params()
 
@@ -93,7 +131,7 @@ class FullyShardedOptimizer(MixedPrecisionOptimizer):
         """A :class:`ParamShard` per param: this rank's rows, in param-group order; the fp32
         masters of a bf16/fp16 model are its main params (an fp32 model has none)."""
         return [ParamShard(s.model, s.start, s.stop,
-                           s.main if hasattr(s.model, "compute_dtype") else None,
+                           s.local if hasattr(s.model, "compute_dtype") else None,
                            param_state(self.optimizer, s.main)) for s in self._shards]
 
     def state_dict(self):

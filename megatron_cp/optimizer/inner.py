@@ -110,7 +110,7 @@ def build_inner(groups, lr, weight_decay, betas, eps, device, use_fused=None, ma
 
 def torch_optimizers(optimizer):
     """The torch optimizers behind ``optimizer`` (one, or a chain's)."""
-    return optimizer.optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    return list(getattr(optimizer, "optimizers", [optimizer]))  # a chain's, or a hybrid's
 
 
 def state_kinds(optimizer):
@@ -121,8 +121,10 @@ def state_kinds(optimizer):
 def param_state(optimizer, param):
     """``{kind: tensor}`` of ``param``'s state in (the optimizer of the chain holding it)
     ``optimizer``, created as zeros when it has not stepped yet (module docstring)."""
-    if isinstance(optimizer, ChainedOptimizer):
+    if hasattr(optimizer, "owner"):  # a chain, or the hybrid device/host optimizer
         optimizer = optimizer.owner(param)
+    if hasattr(optimizer, "unscaled_state"):  # the precision-aware Adam: its dtypes, scales
+        return optimizer.unscaled_state(param)
     kinds = state_kinds(optimizer)
     state = optimizer.state[param]
     if kinds[0] not in state:
@@ -133,6 +135,9 @@ def param_state(optimizer, param):
                                         device=param.device if on_device else "cpu")
         for kind in kinds:
             state[kind] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    if getattr(param, "on_host", False):  # --optimizer-cpu-offload's host part
+        for kind in kinds:
+            state[kind].on_host = True
     return {kind: state[kind] for kind in kinds}
 
 

@@ -30,9 +30,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_cp.resilience.faults import ranks_where
-from megatron_cp.optimizer.clip_grads import clip_grad_norm, count_zeros, get_grad_norm
+from megatron_cp.optimizer.clip_grads import clip_grad_norm, count_zeros, get_grad_norm, grad_of
 from megatron_cp.optimizer.grad_scaler import DynamicGradScaler
-from megatron_cp.optimizer.inner import build_inner, param_state
+from megatron_cp.optimizer.inner import (ADAM_KINDS, MUON_KINDS, build_inner, param_state,
+                                         torch_optimizers)
 from megatron_cp.optimizer.muon import Muon, Orthogonalizer
 
 # Attributes that get_grad_norm and Muon read; main params carry them like their model params.
@@ -270,7 +271,7 @@ class MixedPrecisionOptimizer:
     def _unscale_and_check_for_inf(self):
         inv_scale = self.grad_scaler.inv_scale
         found = torch.zeros(1, dtype=torch.float32, device=self.state.device)
-        grads = [main.grad for main in self._main_params() if main.grad is not None]
+        grads = [g for g in map(grad_of, self._main_params()) if g is not None]
         for grad in grads:
             grad.mul_(inv_scale)
         if grads:
@@ -314,7 +315,7 @@ class MixedPrecisionOptimizer:
 
     def _ranks_with_non_finite_grads(self):
         """Collective (every rank is here together: the norm is the same everywhere)."""
-        grads = [main.grad for main in self._main_params() if main.grad is not None]
+        grads = [g for g in map(grad_of, self._main_params()) if g is not None]
         return ranks_where(any(not bool(torch.isfinite(g).all()) for g in grads), self.state.device)
 
     def _copy_main_to_model(self):
@@ -349,6 +350,28 @@ class MixedPrecisionOptimizer:
             shards.append(ParamShard(model, 0, model.numel(),
                                      None if main is model else main.view(-1), state))
         return shards
+
+    def main_tensors(self):
+        """The fp32 main params this optimizer holds apart from the model's params."""
+        return [main for model, main in self._pairs if main is not model]
+
+    def state_tensors(self):
+        """The per-param state tensors as stored (Adam's moments in their dtypes, Muon's
+        momentum), without step counters or fp16 scales."""
+        return [st[kind] for opt in torch_optimizers(self.optimizer) for st in opt.state.values()
+                for kind in ADAM_KINDS + MUON_KINDS if kind in st]
+
+    def host_grad_tensors(self):
+        """The host gradient copies of --optimizer-cpu-offload (none here)."""
+        return [s.host_grad for s in getattr(self, "_shards", []) if s.host_grad is not None]
+
+    def after_load(self):
+        """After a checkpoint load wrote into :meth:`param_shards`' tensors: the fp16 moments
+        of the precision-aware Adam take the values loaded into their fp32 copies, and the
+        main params kept on the host (--optimizer-cpu-offload) those of fp32 model params."""
+        for opt in torch_optimizers(self.optimizer):
+            if hasattr(opt, "absorb_loaded"):
+                opt.absorb_loaded()
 
     def finish_param_sync(self):
         """Nothing is gathered after a step here (the distributed optimizer waits for its

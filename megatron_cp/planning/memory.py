@@ -5,10 +5,12 @@ Every term is read off what OUR code holds, not a paper's formula:
 
 - **Static state** per rank: parameters of this rank's pipeline stage (TP, EP and ETP
   shards), their fp32 ``main_grad`` buffers and the optimizer state, by the per-parameter
-  formula of :func:`megatron_cp.optimizer.memory.expected_bytes_per_param` (the distributed
+  formula of :func:`megatron_cp.optimizer.memory.optimizer_bytes_per_param` (the distributed
   optimizer shards main params and Adam moments over DP x CP / instances; expert parameters
-  over the expert-DP group); with ``--use-torch-fsdp2`` all of it over DP x CP, plus the
-  params FSDP gathers (the root unit and one layer at a time).
+  over the expert-DP group; the precision-aware dtypes set their sizes); with
+  ``--use-torch-fsdp2`` all of it over DP x CP, plus the params FSDP gathers (the root unit
+  and one layer at a time). ``--optimizer-cpu-offload``'s host part is
+  ``MemoryEstimate.host_bytes``, apart from the device total.
 - **Saved activations** per layer and microbatch: the tensors autograd keeps for backward
   (:func:`layer_activation_bytes`): the norms' inputs and normalised values, each linear's
   input (all-gathered over TP under sequence parallelism, because ``ColumnParallelLinear``
@@ -47,7 +49,7 @@ import torch
 from megatron_cp.context_parallel import resolve_comm_type
 from megatron_cp.layers.fine_grained_offload import plan_offload
 from megatron_cp.layers.gated_delta_rule import CHUNK_SIZE as GDN_CHUNK
-from megatron_cp.optimizer.memory import expected_bytes_per_param
+from megatron_cp.optimizer.memory import optimizer_bytes_per_param
 from megatron_cp.pipeline_parallel import layout_from_config
 
 FP32 = 4
@@ -61,10 +63,14 @@ CPU_RNG_STATE = torch.get_rng_state().numel()  # bytes of the CPU generator's st
 @dataclass
 class MemoryEstimate:
     """Predicted peak tensor bytes of the most loaded rank (``pp_rank``'s stage) and its
-    parts (bytes): params, grads, optimizer, activations, loss, transient, buffers, batch."""
+    parts (bytes): params, grads, optimizer, activations, loss, transient, buffers, batch;
+    ``host_bytes``: what that rank keeps in host memory (the offloaded optimizer part,
+    :func:`~megatron_cp.optimizer.memory.optimizer_bytes_per_param`, and on a GPU the
+    activations of :func:`offloaded_bytes` per microbatch in flight), not in ``total_bytes``."""
     total_bytes: int
     pp_rank: int
     parts: dict = field(default_factory=dict)
+    host_bytes: int = 0  # host memory of that rank (see above)
 
 
 def tokenizer_vocab_size(data):
@@ -456,7 +462,7 @@ def pipeline_layout_of(run):
 
 
 def _fully_sharded_bytes(run, layout, stage_params, act, d):
-    """(gathered params, sharded state) bytes under --use-torch-fsdp2 (one stage, EP 1):
+    """(gathered params, sharded state, host state) bytes under FSDP2 (one stage, EP 1):
     16/d bytes per param sharded (fp32 params, fp32 gradients, Adam), and in the compute
     dtype the root unit (embeddings, output layer, final norm; gathered through the step)
     plus the largest layer, or every layer with --torch-fsdp2-no-reshard-after-forward."""
@@ -467,8 +473,9 @@ def _fully_sharded_bytes(run, layout, stage_params, act, d):
     root = stage_params - sum(layers)
     whole = run.optimizer.torch_fsdp2_no_reshard_after_forward or run.optimizer.keeps_params_whole
     held = sum(layers) if whole else max(layers)
-    state = stage_params * expected_bytes_per_param(c.params_dtype, d, fully_sharded=True)
-    return (root + held) * act, int(state)
+    state, host = (stage_params * per for per in optimizer_bytes_per_param(
+        run.optimizer, c.params_dtype, d, fully_sharded=True))
+    return (root + held) * act, int(state), int(host)
 
 
 def _in_flight(parallel, layout, pp_rank, num_microbatches):
@@ -509,8 +516,10 @@ def estimate_memory(run, device="cpu"):
     instances = optimizer.num_distributed_optimizer_instances  # validated: at least 1
     world = dp * cp * tp * pp
     expert_dp = world // (pp * ep * etp)
-    dense_per = expected_bytes_per_param(c.params_dtype, dp * cp // instances, distributed)
-    expert_per = expected_bytes_per_param(c.params_dtype, expert_dp // instances, distributed)
+    dense_per, dense_host = optimizer_bytes_per_param(optimizer, c.params_dtype,
+                                                      dp * cp // instances, distributed)
+    expert_per, expert_host = optimizer_bytes_per_param(optimizer, c.params_dtype,
+                                                        expert_dp // instances, distributed)
     num_microbatches = run.training.num_microbatches or 1
     padded = c.padded_vocab_size(tp)
     vocab_local = padded // tp
@@ -519,10 +528,11 @@ def estimate_memory(run, device="cpu"):
     for pp_rank in range(pp):
         dense, experts = stage_param_counts(c, layout, pp_rank, tp, ep, etp)
         if optimizer.fully_sharded:
-            params, state = _fully_sharded_bytes(run, layout, dense + experts, act, dp * cp)
+            params, state, host = _fully_sharded_bytes(run, layout, dense + experts, act, dp * cp)
         else:
             params = dense * act + experts * act
             state = int(dense * dense_per + experts * expert_per) - params
+            host = int(dense * dense_host + experts * expert_host)
         chunk_layers = layout.chunk_layer_numbers(pp_rank)
         saved, transient = 0, 0
         flights = _in_flight(parallel, layout, pp_rank, num_microbatches)
@@ -530,6 +540,9 @@ def estimate_memory(run, device="cpu"):
         chunk_saved = max(s for s, _ in per_chunk)
         saved = flights * chunk_saved if layout.vp_size > 1 else flights * per_chunk[0][0]
         transient = max(tr for _, tr in per_chunk)
+        if sh.fine_offload:  # fine-grained offloading's groups wait on the host
+            host += flights * max(offloaded_bytes(c, sh, layers, ep, etp)[0]
+                                  for layers in chunk_layers)
         loss = 0
         last = any(layout.has_loss(pp_rank, ch) for ch in range(layout.vp_size))
         if last:
@@ -547,5 +560,5 @@ def estimate_memory(run, device="cpu"):
                  "loss_and_transient": loss, "buffers": buffers, "batch": batch}
         total = sum(parts.values())
         if best is None or total > best.total_bytes:
-            best = MemoryEstimate(int(total), pp_rank, parts)
+            best = MemoryEstimate(int(total), pp_rank, parts, host)
     return best

@@ -36,15 +36,18 @@ from megatron_cp.startup import forward_step
 def data_parallel_wrapper(optimizer, model, state, params_dtype):
     """``model`` in its data-parallel wrapper, as the optimizer section ``optimizer`` asks:
     FSDP2 with --use-torch-fsdp2 or Megatron-FSDP's optim_grads(_params) (each transformer
-    layer one unit; optim_grads keeps the gathered params to the step), else the DDP of flat
-    gradient buckets (with or without the distributed optimizer)."""
+    layer one unit; optim_grads keeps the gathered params to the step; FSDP2's host offload of
+    the rows with --optimizer-cpu-offload of fraction 1), else the DDP of flat gradient
+    buckets in --main-grads-dtype (with or without the distributed optimizer)."""
     if optimizer.fully_sharded:
         return TorchFullyShardedDataParallel(
             model, state, (TransformerLayer,), params_dtype=params_dtype,
             reshard_after_forward=not optimizer.torch_fsdp2_no_reshard_after_forward,
-            keep_params_whole=optimizer.keeps_params_whole)
+            keep_params_whole=optimizer.keeps_params_whole,
+            offload_params=optimizer.offload_fraction == 1.0, pin_memory=optimizer.pin_cpu_params)
     return DistributedDataParallel(
         model, state, bucket_size_mb=optimizer.ddp_bucket_size_mb,
+        grad_reduce_dtype=optimizer.state_dtype("main_grads_dtype"),
         overlap_grad_reduce=optimizer.overlap_grad_reduce,
         use_distributed_optimizer=optimizer.use_distributed_optimizer,
         overlap_param_gather=optimizer.overlap_param_gather)

@@ -11,6 +11,7 @@ The model is a prediction from the code's shapes, not a fit: within 15% of the m
 import re
 
 import pytest
+import torch
 
 from dist_harness import run_workers
 from test_arguments_and_logging import _train_capturing
@@ -57,6 +58,12 @@ CASES = {
     "gdn": (1, "--global-batch-size 2 --experimental-attention-variant gdn "
                "--linear-attention-freq 2 --linear-num-key-heads 4 --linear-key-head-dim 32 "
                "--linear-num-value-heads 8 --linear-value-head-dim 32"),
+    "dp2-distopt-bf16-moments": (2, "--global-batch-size 2 --use-distributed-optimizer "
+                                    "--use-precision-aware-optimizer --exp-avg-dtype bf16 "
+                                    "--exp-avg-sq-dtype bf16"),
+    "dp2-distopt-offload-half": (2, "--global-batch-size 2 --use-distributed-optimizer "
+                                    "--use-precision-aware-optimizer --optimizer-cpu-offload "
+                                    "--optimizer-offload-fraction 0.5"),
     "moe-ep2": (2, "--global-batch-size 2 --num-experts 4 --moe-router-topk 2 "
                    "--moe-ffn-hidden-size 256 --expert-model-parallel-size 2 --no-bias-gelu-fusion"),
     # the activation savers, one row each (tests/planning/test_activation_savers.py checks
@@ -102,7 +109,9 @@ def test_predicted_peak_within_15_percent_of_measured(case):
     assert per_rank and peak_mb >= max(per_rank.values())
     if int(peak_rank) in per_rank:
         assert per_rank[int(peak_rank)] == peak_mb
-    predicted = estimate_memory(_run(argv, world)).total_bytes / 2 ** 20
+    estimate = estimate_memory(_run(argv, world))
+    # on a CPU the host part of --optimizer-cpu-offload lives in the memory the meter reads
+    predicted = (estimate.total_bytes + estimate.host_bytes) / 2 ** 20
     print(f"{case}: predicted {predicted:.2f} MB, measured {peak_mb:.2f} MB on rank "
           f"{peak_rank:.0f}")
     assert abs(predicted / peak_mb - 1) <= TOLERANCE, (case, predicted, peak_mb)
@@ -136,4 +145,25 @@ def test_fine_grained_offloading_moves_its_groups_off_the_gpu():
     sh = _Shapes(1, tokens, tokens, 1, 1, None, 4, True, fine_offload=True)
     moved, largest = offloaded_bytes(offload.model, sh, range(4))
     assert moved > 0 and gpu_offload["activations"] == gpu_plain["activations"] - moved
+    gpu_host = [estimate_memory(run, device="gpu").host_bytes for run in (plain, offload)]
+    assert gpu_host[1] - gpu_host[0] == moved  # one microbatch in flight
     assert gpu_offload["loss_and_transient"] >= gpu_plain["loss_and_transient"]
+
+
+def test_host_bytes_are_the_offloaded_fraction_exactly():
+    """--optimizer-cpu-offload: 16 bytes (fp32 main, Adam moments, gradient copy) per
+    offloaded element of this rank's shard on the host, taken off the device total."""
+    from megatron_cp.optimizer.memory import optimizer_bytes_per_param
+    from megatron_cp.planning.memory import pipeline_layout_of, stage_param_counts
+    base = MODEL + " --global-batch-size 2 --use-distributed-optimizer"
+    plain = _run(base, 2)
+    offload = _run(base + " --use-precision-aware-optimizer --optimizer-cpu-offload "
+                          "--optimizer-offload-fraction 0.25", 2)
+    dense, experts = stage_param_counts(plain.model, pipeline_layout_of(plain), 0, 1, 1, 1)
+    n = dense + experts
+    assert optimizer_bytes_per_param(offload.optimizer, torch.float32, 2, True) == \
+        (4 + 4 + 0.75 * 8 / 2, 0.25 * 16 / 2)
+    assert estimate_memory(offload).host_bytes == int(n * 0.25 * 16 / 2)
+    assert estimate_memory(plain).host_bytes == 0
+    moved = estimate_memory(plain).total_bytes - estimate_memory(offload).total_bytes
+    assert abs(moved - n * 0.25 * 8 / 2) <= 1  # the moments' share leaves the device
