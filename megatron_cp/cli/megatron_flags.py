@@ -315,13 +315,6 @@ AS_IS = (  # (kind, effect, text, flags): SAME (text: what megatron_cp does, whi
     (IGNORED, SPEED, "overlaps P2P with compute in the warmup and flush phases of the pipeline "
      "schedule",
      ("--overlap-p2p-communication-warmup-flush",)),
-    (IGNORED, MEMORY, "offloads activations to host memory module by module (fine-grained "
-     "offloading, its modules, sizes and in-flight limits; --cpu-offloading-num-layers is "
-     "built)",
-     ("--cpu-offloading-retain-pinned-cpu-buffers",
-      "--fine-grained-activation-offloading", "--offload-modules",
-      "--min-offloaded-tensor-size", "--delta-offload-bytes-across-pp-ranks",
-      "--activation-offload-fraction", "--fine-grained-offloading-max-inflight-offloads",)),
     (IGNORED, SPEED, "pins the FlashAttention generation (2 or 3) for core attention; here the "
      "kernel is chosen per device",
      ("--flash-attention-version",)),
@@ -333,13 +326,6 @@ AS_IS = (  # (kind, effect, text, flags): SAME (text: what megatron_cp does, whi
      "Transformer Engine's op fuser); here the plain PyTorch ops compute the same",
      ("--use-fused-weighted-squared-relu", "--fused-residual-rmsnorm",
       "--use-transformer-engine-op-fuser",)),
-    (IGNORED, MEMORY, "splits the inputs that full recompute saves across the tensor-parallel "
-     "ranks (here each rank keeps them whole)",
-     ("--distribute-saved-activations",)),
-    (IGNORED, MEMORY, "chooses which modules selective recompute covers (MLP, norms, MoE, MLA "
-     "up-projections, ...) or recomputes MoE layers whole (here selective recompute covers "
-     "core attention, Megatron-LM's default core_attn)",
-     ("--recompute-modules", "--moe-layer-recompute",)),
     (IGNORED, SPEED, "runs the shared expert or dense MLP through Transformer Engine's "
      "GroupedLinear; here plain linear layers compute the same",
      ("--use-grouped-gemm-for-shared-expert", "--use-grouped-gemm-for-dense-mlp",)),

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_cp.config.activation_memory import ActivationMemorySettings
 from megatron_cp.config.gated_delta_net import GatedDeltaNetSettings
 from megatron_cp.config.mla import MLASettings
 from megatron_cp.config.moe import MoESettings
@@ -44,7 +45,8 @@ def pad_vocab_size(vocab_size, make_vocab_size_divisible_by=128, tensor_model_pa
 
 
 @dataclass(kw_only=True, frozen=True)
-class GPTConfig(MLASettings, GatedDeltaNetSettings, MoESettings, MTPSettings):
+class GPTConfig(MLASettings, GatedDeltaNetSettings, MoESettings, MTPSettings,
+                ActivationMemorySettings):
     """Everything that shapes the GPT model. Sizes follow Megatron-LM's argument names."""
     num_layers: int = setting(help="Number of transformer layers.", shapes=True)
     hidden_size: int = setting(help="Transformer hidden size.", shapes=True)
@@ -338,6 +340,7 @@ class GPTConfig(MLASettings, GatedDeltaNetSettings, MoESettings, MTPSettings):
         if self.recompute_granularity == "selective" and self.recompute_num_layers is not None:
             raise ValueError(f"recompute_num_layers ({self.recompute_num_layers}) applies to "
                              f"recompute_granularity 'full' only; drop it with 'selective'")
+        self._check_activation_memory()
 
     @property
     def hidden_init_std(self):
@@ -448,6 +451,7 @@ class GPTConfig(MLASettings, GatedDeltaNetSettings, MoESettings, MTPSettings):
                              "and tensor_model_parallel_size is 1: give "
                              "tensor_model_parallel_size > 1 with sequence_parallel, or drop "
                              "tp_comm_overlap")
+        self.check_distributed_activations(tp_size)
         for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
             if getattr(self, name) % tp_size != 0:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be divisible by "

@@ -103,6 +103,21 @@ def record_stream(tensor, stream) -> None:
         tensor.record_stream(stream)
 
 
+def record_event(stream):
+    """An event recorded on ``stream`` now (None on CPU or without a stream)."""
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def wait_event(event, device: torch.device) -> None:
+    """Make ``device``'s current stream wait for ``event`` (nothing for None)."""
+    if event is not None:
+        torch.cuda.current_stream(device).wait_event(event)
+
+
 def max_memory_allocated(device: torch.device) -> int:
     """Peak bytes allocated on ``device``; 0 on CPU where no allocator tracks it."""
     if device.type == "cuda":

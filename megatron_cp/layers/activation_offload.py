@@ -24,18 +24,24 @@ class ActivationOffloader:
 
     ``pin``: page-locked host buffers (asynchronous copies; GPU only). ``stream``: where the
     device-to-host copies run (None: the current stream). Tensors not on ``device`` and
-    parameters are saved as they are.
+    parameters are saved as they are. ``retain`` (--cpu-offloading-retain-pinned-cpu-buffers):
+    a host buffer whose tensor came back is kept and reused by a later tensor of its shape
+    and dtype (the next steps' same layers) instead of being allocated anew; a reuse is
+    ordered after the copy back because the side stream waits for the current one.
     """
 
-    def __init__(self, device, pin=None, stream=None):
+    def __init__(self, device, pin=None, stream=None, retain=False):
         self.device = torch.device(device)
         self.pin = self.device.type == "cuda" if pin is None else pin
         self.stream = stream
+        self.pool = {} if retain else None  # (shape, dtype) -> free host buffers
 
     def pack(self, tensor):
         if tensor.device.type != self.device.type or isinstance(tensor, torch.nn.Parameter):
             return tensor
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.pin)
+        free = self.pool.get((tensor.shape, tensor.dtype)) if self.pool is not None else None
+        host = free.pop() if free else torch.empty(tensor.shape, dtype=tensor.dtype,
+                                                  pin_memory=self.pin)
         # the side stream must see the tensor finished, and the caching allocator must not
         # reuse its memory before the copy has run
         device_mod.side_waits_for_current(self.stream, self.device)
@@ -48,7 +54,10 @@ class ActivationOffloader:
         if not isinstance(packed, _OnHost):
             return packed
         device_mod.wait_stream(self.stream)  # the device-to-host copy has landed
-        return packed.host.to(packed.device, non_blocking=self.pin)
+        back = packed.host.to(packed.device, non_blocking=self.pin)
+        if self.pool is not None:
+            self.pool.setdefault((packed.host.shape, packed.host.dtype), []).append(packed.host)
+        return back
 
     def context(self):
         """The hooks, for the forward of an offloaded layer."""
@@ -63,13 +72,14 @@ class _OnHost:
         self.host, self.device = host, device
 
 
-def offloader_for(num_layers, device):
-    """The offloader of --cpu-offloading-num-layers ``num_layers`` on ``device``: None when
-    off or when the device is the CPU (nothing to offload to)."""
+def offloader_for(num_layers, device, retain=False):
+    """The offloader of --cpu-offloading-num-layers ``num_layers`` on ``device`` (``retain``:
+    --cpu-offloading-retain-pinned-cpu-buffers): None when off or when the device is the CPU
+    (nothing to offload to)."""
     device = torch.device(device) if device is not None else torch.device("cpu")
     if not num_layers or device.type != "cuda":
         return None
-    return ActivationOffloader(device, stream=device_mod.side_stream(device))
+    return ActivationOffloader(device, stream=device_mod.side_stream(device), retain=retain)
 
 
 def offload_note(num_layers, device):

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from megatron_cp import tensor_parallel as tpar
 from megatron_cp.context_parallel import (AttentionDropout, ContextParallelAttention,
                                           attention_kernel, dropout_key, local_attention)
+from megatron_cp.layers.fine_grained_offload import offload_group
 from megatron_cp.layers.norms import norm_for
 from megatron_cp.layers.hidden_dropout import DropoutIds, fresh_samples
 from megatron_cp.layers.rotary import RotaryEmbedding
@@ -27,6 +28,7 @@ class AttentionCore(torch.nn.Module):
     from each element's place in the run, and the kernel choice. A layer calls
     :meth:`build_core` once its head counts are known; MLA passes its own softmax scale and
     its key and value head dims may differ."""
+    offload = None  # the block's FineGrainedOffload, with --fine-grained-activation-offloading
 
     def build_core(self, config, cp_group, rng_tracker, local_heads, local_kv_heads, first_head,
                    hierarchical_cp_groups=None, layer_number=0, softmax_scale=None):
@@ -72,11 +74,18 @@ class AttentionCore(torch.nn.Module):
                                kernel=self.attention_kernel, dropout=dropout, layout=layout)
 
     def attend(self, q, k, v, token_index, document_ids, dropout_ids, layout=None):
-        """:meth:`core_attention`, checkpointed with --recompute-granularity selective."""
-        if self.config.recompute_granularity == "selective":
-            return tpar.checkpoint(self.core_attention, self.rng_tracker, q, k, v, token_index,
-                                   document_ids, dropout_ids, layout)
-        return self.core_attention(q, k, v, token_index, document_ids, dropout_ids, layout)
+        """:meth:`core_attention`, checkpointed in training with --recompute-granularity
+        selective when --recompute-modules holds core_attn (its default)."""
+        with offload_group(self.offload, "core_attn"):
+            if self.training and self.config.recomputes("core_attn"):
+                return tpar.checkpoint(self.core_attention, self.rng_tracker, q, k, v,
+                                       token_index, document_ids, dropout_ids, layout)
+            return self.core_attention(q, k, v, token_index, document_ids, dropout_ids, layout)
+
+    def output_projection(self, out):
+        """linear_proj of the attention output (fine-grained offloading's attn_proj)."""
+        with offload_group(self.offload, "attn_proj"):
+            return self.linear_proj(out)
 
 
 class SelfAttention(AttentionCore):
@@ -145,7 +154,8 @@ class SelfAttention(AttentionCore):
         """x [s(/tp), b, h] -> q [s, b, nh/tp, d], k and v [s, b, ng/tp, d], gate [s, b,
         nh/tp * d] or None: projected, q and k normalised (--qk-layernorm) and rotated by
         ``position_ids`` [b, s]."""
-        qkv = self.linear_qkv(x)  # [s, b, ng/tp * (hpg (x2 gated) + 2) * d]
+        with offload_group(self.offload, "qkv_linear"):
+            qkv = self.linear_qkv(x)  # [s, b, ng/tp * (hpg (x2 gated) + 2) * d]
         s, b = qkv.shape[0], qkv.shape[1]
         hpg, q_heads = self.heads_per_group, self.heads_per_group * (2 if self.gated else 1)
         qkv = qkv.view(s, b, self.local_groups, q_heads + 2, self.head_dim)
@@ -182,4 +192,4 @@ class SelfAttention(AttentionCore):
         --attention-output-gate gives one, through the output projection -> [s(/tp), b, h]."""
         if gate is not None:
             out = (out * torch.sigmoid(gate.float())).to(out.dtype)
-        return self.linear_proj(out)
+        return self.output_projection(out)

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from megatron_cp import tensor_parallel as tpar
 from megatron_cp.model.attention import AttentionCore
+from megatron_cp.layers.fine_grained_offload import offload_group
 from megatron_cp.layers.norms import norm_for
 from megatron_cp.layers.rotary import RotaryEmbedding, yarn_mscale
 from megatron_cp.resilience.weight_hash import check_replicas_equal
@@ -191,22 +192,42 @@ class MultiLatentAttention(AttentionCore):
         """x [s(/tp), b, h] -> q, k [s, b, nh/tp, qk_head_dim + pos], v [s, b, nh/tp,
         v_head_dim], gate None (SelfAttention's signature), rotated by ``position_ids``
         [b, s]."""
-        q_in, c_kv, k_pe = self.latents(x)
+        q, k, v, _ = self._query_key_value(x, position_ids)
+        return q, k, v, None
+
+    def _query_key_value(self, x, position_ids):
+        """:meth:`query_key_value`, and the DiscardedOutput of the up projections and rotary
+        with --recompute-modules mla_up_proj in training (else None)."""
+        with offload_group(self.offload, "qkv_linear"):  # the down projections
+            q_in, c_kv, k_pe = self.latents(x)
         cos, sin = self.rotary.cos_sin(position_ids)  # [s, b, 1, pos/2]
+        if self.training and self.config.recomputes("mla_up_proj"):
+            rebuild = tpar.DiscardedOutput(self._up_and_rotary)
+            q, k, v = rebuild(q_in, c_kv, k_pe, cos, sin)
+            return q, k, v, rebuild
+        q, k, v = self._up_and_rotary(q_in, c_kv, k_pe, cos, sin, contiguous=False)
+        return q, k, v, None
+
+    def _up_and_rotary(self, q_in, c_kv, k_pe, cos, sin, contiguous=True):
+        """The latents (see :meth:`latents`) -> q, k, v (see :meth:`query_key_value`), each
+        made contiguous when its storage is to be discarded and refilled."""
         k_pe = self.rotary.rotate(self.shared_key(k_pe), cos, sin)  # [s, b, 1, pos]
         k, v = self.keys_values(c_kv, k_pe)
-        return self.queries(q_in, cos, sin), k, v, None
+        q = self.queries(q_in, cos, sin)
+        return (q.contiguous(), k.contiguous(), v.contiguous()) if contiguous else (q, k, v)
 
     def forward(self, x, position_ids, token_index=None, document_ids=None, dropout_ids=None,
                 layout=None):
         """x [s/tp with SP else s, b, h] -> same shape."""
-        q, k, v, _ = self.query_key_value(x, position_ids)
+        q, k, v, rebuild = self._query_key_value(x, position_ids)
         s, b = q.shape[0], q.shape[1]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, nh/tp, s, d]
         out = self.attend(q, k, v, token_index, document_ids, dropout_ids,
                           layout)  # [b, nh/tp, s, dv]
+        if rebuild is not None:  # q, k, v come back when backward reaches the core output
+            rebuild.discard_after(out)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.v_dim)
-        return self.linear_proj(out)  # [s(/tp), b, h]
+        return self.output_projection(out)  # [s(/tp), b, h]
 
     def project_out(self, out, gate=None):
         """The attention output [s, b, nh/tp * v_head_dim] through linear_proj (the

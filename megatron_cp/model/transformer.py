@@ -14,6 +14,7 @@ import torch
 
 from megatron_cp import tensor_parallel as tpar
 from megatron_cp.layers.activation_offload import offloader_for
+from megatron_cp.layers.fine_grained_offload import FineGrainedOffload, offload_group
 from megatron_cp.model.attention import SelfAttention
 from megatron_cp.model.compile_layers import compile_layer
 from megatron_cp.layers.norms import norm_for
@@ -37,6 +38,7 @@ class TransformerLayer(torch.nn.Module):
     ``self_attention`` is softmax attention (multi-latent attention with
     --multi-latent-attention), or Gated DeltaNet where the config's linear-attention pattern
     marks the layer (Megatron-LM's name for each)."""
+    offload = None  # the block's FineGrainedOffload, with --fine-grained-activation-offloading
 
     def __init__(self, config, layer_number, tp_group, cp_group, rng_tracker, device=None,
                  ep_group=None, state=None, prefix=None, kind_of=None):
@@ -92,17 +94,42 @@ class TransformerLayer(torch.nn.Module):
         coords = None  # built only when something is drawn
         if self.training and (c.hidden_dropout > 0 or (self.is_moe and c.moe_input_jitter_eps)):
             coords = token_coordinates(dropout_ids, x, self.shard)
-        attn = self.self_attention(self.input_layernorm(x), position_ids, token_index, document_ids,
-                                   dropout_ids, layout=layout)
+        h, rebuild = self._norm(self.input_layernorm, x, "attn_norm")
+        attn = self.self_attention(h, position_ids, token_index, document_ids, dropout_ids,
+                                   layout=layout)
+        if rebuild is not None:
+            rebuild.discard_after(attn)
         x = x + hidden_dropout(attn, c.hidden_dropout, self.training, keys[0], coords)
-        h = self.pre_mlp_layernorm(x)
-        if self.is_moe:
-            mlp = self.mlp(h, loss_mask, coords, keys[2])
-        elif c.mlp_chunks_for_training > 1 and self.training:
-            mlp = chunked_mlp(self.mlp, h, c.mlp_chunks_for_training, self.rng_tracker)
-        else:
-            mlp = self.mlp(h)
+        h, rebuild = self._norm(self.pre_mlp_layernorm, x, "mlp_norm")
+        mlp = self._mlp(h, loss_mask, coords, keys[2])
+        if rebuild is not None:
+            rebuild.discard_after(mlp)
         return x + hidden_dropout(mlp, c.hidden_dropout, self.training, keys[1], coords)
+
+    def _norm(self, norm, x, offload_name):
+        """(norm(x), its DiscardedOutput or None): with --recompute-modules layernorm the
+        norm's output is not kept once the module after it has run; backward rebuilds it.
+        ``offload_name``: its fine-grained offloading group (attn_norm or mlp_norm)."""
+        with offload_group(self.offload, offload_name):
+            if not (self.training and self.config.recomputes("layernorm")):
+                return norm(x), None
+            rebuild = tpar.DiscardedOutput(norm)
+            return rebuild(x), rebuild
+
+    def _mlp(self, h, loss_mask, coords, jitter_key):
+        """The MLP or MoE of ``h`` [s(/tp), b, h], checkpointed with --recompute-modules mlp
+        (dense layers) or moe (MoE layers, also --moe-layer-recompute)."""
+        c, training = self.config, self.training
+        if self.is_moe:
+            if training and c.recomputes("moe"):
+                return tpar.checkpoint(self.mlp, self.rng_tracker, h, loss_mask, coords,
+                                       jitter_key)
+            return self.mlp(h, loss_mask, coords, jitter_key)
+        if c.mlp_chunks_for_training > 1 and training:  # each chunk is recomputed already
+            return chunked_mlp(self.mlp, h, c.mlp_chunks_for_training, self.rng_tracker)
+        if training and c.recomputes("mlp"):
+            return tpar.checkpoint(self.mlp, self.rng_tracker, h)
+        return self.mlp(h)
 
 
 class TransformerBlock(torch.nn.Module):
@@ -112,6 +139,8 @@ class TransformerBlock(torch.nn.Module):
                  state=None):
         super().__init__()
         self.config, self.rng_tracker = config, rng_tracker
+        # --distribute-saved-activations: each recomputed chunk's input split over TP
+        self.distribute_group = tp_group if config.distribute_saved_activations else None
         self.layer_numbers = list(layer_numbers)
         self.layers = torch.nn.ModuleList(
             TransformerLayer(config, n, tp_group, cp_group, rng_tracker, device, state=state)
@@ -119,7 +148,16 @@ class TransformerBlock(torch.nn.Module):
         if config.torch_compile:
             for layer in self.layers:
                 compile_layer(layer, config.torch_compile_mode)
-        self.offloader = offloader_for(config.cpu_offloading_num_layers, device)
+        self.offloader = offloader_for(config.cpu_offloading_num_layers, device,
+                                       config.cpu_offloading_retain_pinned_cpu_buffers)
+        self.fine_offload = None  # --fine-grained-activation-offloading: its groups' offloader
+        if config.fine_grained_activation_offloading:
+            pp = (state.rank("pp"), state.size("pp")) if state is not None else (0, 1)
+            self.fine_offload = FineGrainedOffload(config, device, *pp)
+            for layer in self.layers:
+                layer.offload = layer.self_attention.offload = self.fine_offload
+                if layer.is_moe:
+                    layer.mlp.experts.offload = self.fine_offload
 
     def _offload(self, layer_number):
         """Where layer ``layer_number`` (global) keeps what it saves for backward: host
@@ -145,7 +183,7 @@ class TransformerBlock(torch.nn.Module):
         tensors away from it)."""
         with self._offload(self.layer_numbers[start]):
             return tpar.checkpoint(self._run(start, end, offload=False), self.rng_tracker, x,
-                                   *args)
+                                   *args, distribute_group=self.distribute_group)
 
     def prepare_layout(self, layout, length, device):
         """Work out in ``layout`` (the microbatch's SequenceLayout) every plan the layers'
@@ -159,7 +197,13 @@ class TransformerBlock(torch.nn.Module):
         n = len(self.layers)
         args = (position_ids, token_index, document_ids, loss_mask, dropout_ids, layout)
         if c.recompute_granularity != "full" or not self.training:
-            return self._run(0, n)(x, *args)
+            if self.fine_offload is None or not self.training:
+                return self._run(0, n)(x, *args)
+            self.fine_offload.start_forward()
+            try:
+                return self._run(0, n)(x, *args)
+            finally:
+                self.fine_offload.end_forward()
         k = c.recompute_num_layers or 1
         if c.recompute_method == "uniform":
             for start in range(0, n, k):

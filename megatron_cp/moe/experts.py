@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_cp import tensor_parallel as tpar
+from megatron_cp.layers.fine_grained_offload import offload_group
 from megatron_cp.layers.mlp import activate
 from megatron_cp.tensor_parallel.layers import _full_then_split, _mark
 
@@ -64,10 +65,11 @@ class ExpertLinear(torch.nn.Module):
 class GroupedExperts(torch.nn.Module):
     """tokens [N, h] sorted by local expert, ``counts`` [E_local] -> [N, h] (a partial sum
     over ETP ranks when ETP > 1)."""
+    offload = None  # the block's FineGrainedOffload, with --fine-grained-activation-offloading
 
     def __init__(self, config, prefix, ep_rank, ep_size, etp_rank, etp_size, device=None):
         super().__init__()
-        self.activation = config.activation
+        self.config, self.activation = config, config.activation
         self.swiglu = config.activation == "swiglu"
         self.etp_rank = etp_rank
         self.num_local = config.num_moe_experts // ep_size
@@ -103,7 +105,21 @@ class GroupedExperts(torch.nn.Module):
             expert_ids = torch.repeat_interleave(
                 torch.arange(self.num_local, device=tokens.device),
                 torch.tensor(counts, device=tokens.device), output_size=tokens.shape[0])  # [N]
-        h = grouped_linear(tokens, fc1.weight, counts, fc1.bias, expert_ids)  # [N, ffn/etp (x2)]
-        h = activate(h, self.activation)  # [N, ffn/etp]
+        with offload_group(self.offload, "expert_fc1"):
+            h = grouped_linear(tokens, fc1.weight, counts, fc1.bias,
+                               expert_ids)  # [N, ffn/etp (x2)]
+        rebuild = None
+        with offload_group(self.offload, "moe_act"):
+            if self.training and self.config.recomputes("moe_act"):  # rebuilt in backward
+                rebuild = tpar.DiscardedOutput(self._activate)
+                h = rebuild(h)  # [N, ffn/etp]
+            else:
+                h = self._activate(h)  # [N, ffn/etp]
         fc2_bias = fc2.bias if self.etp_rank == 0 else None  # once over ETP (module docstring)
-        return grouped_linear(h, fc2.weight, counts, fc2_bias, expert_ids)  # [N, h]
+        out = grouped_linear(h, fc2.weight, counts, fc2_bias, expert_ids)  # [N, h]
+        if rebuild is not None:
+            rebuild.discard_after(out)
+        return out
+
+    def _activate(self, h):
+        return activate(h, self.activation)

@@ -38,7 +38,7 @@ class MoELayer(torch.nn.Module):
 
     def __init__(self, config, prefix, state, rng_tracker, device=None):
         super().__init__()
-        self.config = config
+        self.config, self.rng_tracker = config, rng_tracker
         self.tp_size, self.tp_rank = _size_rank(state, "tp")
         self.tp_group = _group(state, "tp")
         self.sequence_parallel = config.sequence_parallel and self.tp_size > 1
@@ -109,7 +109,10 @@ class MoELayer(torch.nn.Module):
             out = comm.gather_replicated_rows(out, counts, self.tp_group)  # [T, h]
         out = out.view(length, batch, hidden)
         if self.shared_experts is not None:
-            shared = self.shared_experts(x)  # [s(/tp), b, h]
+            if self.training and self.config.recomputes("shared_experts"):
+                shared = tpar.checkpoint(self.shared_experts, self.rng_tracker, x)
+            else:
+                shared = self.shared_experts(x)  # [s(/tp), b, h]
             gate = getattr(self.shared_experts, "gate_weight", None)
             if gate is not None:
                 shared = shared * torch.sigmoid(F.linear(x, gate))  # [s(/tp), b, 1] broadcast

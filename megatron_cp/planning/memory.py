@@ -34,7 +34,8 @@ Every term is read off what OUR code holds, not a paper's formula:
 
 - **Offloading** (``--cpu-offloading-num-layers N``, GPU only): the first N layers' saved
   tensors (under full recompute: their checkpoints' inputs) live in host memory and come
-  back one layer at a time in backward.
+  back one layer at a time in backward. Fine-grained offloading (GPU only): the groups
+  :func:`offloaded_bytes` counts live in host memory and come back one group at a time.
 
 The peak is the largest of three moments (forward at the loss, backward at the loss,
 backward of the last layer) on the stage whose sum is largest. ``device`` "gpu" assumes the
@@ -46,6 +47,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_cp.context_parallel import resolve_comm_type
+from megatron_cp.layers.fine_grained_offload import plan_offload
 from megatron_cp.layers.gated_delta_rule import CHUNK_SIZE as GDN_CHUNK
 from megatron_cp.optimizer.memory import optimizer_bytes_per_param
 from megatron_cp.pipeline_parallel import layout_from_config
@@ -55,6 +57,7 @@ INT64 = 8
 # Per token of every microbatch read up front: tokens, labels, position ids and token index
 # (int64) and the fp32 loss mask (data/batch.py's microbatch fields).
 BATCH_BYTES_PER_TOKEN = 4 * INT64 + FP32
+CPU_RNG_STATE = torch.get_rng_state().numel()  # bytes of the CPU generator's state
 
 
 @dataclass
@@ -62,11 +65,12 @@ class MemoryEstimate:
     """Predicted peak tensor bytes of the most loaded rank (``pp_rank``'s stage) and its
     parts (bytes): params, grads, optimizer, activations, loss, transient, buffers, batch;
     ``host_bytes``: what that rank keeps in host memory (the offloaded optimizer part,
-    :func:`~megatron_cp.optimizer.memory.optimizer_bytes_per_param`), not in ``total_bytes``."""
+    :func:`~megatron_cp.optimizer.memory.optimizer_bytes_per_param`, and on a GPU the
+    activations of :func:`offloaded_bytes` per microbatch in flight), not in ``total_bytes``."""
     total_bytes: int
     pp_rank: int
     parts: dict = field(default_factory=dict)
-    host_bytes: int = 0  # host memory of that rank: --optimizer-cpu-offload's part
+    host_bytes: int = 0  # host memory of that rank (see above)
 
 
 def tokenizer_vocab_size(data):
@@ -158,11 +162,22 @@ class _Shapes:
     act: int  # bytes per activation element (the params dtype)
     fused_norm: bool  # device norms save input and statistics only
     offloaded: int = 0  # layers [0, N) keep their saved tensors in host memory (GPU)
+    fine_offload: bool = False  # --fine-grained-activation-offloading moves its groups (GPU)
 
 
-def _norm_bytes(sh, h, normalization):
+def _checkpoint_bytes(sh):
+    """What one checkpoint (random.checkpoint) keeps besides its inputs: the default
+    generator's state and the RNG tracker's snapshot; host memory on a GPU, CPU generator
+    states (CPU_RNG_STATE bytes each) on a CPU."""
+    return 0 if sh.fused_norm else 2 * CPU_RNG_STATE
+
+
+def _norm_bytes(sh, h, normalization, rebuilt=False):
     """A norm's saved tensors over ``norm_tokens`` tokens (its output is saved by the next
-    linear and counted there)."""
+    linear and counted there). ``rebuilt`` (--recompute-modules layernorm): only its input,
+    the statistics are recomputed with the output."""
+    if rebuilt:
+        return sh.norm_tokens * h * sh.act
     per = h * sh.act + FP32 * (2 if normalization == "LayerNorm" else 1)
     if normalization == "RMSNorm" and not sh.fused_norm:
         per += h * sh.act  # F.rms_norm's decomposition keeps x * rstd for the weight grad
@@ -240,35 +255,53 @@ def routed_tokens(c, tokens, ep):
 def _moe_bytes(c, sh, ep, etp):
     """An MoE layer's saved tensors: the router's input and routing tensors (probabilities
     and map [t, E], top-k indices and weights), the permuted token copies, each expert's fc1
-    output and activation, and the combine's weighted copies."""
+    output and activation, and the combine's weighted copies. --recompute-modules moe: its
+    input and the checkpoint's RNG states only; moe_act: no activation output (rebuilt in
+    backward); shared_experts: the shared MLP's input and RNG states only."""
     h, t, k, experts = c.hidden_size, sh.tokens, c.moe_router_topk, c.num_moe_experts
+    if c.recomputes("moe"):
+        return sh.norm_tokens * h * sh.act + _checkpoint_bytes(sh)
     routing = t * h * sh.act + t * experts * (FP32 + 1) + t * k * (2 * INT64 + 2 * FP32)
     copies = routed_tokens(c, t, ep)
     ffn = c.moe_ffn_hidden_size // etp
     fc1_out = ffn * (2 if c.activation == "swiglu" else 1)
     # [copies, h] thrice: the permuted input, the experts' output and its probability-weighted
     # copy (the all-to-all's own buffers are not saved)
-    experts_bytes = copies * (3 * h + fc1_out + ffn) * sh.act
+    act_out = 0 if c.recomputes("moe_act") else ffn
+    experts_bytes = copies * (3 * h + fc1_out + act_out) * sh.act
     shared = 0
     if c.moe_shared_expert_intermediate_size:
         shared = _mlp_bytes(c, sh, c.moe_shared_expert_intermediate_size)
+        if c.recomputes("shared_experts"):
+            shared = sh.norm_tokens * h * sh.act + _checkpoint_bytes(sh)
     return routing + experts_bytes + shared
 
 
 def layer_activation_bytes(c, sh, number, ep=1, etp=1):
-    """Saved tensors of global layer ``number`` for one microbatch, without full recompute."""
-    selective = c.recompute_granularity == "selective"
-    total = 2 * _norm_bytes(sh, c.hidden_size, c.normalization)
+    """Saved tensors of global layer ``number`` for one microbatch, without full recompute;
+    selective recomputation drops what its --recompute-modules rebuild in backward."""
+    h = c.hidden_size
+    rebuilt_norms = c.recomputes("layernorm")
+    # a norm output that is rebuilt frees what its reader kept of it: the token-local copy
+    # (the next linear's input without SP; under SP that linear keeps its all-gathered input)
+    sp = sh.norm_tokens < sh.tokens
+    norm_output = sh.norm_tokens * h * sh.act if rebuilt_norms else 0
+    total = 2 * _norm_bytes(sh, h, c.normalization, rebuilt_norms)
     if c.linear_attention_pattern()[number]:
         total += _gdn_bytes(c, sh)
     else:
-        total += _attention_bytes(c, sh, selective, sh.cp_comms and sh.cp_comms[number])
+        total += _attention_bytes(c, sh, c.recomputes("core_attn"),
+                                  sh.cp_comms and sh.cp_comms[number])
+        total -= 0 if sp else norm_output
     if c.moe_layer_pattern()[number]:
-        total += _moe_bytes(c, sh, ep, etp)
+        # the router keeps the norm's output itself, with or without SP
+        total += _moe_bytes(c, sh, ep, etp) - norm_output
     elif c.mlp_chunks_for_training > 1:  # tiled MLP: each chunk saves only its input
-        total += sh.norm_tokens * c.hidden_size * sh.act
+        total += sh.norm_tokens * h * sh.act
+    elif c.recomputes("mlp"):  # the checkpoint keeps the MLP's input
+        total += sh.norm_tokens * h * sh.act + _checkpoint_bytes(sh) - norm_output
     else:
-        total += _mlp_bytes(c, sh, c.ffn_hidden_size)
+        total += _mlp_bytes(c, sh, c.ffn_hidden_size) - (0 if sp else norm_output)
     if c.hidden_dropout > 0:
         total += 2 * sh.norm_tokens * c.hidden_size  # bool masks of both dropouts
     return total
@@ -292,17 +325,79 @@ def _layer_backward_transient(c, sh, number):
     return (t * (ffn // sh.tp + fc1 + h) + h * fc1) * sh.act + extra
 
 
+def _offload_group_bytes(c, sh, number, ep, etp):
+    """[(name, bytes)] of layer ``number``'s fine-grained offloading groups (its calls of the
+    --offload-modules, in forward order): the bytes of the tensors each saves that have at
+    least --min-offloaded-tensor-size elements, counted once per save as the offloader copies
+    them. Softmax attention (not MLA, whose groups are not modelled) and MoE experts taking
+    one grouped matmul."""
+    h, t, nt, act = c.hidden_size, sh.tokens, sh.norm_tokens, sh.act
+    rebuilt = c.recomputes("layernorm")
+    if rebuilt:
+        norm = [(nt * h, act)]
+    elif c.normalization == "LayerNorm":
+        norm = [(nt * h, act), (nt, FP32), (nt, FP32)]
+    elif sh.fused_norm:
+        norm = [(nt * h, act), (nt, FP32)]
+    else:  # F.rms_norm's decomposition saves the input and x * rstd thrice, rstd twice
+        norm = [(nt * h, act)] * 3 + [(nt, FP32)] * 2
+    heads, groups, d = c.num_attention_heads // sh.tp, c.num_query_groups // sh.tp, c.kv_channels
+    saves = {"attn_norm": norm, "mlp_norm": norm}
+    softmax = not (c.linear_attention_pattern()[number] or c.multi_latent_attention)
+    if softmax:
+        saves["qkv_linear"] = [(t * h, act)]
+        # the kernel's q, k, v, output and log-sum-exp; a checkpoint keeps its own inputs
+        saves["core_attn"] = [] if c.recomputes("core_attn") else [
+            (t * heads * d, act), (t * groups * d, act), (t * groups * d, act),
+            (t * heads * d, act), (t * heads, FP32)]
+        saves["attn_proj"] = [(t * heads * d, act)]
+    if c.moe_layer_pattern()[number]:
+        copies, ffn = routed_tokens(c, t, ep), c.moe_ffn_hidden_size // etp
+        fc1_out = ffn * (2 if c.activation == "swiglu" else 1)
+        # the permuted tokens and the grouped matmul's int32 offsets [E_local]
+        saves["expert_fc1"] = [(copies * h, act), (c.num_moe_experts // ep, 4)]
+        twice = c.activation == "squared_relu" and not c.recomputes("moe_act")
+        saves["moe_act"] = [(copies * fc1_out, act)] * (2 if twice else 1)
+    order = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1",
+             "moe_act")
+    return [(name, sum(n * size for n, size in saves[name]
+                       if n >= c.min_offloaded_tensor_size))
+            for name in order if name in c.offload_modules and name in saves]
+
+
+def offloaded_bytes(c, sh, layers, ep=1, etp=1):
+    """(bytes fine-grained offloading moves to the host in one microbatch's forward through
+    ``layers``, the largest group's bytes): Megatron-LM's choice (layers/
+    fine_grained_offload.py's plan_offload) with the last group of each name kept, as on
+    the last stage (earlier stages keep them in each step's first microbatch only, so there
+    this predicts a little more on the device); 0 without --fine-grained-activation-
+    offloading or under full recompute (its layers save nothing outside the checkpoints).
+    The host holds these bytes for each microbatch in flight."""
+    if not c.fine_grained_activation_offloading or c.recompute_granularity == "full":
+        return 0, 0
+    groups = [g for n in layers for g in _offload_group_bytes(c, sh, n, ep, etp)]
+    moves, _ = plan_offload(groups, c.activation_offload_fraction)
+    moved = [size for (_, size), move in zip(groups, moves) if move]
+    return sum(moved), max(moved, default=0)
+
+
 def _chunk_activation_bytes(c, sh, layers, ep, etp):
     """(saved bytes of one microbatch through ``layers``, extra of the largest backward)."""
     per_layer = [layer_activation_bytes(c, sh, n, ep, etp) for n in layers]
     on_device = [n >= sh.offloaded for n in layers]  # --cpu-offloading-num-layers moves the rest
     transient = max((_layer_backward_transient(c, sh, n) for n in layers), default=0)
+    if sh.fine_offload and c.recompute_granularity != "full":  # back one group at a time
+        moved, largest = offloaded_bytes(c, sh, layers, ep, etp)
+        return sum(per_layer) - moved, transient + largest
     if c.recompute_granularity != "full" or not layers:
         # an offloaded layer's tensors come back one layer at a time, in its backward
         back = max((b for b, kept in zip(per_layer, on_device) if not kept), default=0)
         return sum(b for b, kept in zip(per_layer, on_device) if kept), transient + back
     k = c.recompute_num_layers or 1
-    chunk_input = sh.norm_tokens * c.hidden_size * sh.act
+    chunk_input = sh.norm_tokens * c.hidden_size
+    if c.distribute_saved_activations and sh.tp > 1:  # each TP rank keeps 1/TP (padded)
+        chunk_input = -(-chunk_input // sh.tp)
+    chunk_input *= sh.act
     if c.recompute_method == "uniform":
         starts = range(0, len(per_layer), k)
         chunks = [per_layer[i:i + k] for i in starts]
@@ -415,7 +510,8 @@ def estimate_memory(run, device="cpu"):
     sp = c.sequence_parallel and tp > 1
     gpu = device == "gpu"  # CPU activations live in host memory already: nothing offloads
     sh = _Shapes(micro_batch, tokens, tokens // tp if sp else tokens, tp, cp, cp_comms,
-                 act, gpu, c.cpu_offloading_num_layers if gpu else 0)
+                 act, gpu, c.cpu_offloading_num_layers if gpu else 0,
+                 gpu and c.fine_grained_activation_offloading)
     distributed = optimizer.use_distributed_optimizer
     instances = optimizer.num_distributed_optimizer_instances  # validated: at least 1
     world = dp * cp * tp * pp
@@ -444,6 +540,9 @@ def estimate_memory(run, device="cpu"):
         chunk_saved = max(s for s, _ in per_chunk)
         saved = flights * chunk_saved if layout.vp_size > 1 else flights * per_chunk[0][0]
         transient = max(tr for _, tr in per_chunk)
+        if sh.fine_offload:  # fine-grained offloading's groups wait on the host
+            host += flights * max(offloaded_bytes(c, sh, layers, ep, etp)[0]
+                                  for layers in chunk_layers)
         loss = 0
         last = any(layout.has_loss(pp_rank, ch) for ch in range(layout.vp_size))
         if last:

@@ -14,3 +14,4 @@ from megatron_cp.tensor_parallel.tiled_cross_entropy import (  # noqa: F401
     tiled_vocab_parallel_cross_entropy)
 from megatron_cp.tensor_parallel.random import (  # noqa: F401
     RNGStatesTracker, checkpoint, init_seed, model_parallel_seed)
+from megatron_cp.tensor_parallel.discard_output import DiscardedOutput  # noqa: F401

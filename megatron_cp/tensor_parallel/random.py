@@ -12,6 +12,7 @@ import contextlib
 import zlib
 
 import torch
+import torch.distributed as dist
 import torch.utils.checkpoint
 
 from megatron_cp.distributed import device as device_mod
@@ -83,19 +84,53 @@ def init_seed(base_seed, name):
     return (base_seed * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63)
 
 
+class _SplitInput:
+    """--distribute-saved-activations: once the checkpointed forward has run, the tensor
+    ``x`` that the checkpoint keeps for its recompute holds only this rank's 1/N of its
+    elements (flattened, padded to a multiple of N = the group's size); before the recompute
+    an all-gather over ``group`` gives it back whole (Megatron-LM's split of the first
+    input of a checkpoint over the TP ranks)."""
+
+    def __init__(self, x, group):
+        self.x, self.group, self.shape = x, group, x.shape
+
+    @contextlib.contextmanager
+    def split_after(self):
+        yield
+        size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        flat = self.x.data.reshape(-1)  # [n]
+        piece = -(-flat.numel() // size)
+        flat = torch.nn.functional.pad(flat, (0, piece * size - flat.numel()))  # [N x piece]
+        self.x.data = flat[rank * piece:(rank + 1) * piece].clone()  # [n/N], its own storage
+
+    def gather(self):
+        size = dist.get_world_size(self.group)
+        parts = [torch.empty_like(self.x.data) for _ in range(size)]  # [n/N] each
+        dist.all_gather(parts, self.x.data.contiguous(), group=self.group)
+        numel = self.shape.numel()
+        self.x.data = torch.cat(parts)[:numel].view(self.shape)
+
+
 @torch.compiler.disable
-def checkpoint(function, tracker, *args):
+def checkpoint(function, tracker, *args, distribute_group=None):
     """Activation recomputation: run ``function(*args)`` without keeping its activations and
     recompute it in backward with the same default and tracker RNG states.
+    ``distribute_group``: split the first argument, which the checkpoint keeps, over this
+    group between forward and the recompute (:class:`_SplitInput`).
 
     Always eager: dynamo cannot trace a checkpoint whose ``context_fn`` replays the tracker,
     so inside a compiled layer (selective recomputation of the eager core attention) the
     call is a graph break, and around compiled layers (full recomputation) it reruns them.
     """
     snapshot = tracker.get_states() if tracker is not None else None
+    split = None
+    if distribute_group is not None and torch.is_grad_enabled() and args[0].requires_grad:
+        split = _SplitInput(args[0], distribute_group)
 
     @contextlib.contextmanager
     def replay():
+        if split is not None:
+            split.gather()
         if tracker is None:
             yield
             return
@@ -109,7 +144,7 @@ def checkpoint(function, tracker, *args):
             tracker.recomputing = False
 
     def context_fn():
-        return contextlib.nullcontext(), replay()
+        return (split.split_after() if split is not None else contextlib.nullcontext()), replay()
 
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
                                              preserve_rng_state=True, context_fn=context_fn)

@@ -30,6 +30,7 @@ from megatron_cp.distributed import device as device_mod
 from megatron_cp.resilience import faults
 from megatron_cp.resilience import rerun
 from megatron_cp.layers.activation_offload import offload_note
+from megatron_cp.layers.fine_grained_offload import fine_grained_note
 from megatron_cp.distributed.initialize import initialize_distributed, set_group_timeouts
 from megatron_cp.observability.profiling import StepProfiler
 from megatron_cp.observability.run_report import (
@@ -128,9 +129,10 @@ def _pretrain(args, run, tokenizer, state, progress):
                                               run.parallel.distributed_timeout_minutes)
         state = build_parallel_state(run.parallel, run.model, run.optimizer, device)
     print_rank_0(format_parallel_sizes(run, state))
-    offloaded = offload_note(run.model.cpu_offloading_num_layers, state.device)
-    if offloaded:
-        print_rank_0(offloaded)
+    for note in (offload_note(run.model.cpu_offloading_num_layers, state.device),
+                 fine_grained_note(run.model, state.device)):
+        if note:
+            print_rank_0(note)
     print_rank_0("> building tokenizer, model and optimizer ...")
     trainer = Trainer(args, state, run, tokenizer)
     trainer.progress = progress

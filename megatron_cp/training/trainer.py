@@ -206,9 +206,14 @@ class Trainer:
         self.progress.activity = f"iteration {current}"
         run = self.run
         global_batch_size = self.batches.global_batch_size(self.consumed_samples)
+        num_microbatches = self.batches.num_microbatches(self.consumed_samples)
         microbatches = self.data.microbatches(
-            self.data.train_iter, self.batches.num_microbatches(self.consumed_samples),
-            run.training.micro_batch_size, self.consumed_samples)
+            self.data.train_iter, num_microbatches, run.training.micro_batch_size,
+            self.consumed_samples)
+        for chunk in self.model_chunks:  # fine-grained offloading's per-step rules
+            for module in chunk.modules():
+                if getattr(module, "fine_offload", None) is not None:
+                    module.fine_offload.num_microbatches = num_microbatches
         while self.rerun.should_run_forward_backward(self.iteration):
             for chunk in self.model_chunks:
                 chunk.train()

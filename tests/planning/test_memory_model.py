@@ -21,7 +21,7 @@ from megatron_cp.config.run import RunConfig
 from megatron_cp.config.data import DataConfig
 from megatron_cp.config.setting import build_config
 from megatron_cp.data import tokenizer_from_config
-from megatron_cp.planning.memory import estimate_memory
+from megatron_cp.planning.memory import estimate_memory, offloaded_bytes, _Shapes
 
 MODEL = ("--num-layers 4 --hidden-size 128 --num-attention-heads 8 --seq-length 1024 "
          "--micro-batch-size 1 --mock-data --vocab-size 1000 --lr 1e-4 --train-iters 2 "
@@ -66,6 +66,29 @@ CASES = {
                                     "--optimizer-offload-fraction 0.5"),
     "moe-ep2": (2, "--global-batch-size 2 --num-experts 4 --moe-router-topk 2 "
                    "--moe-ffn-hidden-size 256 --expert-model-parallel-size 2 --no-bias-gelu-fusion"),
+    # the activation savers, one row each (tests/planning/test_activation_savers.py checks
+    # the bytes each removes to the byte)
+    "selective-layernorm": (1, "--global-batch-size 2 --recompute-granularity selective "
+                               "--recompute-modules layernorm"),
+    "selective-mlp": (1, "--global-batch-size 2 --recompute-granularity selective "
+                         "--recompute-modules core_attn mlp"),
+    "moe-ep2-moe-layer-recompute": (2, "--global-batch-size 2 --num-experts 4 "
+                                       "--moe-router-topk 2 --moe-ffn-hidden-size 256 "
+                                       "--expert-model-parallel-size 2 --moe-layer-recompute"),
+    "moe-ep2-moe-act-shared-experts": (2, "--global-batch-size 2 --num-experts 4 "
+                                          "--moe-router-topk 2 --moe-ffn-hidden-size 256 "
+                                          "--expert-model-parallel-size 2 "
+                                          "--moe-shared-expert-intermediate-size 256 "
+                                          "--recompute-granularity selective "
+                                          "--recompute-modules moe_act shared_experts"),
+    # on a CPU nothing moves (the activations live in host memory already)
+    "fine-grained-offloading": (1, "--global-batch-size 2 --fine-grained-activation-offloading "
+                                   "--offload-modules attn_norm qkv_linear core_attn attn_proj "
+                                   "mlp_norm --min-offloaded-tensor-size 1024"),
+    "tp2-distribute-saved-activations": (2, "--global-batch-size 2 --tensor-model-parallel-size 2 "
+                                            "--recompute-granularity full --recompute-method "
+                                            "uniform --recompute-num-layers 1 "
+                                            "--distribute-saved-activations"),
 }
 
 PEAK_LINE = re.compile(r"peak tensor memory \(MB\) after 2 iterations: ([0-9.]+) on rank (\d+)")
@@ -104,6 +127,26 @@ def test_offloading_moves_only_gpu_activations():
     gpu_plain = estimate_memory(plain, device="gpu").parts
     gpu_offload = estimate_memory(offload, device="gpu").parts
     assert gpu_offload["activations"] == gpu_plain["activations"] // 2  # 2 of 4 equal layers
+    assert gpu_offload["loss_and_transient"] >= gpu_plain["loss_and_transient"]
+
+
+def test_fine_grained_offloading_moves_its_groups_off_the_gpu():
+    # the GPU prediction holds every layer's saved tensors less the groups offloaded_bytes
+    # counts (tests/layers/test_fine_grained_offload.py checks that count against the
+    # offloader's), and the largest of them comes back in backward; the CPU one moves nothing
+    base = MODEL + " --global-batch-size 2"
+    flags = (" --fine-grained-activation-offloading --offload-modules attn_norm qkv_linear "
+             "core_attn attn_proj mlp_norm --min-offloaded-tensor-size 1024")
+    plain, offload = (_run(argv, 1) for argv in (base, base + flags))
+    assert estimate_memory(offload).total_bytes == estimate_memory(plain).total_bytes
+    gpu_plain = estimate_memory(plain, device="gpu").parts
+    gpu_offload = estimate_memory(offload, device="gpu").parts
+    tokens = 1024  # micro batch 1 x seq length 1024
+    sh = _Shapes(1, tokens, tokens, 1, 1, None, 4, True, fine_offload=True)
+    moved, largest = offloaded_bytes(offload.model, sh, range(4))
+    assert moved > 0 and gpu_offload["activations"] == gpu_plain["activations"] - moved
+    gpu_host = [estimate_memory(run, device="gpu").host_bytes for run in (plain, offload)]
+    assert gpu_host[1] - gpu_host[0] == moved  # one microbatch in flight
     assert gpu_offload["loss_and_transient"] >= gpu_plain["loss_and_transient"]
 
 
