@@ -238,7 +238,7 @@ def _validate_optimizer(args, names):
     except ValueError as err:
         raise ValueError(name_flags(str(err), names)) from err
     args.compat_notes += config.offload_notes()
-    if getattr(args, "accumulate_allreduce_grads_in_fp32", False) and \
+    if args.accumulate_allreduce_grads_in_fp32 and \
             config.main_grads_dtype != "fp32":
         raise ValueError("--main-grads-dtype bf16 reduces the gradients in bf16, "
                          "--accumulate-allreduce-grads-in-fp32 in fp32 (Megatron-LM refuses "
