@@ -656,10 +656,9 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
      ("--allow-ambiguous-pad-tokens",)),
     ("sliding-window attention is not built; drop it",
      ("--window-size", "--window-attn-skip-freq",)),
-    ("llama3 rope scaling, position interpolation and per-layer RoPE skipping are not built; "
-     "use --position-embedding-type rope or yarn (--rotary-scaling-factor)",
-     ("--rotary-seq-len-interpolation-factor", "--use-rope-scaling", "--rope-scaling-factor",
-      "--no-rope-freq",)),
+    ("per-layer RoPE skipping (NoPE layers) is not built; drop it (rotary turns every "
+     "layer's queries and keys)",
+     ("--no-rope-freq",)),
     ("quick GEGLU is not built; use the default GELU, --no-bias-gelu-fusion (exact GELU), "
      "--swiglu or --squared-relu",
      ("--quick-geglu",)),
