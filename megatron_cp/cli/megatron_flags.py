@@ -319,10 +319,6 @@ AS_IS = (  # (kind, effect, text, flags): SAME (text: what megatron_cp does, whi
     (IGNORED, SPEED, "pins the FlashAttention generation (2 or 3) for core attention; here the "
      "kernel is chosen per device",
      ("--flash-attention-version",)),
-    (IGNORED, MEMORY, "builds the model on the meta device first, so no rank ever holds a "
-     "full unsharded weight (here every rank draws its full tensors from per-parameter seeds, "
-     "then keeps its shard)",
-     ("--init-model-with-meta-device",)),
     (IGNORED, SPEED, "uses a fused kernel (weighted squared ReLU, residual + RMSNorm, or "
      "Transformer Engine's op fuser); here the plain PyTorch ops compute the same",
      ("--use-fused-weighted-squared-relu", "--fused-residual-rmsnorm",

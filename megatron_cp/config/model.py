@@ -141,6 +141,11 @@ class GPTConfig(MLASettings, GatedDeltaNetSettings, MoESettings, MTPSettings):
     make_vocab_size_divisible_by: int = setting(
         128, shapes=True, help="Pad the vocab to a multiple of this times the TP size.")
     init_method_std: float = setting(0.02, help="Std of the normal weight init.")
+    init_model_with_meta_device: bool = setting(
+        False, help="Build the model on the meta device, then draw each weight where it lives, "
+        "one at a time (its full tensor from its seed, this rank's shard kept, the full tensor "
+        "freed): the weights of the default build, bit for bit; under FSDP a rank then never "
+        "holds more than its shards and one full weight.")
     # Maximal Update Parameterization (model/mup.py). Megatron-LM's flags and defaults.
     use_mup: bool = setting(
         False, help="Maximal Update Parameterization: hidden weights start at std / "

@@ -93,8 +93,7 @@ def test_each_accepted_entry_says_what_megatron_lm_does_with_it():
             else:
                 assert line.startswith(f"{entry.flag}: ignored ({entry.effect}): in Megatron-LM it "), line
     flagged = {e.flag for e in accepted if e.kind == IGNORED}
-    assert {"--recompute-modules", "--init-model-with-meta-device",
-            "--distribute-saved-activations", "--no-clone-scatter-output-in-embedding",
+    assert {"--recompute-modules", "--distribute-saved-activations", "--no-clone-scatter-output-in-embedding",
             "--fine-grained-activation-offloading"} <= {e.flag for e in accepted
                                                         if e.effect == MEMORY} & flagged
 
