@@ -32,6 +32,11 @@ DELIBERATE = (
     ("context-parallel loss", "each CP rank divides its loss by its own token count",
      "the whole microbatch's token count (one all-reduce)",
      "every layout then equals the one-process run, which Megatron-LM's CP runs do not"),
+    ("--rope-scaling-factor", "parsed, but pretrain_gpt.py never hands it to the model "
+     "(gpt_config_from_args passes --use-rope-scaling only), so the model scales by 8",
+     "scales by the factor given",
+     "the flag's help and Megatron-LM's own Hugging Face config check, which compares it with "
+     "the checkpoint's rope_scaling factor, mean the factor; at its default, 8, the two agree"),
 )
 
 # flag -> the DELIBERATE row (its first column) that explains its different default

@@ -318,10 +318,6 @@ AS_IS = (  # (kind, effect, text, flags): SAME (text: what megatron_cp does, whi
     (IGNORED, SPEED, "pins the FlashAttention generation (2 or 3) for core attention; here the "
      "kernel is chosen per device",
      ("--flash-attention-version",)),
-    (IGNORED, MEMORY, "builds the model on the meta device first, so no rank ever holds a "
-     "full unsharded weight (here every rank draws its full tensors from per-parameter seeds, "
-     "then keeps its shard)",
-     ("--init-model-with-meta-device",)),
     (IGNORED, SPEED, "uses a fused kernel (weighted squared ReLU, residual + RMSNorm, or "
      "Transformer Engine's op fuser); here the plain PyTorch ops compute the same",
      ("--use-fused-weighted-squared-relu", "--fused-residual-rmsnorm",
@@ -644,10 +640,9 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
      ("--allow-ambiguous-pad-tokens",)),
     ("sliding-window attention is not built; drop it",
      ("--window-size", "--window-attn-skip-freq",)),
-    ("llama3 rope scaling, position interpolation and per-layer RoPE skipping are not built; "
-     "use --position-embedding-type rope or yarn (--rotary-scaling-factor)",
-     ("--rotary-seq-len-interpolation-factor", "--use-rope-scaling", "--rope-scaling-factor",
-      "--no-rope-freq",)),
+    ("per-layer RoPE skipping (NoPE layers) is not built; drop it (rotary turns every "
+     "layer's queries and keys)",
+     ("--no-rope-freq",)),
     ("quick GEGLU is not built; use the default GELU, --no-bias-gelu-fusion (exact GELU), "
      "--swiglu or --squared-relu",
      ("--quick-geglu",)),

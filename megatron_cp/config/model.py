@@ -75,6 +75,16 @@ class GPTConfig(MLASettings, GatedDeltaNetSettings, MoESettings, MTPSettings,
     rotary_interleaved: bool = setting(
         False, shapes=True, help="Rotate the interleaved channel pairs (0, 1), (2, 3), ... of "
         "each head (RoFormer, GPT-J) instead of the pairs (i, i + d/2) of its two halves.")
+    # Llama 3.1's scaling and position interpolation (position_embedding_type rope)
+    use_rope_scaling: bool = setting(
+        False, help="Llama 3.1's RoPE scaling: the frequencies slower than 8192 positions per "
+        "turn are divided by --rope-scaling-factor, those faster than 2048 kept, and those in "
+        "between blended (Hugging Face's llama3 rope type).")
+    rope_scaling_factor: float = setting(
+        8.0, help="Llama 3.1's RoPE scaling factor (with --use-rope-scaling).")
+    rotary_seq_len_interpolation_factor: int | None = setting(
+        None, help="Position interpolation: every position p turns by the angles of p / this "
+        "factor (plain rope only).")
     # YaRN (position_embedding_type yarn); Megatron-LM's flags and defaults
     rotary_scaling_factor: float = setting(
         1.0, help="YaRN: how many times longer the context is than the original one; the "
@@ -133,6 +143,11 @@ class GPTConfig(MLASettings, GatedDeltaNetSettings, MoESettings, MTPSettings,
     make_vocab_size_divisible_by: int = setting(
         128, shapes=True, help="Pad the vocab to a multiple of this times the TP size.")
     init_method_std: float = setting(0.02, help="Std of the normal weight init.")
+    init_model_with_meta_device: bool = setting(
+        False, help="Build the model on the meta device, then draw each weight where it lives, "
+        "one at a time (its full tensor from its seed, this rank's shard kept, the full tensor "
+        "freed): the weights of the default build, bit for bit; under FSDP a rank then never "
+        "holds more than its shards and one full weight.")
     # Maximal Update Parameterization (model/mup.py). Megatron-LM's flags and defaults.
     use_mup: bool = setting(
         False, help="Maximal Update Parameterization: hidden weights start at std / "
@@ -372,7 +387,10 @@ class GPTConfig(MLASettings, GatedDeltaNetSettings, MoESettings, MTPSettings,
 
     def _check_rotary(self):
         """YaRN's settings mean something with position_embedding_type yarn only, and YaRN
-        rotates whole heads in halves (Megatron-LM's YarnRotaryEmbedding)."""
+        rotates whole heads in halves (Megatron-LM's YarnRotaryEmbedding); Llama 3.1's
+        scaling and position interpolation with the model's own plain RoPE only (Megatron-LM's
+        GPT model gives them to its RotaryEmbedding, never to YaRN's or MLA's)."""
+        self._check_rope_scaling()
         yarn = ("rotary_scaling_factor", "yarn_original_max_position_embeddings",
                 "yarn_beta_fast", "yarn_beta_slow", "yarn_correction_range_round_to_int",
                 "mscale", "mscale_all_dim")
@@ -398,6 +416,27 @@ class GPTConfig(MLASettings, GatedDeltaNetSettings, MoESettings, MTPSettings,
                      "yarn_beta_fast", "yarn_beta_slow"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be positive")
+
+    def _check_rope_scaling(self):
+        given = [f"{name} ({getattr(self, name)})" for name, plain in
+                 (("use_rope_scaling", False), ("rotary_seq_len_interpolation_factor", None))
+                 if getattr(self, name) != plain]
+        if not self.use_rope_scaling and self.rope_scaling_factor != 8.0:
+            raise ValueError(f"rope_scaling_factor ({self.rope_scaling_factor}) applies only "
+                             f"with use_rope_scaling; add use_rope_scaling or drop it")
+        if given and (self.position_embedding_type != "rope" or self.multi_latent_attention):
+            rope = "multi-latent attention's" if self.multi_latent_attention else \
+                f"position_embedding_type {self.position_embedding_type}"
+            raise ValueError(f"{' and '.join(given)} {'scale' if len(given) > 1 else 'scales'} "
+                             f"the plain RoPE of "
+                             f"position_embedding_type rope, not {rope}; use "
+                             f"position_embedding_type rope or drop {'them' if len(given) > 1 else 'it'}")
+        if not self.rope_scaling_factor > 0:
+            raise ValueError(f"rope_scaling_factor ({self.rope_scaling_factor}) must be positive")
+        factor = self.rotary_seq_len_interpolation_factor
+        if factor is not None and not factor > 0:
+            raise ValueError(f"rotary_seq_len_interpolation_factor ({factor}) must be positive "
+                             f"(positions are divided by it)")
 
     def _resolve_cp_comm_type(self):
         """Megatron-LM's --cp-comm-type: one type for every layer, or a list of one per layer

@@ -22,6 +22,8 @@ What stays as everywhere else in megatron_cp:
   does the same for replicated params). Every microbatch reduce-scatters, as Megatron-LM's
   FSDP2 does (no unsharded gradient is kept between microbatches);
 * norms and zero counts add the shards over DP x CP (``shards_grads``);
+* a model built on the meta device (--init-model-with-meta-device) has its weights drawn
+  after sharding, each rank writing its rows only (:mod:`.meta_init`);
 * checkpoints hold each rank's rows of every param (:func:`~.shards.local_shard`) with the
   model's weights in its dtype and the fp32 masters as the optimizer's main params, the
   same tensors as any other layout's, so any layout reads them back.
@@ -33,6 +35,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from megatron_cp.distributed.meta_init import materialize
 from megatron_cp.distributed.shards import local_shard, local_tensor
 
 FLAG = "--use-torch-fsdp2"
@@ -280,12 +283,15 @@ class TorchFullyShardedDataParallel(nn.Module):
             unit.set_force_sum_reduction_for_comms(True)
             if keep_params_whole:  # ZeRO-2: gathered once per step (reshard_params)
                 unit.set_reshard_after_backward(False)
-        self.params = []
         for name, param in module.named_parameters():
             for key, value in attrs[name].items():
                 setattr(param, key, value)
             if half:
                 param.compute_dtype = params_dtype
+        # built on the meta device (--init-model-with-meta-device): draw this rank's rows now
+        materialize(module, state.device)
+        self.params = []
+        for param in module.parameters():
             if param.requires_grad:
                 flat, _, _ = local_shard(param)
                 param.main_grad = torch.zeros(flat.numel(), dtype=torch.float32,

@@ -22,6 +22,13 @@ interpolated), with a linear ramp between the channels that turn ``beta_fast`` a
 ``beta_slow`` times over ``--yarn-original-max-position-embeddings`` positions, and multiplies
 cos and sin by the concentration factor (Megatron's "mscale"), so the attention logits grow
 by its square.
+
+Llama 3.1's scaling (``--use-rope-scaling``, Megatron-LM's ``rope_scaling``, Hugging Face's
+"llama3" rope type) divides the frequencies whose wavelength exceeds the original context
+(8192 positions) by ``--rope-scaling-factor``, keeps those shorter than a quarter of it, and
+blends the two linearly in the number of turns over the original context in between.
+``--rotary-seq-len-interpolation-factor`` (position interpolation) turns every position p
+by the angles of p / factor instead.
 """
 import math
 
@@ -32,6 +39,31 @@ def rotary_frequencies(dim, base, device=None):
     """Inverse frequencies [dim/2] (fp32) of the rotary embedding, made on ``device``."""
     exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim  # [dim/2]
     return 1.0 / (base ** exponents)
+
+
+# Megatron-LM's (and Llama 3.1's) fixed constants of the llama3 scaling
+LLAMA3_LOW_FREQ_FACTOR = 1.0
+LLAMA3_HIGH_FREQ_FACTOR = 4.0
+LLAMA3_ORIGINAL_MAX_POSITIONS = 8192
+
+
+def llama3_frequencies(dim, base, factor, device=None, low_freq_factor=LLAMA3_LOW_FREQ_FACTOR,
+                       high_freq_factor=LLAMA3_HIGH_FREQ_FACTOR,
+                       original_max_positions=LLAMA3_ORIGINAL_MAX_POSITIONS):
+    """Llama 3.1's inverse frequencies [dim/2] (fp32): RoPE's, divided by ``factor`` where the
+    wavelength is longer than ``original_max_positions / low_freq_factor``, kept where it is
+    shorter than ``original_max_positions / high_freq_factor``, and in between the mix
+    (1 - t) f / factor + t f with t = (original / wavelength - low) / (high - low)."""
+    freqs = rotary_frequencies(dim, base, device)  # [dim/2]
+    wavelengths = 2 * math.pi / freqs
+    long_limit = original_max_positions / low_freq_factor  # slower than this: interpolated
+    short_limit = original_max_positions / high_freq_factor  # faster than this: kept
+    divided = torch.where(wavelengths > long_limit, freqs / factor, freqs)
+    turns = (original_max_positions / wavelengths - low_freq_factor) / \
+        (high_freq_factor - low_freq_factor)
+    mixed = (1 - turns) * divided / factor + turns * divided
+    between = (wavelengths >= short_limit) & (wavelengths <= long_limit)
+    return torch.where(between, mixed, divided)
 
 
 def _yarn_correction_dim(num_rotations, dim, base, original_max_positions):
@@ -77,12 +109,17 @@ def yarn_concentration_factor(scaling_factor, mscale=1.0, mscale_all_dim=0.0):
     return yarn_mscale(scaling_factor, mscale) / yarn_mscale(scaling_factor, mscale_all_dim)
 
 
-def rotary_cos_sin(position_ids, rotary_dim, base, inv_freq=None, scale=1.0):
+def rotary_cos_sin(position_ids, rotary_dim, base, inv_freq=None, scale=1.0,
+                   interpolation=None):
     """(cos, sin), each [s, b, 1, rotary_dim/2] fp32, of the angles of ``position_ids`` [b, s]
-    (``inv_freq``: the frequencies, default plain RoPE's; ``scale``: a factor on both)."""
+    (``inv_freq``: the frequencies, default plain RoPE's; ``scale``: a factor on both;
+    ``interpolation``: the positions are divided by it first, as 1/factor times them)."""
     if inv_freq is None:
         inv_freq = rotary_frequencies(rotary_dim, base, position_ids.device)  # [rd/2]
-    angles = position_ids.t().unsqueeze(-1).float() * inv_freq  # [s, b, rd/2]
+    positions = position_ids.t().unsqueeze(-1).float()  # [s, b, 1]
+    if interpolation is not None:
+        positions = positions * (1 / interpolation)
+    angles = positions * inv_freq  # [s, b, rd/2]
     angles = angles.unsqueeze(2)  # [s, b, 1, rd/2]: broadcast over heads
     if scale == 1.0:
         return angles.cos(), angles.sin()
@@ -91,8 +128,9 @@ def rotary_cos_sin(position_ids, rotary_dim, base, inv_freq=None, scale=1.0):
 
 class RotaryEmbedding:
     """The rotary embedding a config describes (``position_embedding_type`` rope or yarn,
-    ``rotary_percent``, ``rotary_interleaved``, the YaRN settings) for heads of ``head_dim``;
-    ``yarn`` / ``interleaved`` (None: from the config) let MLA choose its own.
+    ``rotary_percent``, ``rotary_interleaved``, the YaRN settings, Llama 3.1's scaling and
+    position interpolation) for heads of ``head_dim``; ``yarn`` / ``interleaved`` (None: from
+    the config) let MLA choose its own (plain RoPE or YaRN, as Megatron-LM's MLA).
 
     :meth:`cos_sin` builds the angles' cos and sin of a batch's positions (YaRN's concentration
     factor included), :meth:`rotate` turns q or k by them."""
@@ -105,9 +143,15 @@ class RotaryEmbedding:
         self.yarn = config.position_embedding_type == "yarn" if yarn is None else yarn
         self.scale = yarn_concentration_factor(config.rotary_scaling_factor, config.mscale,
                                                config.mscale_all_dim) if self.yarn else 1.0
+        own = yarn is None and not self.yarn  # the model's plain RoPE, not MLA's or YaRN
+        self.llama3_factor = config.rope_scaling_factor if own and config.use_rope_scaling \
+            else None
+        self.interpolation = config.rotary_seq_len_interpolation_factor if own else None
 
     def frequencies(self, device=None):
         """The inverse frequencies [rotary_dim/2] (fp32) on ``device``."""
+        if self.llama3_factor is not None:
+            return llama3_frequencies(self.dim, self.base, self.llama3_factor, device)
         if not self.yarn:
             return rotary_frequencies(self.dim, self.base, device)
         c = self.config
@@ -118,7 +162,8 @@ class RotaryEmbedding:
     def cos_sin(self, position_ids):
         """(cos, sin), each [s, b, 1, rotary_dim/2] fp32, for ``position_ids`` [b, s]."""
         return rotary_cos_sin(position_ids, self.dim, self.base,
-                              self.frequencies(position_ids.device), self.scale)
+                              self.frequencies(position_ids.device), self.scale,
+                              self.interpolation)
 
     def rotate(self, x, cos, sin):
         """``x`` [s, b, n, d] turned by :meth:`cos_sin`'s (cos, sin) in this embedding's

@@ -49,10 +49,8 @@ def _uniform_init(low, high):
 def _split_param(shape, init_method, seed, tp_size, tp_rank, dtype, device):
     """A dim-0 TP-split parameter whose full tensor is drawn from ``seed`` (then this rank's
     contiguous chunk)."""
-    full = torch.empty(shape, dtype=torch.float32)
-    init_method(full, torch.Generator().manual_seed(seed))
-    local = tpar.split_full(full, 0, 1, tp_size, tp_rank).to(dtype=dtype, device=device)
-    param = torch.nn.Parameter(local.contiguous())
+    param = tpar.drawn_weight(shape, init_method, seed, dtype, device, tp_size=tp_size,
+                              tp_rank=tp_rank)
     param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, 0, 1
     return param
 

@@ -54,11 +54,10 @@ class Embedding(torch.nn.Module):
         self.word_embeddings = word_embedding(config, padded_vocab, tp_group, device)
         self.position_embeddings = None
         if config.position_embedding_type == "learned_absolute":
-            weight = torch.empty(config.max_position_embeddings, config.hidden_size)
-            tpar.normal_init(std)(weight, torch.Generator().manual_seed(
-                tpar.init_seed(config.seed, "embedding.position_embeddings")))
-            self.position_embeddings = torch.nn.Parameter(
-                weight.to(dtype=config.params_dtype, device=device))
+            self.position_embeddings = tpar.drawn_weight(
+                (config.max_position_embeddings, config.hidden_size), tpar.normal_init(std),
+                tpar.init_seed(config.seed, "embedding.position_embeddings"),
+                config.params_dtype, device)
             self.position_embeddings.sequence_parallel = self.sequence_parallel
 
     def forward(self, tokens, position_ids, dropout_ids=None, depth=0):

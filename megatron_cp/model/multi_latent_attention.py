@@ -57,9 +57,8 @@ class ReplicatedLinear(torch.nn.Module):
     def __init__(self, input_size, output_size, *, init_method, seed, sequence_parallel,
                  params_dtype=torch.float32, device=None):
         super().__init__()
-        weight = torch.empty(output_size, input_size, dtype=torch.float32)
-        init_method(weight, torch.Generator().manual_seed(seed))
-        self.weight = torch.nn.Parameter(weight.to(dtype=params_dtype, device=device))
+        self.weight = tpar.drawn_weight((output_size, input_size), init_method, seed,
+                                        params_dtype, device)
         self.weight.sequence_parallel = sequence_parallel
 
     def forward(self, x):

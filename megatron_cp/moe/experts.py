@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_cp import tensor_parallel as tpar
+from megatron_cp.distributed.meta_init import drawn_parameter
 from megatron_cp.layers.fine_grained_offload import offload_group
 from megatron_cp.layers.mlp import activate
 from megatron_cp.tensor_parallel.layers import _full_then_split, _mark
@@ -58,7 +59,7 @@ class ExpertLinear(torch.nn.Module):
 
     def __init__(self, weight, bias):
         super().__init__()
-        self.weight = torch.nn.Parameter(weight)
+        self.weight = weight  # a parameter (drawn_parameter: perhaps drawn later)
         self.bias = torch.nn.Parameter(bias) if bias is not None else None
 
 
@@ -79,10 +80,11 @@ class GroupedExperts(torch.nn.Module):
         dtype, bias = config.params_dtype, config.add_bias_linear
 
         def stacked(name, shape, dim, stride, init_std):
-            return torch.stack([_full_then_split(
+            """[E_local, *shard]: each local expert's shard of its own drawn weight."""
+            return drawn_parameter(lambda where: torch.stack([_full_then_split(
                 shape, dim, stride, etp_size, etp_rank, tpar.normal_init(init_std),
-                tpar.init_seed(config.seed, f"{prefix}.{first + e}.{name}"), dtype, device)
-                for e in range(self.num_local)])
+                tpar.init_seed(config.seed, f"{prefix}.{first + e}.{name}"), dtype, where)
+                for e in range(self.num_local)]), device)
 
         zeros = lambda *shape: torch.zeros(self.num_local, *shape, dtype=dtype, device=device)
         self.linear_fc1 = ExpertLinear(stacked("linear_fc1", (ffn * stride, h), 0, stride, std),

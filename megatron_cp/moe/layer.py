@@ -60,11 +60,10 @@ class MoELayer(torch.nn.Module):
             self.shared_experts = MLP(config, prefix + ".shared_experts", self.tp_group, device,
                                       ffn_hidden_size=config.moe_shared_expert_intermediate_size)
             if config.moe_shared_expert_gate:
-                gate = torch.empty(1, config.hidden_size)
-                tpar.normal_init(config.hidden_init_std)(gate, torch.Generator().manual_seed(
-                    tpar.init_seed(config.seed, prefix + ".shared_experts.gate_weight")))
-                self.shared_experts.gate_weight = torch.nn.Parameter(
-                    gate.to(dtype=config.params_dtype, device=device))
+                self.shared_experts.gate_weight = tpar.drawn_weight(
+                    (1, config.hidden_size), tpar.normal_init(config.hidden_init_std),
+                    tpar.init_seed(config.seed, prefix + ".shared_experts.gate_weight"),
+                    config.params_dtype, device)
                 self.shared_experts.gate_weight.sequence_parallel = self.sequence_parallel
 
     def _token_weights(self, loss_mask, length, batch, device):

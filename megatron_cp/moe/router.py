@@ -34,10 +34,9 @@ class TopKRouter(torch.nn.Module):
         self.config, self.rng_tracker = config, rng_tracker
         self.token_groups, self.dp_group = token_groups, dp_group
         experts = config.num_moe_experts
-        weight = torch.empty(experts, config.hidden_size)
-        tpar.normal_init(config.hidden_init_std)(
-            weight, torch.Generator().manual_seed(tpar.init_seed(config.seed, prefix + ".weight")))
-        self.weight = torch.nn.Parameter(weight.to(dtype=config.params_dtype, device=device))
+        self.weight = tpar.drawn_weight(
+            (experts, config.hidden_size), tpar.normal_init(config.hidden_init_std),
+            tpar.init_seed(config.seed, prefix + ".weight"), config.params_dtype, device)
         self.weight.sequence_parallel = tp_size > 1  # each TP rank routes its own tokens
         if config.moe_router_enable_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(experts, dtype=torch.float32,
@@ -52,12 +51,13 @@ class TopKRouter(torch.nn.Module):
         self.aux_loss_scale = 1.0  # set per step by the training loop (balancing.py)
         self.bias_counts = None  # weighted tokens per expert since the last bias update
         self.qb_sums = None  # [E + 1]: summed microbatch quantiles, then their number
-        self.reset_stats()
+        self.reset_stats(device)
 
-    def reset_stats(self):
+    def reset_stats(self, device=None):
         """Zero the statistics of the training microbatches seen since the last reset:
-        summed aux and z-loss values and the weighted token count per expert."""
-        device = self.weight.device
+        summed aux and z-loss values and the weighted token count per expert (on ``device``,
+        default the weight's: at construction the weight may still be on the meta device)."""
+        device = device or self.weight.device
         self.stats = {"aux_loss": torch.zeros((), dtype=torch.float64, device=device),
                       "z_loss": torch.zeros((), dtype=torch.float64, device=device),
                       "tokens_per_expert": torch.zeros(self.config.num_moe_experts,

@@ -1,7 +1,8 @@
 """Tensor (and sequence) parallelism: autograd collectives, parallel layers, loss, RNG."""
 from megatron_cp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: F401
 from megatron_cp.tensor_parallel.layers import (  # noqa: F401
-    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, mask_padded_vocab, merge_shards,
+    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, drawn_weight,
+    mask_padded_vocab, merge_shards,
     normal_init, real_rows_init, scaled_init_std, split_full,
     vocab_parallel_embedding)
 from megatron_cp.tensor_parallel.overlap import TPCommOverlap, overlap_from_config  # noqa: F401

@@ -1,16 +1,19 @@
 """Tensor-parallel layers: column / row parallel linears and the vocab-parallel embedding.
 
 Each layer initializes the FULL weight from its own seed and keeps its TP slice, so a TP=N
-model holds exactly the weights of the TP=1 model, whatever the layout. Sharded params
+model holds exactly the weights of the TP=1 model, whatever the layout (:func:`drawn_weight`,
+which --init-model-with-meta-device defers to distributed/meta_init.py). Sharded params
 carry ``tensor_model_parallel = True`` and ``partition_dim``; replicated params whose
 gradient differs across TP ranks under sequence parallelism carry ``sequence_parallel``.
 """
 import math
+from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_cp.distributed.meta_init import drawn_parameter
 from megatron_cp.tensor_parallel import mappings
 from megatron_cp.tensor_parallel.overlap import ColumnParallelOverlap, RowParallelOverlap
 
@@ -90,6 +93,16 @@ def _full_then_split(shape, dim, stride, tp_size, tp_rank, init_method, seed, dt
     return local.to(dtype=dtype, device=device).contiguous()
 
 
+def drawn_weight(shape, init_method, seed, dtype, device, dim=0, stride=1, tp_size=1,
+                 tp_rank=0):
+    """The parameter of this rank's TP slice along ``dim`` (the whole weight with
+    ``tp_size`` 1) of the full ``shape`` weight drawn from ``seed``; built on the meta device
+    (``with torch.device("meta")``), drawn later by :func:`~megatron_cp.distributed.meta_init.
+    materialize`, bit for bit the same."""
+    return drawn_parameter(partial(_full_then_split, shape, dim, stride, tp_size, tp_rank,
+                                   init_method, seed, dtype), device)
+
+
 def _mark(param, dim, stride=1):
     param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, stride
 
@@ -117,9 +130,8 @@ class ColumnParallelLinear(torch.nn.Module):
         self.tp_group, self.gather_output = tp_group, gather_output
         self.sequence_parallel, self.skip_bias_add = sequence_parallel and tp_size > 1, skip_bias_add
         self.tp_comm_overlap = tp_comm_overlap if self.sequence_parallel else None
-        self.weight = torch.nn.Parameter(_full_then_split(
-            (output_size, input_size), 0, stride, tp_size, tp_rank, init_method, seed,
-            params_dtype, device))
+        self.weight = drawn_weight((output_size, input_size), init_method, seed, params_dtype,
+                                   device, 0, stride, tp_size, tp_rank)
         _mark(self.weight, 0, stride)
         if bias:
             self.bias = torch.nn.Parameter(torch.zeros(output_size // tp_size, dtype=params_dtype,
@@ -163,9 +175,8 @@ class RowParallelLinear(torch.nn.Module):
         self.tp_group, self.input_is_parallel = tp_group, input_is_parallel
         self.sequence_parallel, self.skip_bias_add = sequence_parallel and tp_size > 1, skip_bias_add
         self.tp_comm_overlap = tp_comm_overlap if self.sequence_parallel else None
-        self.weight = torch.nn.Parameter(_full_then_split(
-            (output_size, input_size), 1, 1, tp_size, tp_rank, init_method, seed, params_dtype,
-            device))
+        self.weight = drawn_weight((output_size, input_size), init_method, seed, params_dtype,
+                                   device, 1, 1, tp_size, tp_rank)
         _mark(self.weight, 1)
         if bias:
             self.bias = torch.nn.Parameter(torch.zeros(output_size, dtype=params_dtype, device=device))
@@ -204,9 +215,8 @@ class VocabParallelEmbedding(torch.nn.Module):
             raise ValueError(f"vocab size ({num_embeddings}) must be divisible by the tensor parallel "
                              f"size ({tp_size}); pad it with --make-vocab-size-divisible-by")
         self.tp_group, self.reduce_scatter_output = tp_group, reduce_scatter_output and tp_size > 1
-        self.weight = torch.nn.Parameter(_full_then_split(
-            (num_embeddings, embedding_dim), 0, 1, tp_size, tp_rank, init_method, seed,
-            params_dtype, device))
+        self.weight = drawn_weight((num_embeddings, embedding_dim), init_method, seed,
+                                   params_dtype, device, 0, 1, tp_size, tp_rank)
         _mark(self.weight, 0)
 
     def forward(self, tokens):

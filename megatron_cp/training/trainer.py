@@ -3,6 +3,7 @@ optimizer and schedule, the data feed, the rerun state machine, the Checkpointer
 training step, one skipped step and one evaluation. :mod:`megatron_cp.training.loop` drives
 it."""
 import math
+from contextlib import nullcontext
 from functools import partial
 
 import torch
@@ -27,6 +28,7 @@ from megatron_cp.model.transformer import TransformerLayer
 from megatron_cp.optimizer import GradNormNotFinite, build_optimizer, build_scheduler
 from megatron_cp.distributed.data_parallel import DistributedDataParallel, finalize_model_grads
 from megatron_cp.distributed.fsdp import TorchFullyShardedDataParallel
+from megatron_cp.distributed.meta_init import materialize
 from megatron_cp.pipeline_parallel import (build_model_chunks, get_forward_backward_func,
                                            layout_from_config, pipeline_tensor_shape)
 from megatron_cp.resilience.weight_hash import check_weight_hashes
@@ -51,6 +53,27 @@ def data_parallel_wrapper(optimizer, model, state, params_dtype):
         overlap_grad_reduce=optimizer.overlap_grad_reduce,
         use_distributed_optimizer=optimizer.use_distributed_optimizer,
         overlap_param_gather=optimizer.overlap_param_gather)
+
+
+def build_models(run, state):
+    """This rank's model chunks (one, or one per virtual pipeline stage) of the run's sections
+    ``run``, and each in its data-parallel wrapper. With --init-model-with-meta-device the
+    chunks are built on the meta device and their weights drawn one at a time
+    (distributed/meta_init.py): by FSDP2's wrapper once it has sharded them (this rank's rows
+    only), else right after the build; the weights are the default build's."""
+    config = run.model
+    meta = torch.device("meta") if config.init_model_with_meta_device else nullcontext()
+    with meta:
+        if state.size("pp") > 1:  # this rank's stage: one chunk, or one per virtual stage
+            models = build_model_chunks(config, state, layout_from_config(
+                run.parallel, config.num_layers, config.mtp_num_layers))
+        else:
+            models = [GPTModel(config, state=state, device=state.device)]
+    if not run.optimizer.fully_sharded:
+        for model in models:
+            materialize(model, state.device)
+    return models, [data_parallel_wrapper(run.optimizer, m, state, config.params_dtype)
+                    for m in models]
 
 
 class Trainer:
@@ -86,13 +109,7 @@ class Trainer:
             raise ValueError(f"the arguments ask for rank order {parallel.rank_order} but the "
                              f"ParallelState was built with {state.order}; pass order to "
                              f"initialize_model_parallel")
-        if state.size("pp") > 1:  # this rank's stage: one chunk, or one per virtual stage
-            models = build_model_chunks(self.config, state, layout_from_config(
-                parallel, self.config.num_layers, self.config.mtp_num_layers))
-        else:
-            models = [GPTModel(self.config, state=state, device=self.device)]
-        self.model_chunks = [data_parallel_wrapper(self.run.optimizer, m, state,
-                                                   self.config.params_dtype) for m in models]
+        models, self.model_chunks = build_models(self.run, state)
         self.model = self.model_chunks[0]
         training = self.run.training
         if training.test_mode:  # Megatron-LM's realtime test: QK norms equal over DP, each forward

@@ -1,6 +1,9 @@
 """Checkpoint conversion: TP/PP resharding keeps the model exactly; Hugging Face Llama export
 gives the same logits and imports back bit for bit. The vocabulary (513 with EOD) pads to 768
 at TP=2 and 640 at TP=1: conversions carry exactly the real rows."""
+import json
+
+import pytest
 import torch
 
 from dist_harness import run_workers
@@ -121,3 +124,56 @@ def test_torch_and_torch_dist_round_trip(tmp_path):
     nexts = run_workers(_train_all, 2, argvs)[0]
     assert nexts[0] == nexts[1] == nexts[2] and len(nexts[0]) == 2
     assert max(abs(x - y) / y for x, y in zip(nexts[3], nexts[0])) < 1e-2  # bf16, another layout
+
+
+def test_hf_llama_export_and_import_carry_llama3_rope_scaling(tmp_path):
+    """--use-rope-scaling exports as config.json's rope_scaling of rope type llama3 (factor
+    and Megatron-LM's fixed constants): transformers' logits are ours at positions where the
+    scaling matters, and without the entry they are not; the import gives back the flags and
+    the weights bit for bit, and refuses llama3 constants --use-rope-scaling cannot express."""
+    from transformers import LlamaForCausalLM
+    config = tiny_config(normalization="RMSNorm", activation="swiglu", add_bias_linear=False,
+                         untie_embeddings_and_output_weights=True, rotary_base=500000.0,
+                         use_rope_scaling=True, rope_scaling_factor=16.0, init_method_std=0.3,
+                         make_vocab_size_divisible_by=128)
+    model = GPTModel(config).eval()
+    full = {name: t[:120] if "word_embeddings" in name or "output_layer" in name else t
+            for name, t in model.state_dict().items()}
+    args = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "ffn_hidden_size": 64,
+            "max_position_embeddings": 64, "normalization": "RMSNorm", "swiglu": True,
+            "disable_bias_linear": True, "position_embedding_type": "rope",
+            "untie_embeddings_and_output_weights": True, "true_vocab_size": 120,
+            "norm_epsilon": 1e-5, "rotary_base": 500000.0, "use_rope_scaling": True,
+            "rope_scaling_factor": 16.0}
+    hf_dir = tmp_path / "hf"
+    hf_llama.to_hf(full, args, str(hf_dir))
+    saved = json.loads((hf_dir / "config.json").read_text())
+    assert saved["rope_scaling"] == {"rope_type": "llama3", "factor": 16.0,
+                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 8192}
+    tokens = torch.randint(0, 120, (2, 16), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(9000, 9016).expand(2, 16)  # the slow channels have turned
+
+    def hf_logits(folder):
+        hf = LlamaForCausalLM.from_pretrained(str(folder)).eval()
+        with torch.no_grad():
+            return hf(input_ids=tokens, position_ids=positions).logits  # [b, s, 120]
+
+    with torch.no_grad():
+        ours = model(tokens, positions).transpose(0, 1)[..., :120]  # [b, s, 120]
+    torch.testing.assert_close(hf_logits(hf_dir), ours, rtol=1e-4, atol=1e-4)
+    plain_dir = tmp_path / "plain"
+    hf_llama.to_hf(full, {**args, "use_rope_scaling": False}, str(plain_dir))
+    assert "rope_scaling" not in json.loads((plain_dir / "config.json").read_text())
+    assert (hf_logits(plain_dir) - ours).abs().max() > 1e-2  # the check sees the scaling
+    back, back_args, _ = hf_llama.from_hf(str(hf_dir))
+    assert (back_args["use_rope_scaling"], back_args["rope_scaling_factor"]) == (True, 16.0)
+    assert "use_rope_scaling" not in hf_llama.from_hf(str(plain_dir))[1]
+    for name in full:
+        assert torch.equal(back[name], full[name]), name
+    saved["rope_scaling"]["high_freq_factor"] = 2.0
+    (hf_dir / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match="llama3 rope scaling with high_freq_factor=2.0"):
+        hf_llama.from_hf(str(hf_dir))
+    with pytest.raises(ValueError, match="rotary_seq_len_interpolation_factor"):
+        hf_llama.to_hf(full, {**args, "rotary_seq_len_interpolation_factor": 2}, str(plain_dir))

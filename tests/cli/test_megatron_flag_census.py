@@ -93,7 +93,7 @@ def test_each_accepted_entry_says_what_megatron_lm_does_with_it():
             else:
                 assert line.startswith(f"{entry.flag}: ignored ({entry.effect}): in Megatron-LM it "), line
     flagged = {e.flag for e in accepted if e.kind == IGNORED}
-    assert {"--init-model-with-meta-device", "--no-clone-scatter-output-in-embedding"} <= {e.flag for e in accepted
+    assert {"--no-clone-scatter-output-in-embedding"} <= {e.flag for e in accepted
                                                         if e.effect == MEMORY} & flagged
 
 

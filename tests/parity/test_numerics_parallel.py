@@ -1,6 +1,7 @@
 """The numerics flags (--qk-layernorm, --apply-layernorm-1p, YaRN, --rotary-interleaved,
---squared-relu) under TP (with and without SP) and CP against one process, in outputs and
-every gradient; their weight-decay rule in training (--apply-wd-to-qk-layernorm, Megatron's
+--squared-relu, Llama 3.1's --use-rope-scaling with position interpolation) under TP (with and
+without SP) and CP against one process, in outputs and every gradient, and in training
+(--use-rope-scaling); their weight-decay rule in training (--apply-wd-to-qk-layernorm, Megatron's
 point of zero-centred weights); their weights through both checkpoint formats, a reshard and
 the Hugging Face export."""
 import torch
@@ -30,6 +31,8 @@ PARALLEL_CONFIGS = {
     "yarn": dict(position_embedding_type="yarn", rotary_scaling_factor=4.0, mscale=1.0,
                  mscale_all_dim=0.5, yarn_original_max_position_embeddings=16),
     "interleaved_squared_relu": dict(rotary_interleaved=True, squared_relu=True),
+    "llama3_interpolated": dict(use_rope_scaling=True, rope_scaling_factor=16.0,
+                                rotary_base=500000.0, rotary_seq_len_interpolation_factor=2),
 }
 LAYOUTS = ((2, 1, False), (2, 1, True), (1, 2, False))  # (TP, CP, SP)
 
@@ -90,6 +93,27 @@ def test_tp_sp_cp_match_one_process():
     assert all(run_workers(_parallel_cases, 2))
 
 
+def _jobs(rank, world, jobs):
+    return [fn(rank, world, *job_args) for fn, *job_args in jobs]
+
+
+def test_llama3_rope_scaling_trains_under_cp_and_tp_as_one_process():
+    """Llama 3.1's scaling (every band of frequencies at base 500000) trains 4 steps under
+    CP=2 (zigzag chunks, global positions) and TP=2 with SP to the one-process losses."""
+    argv = f"{TINY} --train-iters 4 --use-rope-scaling --rotary-base 500000"
+    reference = run_workers(train_losses, 1, argv)[0]
+    layouts = ("--context-parallel-size 2 --cp-comm-type p2p",
+               "--tensor-model-parallel-size 2 --sequence-parallel")
+    for rank_losses in run_workers(_jobs, 2, [(train_losses, f"{argv} {extra}")
+                                              for extra in layouts]):
+        for extra, losses in zip(layouts, rank_losses):
+            assert max_rel_diff(losses, reference) < 1e-5, (extra, losses, reference)
+    plain = run_workers(train_losses, 1, argv.replace(" --use-rope-scaling", ""))[0]
+    # the flag reached the model: positions below 32 turn the slow channels little, so the
+    # losses move a little (the effect itself: tests/layers/test_rope_scaling.py)
+    assert plain != reference
+
+
 # ----- weight decay: --apply-wd-to-qk-layernorm, and why zero-centred weights -----------
 
 def test_qk_norms_decay_only_with_apply_wd_to_qk_layernorm():
@@ -144,10 +168,6 @@ def test_zero_centred_weights_change_training_only_where_norms_decay():
 FLAGS = (TINY.replace("--vocab-size 200 --make-vocab-size-divisible-by 64",
                       "--tokenizer-type NullTokenizer --vocab-size 512")
          + " --qk-layernorm --apply-layernorm-1p --apply-wd-to-qk-layernorm --lr-decay-iters 10")
-
-
-def _jobs(rank, world, jobs):
-    return [fn(rank, world, *job_args) for fn, *job_args in jobs]
 
 
 def test_checkpoints_carry_the_qk_norms(tmp_path):

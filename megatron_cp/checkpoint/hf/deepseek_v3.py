@@ -42,7 +42,7 @@ import torch
 from megatron_cp.config.layer_pattern import parse_layer_freq
 from megatron_cp.layers.rotary import yarn_concentration_factor, yarn_mscale
 from megatron_cp.checkpoint.hf.io import (dtype_name, experts_from_hf, experts_to_hf, read_config, read_weights,
-                         real_rows, require, swiglu_from_hf, swiglu_to_hf, write_folder)
+                         real_rows, require, rope_entries, swiglu_from_hf, swiglu_to_hf, write_folder)
 
 # megatron_cp's name in a layer: DeepseekV3's (a rename, the same layout)
 LAYER_NAMES = {
@@ -249,7 +249,7 @@ def _check_config(c, hf_dir):
     if c["norm_topk_prob"] != (topk > 1):
         wrong.append(f"norm_topk_prob={c['norm_topk_prob']} with num_experts_per_tok="
                      f"{topk} (megatron_cp normalises the top-k sigmoid scores exactly when k > 1)")
-    rope_type, rope = _rope(c)
+    rope_type, rope = rope_entries(c)
     if rope_type not in ("default", "yarn"):
         wrong.append(f"rope_parameters={rope} (default or yarn)")
     for hf_key, (key, default) in YARN_DEFAULTS.items():
@@ -261,18 +261,10 @@ def _check_config(c, hf_dir):
                          + "; ".join(wrong))
 
 
-def _rope(c):
-    """(rope type, its parameters) of config.json ``c``: transformers 5's ``rope_parameters``
-    or, as DeepSeek's released config.json and transformers 4 write it, ``rope_scaling``
-    (``type``) with ``rope_theta`` at the top."""
-    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    return rope.get("rope_type") or rope.get("type") or "default", rope
-
-
 def _rope_args(c, hf_dir):
     """--rope-type, --rotary-scaling-factor, --mscale, --mscale-all-dim, --rotary-base of
     config.json ``c`` (see :func:`_yarn_parameters` for how transformers reads them)."""
-    rope_type, rope = _rope(c)
+    rope_type, rope = rope_entries(c)
     base = rope.get("rope_theta") or c.get("rope_theta") or 1e4
     if rope_type != "yarn":
         return {"rope_type": "rope", "rotary_base": base, "rotary_scaling_factor": 1.0,

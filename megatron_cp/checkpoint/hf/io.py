@@ -51,6 +51,15 @@ def read_config(hf_dir):
         return json.load(f)
 
 
+def rope_entries(c):
+    """(rope type, its entries) of config.json ``c``: transformers 5's ``rope_parameters``
+    {"rope_theta", "rope_type", ...} or, as transformers 4 (and DeepSeek's released
+    config.json) write it, ``rope_scaling`` (with ``rope_type``, or ``type``) with
+    ``rope_theta`` at the top; "default" for plain RoPE."""
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    return rope.get("rope_type") or rope.get("type") or "default", rope
+
+
 def read_weights(hf_dir):
     """Every tensor of the folder's safetensors files (or, without any, its ``.bin`` files)."""
     names = sorted(os.listdir(hf_dir))

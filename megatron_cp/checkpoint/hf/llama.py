@@ -2,7 +2,10 @@
 
 megatron_cp fuses QKV per query group ([q heads of the group | k | v] rows) and stacks
 SwiGLU's [gate; up] in fc1; Llama keeps q/k/v and gate/up separate. Both use the
-half-split rotary convention, so no permutation of head dims is needed.
+half-split rotary convention, so no permutation of head dims is needed. Llama 3.1's RoPE
+scaling (``--use-rope-scaling``, ``--rope-scaling-factor``) is config.json's ``rope_scaling``
+of rope type "llama3", with Megatron-LM's fixed constants (low / high frequency factors 1 and 4,
+8192 original positions); a folder with other constants is refused.
 
 Everything but the MLPs (embedding, norms, attention, output layer, most of config.json) is
 shared with Mixtral (mixtral.py): ``shared_to_hf`` / ``shared_config`` on export,
@@ -10,7 +13,10 @@ shared with Mixtral (mixtral.py): ``shared_to_hf`` / ``shared_config`` on export
 """
 import torch
 
-from megatron_cp.checkpoint.hf.io import dtype_name, read_config, read_weights, real_rows, require, write_folder
+from megatron_cp.checkpoint.hf.io import (dtype_name, read_config, read_weights, real_rows,
+                                          require, rope_entries, write_folder)
+from megatron_cp.layers.rotary import (LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_LOW_FREQ_FACTOR,
+                                       LLAMA3_ORIGINAL_MAX_POSITIONS)
 
 REQUIRED = {"normalization": "RMSNorm", "swiglu": True, "disable_bias_linear": True,
             "position_embedding_type": "rope"}
@@ -29,6 +35,24 @@ def check_export(args, layout):
     if args.get("rotary_percent", 1.0) != 1.0:
         raise ValueError(f"rotary_percent ({args['rotary_percent']}) must be 1.0: {layout} "
                          f"rotates every head dim")
+    if args.get("rotary_seq_len_interpolation_factor") is not None:
+        raise ValueError(f"rotary_seq_len_interpolation_factor "
+                         f"({args['rotary_seq_len_interpolation_factor']}): the {layout} export "
+                         f"writes plain or Llama 3.1 RoPE only")
+
+
+# Llama 3.1's rope_scaling entries other than the factor: Megatron-LM's fixed constants
+LLAMA3_CONSTANTS = {"low_freq_factor": LLAMA3_LOW_FREQ_FACTOR,
+                    "high_freq_factor": LLAMA3_HIGH_FREQ_FACTOR,
+                    "original_max_position_embeddings": LLAMA3_ORIGINAL_MAX_POSITIONS}
+
+
+def _rope_scaling(args):
+    """config.json's ``rope_scaling`` of --use-rope-scaling ({} without it)."""
+    if not args.get("use_rope_scaling"):
+        return {}
+    return {"rope_scaling": {"rope_type": "llama3", "factor": args.get("rope_scaling_factor", 8.0),
+                             **LLAMA3_CONSTANTS}}
 
 
 def shared_to_hf(full, args):
@@ -62,7 +86,7 @@ def shared_config(args, embed, token_ids=None):
             "rope_theta": args.get("rotary_base", 1e4),
             "tie_word_embeddings": not args["untie_embeddings_and_output_weights"],
             "hidden_act": "silu", "torch_dtype": dtype_name(embed), "bos_token_id": None,
-            "eos_token_id": None, **(token_ids or {})}
+            "eos_token_id": None, **_rope_scaling(args), **(token_ids or {})}
 
 
 def to_hf(full, args, out_dir, token_ids=None):
@@ -94,14 +118,16 @@ def check_config(c, hf_dir):
         if c.get(key, value) != value:
             raise ValueError(f"{hf_dir}: {key}={c[key]!r} has no megatron_cp equivalent "
                              f"(needs {value!r})")
-    # transformers 5 writes rope_parameters {"rope_theta", "rope_type"}; 4 wrote rope_theta
-    # at the top and rope_scaling for the other rope types
-    scaling = c.get("rope_scaling") or {}
-    rope_type = (c.get("rope_parameters") or scaling).get("rope_type", "default")
-    if rope_type != "default" or (scaling and "rope_type" not in scaling):
-        raise ValueError(f"{hf_dir}: rope type {rope_type!r} "
-                         f"({scaling or c.get('rope_parameters')}) is not imported: the "
-                         f"import reads plain RoPE only")
+    rope_type, rope = rope_entries(c)
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"{hf_dir}: rope type {rope_type!r} ({rope}) is not imported: the "
+                         f"import reads plain RoPE and Llama 3.1's (llama3) only")
+    if rope_type == "llama3":
+        wrong = [f"{key}={rope.get(key)!r} (needs {value!r})"
+                 for key, value in LLAMA3_CONSTANTS.items() if rope.get(key) != value]
+        if wrong:
+            raise ValueError(f"{hf_dir}: llama3 rope scaling with {', '.join(wrong)}: "
+                             f"Megatron-LM's --use-rope-scaling fixes these")
 
 
 def _rope_theta(c, default=1e4):
@@ -135,6 +161,14 @@ def shared_from_hf(c, weights):
     return full
 
 
+def _rope_scaling_args(c):
+    """--use-rope-scaling and --rope-scaling-factor of config.json ``c`` ({} for plain RoPE)."""
+    rope_type, rope = rope_entries(c)
+    if rope_type != "llama3":
+        return {}
+    return {"use_rope_scaling": True, "rope_scaling_factor": float(rope["factor"])}
+
+
 def shared_args(c, default_rope_theta=1e4):
     """The args dict entries of everything but the MLPs, from ``config.json`` ``c``
     (``default_rope_theta``: the model class's own default when the config names none)."""
@@ -146,7 +180,7 @@ def shared_args(c, default_rope_theta=1e4):
             "seq_length": c["max_position_embeddings"], "kv_channels": d if d != h // nh else None,
             "max_position_embeddings": c["max_position_embeddings"],
             "norm_epsilon": c.get("rms_norm_eps", 1e-5),
-            "rotary_base": _rope_theta(c, default_rope_theta),
+            "rotary_base": _rope_theta(c, default_rope_theta), **_rope_scaling_args(c),
             "untie_embeddings_and_output_weights": not c.get("tie_word_embeddings", False),
             **REQUIRED, "true_vocab_size": c["vocab_size"],
             "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}
