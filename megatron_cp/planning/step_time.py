@@ -21,12 +21,15 @@ from dataclasses import asdict, dataclass
 import torch
 
 from megatron_cp.distributed.initialize import rank_layout
-from megatron_cp.planning.memory import pipeline_layout_of, routed_tokens, stage_param_counts
+from megatron_cp.planning.memory import (offloaded_activation_bytes, pipeline_layout_of,
+                                         routed_tokens, stage_param_counts)
 
 # H100 SXM, bf16: ~60% of the 989 TFLOP/s dense peak for large GEMMs, flash attention a
-# little lower; NVLink 4 moves ~450 GB/s each way per GPU; an NDR InfiniBand port 50 GB/s.
+# little lower; NVLink 4 moves ~450 GB/s each way per GPU; an NDR InfiniBand port 50 GB/s;
+# pinned copies to and from the host about half of PCIe 5 x16's 64 GB/s per direction.
 GPU_DEFAULTS = {"matmul_flops": 600e12, "attention_flops": 400e12,
-                "intra_node_bytes_per_s": 450e9, "inter_node_bytes_per_s": 50e9}
+                "intra_node_bytes_per_s": 450e9, "inter_node_bytes_per_s": 50e9,
+                "host_bytes_per_s": 25e9}
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "megatron_cp",
                              "planner_calibration.json")
 
@@ -39,6 +42,7 @@ class DeviceRates:
     intra_node_bytes_per_s: float
     inter_node_bytes_per_s: float
     gpus_per_node: int = 8
+    host_bytes_per_s: float = GPU_DEFAULTS["host_bytes_per_s"]  # device <-> host, per device
 
 
 def _timed(fn, repeats):
@@ -173,6 +177,28 @@ def _spans(parallel):
     return {name: max(groups[0]) - min(groups[0]) + 1 for name, groups in layout.items()}
 
 
+def recomputed_fraction(c, layers_per_chunk):
+    """The fraction of the layers whose forward full recompute runs again: all of them
+    (uniform), or the first ``recompute_num_layers`` of each model chunk of
+    ``layers_per_chunk`` layers (block); 0 without full recompute."""
+    if c.recompute_granularity != "full":
+        return 0.0
+    if c.recompute_method == "block":
+        return min(c.recompute_num_layers or 1, layers_per_chunk) / layers_per_chunk
+    return 1.0
+
+
+def offload_seconds(run, rates, compute):
+    """Seconds per microbatch that activation offloading (--cpu-offloading-num-layers) adds:
+    the offloading rank's saved bytes go to the host in forward and come back in backward
+    over the host link (``rates.host_bytes_per_s``), on a side stream, so only what the
+    microbatch's ``compute`` seconds do not cover shows."""
+    if not run.model.cpu_offloading_num_layers:
+        return 0.0
+    moved = max(offloaded_activation_bytes(run, "gpu", in_flight=False))
+    return max(0.0, 2 * moved / rates.host_bytes_per_s - compute)
+
+
 def predict_step_time(run, rates):
     """Seconds per iteration of ``run`` (a :class:`~megatron_cp.config.run.RunConfig` of
     checked arguments) on ``rates``."""
@@ -185,16 +211,22 @@ def predict_step_time(run, rates):
     s, b = run.data.seq_length, run.training.micro_batch_size
     tokens = b * s // cp  # this rank's tokens of one microbatch
     layers_per_stage = c.num_layers / pp
-    recompute = {"full": 4 / 3, "selective": 1.0}.get(c.recompute_granularity, 1.0)
-    matmul = attention = 0.0
+    full = recomputed_fraction(c, layers_per_stage / vp)  # of each layer's forward, again
+    matmul = attention = mlp = 0.0
     for n in range(c.num_layers):
         layer_matmul, layer_attention = _layer_flops_per_token(c, n, s)
         matmul += layer_matmul
         attention += layer_attention
-    matmul = 3 * matmul * recompute / (tp * pp)
-    attention_factor = 4 / 3 if c.recompute_granularity in ("full", "selective") else 1.0
-    attention = 3 * attention * attention_factor / (tp * pp)
-    logits = 3 * 2 * c.hidden_size * c.padded_vocab_size(tp) / tp
+        if c.mlp_chunks_for_training > 1 and not c.moe_layer_pattern()[n]:
+            mlp += 2 * c.hidden_size * (3 if c.activation == "swiglu" else 2) * c.ffn_hidden_size
+    # forward + backward is 3 forwards; full recompute adds that fraction of a forward, and a
+    # tiled MLP runs each chunk's forward again in its backward
+    matmul = (3 + full) * matmul / (tp * pp) + mlp / (tp * pp)
+    selective = c.recompute_granularity == "selective"  # core attention's forward again
+    attention = (3 + (1.0 if selective else full)) * attention / (tp * pp)
+    # tiled logits: each chunk's logits formed again in backward
+    logits = (4 if c.tiled_logits_chunk_size else 3) * 2 * c.hidden_size \
+        * c.padded_vocab_size(tp) / tp
     compute = tokens * ((matmul + logits / pp) / rates.matmul_flops
                         + attention / rates.attention_flops)
     # communication of one microbatch through this rank's stage (forward + backward)
@@ -208,8 +240,11 @@ def predict_step_time(run, rates):
         q = tokens * c.num_attention_heads // tp * c.kv_channels * act
 
         def volume(method):
-            if method in ("a2a", "a2a+p2p"):  # q, k, v and the output, there and back
+            if method == "a2a":  # q, k, v and the output, there and back
                 return 2 * (cp - 1) / cp * (2 * q + kv)
+            if method == "a2a+p2p":  # the all-to-all over U ranks, then a ring over R
+                inner, outer = c.hierarchical_cp_sizes(tp, cp)
+                return 2 * (inner - 1) / inner * (2 * q + kv) + 3 * (outer - 1) * kv
             # all_gather: K/V gathered, dK/dV reduced; ring: K/V blocks forward, again
             # with dK/dV backward
             return 3 * (cp - 1) * kv
@@ -237,7 +272,7 @@ def predict_step_time(run, rates):
             gathers = 1 / (run.training.num_microbatches or 1)
         volume = (group - 1) / group * stage_params * (gathers * act + 4)
         comm += volume / _link(rates, spans["dp_cp"])
-    per_microbatch = compute + comm
+    per_microbatch = compute + comm + offload_seconds(run, rates, compute)
     bubble = (pp - 1) / vp * per_microbatch if pp > 1 else 0.0
     # gradient reduction over DP x CP once per step (fp32 grads; the distributed optimizer
     # reduce-scatters them and all-gathers the params: the same volume)
