@@ -222,7 +222,7 @@ def main(argv=None):
     host = None if opts.host_memory_gb is None else int(opts.host_memory_gb * GIB)
     limits = Limits(int(opts.gpu_memory_gb * GIB), host, opts.gpus_per_node,
                     "cpu" if opts.device == "cpu" else "gpu")
-    rows = plan_layouts(runs, open_levers(given), limits, rates, opts.longest)
+    rows = plan_layouts(runs, open_levers(given), limits, rates, opts.longest, opts.top)
     if opts.top:
         rows = rows[:opts.top]
     if opts.json:

@@ -391,12 +391,13 @@ def _most_saving_families(run, levers, limits):
     return [tops for _, _, tops in ranked]
 
 
-def plan_layout(run, levers, limits, rates, longest=False):
+def plan_layout(run, levers, limits, rates, longest=False, floor=None):
     """The :class:`PlannedLayout` of the layout ``run`` (None when every variant is
     refused): its fastest variant that fits at the run's sequence length (``longest``: at
-    the longest sequence the layout trains at), and that longest sequence."""
+    the longest sequence the layout trains at, and None when that is not above ``floor``),
+    and that longest sequence."""
     if longest:
-        best, unit = None, sequence_unit(run)
+        best, unit = (None if floor is None else (floor, None)), sequence_unit(run)
         for tops in _most_saving_families(run, levers, limits):
             if best is not None:  # only families that fit one unit longer can beat it
                 trial, _ = _best_saving_trial(tops, with_seq_length(
@@ -406,7 +407,7 @@ def plan_layout(run, levers, limits, rates, longest=False):
             found = longest_sequence(run, tops, limits, start=best and best[0])
             if best is None or found[0] > best[0]:
                 best = found
-        if best is None:
+        if best is None or best[1] is None:
             return None
         length, term = best
         if length:
@@ -420,13 +421,24 @@ def plan_layout(run, levers, limits, rates, longest=False):
     return _row(trial, rates, fits, length, term)
 
 
-def plan_layouts(runs, levers, limits, rates, longest=False):
+def plan_layouts(runs, levers, limits, rates, longest=False, top=None):
     """A :class:`PlannedLayout` for every layout of ``runs`` (a RunConfig for each parallel
     layout the argument validation accepts), with the open ``levers`` searched, best first:
     those that fit, fastest first (``longest``: the longest sequence first, then the
-    fastest), then the rest by memory."""
-    rows = [row for row in (plan_layout(run, levers, limits, rates, longest) for run in runs)
-            if row is not None]
+    fastest), then the rest by memory. ``top``: only the best so many are wanted (with
+    ``longest``, a layout is searched only as far as it can beat the top rows found)."""
+    if longest and top:
+        rows = []  # the layouts over most ranks first: they find long floors early
+        for run in sorted(runs, key=lambda r: -(r.parallel.context_parallel_size
+                                                * r.parallel.tensor_model_parallel_size)):
+            lengths = sorted((r.max_seq_length for r in rows), reverse=True)
+            floor = lengths[top - 1] if len(lengths) >= top and lengths[top - 1] else None
+            row = plan_layout(run, levers, limits, rates, longest, floor)
+            if row is not None:
+                rows.append(row)
+    else:
+        rows = [row for row in (plan_layout(run, levers, limits, rates, longest)
+                                for run in runs) if row is not None]
     if longest:
         rows.sort(key=lambda r: (-r.max_seq_length, r.step_time_s))
     else:
