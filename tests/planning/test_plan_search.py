@@ -32,7 +32,7 @@ def test_every_lever_is_tried():
         ("p2p", None), ("a2a", None), ("all_gather", None), ("a2a+p2p", (2, 4)),
         ("a2a+p2p", (4, 2))]
     assert by_name["optimizer"] == [["distributed"], ["fsdp2"]]
-    assert by_name["tiled_logits_chunk_size"] == [[0], [4096, 1024]]
+    assert by_name["tiled_logits_chunk_size"] == [[0], [4096, 1024, 256, 64]]
     assert len(by_name["mlp_chunks_for_training"]) == 2
     none, selective, full = by_name["recompute"]
     assert full[0] == ("full", "block", 1) and full[-1] == ("full", "uniform", 1)
