@@ -32,7 +32,8 @@ Every term is read off what OUR code holds, not a paper's formula:
 
 - **Offloading** (``--cpu-offloading-num-layers N``, GPU only): the first N layers' saved
   tensors (under full recompute: their checkpoints' inputs) live in host memory and come
-  back one layer at a time in backward.
+  back one layer at a time in backward. What they hold on the host, per pipeline rank, is
+  :func:`offloaded_activation_bytes` (the planner's host limit reads it).
 
 The peak is the largest of three moments (forward at the loss, backward at the loss,
 backward of the last layer) on the stage whose sum is largest. ``device`` "gpu" assumes the

@@ -7,6 +7,10 @@ processes, cached per device in a JSON file (``~/.cache/megatron_cp/planner_cali
 unless a cache path is given). A GPU that is not here (planning a GPU job from a laptop) gets
 the documented defaults of :data:`GPU_DEFAULTS`, which flags override.
 
+Recompute adds the forward of what it reruns (every layer, a block's, or core attention),
+tiled logits and a tiled MLP a forward of each chunk, and activation offloading the host
+copies its microbatch's compute does not hide.
+
 Communication adds to compute (Megatron overlaps some of it), except the gradient reduction
 under ``--overlap-grad-reduce``, hidden behind the last microbatch's backward as far as that
 lasts; the figure is an upper bound that ranks layouts, not a promise.
