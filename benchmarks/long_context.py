@@ -13,10 +13,18 @@ bisecting) finds the longest s whose step stays under --cap-gib:
 - + tiled MLP: --mlp-chunks-for-training;
 - + full recompute: --recompute-granularity full --recompute-method uniform --recompute-num-layers 1.
 
-Goal: tiled logits train at least 1.5x the untiled length under the same cap. Prints a table
-with PASS/FAIL and writes JSON (runs/benchmarks/long_context.json unless --output).
+- every lever (planner): the settings the layout planner picks for this model at its longest
+  sequence on one process under --cap-gib (tools/plan_layout.py --longest: tiled logits and
+  tiled MLP with its chunk sizes, full recompute, and FSDP2 or the distributed optimizer,
+  which on one process keep what AdamW keeps for this fp32 model), measured on a second
+  step, with the first step's gradients and Adam state held, as the planner predicts.
 
-    python benchmarks/long_context.py [--cap-gib 0.35] [--device cpu|cuda] [--output PATH]
+Goals: tiled logits train at least 1.5x the untiled length under the same cap, and with every
+lever the measured longest length is within 15% of the planner's. Prints a table with
+PASS/FAIL and writes JSON (runs/benchmarks/long_context.json unless --output).
+
+    python benchmarks/long_context.py [--cap-gib 0.35] [--device cpu|cuda] [--only-levers]
+        [--output PATH]
 
 Beside each measurement, "planner s" is the layout planner's prediction
 (megatron_cp.planning: tools/plan_layout.py's longest sequence, the memory model's
@@ -30,6 +38,7 @@ length runs longer than the planned one.
 import argparse
 import gc
 import time
+from dataclasses import replace
 
 import torch
 
@@ -38,6 +47,7 @@ from megatron_cp.observability.memory_peak import PeakMemory
 from megatron_cp.model import GPTConfig, GPTModel
 
 GOAL_RATIO = 1.5  # longest s with tiled logits over the untiled longest s
+PLANNER_TOLERANCE = 0.15  # every lever: measured longest s within this of the planner's
 
 VARIANTS = (  # (name, GPTConfig settings)
     ("untiled", {}),
@@ -49,7 +59,7 @@ VARIANTS = (  # (name, GPTConfig settings)
 )
 
 # (header, key, width, format) of the printed table
-COLUMNS = [("variant", "variant", -18, "s"), ("longest s", "longest_seq", 10, "d"),
+COLUMNS = [("variant", "variant", -21, "s"), ("longest s", "longest_seq", 10, "d"),
            ("planner s", "planned_seq", 10, "d"),
            ("GiB at longest", "peak_gib", 15, ".3f"), ("x untiled", "ratio", 10, ".2f"),
            ("trials", "num_trials", 7, "d"), ("at --max-seq", "at_limit", 13, "s")]
@@ -70,25 +80,32 @@ def _config(a, seq, settings):
                      untie_embeddings_and_output_weights=True, seed=1, **extra)
 
 
-def step_bytes(a, seq, settings, device):
-    """Tensor bytes at the peak of one training step at length ``seq`` (weights included)."""
+def step_bytes(a, seq, settings, device, steady=False):
+    """Tensor bytes at the peak of one training step at length ``seq`` (weights included);
+    ``steady``: of a second step, with the gradients and Adam state of the first held, as
+    the planner predicts a training run."""
     model = GPTModel(_config(a, seq, settings), device=device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(0)
     tokens, labels = (torch.randint(0, a.vocab, (1, seq), generator=gen).to(device)
                       for _ in range(2))
     position_ids = torch.arange(seq, device=device).unsqueeze(0)
-    with PeakMemory(device) as meter:
+
+    def step():
         loss = model(tokens, position_ids, labels=labels)
         loss.mean().backward()
         opt.step()
-        del loss
+    if steady:
+        step()  # gradients stay allocated (set to zero, not freed), as in training
+        opt.zero_grad(set_to_none=False)
+    with PeakMemory(device) as meter:
+        step()
     del model, opt
     gc.collect()
     return meter.peak_total_bytes
 
 
-def longest_under(a, settings, device):
+def longest_under(a, settings, device, steady=False):
     """(longest s under the cap, its bytes, {s: bytes} of every trial): double from the
     granularity until a step goes over the cap (or --max-seq), then bisect."""
     cap, g = a.cap_gib * 2 ** 30, a.granularity
@@ -96,7 +113,7 @@ def longest_under(a, settings, device):
 
     def fits(units):
         seq = units * g
-        trials[seq] = step_bytes(a, seq, settings, device)
+        trials[seq] = step_bytes(a, seq, settings, device, steady)
         print(f"    s={seq:6d}: {trials[seq] / 2 ** 30:7.3f} GiB "
               f"{'fits' if trials[seq] <= cap else 'over'}", flush=True)
         return trials[seq] <= cap
@@ -111,47 +128,99 @@ def longest_under(a, settings, device):
     return lo * g, trials.get(lo * g, 0), trials
 
 
+def _model_flags(a):
+    """This model as pretrain_gpt.py flags (one sample of --granularity tokens a step)."""
+    return (f"--num-layers {a.layers} --hidden-size {a.hidden} --num-attention-heads {a.heads} "
+            f"--group-query-attention --num-query-groups {a.heads // 2} --ffn-hidden-size {a.ffn} "
+            f"--vocab-size {a.vocab} --seq-length {a.granularity} --micro-batch-size 1 "
+            f"--global-batch-size 1 --hidden-dropout 0 --attention-dropout 0 --swiglu "
+            f"--normalization RMSNorm --disable-bias-linear --untie-embeddings-and-output-weights "
+            f"--seed 1").split()
+
+
+def _device_kind(device):
+    return "gpu" if device.type == "cuda" else "cpu"
+
+
 def planned_seq(a, settings, device):
     """The planner's longest sequence for this variant under --cap-gib (one rank), floored to
     --granularity."""
     from megatron_cp.cli.arguments import parse_args
-    from megatron_cp.config.data import DataConfig
-    from megatron_cp.config.run import RunConfig
-    from megatron_cp.config.setting import build_config
-    from megatron_cp.data import tokenizer_from_config
+    from megatron_cp.planning.layouts import run_config, with_planner_defaults
     from megatron_cp.planning.search import max_seq_length
     values = {"chunk": a.chunk_size, "mlp": a.mlp_chunks}
-    argv = (f"--num-layers {a.layers} --hidden-size {a.hidden} --num-attention-heads {a.heads} "
-            f"--group-query-attention --num-query-groups {a.heads // 2} --ffn-hidden-size {a.ffn} "
-            f"--vocab-size {a.vocab} --seq-length {a.granularity} --micro-batch-size 1 "
-            f"--global-batch-size 1 --mock-data --lr 1e-4 --train-iters 1 --hidden-dropout 0 "
-            f"--attention-dropout 0 --swiglu --normalization RMSNorm --disable-bias-linear "
-            f"--untie-embeddings-and-output-weights --seed 1").split()
+    argv = _model_flags(a)
     for key, value in settings.items():
         argv += [FLAGS[key], str(values.get(value, value) if isinstance(value, str) else value)]
-    args = parse_args(argv, world_size=1)
-    vocab_size = tokenizer_from_config(build_config(DataConfig, args)).vocab_size
-    run = RunConfig.from_args(args, vocab_size)
-    longest = max_seq_length(run, a.cap_gib * 2 ** 30, "gpu" if device.type == "cuda" else "cpu",
-                             limit=a.max_seq)
+    run = run_config(parse_args(with_planner_defaults(argv), world_size=1))
+    longest = max_seq_length(run, a.cap_gib * 2 ** 30, _device_kind(device), limit=a.max_seq)
     return longest // a.granularity * a.granularity
+
+
+def planner_pick(a, device):
+    """The planner's row (tools/plan_layout.py --longest --json) for this model on one process
+    under --cap-gib: its longest sequence and the settings it picks there."""
+    import contextlib
+    import io
+    import json
+    from megatron_cp.planning import plan_layout
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = plan_layout.main(_model_flags(a) + [
+            "--num-gpus", "1", "--gpu-memory-gb", str(a.cap_gib), "--device",
+            _device_kind(device), "--longest", "--json", "--top", "1"])
+    assert status == 0, "the planner refused the benchmark's model"
+    return json.loads(out.getvalue())["layouts"][0]
+
+
+def planned_bytes(a, row, seq, device):
+    """The memory model's bytes for the planner's pick ``row`` at length ``seq``."""
+    from megatron_cp.cli.arguments import parse_args
+    from megatron_cp.planning.layouts import run_config, with_planner_defaults
+    from megatron_cp.planning.memory import estimate_memory
+    argv = _model_flags(a) + row["flags"]
+    run = run_config(parse_args(with_planner_defaults(argv), world_size=1))
+    run = replace(run, data=replace(run.data, seq_length=seq),
+                  model=replace(run.model, max_position_embeddings=seq))
+    return estimate_memory(run, _device_kind(device)).total_bytes
+
+
+def _pick_settings(row):
+    """The GPTConfig settings of the planner's row ``row`` (its optimizer keeps, on one
+    process, what AdamW keeps)."""
+    settings = {"tiled_logits_chunk_size": row["tiled_logits_chunk_size"],
+                "mlp_chunks_for_training": row["mlp_chunks"]}
+    if row["recompute"] == "selective":
+        settings["recompute_granularity"] = "selective"
+    elif row["recompute"].startswith("full/"):
+        _, method, layers = row["recompute"].split("/")
+        settings.update(recompute_granularity="full", recompute_method=method,
+                        recompute_num_layers=int(layers))
+    return settings
 
 
 def rows(a, device):
     """One dict per variant: name, longest s under the cap, its bytes, the ratio to the
     untiled length, the trials, and the planner's prediction (:func:`planned_seq`)."""
     out = []
-    for name, settings in VARIANTS:
-        print(f"  {name}", flush=True)
+    pick = planner_pick(a, device)
+    picked = ("every lever (planner)", _pick_settings(pick))
+    for name, settings in (() if a.only_levers else VARIANTS) + (picked,):
+        print(f"  {name}: {settings}", flush=True)
         start = time.time()
-        seq, used, trials = longest_under(a, settings, device)
+        levers = settings is picked[1]
+        seq, used, trials = longest_under(a, settings, device, steady=levers)
+        planned = pick["max_seq_length"] // a.granularity * a.granularity if levers \
+            else planned_seq(a, settings, device)
         out.append({"variant": name, "settings": settings, "longest_seq": seq,
-                    "planned_seq": planned_seq(a, settings, device),
-                    "peak_bytes": used, "peak_gib": used / 2 ** 30, "num_trials": len(trials),
-                    "trials": trials, "seconds": time.time() - start})
+                    "planned_seq": planned, "peak_bytes": used, "peak_gib": used / 2 ** 30,
+                    "num_trials": len(trials), "trials": trials,
+                    "seconds": time.time() - start})
+    out[-1]["planner_row"] = pick
+    out[-1]["planned_bytes_at_longest"] = planned_bytes(a, pick, out[-1]["longest_seq"], device)
     for row in out:  # the search stopped at --max-seq: the true longest is at least that
         row["at_limit"] = "yes" if row["longest_seq"] + a.granularity > a.max_seq else ""
-    base = out[0]["longest_seq"]
+    base = out[0]["longest_seq"] if not a.only_levers else 0
     for row in out:
         row["ratio"] = row["longest_seq"] / base if base else float("inf")
     return out
@@ -180,6 +249,8 @@ def main():
     p.add_argument("--mlp-chunks", type=int, default=8, help="--mlp-chunks-for-training")
     p.add_argument("--granularity", type=int, default=256, help="lengths searched are multiples")
     p.add_argument("--max-seq", type=int, default=65536, help="longest length tried")
+    p.add_argument("--only-levers", action="store_true",
+                   help="measure only the every-lever variant against the planner (a few minutes)")
     add_output_argument(p, "long_context")
     a = p.parse_args()
     device = torch.device(a.device)
@@ -187,12 +258,24 @@ def main():
           f"device {device}", flush=True)
     table = rows(a, device)
     print_table(table)
-    ratio = table[1]["ratio"]
-    passed = ratio >= GOAL_RATIO
-    print(f"tiled logits / untiled longest s = {ratio:.2f} (goal >= {GOAL_RATIO}): "
-          f"{verdict(passed)}")
+    tiling_passed = None
+    if not a.only_levers:
+        ratio = table[1]["ratio"]
+        tiling_passed = ratio >= GOAL_RATIO
+        print(f"tiled logits / untiled longest s = {ratio:.2f} (goal >= {GOAL_RATIO}): "
+              f"{verdict(tiling_passed)}")
+    levers = table[-1]
+    off = levers["longest_seq"] / levers["planned_seq"] - 1 if levers["planned_seq"] else 1.0
+    planner_passed = abs(off) <= PLANNER_TOLERANCE
+    print(f"every lever: measured {levers['longest_seq']} vs planned {levers['planned_seq']} "
+          f"({off:+.1%}, goal within {PLANNER_TOLERANCE:.0%}): {verdict(planner_passed)}; "
+          f"at {levers['longest_seq']} the memory model predicts "
+          f"{levers['planned_bytes_at_longest'] / 2 ** 30:.3f} GiB, measured "
+          f"{levers['peak_gib']:.3f}")
     write_json(a.output, {"config": vars(a), "rows": table, "goal": GOAL_RATIO,
-                          "passed": passed})
+                          "planner_tolerance": PLANNER_TOLERANCE,
+                          "tiling_passed": tiling_passed, "planner_passed": planner_passed,
+                          "passed": tiling_passed is not False and planner_passed})
 
 
 if __name__ == "__main__":

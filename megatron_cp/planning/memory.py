@@ -34,7 +34,8 @@ Every term is read off what OUR code holds, not a paper's formula:
 
 - **Offloading** (``--cpu-offloading-num-layers N``, GPU only): the first N layers' saved
   tensors (under full recompute: their checkpoints' inputs) live in host memory and come
-  back one layer at a time in backward. Fine-grained offloading (GPU only): the groups
+  back one layer at a time in backward. What they hold on the host, per pipeline rank, is
+  :func:`offloaded_activation_bytes`. Fine-grained offloading (GPU only): the groups
   :func:`offloaded_bytes` counts live in host memory and come back one group at a time.
 
 The peak is the largest of three moments (forward at the loss, backward at the loss,
@@ -42,7 +43,7 @@ backward of the last layer) on the stage whose sum is largest. ``device`` "gpu" 
 fused norms (apex / Transformer Engine: input and statistics saved); "cpu" PyTorch's
 decomposed RMSNorm (input, statistics and normalised values).
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -489,16 +490,10 @@ def _in_flight(parallel, layout, pp_rank, num_microbatches):
     return min(2 * (pp - pp_rank - 1) + (vp - 1) * group, num_microbatches * vp) + 1
 
 
-def estimate_memory(run, device="cpu"):
-    """The :class:`MemoryEstimate` of ``run`` (a :class:`~megatron_cp.config.run.RunConfig`
-    of checked arguments: its model, layout, optimizer, batch and sequence length).
-    ``device``: "cpu" or "gpu" (which norm kernels run)."""
-    c, parallel, optimizer = run.model, run.parallel, run.optimizer
-    tp, cp, pp = parallel.tensor_model_parallel_size, parallel.context_parallel_size, \
-        parallel.pipeline_model_parallel_size
-    ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size
-    dp = parallel.data_parallel_size
-    layout = pipeline_layout_of(run)
+def _shapes(run, device):
+    """The :class:`_Shapes` of ``run``'s layers on ``device`` ("cpu" or "gpu")."""
+    c, parallel = run.model, run.parallel
+    tp, cp = parallel.tensor_model_parallel_size, parallel.context_parallel_size
     cp_comms = None
     if cp > 1:
         cp_comms = tuple(resolve_comm_type(c.layer_cp_comm_type(n), c.num_query_groups // tp, cp,
@@ -509,9 +504,23 @@ def estimate_memory(run, device="cpu"):
     tokens = micro_batch * run.data.seq_length // cp
     sp = c.sequence_parallel and tp > 1
     gpu = device == "gpu"  # CPU activations live in host memory already: nothing offloads
-    sh = _Shapes(micro_batch, tokens, tokens // tp if sp else tokens, tp, cp, cp_comms,
-                 act, gpu, c.cpu_offloading_num_layers if gpu else 0,
-                 gpu and c.fine_grained_activation_offloading)
+    return _Shapes(micro_batch, tokens, tokens // tp if sp else tokens, tp, cp, cp_comms,
+                   act, gpu, c.cpu_offloading_num_layers if gpu else 0,
+                   gpu and c.fine_grained_activation_offloading)
+
+
+def estimate_memory(run, device="cpu"):
+    """The :class:`MemoryEstimate` of ``run`` (a :class:`~megatron_cp.config.run.RunConfig`
+    of checked arguments: its model, layout, optimizer, batch and sequence length).
+    ``device``: "cpu" or "gpu" (which norm kernels run)."""
+    c, parallel, optimizer = run.model, run.parallel, run.optimizer
+    tp, cp, pp = parallel.tensor_model_parallel_size, parallel.context_parallel_size, \
+        parallel.pipeline_model_parallel_size
+    ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size
+    dp = parallel.data_parallel_size
+    layout = pipeline_layout_of(run)
+    sh = _shapes(run, device)
+    act, tokens = sh.act, sh.tokens
     distributed = optimizer.use_distributed_optimizer
     instances = optimizer.num_distributed_optimizer_instances  # validated: at least 1
     world = dp * cp * tp * pp
@@ -525,6 +534,7 @@ def estimate_memory(run, device="cpu"):
     vocab_local = padded // tp
     has_padding = padded > c.vocab_size  # the last TP rank's slice holds the padding
     best = None
+    cp_comms = sh.cp_comms
     for pp_rank in range(pp):
         dense, experts = stage_param_counts(c, layout, pp_rank, tp, ep, etp)
         if optimizer.fully_sharded:
@@ -562,3 +572,29 @@ def estimate_memory(run, device="cpu"):
         if best is None or total > best.total_bytes:
             best = MemoryEstimate(int(total), pp_rank, parts, host)
     return best
+
+
+def offloaded_activation_bytes(run, device="gpu", in_flight=True):
+    """Host bytes of each pipeline rank (a list, by pp rank) that --cpu-offloading-num-layers
+    moves off the device: what the offloaded layers save (under full recompute: their
+    checkpoints' inputs), for every microbatch in flight (``in_flight``; else for one
+    microbatch through the rank's model chunks). 0 on CPU, where nothing moves. These bytes
+    are the device estimate's saved activations with offloading minus those without."""
+    sh = _shapes(run, device)
+    if not sh.offloaded:
+        return [0] * run.parallel.pipeline_model_parallel_size
+    kept_all = replace(sh, offloaded=0)
+    c, parallel, layout = run.model, run.parallel, pipeline_layout_of(run)
+    ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size
+    num_microbatches = run.training.num_microbatches or 1
+    host = []
+    for pp_rank in range(layout.pp_size):
+        moved = [_chunk_activation_bytes(c, kept_all, layers, ep, etp)[0]
+                 - _chunk_activation_bytes(c, sh, layers, ep, etp)[0]
+                 for layers in layout.chunk_layer_numbers(pp_rank)]
+        if not in_flight:
+            host.append(sum(moved))
+            continue
+        flights = _in_flight(parallel, layout, pp_rank, num_microbatches)
+        host.append(flights * (max(moved) if layout.vp_size > 1 else moved[0]))
+    return host

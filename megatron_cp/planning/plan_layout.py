@@ -1,143 +1,146 @@
-"""Which TP, CP, PP, DP, EP and recompute for this model on these GPUs, and how long a sequence?
+"""Which TP, CP, PP, DP, EP, and which recompute, tiling, offloading and optimizer sharding,
+for this model on these GPUs, and how long a sequence?
 
-Takes the same flags as pretrain_gpt.py (parsed by its own parser, so the line you would train
-with is accepted as is) plus the machine:
+Takes the model, batch and precision flags of pretrain_gpt.py (parsed by its own parser: the
+line you would train with is accepted as is; data, iterations and learning rate may be left
+out) plus the machine:
 
     python tools/plan_layout.py <pretrain_gpt.py flags> --num-gpus 8 --gpu-memory-gb 80 \
-        [--device gpu|cpu] [--json] [--top 20]
+        [--host-memory-gb 2048 --gpus-per-node 8] [--longest] [--device gpu|cpu] \
+        [--json] [--top 20]
 
-and prints every layout the flags leave open that the argument validation accepts, best first
-(those that fit, fastest first): the predicted peak memory of the most loaded rank
-(megatron_cp.planning.memory), the predicted step time (megatron_cp.planning.step_time), the
-longest sequence that fits in --gpu-memory-gb, and whether the given --seq-length fits.
-``--device cpu`` predicts gloo CPU processes (each with --gpu-memory-gb of memory), measuring
-this machine's throughput once (cached under --calibration-cache); ``--device gpu`` uses the
-documented H100 defaults unless a GPU is here to measure, and the rate flags override either.
-``--json`` prints ``{"layouts": [...]}``.
+and prints one row per parallel layout the flags leave open that the argument validation
+accepts, with the lever settings the search picks for it (megatron_cp.planning.search): by
+default the fastest that fits at --seq-length (those that fit first, fastest first); with
+--longest the fastest at the longest sequence the layout trains at (longest first). Each row
+has the predicted peak memory of the most loaded rank (megatron_cp.planning.memory), the
+host memory of the fullest node, the step time (megatron_cp.planning.step_time), the
+longest sequence and the term that limits it. ``--device cpu`` predicts gloo CPU processes
+(each with --gpu-memory-gb of memory), measuring this machine's throughput once (cached
+under --calibration-cache); ``--device gpu`` uses the documented H100 defaults unless a GPU
+is here to measure, and the rate flags override either. ``--json`` prints
+``{"layouts": [...]}``. A mistake prints ``error: ...`` lines, all at once, and exits 2.
 """
 import argparse
 import json
 import sys
 
-import torch
-
-from megatron_cp.distributed.device import accelerator_available
 from megatron_cp.cli.arguments import build_parser, parse_args
-from megatron_cp.checkpoint.use_checkpoint_args import given_on_command_line
-from megatron_cp.config.data import DataConfig
-from megatron_cp.config.run import RunConfig
-from megatron_cp.config.setting import build_config
-from megatron_cp.planning.memory import tokenizer_vocab_size
-from megatron_cp.planning.search import plan_layouts
+from megatron_cp.cli.check_args import USAGE_ERROR, error_lines
+from megatron_cp.distributed.device import accelerator_available
+from megatron_cp.planning.layouts import given_dests, layout_runs, with_planner_defaults
+from megatron_cp.planning.levers import open_levers
+from megatron_cp.planning.search import Limits, plan_layouts
 from megatron_cp.planning.step_time import DEFAULT_CACHE, GPU_DEFAULTS, DeviceRates, calibrate
 
 GIB = 2 ** 30
-# the arguments each open dimension owns (given on the command line: not searched)
-DIMENSIONS = {
-    "tp": ("tensor_model_parallel_size",),
-    "cp": ("context_parallel_size", "cp_comm_type"),
-    "pp": ("pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
-           "num_virtual_stages_per_pipeline_rank"),
-    "ep": ("expert_model_parallel_size",),
-    "recompute": ("recompute_granularity", "recompute_method", "recompute_num_layers"),
-    "distributed_optimizer": ("use_distributed_optimizer",),
-}
+
+
+class _Refusal(Exception):
+    """argparse's own error, raised instead of exiting."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise _Refusal(message)
+
+
+# (flag, converter, accepted, what it must be); every value is read as text and converted
+# here, so that every bad value is reported at once
+_NUMBERS = (
+    ("--num-gpus", int, lambda v: v >= 1, "a whole number of ranks, at least 1"),
+    ("--gpu-memory-gb", float, lambda v: v > 0, "the memory of one rank in GiB, above 0"),
+    ("--host-memory-gb", float, lambda v: v > 0, "the host memory of one node in GiB, above 0"),
+    ("--gpus-per-node", int, lambda v: v >= 1, "a whole number, at least 1"),
+    ("--top", int, lambda v: v >= 1, "a whole number of rows, at least 1"),
+    ("--matmul-tflops", float, lambda v: v > 0, "above 0"),
+    ("--attention-tflops", float, lambda v: v > 0, "above 0"),
+    ("--intra-node-bandwidth-gbs", float, lambda v: v > 0, "above 0"),
+    ("--inter-node-bandwidth-gbs", float, lambda v: v > 0, "above 0"),
+    ("--host-bandwidth-gbs", float, lambda v: v > 0, "above 0"),
+)
+_REQUIRED = ("--num-gpus", "--gpu-memory-gb")
+_WHAT = {flag: what for flag, _, _, what in _NUMBERS}
 
 
 def planner_parser():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=True,
-                                allow_abbrev=False)
-    p.add_argument("--num-gpus", type=int, required=True, help="Ranks the job will have.")
-    p.add_argument("--gpu-memory-gb", type=float, required=True,
-                   help="Memory of one rank in GiB (the cap the layouts must fit under).")
-    p.add_argument("--device", choices=("gpu", "cpu"), default="gpu",
+    p = _Parser(description=__doc__.split("\n")[0], add_help=True, allow_abbrev=False)
+    p.add_argument("--num-gpus", help="Ranks the job will have (required).")
+    p.add_argument("--gpu-memory-gb",
+                   help="Memory of one rank in GiB: the cap the layouts must fit under (required).")
+    p.add_argument("--host-memory-gb",
+                   help="Host memory of one node in GiB: the offloaded activations of its ranks "
+                        "must fit in it. Without it nothing is offloaded.")
+    p.add_argument("--gpus-per-node", default="8",
+                   help="GPUs per node (default 8): the ranks that share a node's host memory "
+                        "and its intra-node bandwidth.")
+    p.add_argument("--longest", action="store_true",
+                   help="Plan each layout at the longest sequence it trains at (longest first), "
+                        "instead of at --seq-length (fastest first).")
+    p.add_argument("--device", default="gpu",
                    help="gpu: NCCL ranks on GPUs; cpu: gloo CPU processes (measured here).")
     p.add_argument("--json", action="store_true", help='Print {"layouts": [...]} instead.')
-    p.add_argument("--top", type=int, default=None, help="Print only the best N rows.")
-    p.add_argument("--gpus-per-node", type=int, default=8,
-                   help="GPUs per node: groups within one use the intra-node bandwidth.")
-    p.add_argument("--matmul-tflops", type=float, default=None,
-                   help="Override the matmul throughput (TFLOP/s per device).")
-    p.add_argument("--attention-tflops", type=float, default=None,
-                   help="Override the causal attention throughput (TFLOP/s per device).")
-    p.add_argument("--intra-node-bandwidth-gbs", type=float, default=None,
-                   help="Override the intra-node (NVLink) bandwidth, GB/s per device.")
-    p.add_argument("--inter-node-bandwidth-gbs", type=float, default=None,
-                   help="Override the inter-node (InfiniBand) bandwidth, GB/s per device.")
+    p.add_argument("--top", help="Print only the best N rows.")
+    for flag, what in (("--matmul-tflops", "the matmul throughput (TFLOP/s per device)"),
+                       ("--attention-tflops", "the causal attention throughput (TFLOP/s)"),
+                       ("--intra-node-bandwidth-gbs", "the intra-node (NVLink) bandwidth, GB/s"),
+                       ("--inter-node-bandwidth-gbs", "the inter-node (InfiniBand) bandwidth, "
+                                                      "GB/s"),
+                       ("--host-bandwidth-gbs", "the device <-> host copy bandwidth, GB/s per "
+                                                "device (activation offloading)")):
+        p.add_argument(flag, help=f"Override {what}.")
     p.add_argument("--calibration-cache", default=DEFAULT_CACHE,
                    help="JSON file caching this machine's measured throughput.")
     return p
 
 
-def run_config(args, vocab_size=None):
-    """The :class:`RunConfig` of checked arguments ``args`` (:func:`parse_args`), with the
-    vocabulary of the tokenizer they name (``vocab_size`` when known already)."""
-    return RunConfig.from_args(args, vocab_size or tokenizer_vocab_size(
-        build_config(DataConfig, args)))
-
-
-def open_dimensions(argv):
-    """The names of :data:`DIMENSIONS` that the training flags ``argv`` leave open."""
-    given = given_on_command_line(build_parser(), argv)
-    return {dim for dim, dests in DIMENSIONS.items() if not given & set(dests)}
-
-
-def _divisors(n):
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _layout_argvs(argv, num_gpus, open_dims, num_experts):
-    """``argv`` with the flags of every layout of the open dimensions whose sizes divide
-    ``num_gpus``."""
-    base = {"tp": [None], "cp": [(None, None)], "pp": [(None, None)], "ep": [None]}
-    if "tp" in open_dims:
-        base["tp"] = _divisors(num_gpus)
-    if "cp" in open_dims:
-        base["cp"] = [(1, None)] + [(c, t) for c in _divisors(num_gpus) if c > 1
-                                    for t in ("p2p", "a2a")]
-    if "pp" in open_dims:
-        base["pp"] = [(1, None)] + [(p, v) for p in _divisors(num_gpus) if p > 1 for v in (1, 2)]
-    if "ep" in open_dims and num_experts:
-        base["ep"] = [e for e in _divisors(num_gpus) if num_experts % e == 0]
-    for tp in base["tp"]:
-        for cp, comm in base["cp"]:
-            for pp, vp in base["pp"]:
-                for ep in base["ep"]:
-                    sizes = [x or 1 for x in (tp, cp, pp)]
-                    if num_gpus % (sizes[0] * sizes[1] * sizes[2]):
-                        continue
-                    extra = []
-                    if tp is not None:
-                        extra += ["--tensor-model-parallel-size", str(tp)]
-                        if tp > 1:
-                            extra += ["--sequence-parallel"]
-                    if cp is not None:
-                        extra += ["--context-parallel-size", str(cp)]
-                        extra += ["--cp-comm-type", comm] if comm else []
-                    if pp is not None:
-                        extra += ["--pipeline-model-parallel-size", str(pp)]
-                        if vp and vp > 1:
-                            extra += ["--num-virtual-stages-per-pipeline-rank", str(vp)]
-                    if ep is not None:
-                        extra += ["--expert-model-parallel-size", str(ep)]
-                    yield argv + extra
-
-
-def layout_runs(argv, num_gpus, open_dims):
-    """The :class:`RunConfig` of every parallel layout of the training flags ``argv`` on
-    ``num_gpus`` ranks (the open dimensions searched) that the argument validation accepts;
-    the tokenizer is built once, for the first."""
-    num_experts = build_parser().parse_known_args(argv)[0].num_experts \
-        if "ep" in open_dims else None
-    vocab_size = None
-    for candidate in _layout_argvs(list(argv), num_gpus, open_dims, num_experts):
+def parse_planner_flags(argv):
+    """(options, training flags, problems): the planner's own flags converted and checked,
+    one problem line each."""
+    try:
+        opts, training_argv = planner_parser().parse_known_args(argv)
+    except _Refusal as refusal:
+        return None, [], [f"{refusal} (see --help)"]
+    problems = []
+    for flag in _REQUIRED:
+        if getattr(opts, flag[2:].replace("-", "_")) is None:
+            problems.append(f"{flag} is required: {_WHAT[flag]}")
+    for flag, convert, accepted, what in _NUMBERS:
+        name = flag[2:].replace("-", "_")
+        text = getattr(opts, name)
+        if text is None:
+            continue
         try:
-            args = parse_args(candidate, world_size=num_gpus)
+            value = convert(text)
         except ValueError:
-            continue  # the validation refuses this layout
-        run = run_config(args, vocab_size)
-        vocab_size = run.model.vocab_size
-        yield run
+            value = None
+        if value is None or not accepted(value):
+            problems.append(f"{flag} ({text}) must be {what}")
+            value = None
+        setattr(opts, name, value)
+    if opts.device not in ("gpu", "cpu"):
+        problems.append(f"--device ({opts.device}) must be gpu or cpu")
+    return opts, training_argv, problems
+
+
+def _given_world(argv):
+    """TP x CP x PP as the training flags ``argv`` give them (1 for each not given or not
+    readable): the world size that checks the line without planning a layout."""
+    try:
+        args, _ = build_parser(_Parser).parse_known_args(argv)
+    except _Refusal:
+        return 1
+    return args.tensor_model_parallel_size * args.context_parallel_size \
+        * args.pipeline_model_parallel_size
+
+
+def training_problems(argv, world_size):
+    """The problems of the training flags ``argv`` on ``world_size`` ranks, one line each."""
+    try:
+        parse_args(argv, world_size=world_size)
+    except ValueError as error:
+        return error_lines(error)
+    return []
 
 
 def device_rates(opts, params_dtype):
@@ -153,52 +156,78 @@ def device_rates(opts, params_dtype):
     for flag, field, scale in (("matmul_tflops", "matmul_flops", 1e12),
                                ("attention_tflops", "attention_flops", 1e12),
                                ("intra_node_bandwidth_gbs", "intra_node_bytes_per_s", 1e9),
-                               ("inter_node_bandwidth_gbs", "inter_node_bytes_per_s", 1e9)):
+                               ("inter_node_bandwidth_gbs", "inter_node_bytes_per_s", 1e9),
+                               ("host_bandwidth_gbs", "host_bytes_per_s", 1e9)):
         if getattr(opts, flag) is not None:
             setattr(rates, field, getattr(opts, flag) * scale)
     return rates
 
 
-def format_table(rows, cap_bytes, seq_length):
-    """The plan as a fixed-width table, one layout per line."""
-    head = (f"{'tp':>3} {'cp':>3} {'cp comm':>8} {'pp':>3} {'vp':>3} {'dp':>4} {'ep':>3} "
-            f"{'recompute':>16} {'dist opt':>8} {'memory GiB':>10} {'step s':>9} "
-            f"{'max seq':>9} {'fits':>4}")
-    lines = [f"layouts for --seq-length {seq_length} under {cap_bytes / GIB:.1f} GiB per rank "
-             f"(best first)", head, "-" * len(head)]
+def _tiled(r):
+    return f"{r.tiled_logits_chunk_size or '-'}/{r.mlp_chunks if r.mlp_chunks > 1 else '-'}"
+
+
+# (header, width, cell of a row) of the table; the ep and host columns only when they vary
+COLUMNS = [
+    ("tp", 3, lambda r: r.tp), ("cp", 3, lambda r: r.cp), ("cp comm", 11, lambda r: r.cp_comm_type),
+    ("pp", 3, lambda r: r.pp), ("vp", 3, lambda r: r.vp), ("dp", 4, lambda r: r.dp),
+    ("ep", 3, lambda r: r.ep), ("optimizer", 13, lambda r: r.optimizer),
+    ("recompute", 14, lambda r: r.recompute), ("offload", 7, lambda r: r.offload_layers),
+    ("opt host", 8, lambda r: f"{r.optimizer_offload_fraction:g}"),
+    ("tiled l/mlp", 11, _tiled), ("mem GiB", 7, lambda r: f"{r.memory_bytes / GIB:.2f}"),
+    ("host GiB", 8, lambda r: f"{r.host_bytes / GIB:.1f}"),
+    ("step s", 9, lambda r: f"{r.step_time_s:.3f}"), ("max seq", 9, lambda r: r.max_seq_length),
+    ("limited by", 19, lambda r: r.limiting_term), ("fits", 4, lambda r: "yes" if r.fits else "no"),
+]
+
+
+def format_table(rows, limits, seq_length, longest=False):
+    """The plan as a fixed-width table, one layout per line (``limits``: the
+    :class:`~megatron_cp.planning.search.Limits` it was planned under)."""
+    columns = [c for c in COLUMNS if (c[0] != "ep" or any(r.ep > 1 for r in rows))
+               and (c[0] not in ("host GiB", "opt host") or limits.host_bytes is not None)]
+    where = f"under {limits.device_bytes / GIB:.1f} GiB per rank"
+    if limits.host_bytes is not None:
+        where += (f" and {limits.host_bytes / GIB:.0f} GiB of host memory per node of "
+                  f"{limits.gpus_per_node}")
+    title = (f"layouts at their longest sequence {where} (longest first)" if longest else
+             f"layouts for --seq-length {seq_length} {where} (best first)")
+    head = " ".join(f"{name:>{width}}" for name, width, _ in columns)
+    lines = [title, head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r.tp:>3} {r.cp:>3} {r.cp_comm_type:>8} {r.pp:>3} {r.vp:>3} {r.dp:>4} "
-                     f"{r.ep:>3} {r.recompute:>16} {'yes' if r.distributed_optimizer else 'no':>8} "
-                     f"{r.memory_bytes / GIB:>10.2f} {r.step_time_s:>9.3f} "
-                     f"{r.max_seq_length:>9d} {'yes' if r.fits else 'no':>4}")
+        lines.append(" ".join(f"{cell(r):>{width}}" for _, width, cell in columns))
     return "\n".join(lines)
+
+
+def _fail(problems):
+    for line in problems:
+        print(f"error: {line}", file=sys.stderr)
+    return USAGE_ERROR
 
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    opts, training_argv = planner_parser().parse_known_args(argv)
-    if opts.num_gpus < 1 or opts.gpu_memory_gb <= 0:
-        raise SystemExit(f"error: --num-gpus ({opts.num_gpus}) must be at least 1 and "
-                         f"--gpu-memory-gb ({opts.gpu_memory_gb}) above 0")
-    flags, _ = build_parser().parse_known_args(training_argv)
-    dtype = torch.float16 if flags.fp16 else torch.bfloat16 if flags.bf16 else torch.float32
-    cap = int(opts.gpu_memory_gb * GIB)
-    rates = device_rates(opts, dtype)
-    open_dims = open_dimensions(training_argv)
-    rows = plan_layouts(layout_runs(training_argv, opts.num_gpus, open_dims), open_dims, cap,
-                        rates, opts.device)
-    if not rows:  # say why: the line's own problems on this many ranks, one line each
-        try:
-            parse_args(training_argv, world_size=opts.num_gpus)
-        except ValueError as error:
-            lines = getattr(error, "lines", None) or [str(error)]
-            raise SystemExit("\n".join(f"error: {line}" for line in lines))
-        raise SystemExit(f"error: no layout of these flags on {opts.num_gpus} ranks passes the "
-                         f"argument validation")
+    opts, training_argv, problems = parse_planner_flags(argv)
+    if opts is None:
+        return _fail(problems)
+    given = given_dests(training_argv)
+    training_argv = with_planner_defaults(training_argv)
+    if problems:  # the line's own problems too, on the ranks its given sizes need
+        return _fail(problems + training_problems(training_argv, _given_world(training_argv)))
+    runs = list(layout_runs(training_argv, opts.num_gpus, given))
+    if not runs:  # say why: the line's own problems on this many ranks, one line each
+        return _fail(training_problems(training_argv, opts.num_gpus) or [
+            f"no layout of these flags on {opts.num_gpus} ranks passes the argument "
+            f"validation"])
+    rates = device_rates(opts, runs[0].model.params_dtype)
+    host = None if opts.host_memory_gb is None else int(opts.host_memory_gb * GIB)
+    limits = Limits(int(opts.gpu_memory_gb * GIB), host, opts.gpus_per_node,
+                    "cpu" if opts.device == "cpu" else "gpu")
+    rows = plan_layouts(runs, open_levers(given), limits, rates, opts.longest, opts.top)
     if opts.top:
         rows = rows[:opts.top]
     if opts.json:
         print(json.dumps({"layouts": [vars(r) for r in rows]}, indent=1))
     else:
-        print(format_table(rows, cap, flags.seq_length))
+        print(format_table(rows, limits, runs[0].data.seq_length, opts.longest))
     return 0

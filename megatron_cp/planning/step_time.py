@@ -7,6 +7,11 @@ processes, cached per device in a JSON file (``~/.cache/megatron_cp/planner_cali
 unless a cache path is given). A GPU that is not here (planning a GPU job from a laptop) gets
 the documented defaults of :data:`GPU_DEFAULTS`, which flags override.
 
+Recompute adds the forward of what it reruns (every layer, a block's, or core attention),
+tiled logits and a tiled MLP a forward of each chunk, activation offloading the host
+copies its microbatch's compute does not hide, and the optimizer on the host its share's
+copies and host Adam step.
+
 Communication adds to compute (Megatron overlaps some of it), except the gradient reduction
 under ``--overlap-grad-reduce``, hidden behind the last microbatch's backward as far as that
 lasts; the figure is an upper bound that ranks layouts, not a promise.
@@ -21,12 +26,15 @@ from dataclasses import asdict, dataclass
 import torch
 
 from megatron_cp.distributed.initialize import rank_layout
-from megatron_cp.planning.memory import pipeline_layout_of, routed_tokens, stage_param_counts
+from megatron_cp.planning.memory import (offloaded_activation_bytes, pipeline_layout_of,
+                                         routed_tokens, stage_param_counts)
 
 # H100 SXM, bf16: ~60% of the 989 TFLOP/s dense peak for large GEMMs, flash attention a
-# little lower; NVLink 4 moves ~450 GB/s each way per GPU; an NDR InfiniBand port 50 GB/s.
+# little lower; NVLink 4 moves ~450 GB/s each way per GPU; an NDR InfiniBand port 50 GB/s;
+# pinned copies to and from the host about half of PCIe 5 x16's 64 GB/s per direction.
 GPU_DEFAULTS = {"matmul_flops": 600e12, "attention_flops": 400e12,
-                "intra_node_bytes_per_s": 450e9, "inter_node_bytes_per_s": 50e9}
+                "intra_node_bytes_per_s": 450e9, "inter_node_bytes_per_s": 50e9,
+                "host_bytes_per_s": 25e9}
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "megatron_cp",
                              "planner_calibration.json")
 
@@ -39,6 +47,7 @@ class DeviceRates:
     intra_node_bytes_per_s: float
     inter_node_bytes_per_s: float
     gpus_per_node: int = 8
+    host_bytes_per_s: float = GPU_DEFAULTS["host_bytes_per_s"]  # device <-> host, per device
 
 
 def _timed(fn, repeats):
@@ -173,6 +182,50 @@ def _spans(parallel):
     return {name: max(groups[0]) - min(groups[0]) + 1 for name, groups in layout.items()}
 
 
+def recomputed_fraction(c, layers_per_chunk):
+    """The fraction of the layers whose forward full recompute runs again: all of them
+    (uniform), or the first ``recompute_num_layers`` of each model chunk of
+    ``layers_per_chunk`` layers (block); 0 without full recompute."""
+    if c.recompute_granularity != "full":
+        return 0.0
+    if c.recompute_method == "block":
+        return min(c.recompute_num_layers or 1, layers_per_chunk) / layers_per_chunk
+    return 1.0
+
+
+def offload_seconds(run, rates, compute):
+    """Seconds per microbatch that activation offloading (--cpu-offloading-num-layers) adds:
+    the offloading rank's saved bytes go to the host in forward and come back in backward
+    over the host link (``rates.host_bytes_per_s``), on a side stream, so only what the
+    microbatch's ``compute`` seconds do not cover shows."""
+    if not run.model.cpu_offloading_num_layers:
+        return 0.0
+    moved = max(offloaded_activation_bytes(run, "gpu", in_flight=False))
+    return max(0.0, 2 * moved / rates.host_bytes_per_s - compute)
+
+
+# AdamW elements per second a host steps for one GPU's share (DeepSpeed reports its
+# vectorised CPU Adam at roughly 1e9 params/s on a server's cores shared by 8 GPUs: a
+# stated assumption, like GPU_DEFAULTS, that ranks layouts rather than promises a time)
+HOST_ADAM_PARAMS_PER_S = 1e9
+
+
+def optimizer_offload_seconds(run, rates, stage_params):
+    """Seconds per step that the optimizer on the host (--optimizer-cpu-offload) adds: its
+    share of this rank's optimizer elements (``stage_params`` over the group the state is
+    sharded over) stepped by the host's Adam, their fp32 gradients copied to the host and the
+    updated params back, unoverlapped (the step waits for them)."""
+    optimizer = run.optimizer
+    if not optimizer.offload_fraction:
+        return 0.0
+    parallel = run.parallel
+    sharded = optimizer.use_distributed_optimizer or optimizer.fully_sharded
+    group = parallel.data_parallel_size * parallel.context_parallel_size if sharded else 1
+    elements = optimizer.offload_fraction * stage_params / group
+    act = torch.tensor([], dtype=run.model.params_dtype).element_size()
+    return elements * (4 + act) / rates.host_bytes_per_s + elements / HOST_ADAM_PARAMS_PER_S
+
+
 def predict_step_time(run, rates):
     """Seconds per iteration of ``run`` (a :class:`~megatron_cp.config.run.RunConfig` of
     checked arguments) on ``rates``."""
@@ -185,16 +238,22 @@ def predict_step_time(run, rates):
     s, b = run.data.seq_length, run.training.micro_batch_size
     tokens = b * s // cp  # this rank's tokens of one microbatch
     layers_per_stage = c.num_layers / pp
-    recompute = {"full": 4 / 3, "selective": 1.0}.get(c.recompute_granularity, 1.0)
-    matmul = attention = 0.0
+    full = recomputed_fraction(c, layers_per_stage / vp)  # of each layer's forward, again
+    matmul = attention = mlp = 0.0
     for n in range(c.num_layers):
         layer_matmul, layer_attention = _layer_flops_per_token(c, n, s)
         matmul += layer_matmul
         attention += layer_attention
-    matmul = 3 * matmul * recompute / (tp * pp)
-    attention_factor = 4 / 3 if c.recompute_granularity in ("full", "selective") else 1.0
-    attention = 3 * attention * attention_factor / (tp * pp)
-    logits = 3 * 2 * c.hidden_size * c.padded_vocab_size(tp) / tp
+        if c.mlp_chunks_for_training > 1 and not c.moe_layer_pattern()[n]:
+            mlp += 2 * c.hidden_size * (3 if c.activation == "swiglu" else 2) * c.ffn_hidden_size
+    # forward + backward is 3 forwards; full recompute adds that fraction of a forward, and a
+    # tiled MLP runs each chunk's forward again in its backward
+    matmul = (3 + full) * matmul / (tp * pp) + mlp / (tp * pp)
+    selective = c.recompute_granularity == "selective"  # core attention's forward again
+    attention = (3 + (1.0 if selective else full)) * attention / (tp * pp)
+    # tiled logits: each chunk's logits formed again in backward
+    logits = (4 if c.tiled_logits_chunk_size else 3) * 2 * c.hidden_size \
+        * c.padded_vocab_size(tp) / tp
     compute = tokens * ((matmul + logits / pp) / rates.matmul_flops
                         + attention / rates.attention_flops)
     # communication of one microbatch through this rank's stage (forward + backward)
@@ -208,8 +267,11 @@ def predict_step_time(run, rates):
         q = tokens * c.num_attention_heads // tp * c.kv_channels * act
 
         def volume(method):
-            if method in ("a2a", "a2a+p2p"):  # q, k, v and the output, there and back
+            if method == "a2a":  # q, k, v and the output, there and back
                 return 2 * (cp - 1) / cp * (2 * q + kv)
+            if method == "a2a+p2p":  # the all-to-all over U ranks, then a ring over R
+                inner, outer = c.hierarchical_cp_sizes(tp, cp)
+                return 2 * (inner - 1) / inner * (2 * q + kv) + 3 * (outer - 1) * kv
             # all_gather: K/V gathered, dK/dV reduced; ring: K/V blocks forward, again
             # with dK/dV backward
             return 3 * (cp - 1) * kv
@@ -237,7 +299,7 @@ def predict_step_time(run, rates):
             gathers = 1 / (run.training.num_microbatches or 1)
         volume = (group - 1) / group * stage_params * (gathers * act + 4)
         comm += volume / _link(rates, spans["dp_cp"])
-    per_microbatch = compute + comm
+    per_microbatch = compute + comm + offload_seconds(run, rates, compute)
     bubble = (pp - 1) / vp * per_microbatch if pp > 1 else 0.0
     # gradient reduction over DP x CP once per step (fp32 grads; the distributed optimizer
     # reduce-scatters them and all-gathers the params: the same volume)
@@ -247,4 +309,5 @@ def predict_step_time(run, rates):
         if optimizer.overlap_grad_reduce:
             # the buckets reduce during the last microbatch's backward (2/3 of its compute)
             grad_sync = max(0.0, grad_sync - 2 / 3 * compute)
-    return microbatches * per_microbatch + bubble + grad_sync
+    return microbatches * per_microbatch + bubble + grad_sync + \
+        optimizer_offload_seconds(run, rates, stage_params)
