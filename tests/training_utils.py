@@ -44,6 +44,22 @@ def train_losses(rank, world, argv):
     return pretrain(args, parallel_state(args))
 
 
+def trained(rank, world, argv):
+    """Worker: train ``argv`` as :func:`train_losses` does; (its losses, the Trainer that
+    pretrain built), for a test that reads the trainer's state after the run."""
+    built, real_init = [], Trainer.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        built.append(self)
+    Trainer.__init__ = init
+    try:
+        losses = train_losses(rank, world, argv)
+    finally:
+        Trainer.__init__ = real_init
+    return losses, built[0]
+
+
 def train_runs(rank, world, argvs):
     """Worker: train each of ``argvs`` in turn in one process group; per run its losses, or
     the error line it stopped with (a ValueError: a refused flag or checkpoint)."""

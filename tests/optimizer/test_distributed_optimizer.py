@@ -22,8 +22,7 @@ from megatron_cp.distributed.initialize import initialize_model_parallel
 from megatron_cp.optimizer import (DistributedOptimizer, MixedPrecisionOptimizer,
                                    expected_bytes_per_param, get_param_groups, memory_breakdown)
 from megatron_cp.distributed.data_parallel import DistributedDataParallel, finalize_model_grads
-from megatron_cp.training import Trainer
-from training_utils import TINY, max_rel_diff, run_and_state
+from training_utils import TINY, max_rel_diff, trainer_of
 
 STEPS = TINY.replace("--num-layers 2", "--num-layers 4").replace("--clip-grad 1.0", "--clip-grad 0.5") \
     + " --train-iters 10"
@@ -58,18 +57,10 @@ MEMORY = {f"{dtype}_{name}": (f"{flag} {layout}", d, dist_opt)
               ("d4_replicated", "", 4, False))}
 
 
-def _trainer(rank, world, argv):
-    args = parse_args(argv.split(), world_size=world)
-    run, state = run_and_state(args)
-    trainer = Trainer(args, state, run)
-    trainer.build_iterators()
-    return trainer
-
-
 def _steps(rank, world, argv):
     """(losses, grad norms, skipped iterations, a param all-gather was still running after
     a step) of training ``argv``."""
-    trainer = _trainer(rank, world, argv)
+    trainer = trainer_of(argv, world)
     losses, norms, in_flight = [], [], False
     for _ in range(trainer.args.train_iters):
         loss, norm, _ = trainer.train_step()
@@ -81,7 +72,7 @@ def _steps(rank, world, argv):
 
 
 def _memory(rank, world, argv):
-    trainer = _trainer(rank, world, argv)
+    trainer = trainer_of(argv, world)
     trainer.train_step()  # Adam state as torch creates it
     return memory_breakdown(trainer.model_chunks, trainer.optimizer)
 
@@ -210,16 +201,8 @@ INSTANCES = CLIPPED + " --use-distributed-optimizer --ckpt-format torch_dist"
 def _instance_run(rank, world, argv):
     """(losses, (shard group size, instance count, optimizer elements here, model
     elements)) of a training run (Megatron-LM's partial distributed optimizer when K > 1)."""
-    from megatron_cp import training
-    from training_utils import train_losses
-    trainers, real_init = [], training.Trainer.__init__
-
-    def init(self, *args, **kwargs):
-        real_init(self, *args, **kwargs)
-        trainers.append(self)
-    training.Trainer.__init__ = init
-    losses = train_losses(rank, world, argv)
-    trainer = trainers[0]
+    from training_utils import trained
+    losses, trainer = trained(rank, world, argv)
     bucket = trainer.model_chunks[0].buckets[0]
     owned = sum(shard.stop - shard.start for shard in trainer.optimizer.param_shards())
     total = sum(p.numel() for p in trainer.model_chunks[0].parameters())

@@ -46,17 +46,9 @@ JOBS = {
 def _run(rank, world, argv):
     """(losses, memory breakdown, [(dtype, numel) of each state tensor], elements of this
     rank's optimizer params, of those on the host) of training ``argv``."""
-    from megatron_cp import training
     from megatron_cp.optimizer.memory import memory_breakdown
-    from training_utils import train_losses
-    trainers, real_init = [], training.Trainer.__init__
-
-    def init(self, *args, **kwargs):
-        real_init(self, *args, **kwargs)
-        trainers.append(self)
-    training.Trainer.__init__ = init
-    losses = train_losses(rank, world, argv)
-    trainer = trainers[0]
+    from training_utils import trained
+    losses, trainer = trained(rank, world, argv)
     opt = trainer.optimizer
     shards = opt.param_shards()
     states = [(str(t.dtype), t.numel()) for t in opt.state_tensors()]  # as stored
