@@ -8,6 +8,8 @@ recomputation (uniform and block) with the recomputed layers' checkpoints offloa
 (--cpu-offloading-num-layers: on the CPU nothing has anywhere to go, so the decoder is given
 the GPU's offloader over host tensors, which copies every checkpoint out and back as a GPU
 run would), and the optimizer on the host (--optimizer-cpu-offload, all of it or half).
+The model is Llama-style (RoPE, RMSNorm, SwiGLU, untied) or Megatron-LM's defaults (learned
+absolute positions, tied embeddings, LayerNorm / GELU, a padded vocabulary), with dropout 0.1.
 Each run's losses and gradient norms equal the one-process run of the same model
 without any lever, within the fp32 bound every layout's parity test uses (1e-5: the shards and
 tiles sum the same fp32 numbers in another order); and the offloader really moved the
@@ -27,6 +29,13 @@ MODEL = (TINY.replace("--num-layers 2", "--num-layers 3")
          .replace("--num-attention-heads 4", "--num-attention-heads 4 --group-query-attention "
                   "--num-query-groups 4")
          + f" --train-iters {STEPS} {LLAMA_FLAGS}")
+# Megatron-LM's defaults: learned absolute positions, tied embeddings, LayerNorm / GELU, and
+# 300 tokens padded to 384 vocabulary rows
+MEGATRON = (TINY.replace("--num-layers 2", "--num-layers 3")
+            .replace("--seq-length 32", "--seq-length 64")
+            .replace("--position-embedding-type rope", "")
+            .replace("--vocab-size 200 --make-vocab-size-divisible-by 64", "--vocab-size 300")
+            + f" --train-iters {STEPS}")
 TILES = "--tiled-logits-chunk-size 16 --mlp-chunks-for-training 2"
 FULL_UNIFORM = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 FULL_BLOCK = "--recompute-granularity full --recompute-method block --recompute-num-layers 2"
@@ -39,15 +48,19 @@ FSDP = "--use-torch-fsdp2"
 FSDP_HOST = ("--use-megatron-fsdp --ckpt-format fsdp_dtensor --use-precision-aware-optimizer "
              "--optimizer-cpu-offload --optimizer-offload-fraction")
 TOL = 1e-5
-# name: layout flags at world size 4 (FSDP2 shards over DP x CP = 4 in each)
+# name: (model, layout flags at world size 4; FSDP2 shards over DP x CP = 4 in each); the
+# reference is one process of the model
 RUNS = {
-    "ulysses_cp2_dp2": f"--context-parallel-size 2 --cp-comm-type a2a {FSDP_HOST} 1.0 {TILES} "
-                       f"{FULL_UNIFORM} {OFFLOAD}",
-    "ring_cp2_dp2": f"--context-parallel-size 2 --cp-comm-type p2p {FSDP_HOST} 0.5 {TILES} "
-                    f"{FULL_BLOCK} {OFFLOAD}",
-    "hybrid_cp4": f"--context-parallel-size 4 --cp-comm-type a2a+p2p "
-                  f"--hierarchical-context-parallel-sizes 2 2 {FSDP} {TILES} {FULL_UNIFORM} "
-                  f"{OFFLOAD}",
+    "ulysses_cp2_dp2": (MODEL, f"--context-parallel-size 2 --cp-comm-type a2a {FSDP_HOST} 1.0 "
+                               f"{TILES} {FULL_UNIFORM} {OFFLOAD}"),
+    "ring_cp2_dp2": (MODEL, f"--context-parallel-size 2 --cp-comm-type p2p {FSDP_HOST} 0.5 "
+                            f"{TILES} {FULL_BLOCK} {OFFLOAD}"),
+    "hybrid_cp4": (MODEL, f"--context-parallel-size 4 --cp-comm-type a2a+p2p "
+                          f"--hierarchical-context-parallel-sizes 2 2 {FSDP} {TILES} "
+                          f"{FULL_UNIFORM} {OFFLOAD}"),
+    "megatron_defaults_ring_cp2_dp2": (MEGATRON, f"--context-parallel-size 2 --cp-comm-type p2p "
+                                                 f"{FSDP_HOST} 1.0 {TILES} {FULL_UNIFORM} "
+                                                 f"{OFFLOAD}"),
 }
 
 
@@ -89,16 +102,18 @@ def _jobs(rank, world, jobs):
 
 @pytest.fixture(scope="module")
 def results():
-    out = {"ref": run_workers(_train, 1, MODEL, timeout=300)[0]}
-    out.update({"runs": run_workers(_jobs, 4, {name: f"{MODEL} {layout}"
-                                               for name, layout in RUNS.items()},
+    out = {"ref": run_workers(_jobs, 1, {model: model for model in (MODEL, MEGATRON)},
+                              timeout=300)[0]}
+    out.update({"runs": run_workers(_jobs, 4, {name: f"{model} {layout}"
+                                               for name, (model, layout) in RUNS.items()},
                                     timeout=500)})
     return out
 
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_all_levers_together_equal_one_process(results, name):
-    ref_losses, ref_norms, _, _ = results["ref"]
+    model, layout = RUNS[name]
+    ref_losses, ref_norms, _, _ = results["ref"][model]
     assert ref_losses[-1] < ref_losses[0], "the tiny model must learn"
     for rank_results in results["runs"]:
         losses, norms, moved, host = rank_results[name]
@@ -109,10 +124,10 @@ def test_all_levers_together_equal_one_process(results, name):
         # layer 0's checkpoint input [s/cp, b, h] (fp32) went to the host once per microbatch
         # and step (its small companions, position ids and rotary angles, with it): the
         # lever was on, not silently dropped
-        cp = int(RUNS[name].split("--context-parallel-size ")[1].split()[0])
+        cp = int(layout.split("--context-parallel-size ")[1].split()[0])
         microbatches = 8 // (2 * (4 // cp))  # global batch / (micro batch x DP)
         checkpoints = STEPS * microbatches * (2 * 64 // cp) * 32 * 4
         assert checkpoints <= moved <= 1.25 * checkpoints, (moved, checkpoints)
         # the optimizer on the host held its share there (a run that dropped the flags would
         # hold nothing)
-        assert (host > 0) == ("--optimizer-cpu-offload" in RUNS[name]), (name, host)
+        assert (host > 0) == ("--optimizer-cpu-offload" in layout), (name, host)
