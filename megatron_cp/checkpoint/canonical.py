@@ -159,7 +159,8 @@ def is_expert(name):
 
 def is_buffer(name):
     """True for a state-dict entry that is a buffer, not a param (no optimizer state)."""
-    return name.endswith(("router.expert_bias", "router.qb_beta"))
+    return name.endswith(("router.expert_bias", "router.qb_beta", "fp8_meta.amax_history",
+                          "fp8_meta.scale"))
 
 
 def tp_spec(name, swiglu):

@@ -37,7 +37,7 @@ from megatron_cp.config.training import TrainingConfig
 # The typed sections whose fields declare the flags, in --help's order
 SECTIONS = (GPTConfig, OptimizerConfig, DataConfig, TrainingConfig, ParallelConfig,
             CheckpointConfig, LoggingConfig)
-GROUPS = ("model", "moe", "training", "rerun engine", "parallelism", "data",
+GROUPS = ("model", "moe", "mixed precision", "training", "rerun engine", "parallelism", "data",
           "checkpointing and logging", "compat")
 _GROUP_TITLES = {"moe": "mixture of experts", "compat": "other Megatron-LM flags (accepted, or refused with the reason)"}
 

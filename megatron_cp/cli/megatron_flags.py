@@ -204,9 +204,10 @@ COMPAT_FLAGS = (
                "batch stays --global-batch-size); give the ramp-up as --step-batch-size-schedule "
                "(e.g. '0:16 1M:32 2M:64', thresholds in tokens)",
                argparse=dict(nargs=3, type=int, default=None)),
-    CompatFlag("--fp8-format", REFUSE, "FP8 training needs Transformer Engine's fp8 layers, "
-               "which are not used; use --bf16", argparse=dict(choices=["e4m3", "hybrid"],
-                                                              default=None)),
+    CompatFlag("--fp8-interval", SAME, "Megatron-LM passes it only to a Transformer Engine "
+               "older than 1.8, which recomputed delayed scales every this many steps; newer "
+               "ones ignore it, and scales move every step here as there",
+               argparse=dict(type=int, default=1), effect=NUMERICS),
     CompatFlag("--fp32-residual-connection", REFUSE, "the residual stream stays in the model "
                "dtype; an fp32 residual " + _NOT_BUILT),
     CompatFlag("--no-create-attention-mask-in-dataloader", SAME, "no attention-mask tensor "
@@ -250,7 +251,8 @@ COMPAT_FLAGS = (
                "submodule's params apart, to overlap the gathers with compute (FSDP2 gathers "
                "one layer at a time)", effect=SPEED),
     CompatFlag("--keep-fp8-transpose-cache", IGNORED, "keeps FP8 weights' transpose caches "
-               "between forward and backward (no FP8 here: refused)", effect=SPEED),
+               "between forward and backward under Megatron FSDP (here each FP8 weight copy is "
+               "made in forward and transposed in backward)", effect=SPEED),
     CompatFlag("--megatron-fsdp-main-params-dtype", SAME, "fp32 main params are what the "
                "optimizer steps",
                argparse=dict(choices=["fp32", "bf16", "fp16", "auto"], default="fp32"),
@@ -482,12 +484,12 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
     ("turning off reduced-precision bf16 matmul accumulation is not built; PyTorch's default "
      "is kept; drop it",
      ("--disable-bf16-reduced-precision-matmul",)),
-    ("FP8 needs Transformer Engine's fp8 layers, which megatron_cp does not use; train in "
-     "--bf16",
-     ("--fp8-recipe", "--fp8-quantizer-factory", "--fp8-margin", "--fp8-interval",
-      "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--no-fp8-wgrad",
-      "--fp8-output-proj", "--first-last-layers-bf16", "--num-layers-at-start-in-bf16",
-      "--num-layers-at-end-in-bf16",)),
+    ("a custom FP8 quantizer (--fp8-recipe custom, Transformer Engine's quantizer factory) is "
+     "not built; use --fp8-recipe tensorwise or delayed",
+     ("--fp8-quantizer-factory",)),
+    ("runs the output layer in FP8 under --fp8-recipe mxfp8 only (Megatron-LM's rule), and "
+     "MXFP8 is not built; drop it",
+     ("--fp8-output-proj",)),
     ("FP4 needs Transformer Engine's NVFP4 recipe, which megatron_cp does not use; train in "
      "--bf16",
      ("--fp4-format", "--fp4-recipe", "--fp4-quantizer-factory",)),

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_cp.config.activation_memory import ActivationMemorySettings
+from megatron_cp.config.fp8 import Fp8Settings
 from megatron_cp.config.gated_delta_net import GatedDeltaNetSettings
 from megatron_cp.config.mla import MLASettings
 from megatron_cp.config.moe import MoESettings
@@ -46,7 +47,7 @@ def pad_vocab_size(vocab_size, make_vocab_size_divisible_by=128, tensor_model_pa
 
 @dataclass(kw_only=True, frozen=True)
 class GPTConfig(MLASettings, GatedDeltaNetSettings, MoESettings, MTPSettings,
-                ActivationMemorySettings):
+                ActivationMemorySettings, Fp8Settings):
     """Everything that shapes the GPT model. Sizes follow Megatron-LM's argument names."""
     num_layers: int = setting(help="Number of transformer layers.", shapes=True)
     hidden_size: int = setting(help="Transformer hidden size.", shapes=True)
@@ -356,6 +357,7 @@ class GPTConfig(MLASettings, GatedDeltaNetSettings, MoESettings, MTPSettings,
             raise ValueError(f"recompute_num_layers ({self.recompute_num_layers}) applies to "
                              f"recompute_granularity 'full' only; drop it with 'selective'")
         self._check_activation_memory()
+        self.check_fp8()
 
     @property
     def hidden_init_std(self):

@@ -29,6 +29,7 @@ MTPLossAutoScaler), so the forward value (the LM loss) is unchanged.
 import torch
 
 from megatron_cp import tensor_parallel as tpar
+from megatron_cp.fp8 import attach_fp8
 from megatron_cp.layers.norms import norm_for
 from megatron_cp.model.transformer import TransformerLayer, mark_sequence_parallel
 from megatron_cp.moe.balancing import AttachLoss
@@ -58,6 +59,8 @@ class MultiTokenPredictionLayer(torch.nn.Module):
         self.final_layernorm = norm_for(config, config.hidden_size, device)
         for norm in (self.enorm, self.hnorm, self.final_layernorm):
             mark_sequence_parallel(norm, config.sequence_parallel)
+        if config.fp8:  # Megatron-LM runs MTP under its global FP8 context, whatever the layer
+            attach_fp8(self, config, tp_group, cp_group)
 
     def forward(self, h, embedded, position_ids, token_index, document_ids, loss_mask,
                 dropout_ids, site_number=None, layout=None):

@@ -13,6 +13,7 @@ import contextlib
 import torch
 
 from megatron_cp import tensor_parallel as tpar
+from megatron_cp.fp8 import attach_fp8, fp8_layer
 from megatron_cp.layers.activation_offload import offloader_for
 from megatron_cp.layers.fine_grained_offload import FineGrainedOffload, offload_group
 from megatron_cp.model.attention import SelfAttention
@@ -145,6 +146,9 @@ class TransformerBlock(torch.nn.Module):
         self.layers = torch.nn.ModuleList(
             TransformerLayer(config, n, tp_group, cp_group, rng_tracker, device, state=state)
             for n in self.layer_numbers)
+        for n, layer in zip(self.layer_numbers, self.layers):
+            if fp8_layer(config, n):  # --fp8-format, but --first-last-layers-bf16's layers
+                attach_fp8(layer, config, tp_group, cp_group)
         if config.torch_compile:
             for layer in self.layers:
                 compile_layer(layer, config.torch_compile_mode)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_cp.distributed.meta_init import drawn_parameter
+from megatron_cp.fp8.linear import fp8_linear
 from megatron_cp.tensor_parallel import mappings
 from megatron_cp.tensor_parallel.overlap import ColumnParallelOverlap, RowParallelOverlap
 
@@ -103,6 +104,14 @@ def drawn_weight(shape, init_method, seed, dtype, device, dim=0, stride=1, tp_si
                                    init_method, seed, dtype), device)
 
 
+def _linear(layer, x, bias):
+    """``F.linear(x, layer.weight, bias)``, in FP8 when the layer has an ``fp8_meta``
+    (:func:`megatron_cp.fp8.attach_fp8`)."""
+    if layer.fp8_meta is not None:
+        return fp8_linear(x, layer.weight, bias, layer.fp8_meta)
+    return F.linear(x, layer.weight, bias)
+
+
 def _mark(param, dim, stride=1):
     param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, stride
 
@@ -113,7 +122,8 @@ class ColumnParallelLinear(torch.nn.Module):
     Input [s(/tp with SP), b, in] -> output [s, b, out/tp] (or [s, b, out] with gather_output).
     With sequence parallelism the input is all-gathered along s first; ``tp_comm_overlap`` (a
     :class:`~megatron_cp.tensor_parallel.overlap.TPCommOverlap`, SP only) overlaps that
-    all-gather and the backward's reduce-scatter with the GEMMs.
+    all-gather and the backward's reduce-scatter with the GEMMs. ``fp8_meta``: set by
+    :func:`megatron_cp.fp8.attach_fp8` to run the GEMMs in FP8.
     """
 
     def __init__(self, input_size, output_size, *, tp_group, init_method, seed, bias=True,
@@ -130,6 +140,7 @@ class ColumnParallelLinear(torch.nn.Module):
         self.tp_group, self.gather_output = tp_group, gather_output
         self.sequence_parallel, self.skip_bias_add = sequence_parallel and tp_size > 1, skip_bias_add
         self.tp_comm_overlap = tp_comm_overlap if self.sequence_parallel else None
+        self.fp8_meta = None
         self.weight = drawn_weight((output_size, input_size), init_method, seed, params_dtype,
                                    device, 0, stride, tp_size, tp_rank)
         _mark(self.weight, 0, stride)
@@ -150,7 +161,7 @@ class ColumnParallelLinear(torch.nn.Module):
                 x = mappings.gather_from_sequence_parallel_region(x, self.tp_group)  # [s, b, in]
             else:
                 x = mappings.copy_to_tensor_model_parallel_region(x, self.tp_group)
-            out = F.linear(x, self.weight, bias)  # [s, b, out/tp]
+            out = _linear(self, x, bias)  # [s, b, out/tp]
         if self.gather_output:
             out = mappings.gather_from_tensor_model_parallel_region(out, self.tp_group)
         return (out, self.bias) if self.skip_bias_add else out
@@ -175,6 +186,7 @@ class RowParallelLinear(torch.nn.Module):
         self.tp_group, self.input_is_parallel = tp_group, input_is_parallel
         self.sequence_parallel, self.skip_bias_add = sequence_parallel and tp_size > 1, skip_bias_add
         self.tp_comm_overlap = tp_comm_overlap if self.sequence_parallel else None
+        self.fp8_meta = None
         self.weight = drawn_weight((output_size, input_size), init_method, seed, params_dtype,
                                    device, 1, 1, tp_size, tp_rank)
         _mark(self.weight, 1)
@@ -190,7 +202,7 @@ class RowParallelLinear(torch.nn.Module):
         if self.tp_comm_overlap is not None:  # [s, b, in/tp] -> [s/tp, b, out]
             out = RowParallelOverlap.apply(x, self.weight, self.tp_group, self.tp_comm_overlap)
         else:
-            partial = F.linear(x, self.weight)  # [s, b, out], partial sum over TP
+            partial = _linear(self, x, None)  # [s, b, out], partial sum over TP
             if self.sequence_parallel:
                 out = mappings.reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
             else:

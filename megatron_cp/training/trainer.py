@@ -12,7 +12,7 @@ import torch.distributed as dist
 from megatron_cp.distributed import device as device_mod
 from megatron_cp.resilience import faults
 from megatron_cp.pipeline_parallel import loss_weighting
-from megatron_cp import moe
+from megatron_cp import fp8, moe
 from megatron_cp.checkpoint.checkpointer import Checkpointer
 from megatron_cp.checkpoint.train_state import TrainState
 from megatron_cp.resilience import rerun
@@ -249,6 +249,9 @@ class Trainer:
             raise faults.non_finite("loss", loss, current, rank, bad)
         moe.update_expert_bias(self.model_chunks, self.state)
         moe.update_qb_beta(self.model_chunks, self.state)
+        # FP8: delayed scaling's amaxes over every rank of the stage, its scales moved, once
+        # per step
+        fp8.end_fp8_step(self.model_chunks, [self.state.group(name) for name in ("tp", "cp", "dp")])
         try:
             ok, grad_norm, self.num_zeros = self.optimizer.step()
         except GradNormNotFinite as bad:

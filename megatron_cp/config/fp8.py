@@ -1,0 +1,76 @@
+"""FP8 training (megatron_cp/fp8/): Megatron-LM's flags, defaults and rules (its
+TransformerConfig and argument checks at the census commit), on torch._scaled_mm instead of
+Transformer Engine. The tensorwise and delayed recipes are built; MXFP8, blockwise and custom
+quantizers are refused until they are (and so is what only they enable).
+"""
+from dataclasses import dataclass
+
+from megatron_cp.config.setting import setting
+
+FP8_RECIPES = ("tensorwise", "delayed")
+NOT_BUILT_RECIPES = {
+    "mxfp8": "MXFP8 (32-element block scales, Blackwell GPUs) is not built; use tensorwise "
+             "or delayed",
+    "blockwise": "blockwise scaling (128x128 / 1x128 block scales) is not built; use "
+                 "tensorwise or delayed",
+    "custom": "a custom quantizer factory (Transformer Engine's) is not built; use "
+              "tensorwise or delayed",
+}
+
+
+@dataclass(kw_only=True, frozen=True)
+class Fp8Settings:
+    """Part of :class:`~megatron_cp.config.model.GPTConfig` (see the module docstring)."""
+    fp8: str | None = setting(
+        None, flag="--fp8-format", choices=(None, "e4m3", "hybrid"), group="mixed precision",
+        help="Run the transformer layers' linear GEMMs in FP8 on torch._scaled_mm: e4m3 for "
+             "every FP8 tensor, or hybrid (e4m3 inputs and weights, e5m2 output gradients).")
+    fp8_recipe: str = setting(
+        "delayed", choices=FP8_RECIPES + tuple(NOT_BUILT_RECIPES), group="mixed precision",
+        help="FP8 scaling: tensorwise (each tensor's scale from its own amax, current "
+             "scaling) or delayed (scales from an amax history of earlier steps).")
+    fp8_margin: int = setting(
+        0, group="mixed precision",
+        help="Delayed scaling: the scale is divided by 2^margin.")
+    fp8_amax_history_len: int = setting(
+        1, group="mixed precision",
+        help="Delayed scaling: the amax history's length, in steps.")
+    fp8_amax_compute_algo: str = setting(
+        "most_recent", choices=("most_recent", "max"), group="mixed precision",
+        help="Delayed scaling: the amax a scale comes from: the history's newest entry "
+             "(most_recent) or its largest (max).")
+    fp8_wgrad: bool = setting(
+        True, flag="--no-fp8-wgrad", aliases=("--disable-fp8-wgrad",), group="mixed precision",
+        help="Run the weight-gradient GEMM in the activations' precision instead of FP8.")
+    first_last_layers_bf16: bool = setting(
+        False, group="mixed precision",
+        help="With FP8: keep the first and last decoder layers' linears in the activations' "
+             "precision (not with the delayed recipe: Megatron-LM's rule).")
+    num_layers_at_start_in_bf16: int = setting(
+        1, group="mixed precision",
+        help="--first-last-layers-bf16: how many first decoder layers stay in high precision.")
+    num_layers_at_end_in_bf16: int = setting(
+        1, group="mixed precision",
+        help="--first-last-layers-bf16: how many last decoder layers stay in high precision.")
+
+    def check_fp8(self, pipeline_model_parallel_size=1):
+        """Megatron-LM's FP8 rules (its TransformerConfig's)."""
+        if self.fp8_recipe in NOT_BUILT_RECIPES:
+            raise ValueError(f"fp8_recipe {self.fp8_recipe}: {NOT_BUILT_RECIPES[self.fp8_recipe]}")
+        if not self.fp8:
+            return
+        if self.first_last_layers_bf16 and self.fp8_recipe == "delayed":
+            raise ValueError("first_last_layers_bf16 (True) is not supported with fp8_recipe "
+                             "'delayed' (Megatron-LM's rule): use fp8_recipe tensorwise")
+        if self.fp8_amax_history_len < 1:
+            raise ValueError(f"fp8_amax_history_len ({self.fp8_amax_history_len}) must be >= 1")
+        if self.first_last_layers_bf16:
+            most = self.num_layers // pipeline_model_parallel_size
+            for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+                value = getattr(self, name)
+                if not 0 <= value <= most:
+                    raise ValueError(f"{name} ({value}) must be between 0 and the number of "
+                                     f"layers per pipeline stage ({most}) (Megatron-LM's rule)")
+        if self.tp_comm_overlap:
+            raise ValueError("fp8 with tp_comm_overlap (True): the overlapped column/row "
+                             "GEMMs are not built in FP8; drop tp_comm_overlap")

@@ -1,0 +1,19 @@
+"""FP8 training without Transformer Engine: the GEMMs of the transformer layers' linears on
+``torch._scaled_mm`` with Megatron-LM's tensorwise (current) and delayed scaling recipes.
+
+- :mod:`~megatron_cp.fp8.scaling`: the formats, scales from amaxes, saturating casts;
+- :mod:`~megatron_cp.fp8.linear`: the FP8 GEMM's autograd function and each linear's
+  scaling state (:class:`Fp8Meta`);
+- :mod:`~megatron_cp.fp8.model`: which linears run in FP8 (Megatron-LM's rules) and the
+  delayed recipe's once-per-step update (:func:`end_fp8_step`).
+
+Every amax is the whole logical tensor's: reduced over the ranks that hold pieces of it
+(TP, CP; at the delayed recipe's step end also DP), so every layout quantizes exactly as one
+process does.
+"""
+from megatron_cp.fp8.linear import Fp8Meta, fp8_linear
+from megatron_cp.fp8.model import attach_fp8, end_fp8_step, fp8_layer, fp8_metas
+from megatron_cp.fp8.scaling import FORMATS, quantize, scale_from_amax
+
+__all__ = ["FORMATS", "Fp8Meta", "attach_fp8", "end_fp8_step", "fp8_layer", "fp8_linear",
+           "fp8_metas", "quantize", "scale_from_amax"]
