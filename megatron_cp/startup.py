@@ -50,4 +50,5 @@ def forward_step(model, batch):
     return model(batch["tokens"], batch["position_ids"], labels=batch["labels"],
                  token_index=batch.get("token_index"), document_ids=batch.get("document_ids"),
                  loss_mask=batch.get("loss_mask"), sample_ids=batch.get("sample_ids"),
-                 unpadded_index=batch.get("unpadded_index"), mtp_targets=mtp_targets(batch))
+                 unpadded_index=batch.get("unpadded_index"), mtp_targets=mtp_targets(batch),
+                 real_token=batch.get("real_token"))

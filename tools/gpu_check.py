@@ -45,6 +45,9 @@ docstrings of tools/gpu_check_paths.py, gpu_check_layers.py and gpu_check_train.
   --use-torch-fsdp2, sinkhorn routing, a few steps on the device against the CPU (fp32) and
   bf16 against fp32; Muon's orthogonalised update, the sinkhorn
   balancing and a sinkhorn MoE layer on the device against the CPU.
+- fp8 (tools/gpu_check_fp8.py): the FP8 linear's GEMMs on torch._scaled_mm against the CPU's
+  (payloads bit for bit), and --fp8-format hybrid training (tensorwise, delayed) against the
+  CPU.
 
 Time budgets: each section runs under a budget (--section-seconds; by default on CUDA the
 SECTION_SECONDS below, sized so that the whole suite fits 5 minutes on one H100; none on the
@@ -367,10 +370,10 @@ def section_train(report, device, steps, seq):
 # compilation of FLA's Triton kernels), so that the whole suite, start-up and a check past a
 # budget included, stays within 5 minutes there. On the CPU no budget applies unless given.
 SUITE_SECONDS, START_UP_SECONDS = 300, 30  # the goal on an H100; Python, torch and CUDA start
-SECTION_SECONDS = {"reference": 5, "blocks": 40, "local": 20, "cp": 25, "train": 8, "moe": 10,
+SECTION_SECONDS = {"reference": 5, "blocks": 36, "local": 18, "cp": 25, "train": 8, "moe": 10,
                    "flash": 25, "gdn": 25, "mla": 12, "dropout": 12, "tiled": 10,
                    "tp_overlap": 8, "offload": 12, "mtp": 8, "mup": 8, "muon": 10, "fsdp2": 8,
-                   "sinkhorn": 10}
+                   "sinkhorn": 10, "fp8": 10}
 EXIT_PASS, EXIT_FAIL, EXIT_CAPPED = 0, 1, 2
 
 

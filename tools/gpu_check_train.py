@@ -38,9 +38,10 @@ from megatron_cp.moe.balancing import sinkhorn
 from megatron_cp.optimizer.muon import Orthogonalizer
 from gpu_check_lib import (TF32_TOLERANCE, TOLERANCE, TRAIN_BF16_TOL, TRAIN_FP32_TOL, Series,
                            supported_dtypes)
+from gpu_check_fp8 import section_fp8
 from gpu_check_moe import check_layer
 
-TRAIN_SECTIONS = ("mtp", "mup", "muon", "fsdp2", "sinkhorn")  # offload: gpu_check_layers.py
+TRAIN_SECTIONS = ("mtp", "mup", "muon", "fsdp2", "sinkhorn", "fp8")  # offload: gpu_check_layers.py
 CPU = torch.device("cpu")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENTRY = os.path.join(ROOT, "pretrain_gpt.py")  # the training entry point, run as a program
@@ -61,6 +62,8 @@ PATH_FLAGS = {
     "fsdp2": "--use-torch-fsdp2",
     "sinkhorn": "--num-experts 4 --moe-router-topk 1 --moe-router-load-balancing-type sinkhorn",
     "offload": "--cpu-offloading-num-layers 1",
+    "fp8/tensorwise": "--fp8-format hybrid --fp8-recipe tensorwise",
+    "fp8/delayed": "--fp8-format hybrid --fp8-recipe delayed",
 }
 
 
@@ -119,7 +122,8 @@ def section_train_path(report, device, path, plan):
     for where, low in ((device, False), (CPU, False)) + (((device, True),) if bf16 else ()):
         if (where, low) not in runs:  # on the CPU, its own reference
             runs[(where, low)] = TrainingRun(argv + (" --bf16" if low else ""), where)
-    tol = TRAIN_BF16_TOL if path == "muon" else TRAIN_FP32_TOL  # Newton-Schulz in bf16
+    # Newton-Schulz in bf16; FP8 roundings that last-bit differences flip
+    tol = TRAIN_BF16_TOL if path == "muon" or path.startswith("fp8") else TRAIN_FP32_TOL
     tag = f"{steps}-steps/s={seq}/loss"
     try:
         report.run(f"{path}/train/fp32/{device.type}-vs-cpu/{tag}", lambda: Series(
@@ -203,5 +207,6 @@ def train_sections(report, device, quick):
     sections = {path: functools.partial(train, path) for path in ("mtp", "mup", "fsdp2",
                                                                    "offload")}
     sections["muon"] = lambda: section_muon(report, device, quick, train)
+    sections["fp8"] = lambda: section_fp8(report, device, quick, train)
     sections["sinkhorn"] = lambda: section_sinkhorn(report, device, quick, train)
     return sections

@@ -71,6 +71,10 @@ class Fp8Settings:
                 if not 0 <= value <= most:
                     raise ValueError(f"{name} ({value}) must be between 0 and the number of "
                                      f"layers per pipeline stage ({most}) (Megatron-LM's rule)")
+        if self.mlp_chunks_for_training > 1:
+            raise ValueError(f"fp8 with mlp_chunks_for_training ({self.mlp_chunks_for_training})"
+                             f": a chunk's FP8 input amax over its own rows is not built; drop "
+                             f"mlp_chunks_for_training")
         if self.tp_comm_overlap:
             raise ValueError("fp8 with tp_comm_overlap (True): the overlapped column/row "
                              "GEMMs are not built in FP8; drop tp_comm_overlap")

@@ -115,7 +115,9 @@ def prepare_microbatch(batch, cp_rank, cp_size, target_length=None):
     padded sample length (a multiple of 2 x CP; default: the longest padded sample).
     Returns the same keys as [b, length / cp], ``document_ids`` renumbered by run (or
     None), ``token_index`` and ``unpadded_index`` [b, length / cp] int64 (None at CP=1; pad
-    tokens get unpadded index 0, which no real token ever sees).
+    tokens get unpadded index 0, which no real token ever sees), and ``real_token``
+    [b, length / cp] bool, False on pad tokens (None when nothing is padded: what FP8's
+    input amaxes skip, megatron_cp/fp8/rows.py).
     """
     if cp_size < 1 or not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank ({cp_rank}) must lie in [0, cp_size ({cp_size}))")
@@ -137,11 +139,13 @@ def prepare_microbatch(batch, cp_rank, cp_size, target_length=None):
         raise ValueError(too_long_message(needed, total, cp_size))
     if cp_size == 1 and total == shape[1]:
         return {**batch, "document_ids": batch.get("document_ids"), "token_index": None,
-                "unpadded_index": None}
+                "unpadded_index": None, "real_token": None}
 
-    # padded and split like the other per-token tensors
-    extra = {"unpadded_index": torch.arange(shape[1], device=batch["tokens"].device)} \
-        if cp_size > 1 else {}
+    # padded and split like the other per-token tensors; real_token: False on pad tokens
+    device = batch["tokens"].device
+    extra = {"real_token": torch.ones(shape[1], dtype=torch.bool, device=device)}
+    if cp_size > 1:
+        extra["unpadded_index"] = torch.arange(shape[1], device=device)
     samples, token_index = [], []
     for n, (lengths, padded) in enumerate(per_sample):
         padded = padded[:-1] + [padded[-1] + total - sum(padded)]  # extend the last document

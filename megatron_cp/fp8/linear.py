@@ -8,7 +8,9 @@ operand row-major, the second column-major.
 """
 import torch
 
-from megatron_cp.fp8.scaling import FORMATS, amax_of, delayed_scale, quantize, scale_from_amax
+from megatron_cp.fp8 import rows
+from megatron_cp.fp8.scaling import (FORMATS, amax_of, delayed_scale, local_amax, quantize,
+                                     scale_from_amax)
 
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2  # the three quantized tensors of one linear
 
@@ -50,12 +52,18 @@ class Fp8Meta(torch.nn.Module):
         return self.bwd_dtype if role == GRAD_OUTPUT else self.fwd_dtype
 
     def scale_for(self, role, x):
-        """The fp32 scale that quantizes ``x`` (the ``role`` tensor) now."""
+        """The fp32 scale that quantizes ``x`` (the ``role`` tensor) now; an input's amax
+        skips pad tokens (megatron_cp/fp8/rows.py; a pad token's output gradient is 0)."""
+        real = rows.current() if role == INPUT else None
+        if real is not None:
+            if real.numel() != x.shape[0]:
+                raise AssertionError(f"{x.shape[0]} input rows, {real.numel()} row marks")
+            x = x[real]  # [real tokens, k]
         if not self.delayed:
             amax = amax_of(x, self.groups[role])
             self._record(role, amax)
             return scale_from_amax(amax, self.dtype(role))
-        self._record(role, x.detach().abs().amax().to(torch.float32))  # reduced at step end
+        self._record(role, local_amax(x))  # reduced at step end
         return self.scale[role].clone()  # the step's scale, apart from the buffer
 
     def _record(self, role, amax):

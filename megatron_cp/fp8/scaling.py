@@ -28,8 +28,15 @@ def fp8_max(dtype):
 def amax_of(x, groups=()):
     """``max |x|`` over the whole logical tensor: this rank's piece, then the MAX over each
     of ``groups`` (None or one-rank groups skipped), as an fp32 scalar tensor."""
-    amax = x.detach().abs().amax().to(torch.float32)
+    amax = local_amax(x)
     return reduce_max(amax, groups)
+
+
+def local_amax(x):
+    """``max |x|`` of this rank's piece as an fp32 scalar tensor (0 for an empty one)."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    return x.detach().abs().amax().to(torch.float32)
 
 
 def reduce_max(amax, groups):

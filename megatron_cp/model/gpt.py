@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from megatron_cp import tensor_parallel as tpar
 from megatron_cp.context_parallel.layout import SequenceLayout
+from megatron_cp.fp8 import rows as fp8_rows
 from megatron_cp.layers.norms import norm_for
 from megatron_cp.layers.hidden_dropout import (SITE_EMBEDDING, DropoutIds, hidden_dropout,
                                                sequence_shard, site_key, token_coordinates)
@@ -225,7 +226,15 @@ class GPTModel(torch.nn.Module):
 
     def forward(self, tokens, position_ids, labels=None, token_index=None, document_ids=None,
                 loss_mask=None, sample_ids=None, unpadded_index=None, mtp_targets=None,
-                layout=None):
+                layout=None, real_token=None):
+        """``real_token`` [b, s_local] bool: False on the pad tokens context parallelism
+        adds (megatron_cp/data/microbatch.py), which FP8's input amaxes skip; None: none."""
+        with fp8_rows.real_rows(fp8_rows.rows_of(real_token)):
+            return self._forward(tokens, position_ids, labels, token_index, document_ids,
+                                 loss_mask, sample_ids, unpadded_index, mtp_targets, layout)
+
+    def _forward(self, tokens, position_ids, labels, token_index, document_ids, loss_mask,
+                 sample_ids, unpadded_index, mtp_targets, layout):
         dropout_ids = DropoutIds(sample_ids, unpadded_index)
         if layout is None:  # before the layers: none of them reads the metadata on the host
             layout = self.sequence_layout(token_index, document_ids, position_ids.shape[1],

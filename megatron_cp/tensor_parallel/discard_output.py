@@ -19,6 +19,8 @@ deterministic (no dropout) and return fresh contiguous tensors.
 """
 import torch
 
+from megatron_cp.fp8 import rows as fp8_rows
+
 
 class DiscardedOutput:
     """One call of ``function`` whose outputs are rebuilt in backward (module docstring)."""
@@ -28,9 +30,11 @@ class DiscardedOutput:
         self.ctx = None  # the autograd node's context: its saved inputs
         self.outputs = None  # what forward returned (their storage is freed and refilled)
         self.rebuilt = None  # (detached inputs, outputs with a graph) from the backward rerun
+        self.real_rows = None  # the call's FP8 real-token rows, which the rerun's amaxes skip
 
     @torch.compiler.disable
     def __call__(self, *inputs):
+        self.real_rows = fp8_rows.current()
         outputs = _Run.apply(self, *inputs)
         return outputs[0] if len(outputs) == 1 else outputs
 
@@ -47,7 +51,7 @@ class DiscardedOutput:
 
     def _rebuild(self):
         inputs = [x.detach().requires_grad_(x.requires_grad) for x in self.ctx.saved_tensors]
-        with torch.enable_grad():
+        with torch.enable_grad(), fp8_rows.real_rows(self.real_rows):
             outputs = self.function(*inputs)
         outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
         self.rebuilt = (inputs, outputs)

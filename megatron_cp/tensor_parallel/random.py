@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 
 from megatron_cp.distributed import device as device_mod
+from megatron_cp.fp8 import rows as fp8_rows
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 
@@ -123,6 +124,7 @@ def checkpoint(function, tracker, *args, distribute_group=None):
     call is a graph break, and around compiled layers (full recomputation) it reruns them.
     """
     snapshot = tracker.get_states() if tracker is not None else None
+    real = fp8_rows.current()  # the rerun's FP8 input amaxes skip the same pad tokens
     split = None
     if distribute_group is not None and torch.is_grad_enabled() and args[0].requires_grad:
         split = _SplitInput(args[0], distribute_group)
@@ -131,17 +133,18 @@ def checkpoint(function, tracker, *args, distribute_group=None):
     def replay():
         if split is not None:
             split.gather()
-        if tracker is None:
-            yield
-            return
-        current = tracker.get_states()
-        tracker.set_states(snapshot)
-        tracker.recomputing = True  # layers that record statistics skip the rerun (MoE router)
-        try:
-            yield
-        finally:
-            tracker.set_states(current)
-            tracker.recomputing = False
+        with fp8_rows.real_rows(real):
+            if tracker is None:
+                yield
+                return
+            current = tracker.get_states()
+            tracker.set_states(snapshot)
+            tracker.recomputing = True  # layers that record statistics skip the rerun (MoE router)
+            try:
+                yield
+            finally:
+                tracker.set_states(current)
+                tracker.recomputing = False
 
     def context_fn():
         return (split.split_after() if split is not None else contextlib.nullcontext()), replay()
