@@ -15,9 +15,11 @@ chaotically (2e-4 by step 10). So the claim is checked where it is exact:
 - the 10-step loss curves stay within a bound from the precision (CURVE_TOL), and the model
   learns; one bf16 run (TP2+SP) is held to the same bound, bf16's.
 
-Found: CP's pad tokens (each packed document padded to a multiple of 2 x CP) enter the
-input amaxes (test_cp_pad_tokens_stay_out_of_the_amax, expected to fail until fixed); the
-layouts above use --seq-length 16, whose mock documents need no padding.
+Found: CP's pad tokens (each packed document padded to a multiple of 2 x CP, see
+megatron_cp/data/microbatch.py) enter the input amaxes, which then are not one process's
+(test_cp_pad_tokens_stay_out_of_the_amax, expected to fail until fixed). The CP layouts
+above are padded too (--seq-length 16: 20 tokens a sample), but no pad row holds a largest
+value there, so they pass; at --seq-length 32 one does.
 """
 import pytest
 import torch
@@ -39,7 +41,7 @@ PACKED = "--reset-attention-mask --reset-position-ids --eod-mask-loss"
 MOE = ("--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0.01 "
        "--moe-shared-expert-intermediate-size 32 --no-bias-gelu-fusion")
 # CP pads each packed document to a multiple of 2 x CP (megatron_cp/data/microbatch.py); at
-# --seq-length 32 the mock documents need pad tokens, whose activations enter the amax
+# --seq-length 32 a pad token's activation is the largest of a linear's input (3.3e-2 off)
 PADDED = (f"{BASE} {PACKED}".replace("--seq-length 16", "--seq-length 32")
           + " --fp8-format hybrid --fp8-recipe tensorwise")
 MODELS = {"dense": BASE, "packed": f"{BASE} {PACKED}", "moe": f"{BASE} {MOE}"}
