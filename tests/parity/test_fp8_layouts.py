@@ -30,20 +30,22 @@ from megatron_cp.checkpoint.canonical import canonical_name
 from megatron_cp.fp8 import Fp8Meta
 from training_utils import TINY, max_rel_diff, trainer_of
 
-BASE = (TINY.replace("--global-batch-size 8", "--global-batch-size 4")
+# one sample of 16 tokens a microbatch, 2 a step: torch._scaled_mm is slow on the CPU
+BASE = (TINY.replace("--micro-batch-size 2 --global-batch-size 8",
+                     "--micro-batch-size 1 --global-batch-size 2")
         .replace("--seq-length 32", "--seq-length 16") + " --train-iters 10")
 # the FP8 state is compared after step 1: every layout starts from the same weights, so
 # its activations and gradients differ from one process's by fp32 ulps only. (By step 2 the
 # update of step 1 carries the TP / DP sums' last-bit differences, through the flipped FP8
-# roundings, into the weights: TP2+SP moves the step-2 output-gradient amax by 3e-4.)
+# roundings, into the weights: TP2+SP moved a step-2 output-gradient amax by 3e-4.)
 SNAPSHOT = 1
 PACKED = "--reset-attention-mask --reset-position-ids --eod-mask-loss"
 MOE = ("--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0.01 "
        "--moe-shared-expert-intermediate-size 32 --no-bias-gelu-fusion")
 # CP pads each packed document to a multiple of 2 x CP (megatron_cp/data/microbatch.py); at
 # --seq-length 32 a pad token's activation is the largest of a linear's input (3.3e-2 off)
-PADDED = (f"{BASE} {PACKED}".replace("--seq-length 16", "--seq-length 32")
-          + " --fp8-format hybrid --fp8-recipe tensorwise")
+PADDED = (f"{TINY} {PACKED} --global-batch-size 4 --train-iters 10 "
+          "--fp8-format hybrid --fp8-recipe tensorwise")
 MODELS = {"dense": BASE, "packed": f"{BASE} {PACKED}", "moe": f"{BASE} {MOE}"}
 RECIPES = {"tensorwise": "--fp8-format hybrid --fp8-recipe tensorwise",
            "delayed": "--fp8-format hybrid --fp8-recipe delayed",
@@ -68,10 +70,10 @@ CONTROLS = {"tp2_sp": "tensorwise", "cp2_p2p_packed": "tensorwise", "dp2_distopt
 # The 10-step curves. A layout's last-bit differences flip a few FP8 roundings per step, each
 # moving one GEMM operand element to the neighbouring FP8 value: a rounding of the size both
 # runs make in every element, so the loss moves far less than FP8's unit roundoff (2^-4 for
-# e4m3). Measured by step 10: 2.2e-4 under TP2+SP and 1.8e-4 under CP2 (their activations
-# differ in the last bit), 1e-7 under PP2, DP2, EP2 and FSDP2 (only the gradient sums'
-# order differs); bf16 under TP2+SP 7e-5. The bound is bf16's unit roundoff 2^-8 (3.9e-3),
-# the one tests/parity/test_fsdp2.py gives bf16's flips: 17x the measured, 16x below e4m3's.
+# e4m3). Measured by step 10: up to 2.4e-4 (EP2; PP2 1e-4, CP2 9.5e-5, TP2+SP 1e-7, DP2
+# and FSDP2 0: which layouts flip depends on the data); bf16 under TP2+SP 8e-5. The bound is
+# bf16's unit roundoff 2^-8 (3.9e-3), the one tests/parity/test_fsdp2.py gives bf16's
+# flips: 16x the measured, 16x below e4m3's.
 CURVE_TOL = 2.0 ** -8
 EXACT = 1e-6  # a few fp32 ulps: TP / CP activations differ from one process's by ulps
 MISSED = 1e-3  # a control amax off by more than this is a piece's, not the whole tensor's
@@ -206,7 +208,7 @@ def test_loss_curve_follows_one_process(results, name, recipe):
     ref_losses = references[(LAYOUTS[name][0], recipe)][0]
     diff = max(max_rel_diff(r[(name, recipe)][0], ref_losses) for r in ranks)
     print(f"{name} {recipe}: 10-step losses {diff:.1e}, {ref_losses[0]:.3f} -> {ref_losses[-1]:.3f}")
-    assert len(ref_losses) == CURVE_STEPS and ref_losses[-1] < ref_losses[0] - 0.1
+    assert len(ref_losses) == CURVE_STEPS and ref_losses[-1] < ref_losses[0] - 0.05
     assert diff <= CURVE_TOL
 
 
