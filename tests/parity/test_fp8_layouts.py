@@ -15,11 +15,10 @@ chaotically (2e-4 by step 10). So the claim is checked where it is exact:
 - the 10-step loss curves stay within a bound from the precision (CURVE_TOL), and the model
   learns; one bf16 run (TP2+SP) is held to the same bound, bf16's.
 
-Found: CP's pad tokens (each packed document padded to a multiple of 2 x CP, see
-megatron_cp/data/microbatch.py) enter the input amaxes, which then are not one process's
-(test_cp_pad_tokens_stay_out_of_the_amax, expected to fail until fixed). The CP layouts
-above are padded too (--seq-length 16: 20 tokens a sample), but no pad row holds a largest
-value there, so they pass; at --seq-length 32 one does.
+CP's pad tokens (each packed document padded to a multiple of 2 x CP, see
+megatron_cp/data/microbatch.py) stay out of the input amaxes (megatron_cp/fp8/rows.py):
+test_cp_pad_tokens_stay_out_of_the_amax trains at a length where a pad row holds the largest
+input value (--seq-length 32), which entered the amax before the fix (step-1 loss 1.2e-5 off).
 """
 import pytest
 import torch
@@ -213,11 +212,9 @@ def test_loss_curve_follows_one_process(results, name, recipe):
 
 
 
-
-@pytest.mark.xfail(strict=True, reason="CP's pad tokens (microbatch.py pads each packed document "
-                   "to a multiple of 2 x CP) enter the FP8 input amaxes: the step-1 loss is "
-                   "off by 1.2e-5; the amax needs the real-token mask")
 def test_cp_pad_tokens_stay_out_of_the_amax(results):
+    """Packed documents padded for CP2 (a pad row holding the largest activation at this
+    length): the FP8 input amaxes skip the pad tokens (megatron_cp/fp8/rows.py)."""
     references, ranks = results
     ref_losses, ref_state = references["padded"]
     state_diff = _state_diff([r["padded"][1] for r in ranks], ref_state)
