@@ -20,8 +20,10 @@ from training_utils import TINY, max_rel_diff, trained
 
 # a history longer than the run, the max over it: every saved entry matters on resume
 # (2 microbatches a step: the CPU's _scaled_mm is slow)
+# Llama-style, which the Hugging Face export takes
 MODEL = (TINY.replace("--global-batch-size 8", "--global-batch-size 4")
-         + " --fp8-format hybrid --fp8-amax-history-len 4 --fp8-amax-compute-algo max")
+         + " --normalization RMSNorm --swiglu --untie-embeddings-and-output-weights "
+           "--disable-bias-linear --fp8-format hybrid --fp8-amax-history-len 4 --fp8-amax-compute-algo max")
 PLAIN = MODEL.split(" --fp8-format")[0]
 TP2 = "--tensor-model-parallel-size 2"
 FORMATS = ("torch_dist", "torch", "fsdp_dtensor")
@@ -68,6 +70,19 @@ def _jobs(rank, world, jobs):
     return {name: _run(rank, world, argv) for name, argv in jobs.items()}
 
 
+def _convert(ck, hf, back, mlm):
+    """Export ``ck`` to Hugging Face (``hf``, imported back as ``back``) and to Megatron-LM
+    (``mlm``); the tensor names of the two exports."""
+    import safetensors.torch
+    import torch.distributed.checkpoint as dcp
+    from tools import checkpoint_convert as convert
+    convert.main(["--load-dir", ck, "--to-hf", hf, "--hf-skip-tokenizer"])
+    convert.main(["--load-dir", ck, "--to-megatron", mlm])
+    convert.main(["--from-hf", hf, "--save-dir", back])
+    return (list(safetensors.torch.load_file(f"{hf}/model.safetensors")),
+            list(dcp.FileSystemReader(f"{mlm}/iter_0000002").read_metadata().state_dict_metadata))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fp8ck")
@@ -82,7 +97,10 @@ def runs(tmp_path_factory):
                           f"--use-distributed-optimizer",
         "pp2:torch": f"{MODEL} --train-iters 4 --load {ck['torch']} "
                      f"--pipeline-model-parallel-size 2"}, timeout=400)
+    exported = _convert(ck["torch"], str(tmp / "hf"), str(tmp / "back"), str(tmp / "mlm"))
     r1 = run_workers(_jobs, 1, {
+        "from_hf": f"{MODEL} --train-iters 4 --load {tmp / 'back'} --finetune",
+        "from_megatron_lm": f"{MODEL} --train-iters 4 --load {tmp / 'mlm'}",
         **{f"tp1:{fmt}": f"{MODEL} --train-iters 4 --load {ck[fmt]} --ckpt-step 2"
            for fmt in FORMATS},
         "plain": f"{PLAIN} --train-iters 4 --exit-interval 2 --save {plain}",
@@ -90,7 +108,7 @@ def runs(tmp_path_factory):
         "fp8_to_plain": f"{PLAIN} --train-iters 4 --load {ck['torch']}",
         "other_history": f"{MODEL.replace('len 4', 'len 2')} --train-iters 4 --load {ck['torch']}"},
         timeout=400)[0]
-    return {"tp2": r2[0], "tp2_rank1": r2[1], **r2[0], **r1}
+    return {"exported": exported, "tp2": r2[0], "tp2_rank1": r2[1], **r2[0], **r1}
 
 
 @pytest.mark.parametrize("resumed", ["same:torch_dist", "dp2:torch_dist", "pp2:torch",
@@ -127,8 +145,7 @@ def test_fp8_switched_on_or_off_across_a_resume(runs):
     refused in one line."""
     _, used, _ = runs["plain_to_fp8"]
     assert len(used[0]) == 16
-    assert all(t.count_nonzero() == 0 if n.endswith("history") else torch.equal(t, torch.ones(3))
-               for n, t in used[0].items())
+    assert _fresh(used[0])
     losses, used, _ = runs["fp8_to_plain"]
     assert len(losses) == 2 and used == [{}, {}]
     assert runs["other_history"] == ("--fp8-amax-history-len (2) differs from the checkpoint's "
@@ -149,3 +166,23 @@ def test_a_switch_says_so_in_one_line():
         said = []
         assert carries(saved, now, said.append) is loads
         assert len(said) == (note is not None) and (note is None or note in said[0])
+
+
+def _fresh(state):
+    return all(t.count_nonzero() == 0 if n.endswith("history") else torch.equal(t, torch.ones(3))
+               for n, t in state.items())
+
+
+
+def test_converters_drop_fp8_state_and_an_import_starts_fresh(runs):
+    """The FP8 checkpoint exported to Hugging Face and to Megatron-LM (whose FP8 state would
+    be Transformer Engine's _extra_state, not written): no fp8_meta key in either; the
+    Hugging Face import and the Megatron-LM checkpoint each train in an FP8 run from fresh
+    histories."""
+    hf_keys, mlm_keys = runs["exported"]
+    assert hf_keys and not [k for k in hf_keys if "fp8" in k]
+    assert mlm_keys and not [k for k in mlm_keys if "fp8" in k]
+    for name in ("from_hf", "from_megatron_lm"):
+        losses, used, last = runs[name]
+        assert len(used[0]) == 16 and _fresh(used[0]) and not _fresh(last), name
+        assert all(0 < x < 6 for x in losses), (name, losses)
