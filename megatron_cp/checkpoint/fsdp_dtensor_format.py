@@ -398,7 +398,9 @@ def load(train_state, ckpt, root, it):
         if record["adam_step"] is None:
             record["adam_step"] = float(step) if steps else 0.0
 
-    return training_state.restore(train_state, ckpt, root, it, record, read)
+    # Megatron-LM's keeps FP8 state in Transformer Engine's _extra_state, which it leaves out
+    return training_state.restore(train_state, ckpt, root, it, record, read,
+                                  saved_fp8=RECORD in saved)
 
 
 def saved_args(folder):

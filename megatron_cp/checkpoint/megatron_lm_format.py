@@ -23,6 +23,11 @@ depths are not stacked: ``mtp.layers.<k>.transformer_layer.<layer name>`` per de
 - every linear layer has an ``_extra_state`` object per layer (and expert), and the
   optimizer's moments are ``optimizer.state.exp_avg.<key>`` in the same stacked form.
 
+FP8: Megatron-LM keeps delayed scaling's amax histories and scales in Transformer Engine's
+``_extra_state``, which is written here empty: an export drops our ``fp8_meta`` buffers, and
+a load of Megatron-LM's checkpoint into an FP8 run starts every history fresh
+(:mod:`megatron_cp.checkpoint.fp8_state`).
+
 The full weights here are plain (unsharded, TP=1) tensors under our names with global layer
 numbers (``decoder.layers.3.mlp.linear_fc1.weight``), the form tools/checkpoint_convert.py
 works in. This module knows nothing of our own formats; a TrainState's load from it is
@@ -41,6 +46,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from megatron_cp.checkpoint import fp8_state
 from megatron_cp.config.census import megatron_census
 
 METADATA_JSON = "metadata.json"
@@ -380,7 +386,7 @@ def megatron_tensors(full, args):
     ``full`` (real vocabulary rows; padded with zeros to Megatron's padded size)."""
     num_layers = args["num_layers"]
     per_layer, out = {}, {}
-    for name, tensor in full.items():
+    for name, tensor in fp8_state.without_fp8(full).items():  # (see the module docstring)
         split = _split_layer(name)
         if split is None:
             if name in VOCAB_PARAMS:

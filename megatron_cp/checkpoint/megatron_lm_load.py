@@ -14,7 +14,7 @@ Checkpointer's sections: the checkpoint's (``ckpt.checkpoint``: ``--finetune``,
 """
 import torch
 
-from megatron_cp.checkpoint import files
+from megatron_cp.checkpoint import files, fp8_state
 from megatron_cp.checkpoint import megatron_lm_format as megatron_lm
 from megatron_cp.checkpoint import state as training_state
 from megatron_cp.optimizer.inner import set_adam_step
@@ -67,6 +67,9 @@ def load(train_state, ckpt, root, it):
                       and not checkpoint.no_load_optim and optimizer == "adam"
                       and opt is not None)
     state = training_state.sharded_state(train_state, with_optimizer, for_load=True)
+    # its FP8 state is in Transformer Engine's _extra_state, which is not read: fresh here
+    training_state.loads_fp8(train_state, {})
+    state = fp8_state.without_fp8(state)
     tensors = {f"model.{name}": t for name, t in full.items()}
     if with_optimizer:
         moments.setdefault("main_param", full)  # fp32 training: the weights are the main params

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_cp.distributed import device as device_mod
-from megatron_cp.checkpoint import files
+from megatron_cp.checkpoint import files, fp8_state
 from megatron_cp.checkpoint.canonical import canonical_name, expert_param_spec, param_spec
 from megatron_cp.checkpoint.pieces import Pieces
 from megatron_cp.distributed.shards import model_piece
@@ -259,12 +259,28 @@ def common(train_state, ckpt, with_optimizer):
     return record
 
 
-def restore(train_state, ckpt, root, it, record, read):
+def say_on_rank0(train_state):
+    """``say(line)``: print a start-up note on global rank 0."""
+    def say(line):
+        if train_state.parallel_state.global_rank == 0:
+            print(f" {line}", flush=True)
+    return say
+
+
+def loads_fp8(train_state, saved_args):
+    """Whether this run loads the FP8 delayed-scaling buffers of a checkpoint saved with
+    ``saved_args`` ({}: it holds none) (:func:`megatron_cp.checkpoint.fp8_state.carries`)."""
+    return fp8_state.carries(saved_args, saved_arguments(train_state.args),
+                             say_on_rank0(train_state))
+
+
+def restore(train_state, ckpt, root, it, record, read, saved_fp8=True):
     """Restore ``train_state`` from a checkpoint held as canonical tensors: ``record`` is its
     :func:`common` record, ``read(state)`` fills this rank's :func:`sharded_state`
     (``{key: Pieces}``) from its tensors, whichever layout saved them; what it restores
     follows ``ckpt.checkpoint`` and what ``train_state`` holds (no optimizer: the weights,
-    no optimizer state). Returns (iteration, consumed samples)."""
+    no optimizer state). ``saved_fp8``: False for a checkpoint that holds no FP8 buffers
+    whatever its arguments say (Megatron-LM's). Returns (iteration, consumed samples)."""
     st, checkpoint, opt = train_state.parallel_state, ckpt.checkpoint, train_state.optimizer
     files.check_args_match(record["args"], saved_arguments(train_state.args))
     if opt is not None:
@@ -273,7 +289,10 @@ def restore(train_state, ckpt, root, it, record, read):
                       and not checkpoint.no_load_optim and opt is not None)
     if with_optimizer:
         check_optimizer_matches(record["args"], ckpt.optimizer_config)
-    read(sharded_state(train_state, with_optimizer, for_load=True))
+    state = sharded_state(train_state, with_optimizer, for_load=True)
+    if not loads_fp8(train_state, record["args"] if saved_fp8 else {}):
+        state = fp8_state.without_fp8(state)  # a fresh history, or the saved one unused
+    read(state)
     if opt is not None and not with_optimizer:
         opt.reload_model_params()
     elif opt is not None:

@@ -79,13 +79,6 @@ def saved_keys(folder):
     return set(dcp.FileSystemReader(folder).read_metadata().state_dict_metadata)
 
 
-def _say(train_state):
-    def say(line):
-        if train_state.parallel_state.global_rank == 0:
-            print(f" {line}", flush=True)
-    return say
-
-
 def save(train_state, ckpt, root):
     """Save ``train_state`` under ``root`` (every rank calls it) as the checkpoint section
     (``ckpt.checkpoint``) says: in the background with ``--async-save`` (returns the save in
@@ -120,7 +113,7 @@ def load(train_state, ckpt, root, it):
     def read(state):
         dcp_files.check_files(folder)
         state = strictness.apply(ckpt.checkpoint.dist_ckpt_strictness, state,
-                                 lambda: saved_keys(folder), folder, _say(train_state),
+                                 lambda: saved_keys(folder), folder, training_state.say_on_rank0(train_state),
                                  ckpt.group())
         dcp_files.read_dcp(folder, state, PiecesLoadPlanner(), ckpt.group())
 

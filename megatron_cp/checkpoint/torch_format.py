@@ -23,7 +23,7 @@ saves as its arguments.
 """
 import os
 
-from megatron_cp.checkpoint import files, torch_shards
+from megatron_cp.checkpoint import files, fp8_state, torch_shards
 from megatron_cp.checkpoint import state as training_state
 from megatron_cp.checkpoint.canonical import canonical_tensors
 from megatron_cp.checkpoint.pieces import fill_from_full
@@ -114,8 +114,14 @@ def load_own_file(train_state, ckpt, root, it, payload):
     for. Returns (iteration, consumed samples)."""
     st, checkpoint, opt = train_state.parallel_state, ckpt.checkpoint, train_state.optimizer
     chunks = training_state.model_chunks(train_state)
+    with_fp8 = training_state.loads_fp8(train_state, payload["args"])
     for i, chunk in enumerate(chunks):
-        chunk.load_state_dict(payload["model"] if len(chunks) == 1 else payload[f"model{i}"])
+        weights = payload["model"] if len(chunks) == 1 else payload[f"model{i}"]
+        if not with_fp8:  # this run's FP8 buffers (fresh, or none) instead of the saved ones
+            weights = {**fp8_state.without_fp8(weights),
+                       **{k: v for k, v in chunk.state_dict().items()
+                          if fp8_state.is_fp8_buffer(k)}}
+        chunk.load_state_dict(weights)
     if opt is not None:
         opt.reload_model_params()  # fp32 main params follow the loaded weights
     if checkpoint.finetune:

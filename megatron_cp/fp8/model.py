@@ -29,9 +29,10 @@ def fp8_layer(config, layer_number):
 
 
 def _linears(module):
+    from megatron_cp.model.multi_latent_attention import ReplicatedLinear
     from megatron_cp.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-    return [m for m in module.modules() if isinstance(m, (ColumnParallelLinear,
-                                                          RowParallelLinear))]
+    return [m for m in module.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear,
+                                                          ReplicatedLinear))]
 
 
 def attach_fp8(module, config, tp_group, cp_group):
@@ -39,10 +40,12 @@ def attach_fp8(module, config, tp_group, cp_group):
     layer) an :class:`~megatron_cp.fp8.linear.Fp8Meta`: its input's and output gradient's
     amaxes reduced over the model's TP and CP groups (the input is split over the sequence
     under SP and CP, and over the hidden size into a row-parallel linear; the gradient over
-    the output size out of a column-parallel one), the weight's over the linear's TP group."""
+    the output size out of a column-parallel one), the weight's over the linear's TP group
+    (none for MLA's down projections, whole on every rank)."""
     for linear in _linears(module):
         activation = (tp_group, cp_group)
-        linear.fp8_meta = Fp8Meta(config, (activation, (linear.tp_group,), activation))
+        weight = (getattr(linear, "tp_group", None),)
+        linear.fp8_meta = Fp8Meta(config, (activation, weight, activation))
 
 
 def fp8_metas(chunks):

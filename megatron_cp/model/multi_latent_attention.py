@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_cp import tensor_parallel as tpar
+from megatron_cp.fp8.linear import fp8_linear
 from megatron_cp.model.attention import AttentionCore
 from megatron_cp.layers.fine_grained_offload import offload_group
 from megatron_cp.layers.norms import norm_for
@@ -52,7 +53,9 @@ from megatron_cp.resilience.weight_hash import check_replicas_equal
 class ReplicatedLinear(torch.nn.Module):
     """y = x W^T with W [out, in] whole on every TP rank (drawn from its own seed, as the
     one-process model draws it). ``sequence_parallel``: the input holds this rank's tokens
-    only, so W's gradient is summed over TP."""
+    only, so W's gradient is summed over TP. ``fp8_meta``: set by
+    :func:`megatron_cp.fp8.attach_fp8` (Megatron-LM's down projections are Transformer
+    Engine linears, FP8 under its fp8_autocast like the rest of the layer)."""
 
     def __init__(self, input_size, output_size, *, init_method, seed, sequence_parallel,
                  params_dtype=torch.float32, device=None):
@@ -60,8 +63,11 @@ class ReplicatedLinear(torch.nn.Module):
         self.weight = tpar.drawn_weight((output_size, input_size), init_method, seed,
                                         params_dtype, device)
         self.weight.sequence_parallel = sequence_parallel
+        self.fp8_meta = None
 
     def forward(self, x):
+        if self.fp8_meta is not None:
+            return fp8_linear(x, self.weight, None, self.fp8_meta)
         return F.linear(x, self.weight)
 
 

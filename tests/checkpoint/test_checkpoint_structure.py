@@ -24,7 +24,7 @@ FORMATS = {
 }
 # what every format builds on: none of these imports a format or the entry
 SHARED = ("__init__", "state", "train_state", "files", "faults", "canonical", "pieces",
-          "use_checkpoint_args", "old_defaults", "dcp_files")
+          "use_checkpoint_args", "old_defaults", "dcp_files", "fp8_state")
 
 
 def _module_file(name):

@@ -13,7 +13,13 @@ Zero-centred norm weights (``--apply-layernorm-1p``: the norms scale by 1 + w) a
 the plain weights 1 + w, which every layout here multiplies by. Settings none of the layouts
 express (QK norms, interleaved rotary pairs, squared ReLU; YaRN, which no layout picks) are
 refused, naming the flag.
+
+FP8 (``--fp8-format``): a Hugging Face folder has no place for delayed scaling's amax
+histories and scales (Megatron-LM keeps them in Transformer Engine's ``_extra_state``, which
+its own exports leave out too): the export drops the ``fp8_meta`` buffers, and a checkpoint
+imported from Hugging Face starts every history fresh in an FP8 run.
 """
+from megatron_cp.checkpoint.fp8_state import without_fp8
 from megatron_cp.checkpoint.hf import deepseek_v3, gpt2, llama, mixtral, qwen3_next
 from megatron_cp.checkpoint.hf.io import read_config
 
@@ -77,6 +83,7 @@ def export_hf(full, args, out_dir, tokenizer=True):
     files of the tokenizer ``args`` names; returns the architecture written."""
     from megatron_cp.checkpoint.hf import tokenizer as hf_tokenizer
 
+    full = without_fp8(full)  # (see the module docstring)
     layout = pick_layout(args)
     module, architecture = LAYOUTS[layout]
     ids = hf_tokenizer.token_ids(args) if tokenizer else {}  # checks the files before writing
