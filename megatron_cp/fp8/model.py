@@ -29,10 +29,11 @@ def fp8_layer(config, layer_number):
 
 
 def _linears(module):
-    from megatron_cp.model.multi_latent_attention import ReplicatedLinear
-    from megatron_cp.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-    return [m for m in module.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear,
-                                                          ReplicatedLinear))]
+    """The linears inside ``module`` that can run in FP8: those that declare an ``fp8_meta``
+    (None until attached; tensor_parallel's column/row-parallel linears, MLA's replicated
+    down projections)."""
+    return [m for m in module.modules()
+            if "fp8_meta" in vars(m) or "fp8_meta" in getattr(m, "_modules", {})]
 
 
 def attach_fp8(module, config, tp_group, cp_group):
