@@ -1,10 +1,10 @@
 """Train one of Megatron-LM's flag sets for a few iterations on this machine's CPUs.
 
 ``shrink`` turns a set written for a GPU cluster into one a laptop trains in seconds: the widths
-(hidden, FFN, expert FFN, head dim), the sequence length and the batch sizes become small, while
-everything that decides *what* is computed stays as the set wrote it: layer counts and patterns,
-head and group counts up to 8, expert counts, top-k, parallel sizes, precision, schedules,
-recompute, checkpoint format. ``run`` launches pretrain_gpt.py under torchrun (gloo) with mock
+(hidden, FFN, expert FFN, head dim, MLA's latent ranks and head dims), the sequence length and
+the batch sizes become small, while everything that decides *what* is computed stays as the set
+wrote it: layer counts and patterns, head and group counts up to 8, expert counts, top-k,
+parallel sizes, precision, schedules, recompute, checkpoint format. ``run`` launches pretrain_gpt.py under torchrun (gloo) with mock
 data (a small real corpus for FIM sets: ``with_data``) and a fresh --save/--load/
 --tensorboard-dir (and gloo for a set that names NCCL, on a
 machine without CUDA), and says whether the iterations ran.
@@ -29,7 +29,11 @@ ITERATIONS = 3
 # flag -> the small value it takes; only rewritten when the set gives the flag
 _WIDTHS = {"--hidden-size": 64, "--ffn-hidden-size": 128, "--kv-channels": 8,
            "--moe-ffn-hidden-size": 32, "--moe-shared-expert-intermediate-size": 32,
-           "--seq-length": 128, "--max-position-embeddings": 128}
+           "--seq-length": 128, "--max-position-embeddings": 128,
+           # MLA's latent ranks and head dims: at DeepSeek's sizes (1536, 512, 128) one FP8
+           # GEMM takes seconds on a CPU, where torch._scaled_mm has no fast kernel
+           "--q-lora-rank": 32, "--kv-lora-rank": 32, "--qk-head-dim": 8,
+           "--qk-pos-emb-head-dim": 8, "--v-head-dim": 8}
 _MAX_HEADS = 8
 _MAX_MICROBATCHES = 8
 

@@ -37,6 +37,21 @@ DELIBERATE = (
      "scales by the factor given",
      "the flag's help and Megatron-LM's own Hugging Face config check, which compares it with "
      "the checkpoint's rope_scaling factor, mean the factor; at its default, 8, the two agree"),
+    ("FP8 delayed scaling's amax history and scales (--fp8-recipe delayed)",
+     "move after each microbatch's forward (Transformer Engine's fp8_autocast)",
+     "move once per global batch, from each tensor's max over all the step's microbatches "
+     "and every rank of the pipeline stage",
+     "the scales then do not depend on how many microbatches each rank runs: every DP / "
+     "microbatch split quantizes as one process does"),
+    ("FP8 delayed scaling in evaluation",
+     "evaluation forwards under fp8_autocast enter their amaxes into the history",
+     "evaluation forwards quantize with the current scales and leave the history alone",
+     "training then goes on with the scales it would have had without the evaluation"),
+    ("MoE routed experts under FP8 (--fp8-format with --num-experts)",
+     "their grouped GEMMs run in FP8",
+     "stay in the activations' precision until issue 39 builds grouped FP8 GEMMs (a start-up "
+     "note says so); attention, shared experts and dense MLPs run in FP8",
+     "the experts' one grouped GEMM per rank has no FP8 form here yet"),
 )
 
 # flag -> the DELIBERATE row (its first column) that explains its different default

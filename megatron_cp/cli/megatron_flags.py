@@ -703,10 +703,14 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
     ("choosing the logit dtype needs Transformer Engine's general_gemm, which is not used; "
      "drop it",
      ("--output-logit-dtype",)),
-    ("fp8/fp4/MXFP8 params and per-module precision need Transformer Engine's fp8 layers, "
+    ("fp4/MXFP8 params and per-module precision need Transformer Engine's layers, "
      "which are not used; use --bf16",
-     ("--reuse-grad-buf-for-mxfp8-param-ag", "--fp4-param-gather", "--fp8-param-gather",
+     ("--reuse-grad-buf-for-mxfp8-param-ag", "--fp4-param-gather",
       "--te-precision-config-file",)),
+    ("FP8 weights kept between steps and all-gathered in FP8 (Transformer Engine's "
+     "Float8Tensor, cast from the main params) are not built: each FP8 linear casts its "
+     "weight from the model's dtype as it runs; drop it",
+     ("--fp8-param-gather",)),
     ("evaluation always runs every --eval-interval, --eval-iters batches from the start of "
      "the one validation split; these eval options are not built",
      ("--start-eval-at-iter", "--full-validation", "--multiple-validation-sets",

@@ -383,6 +383,20 @@ def test_megatron_mixtral_position_flags_are_accepted():
                                  "embeddings (--position-embedding-type rope) have none"]
 
 
+def test_fp8_with_experts_notes_that_the_routed_experts_stay_in_high_precision():
+    """Megatron-LM runs the routed experts' grouped GEMMs in FP8; here they stay in the
+    activations' precision (issue 39), and the start-up notes say so, only with experts."""
+    moe = "--num-experts 4 --no-bias-gelu-fusion"
+    args = _parse(f"--bf16 --fp8-format hybrid {moe}")
+    assert [n for n in args.compat_notes if n.startswith("--fp8-format")] == [
+        "--fp8-format hybrid with --num-experts 4: the routed experts' GEMMs run in the "
+        "activations' precision until grouped FP8 GEMMs are built (issue 39); Megatron-LM runs "
+        "them in FP8. The other linears of the transformer layers (attention, shared experts, "
+        "dense MLPs) run in FP8"]
+    for argv in ("--bf16 --fp8-format e4m3", f"--bf16 {moe}"):
+        assert not [n for n in _parse(argv).compat_notes if "FP8" in n], argv
+
+
 @pytest.mark.parametrize("argv,message", [
     ("--micro-batch-size 0", "--micro-batch-size (0) must be at least 1"),
     ("--global-batch-size 0", "--global-batch-size (0) must be at least 1"),
