@@ -200,8 +200,8 @@ def gpu_section(device, smoke, data_dir, steps):
     hf_fp8 = run_hf(hf_m, device, "bf16", prepare=torchao_float8)["tflops"]
     hf_bf16 = run_hf(hf_m, device, "bf16")["tflops"]
     out["1.3b_tflops"] = {"ours fp8": ours, "hf torchao fp8": hf_fp8, "hf bf16": hf_bf16}
-    rows.append((f"(b) {'smoke' if smoke else '1.3B'} TFLOP/s ours fp8 {ours:.1f} / HF "
-                 f"torchao fp8 {hf_fp8:.1f} (HF bf16 {hf_bf16:.1f})", f"{ours / hf_fp8:.2f}x",
+    rows.append((f"(b) {'smoke' if smoke else '1.3B'} TFLOP/s ours fp8 {ours:.3g} / HF "
+                 f"torchao fp8 {hf_fp8:.3g} (HF bf16 {hf_bf16:.3g})", f"{ours / hf_fp8:.2f}x",
                  ours / hf_fp8 >= TORCHAO_GOAL))
     rows += [("(c) " + name, figure, ok) for name, figure, ok in gap_rows]
     return rows, out
