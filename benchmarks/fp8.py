@@ -60,7 +60,7 @@ FP8_RUNS = {"fp8 tensorwise": ["--fp8-format", "hybrid", "--fp8-recipe", "tensor
 CPU_MODEL = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64",
              "--num-attention-heads", "4", "--seq-length", "64", "--max-position-embeddings", "64",
              "--micro-batch-size", "4", "--global-batch-size", "4"]
-CPU_MODEL_NAME = "2 layers, hidden 32, ffn 64, seq 64, batch 4 (main job: 4 x 128, seq 128, batch 16)"
+CPU_MODEL_NAME = "2 layers x 32, seq 64 (main job's: 4 x 128, seq 128)"
 LLAMA3_LAYERS = dict(layers=2, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=1024, seq=8192,
                      micro_batch=1, global_batch=1, iters=12)
 LLAMA3_SMOKE = dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn=224, vocab=256, seq=128,
@@ -114,7 +114,7 @@ def data_flags(data_dir):
     return ["--data-path", prefix, "--split", "949,50,1", "--tokenizer-type",
             "SentencePieceTokenizer", "--tokenizer-model", os.path.join(data_dir, "spm.model"),
             "--data-cache-path", os.path.join(ROOT, "runs", "benchmarks", "fp8_data_cache")], \
-        f"pydoc corpus ({data_dir})"
+        "pydoc corpus"
 
 
 def main_job_training(steps):
