@@ -100,9 +100,10 @@ def run_pretrain(m, device, compiled):
     return {"tflops": tflops[-1], "peak_memory_mb": float(memory[-1]) if memory else None}
 
 
-def run_hf(m, device, mode):
+def run_hf(m, device, mode, prepare=None):
     """Hugging Face Llama on the same config and batches: ``mode`` "autocast" (fp32 params,
-    bf16 autocast) or "bf16" (bf16 params). TFLOP/s by our formula, peak memory (MB)."""
+    bf16 autocast) or "bf16" (bf16 params); ``prepare(model)`` edits the model first
+    (benchmarks/fp8.py: torchao's Float8Linear). TFLOP/s by our formula, peak memory (MB)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     config = LlamaConfig(vocab_size=m["vocab"], hidden_size=m["hidden"],
                          intermediate_size=m["ffn"], num_hidden_layers=m["layers"],
@@ -112,6 +113,8 @@ def run_hf(m, device, mode):
     low = torch.bfloat16 if device.type == "cuda" else torch.float32
     device_mod.reset_peak_memory(device)
     model = LlamaForCausalLM(config).to(device=device, dtype=low if mode == "bf16" else torch.float32)
+    if prepare is not None:
+        model = prepare(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     micro = m["global_batch"] // m["micro_batch"]
     gen = torch.Generator().manual_seed(0)

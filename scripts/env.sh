@@ -59,6 +59,12 @@ if ! python -c 'import einops' 2>/dev/null; then
     echo "> installing einops==0.8.2 (tests only) into $VENV"
     pip install --quiet --no-deps "einops==0.8.2"
 fi
+# torchao: tests/fp8/test_linear.py and benchmarks/fp8.py compare our FP8 linear with its
+# Float8Linear (convert_to_float8_training); test-only. --no-deps: it needs only torch.
+if ! python -c 'import importlib.metadata as m, sys; sys.exit(m.version("torchao") != "0.18.0")' 2>/dev/null; then
+    echo "> installing torchao==0.18.0 (tests only, --no-deps) into $VENV"
+    pip install --quiet --no-deps "torchao==0.18.0"
+fi
 # flash-linear-attention's ops (fla-core, what setup.py's "gpu" extra pins) and Triton, which
 # FLA imports, for tests/layers/test_fla_call.py only: it calls FLA's own entry point through
 # megatron_cp's route in a subprocess that puts this folder on its path. Not in the environment
