@@ -7,7 +7,7 @@ Formulas (those of Transformer Engine's recipes and torchao's Float8Linear):
   fp32 numbers rounded once to fp32 (done in fp64: for fp32 operands that is the correctly
   rounded fp32 quotient);
 - delayed scaling: ``scale = fp8_max / amax / 2**margin`` from the amax history, keeping the
-  previous scale where that amax is 0 or not finite;
+  previous scale where that amax is 0 or not finite (or the scale would overflow fp32);
 - the cast: ``x`` in fp32 times ``scale``, clamped to ``[-fp8_max, fp8_max]`` (saturation),
   rounded to nearest-even in the float8 format.
 """
@@ -55,9 +55,11 @@ def scale_from_amax(amax, dtype):
 
 def delayed_scale(amax, previous, dtype, margin):
     """Delayed scaling's new scale from the history's ``amax``: ``fp8_max / amax /
-    2**margin``, the ``previous`` scale where ``amax`` is 0 or not finite."""
+    2**margin``, the ``previous`` scale where ``amax`` is 0 or not finite, or so small that
+    the scale overflows fp32."""
     fresh = (fp8_max(dtype) / amax.to(torch.float64) / 2.0 ** margin).to(torch.float32)
-    keep = (amax <= 0) | ~torch.isfinite(amax)
+    # an amax so small that the scale overflows fp32 keeps the previous scale too
+    keep = (amax <= 0) | ~torch.isfinite(amax) | ~torch.isfinite(fresh)
     return torch.where(keep, previous, fresh)
 
 

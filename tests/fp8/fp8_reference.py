@@ -75,7 +75,8 @@ def reference_delayed_scale(history, previous, dtype, margin, algo):
         (math.nan if any(math.isnan(a) for a in history) else max(history))
     if amax <= 0 or not math.isfinite(amax):
         return previous.clone()
-    return torch.tensor(fp8_max(dtype) / amax / 2.0 ** margin, dtype=torch.float64).float()
+    scale = torch.tensor(fp8_max(dtype) / amax / 2.0 ** margin, dtype=torch.float64).float()
+    return scale if math.isfinite(scale) else previous.clone()  # overflowed fp32: keep
 
 
 def make_meta(fmt, recipe, wgrad=True, margin=0, history=1, algo="most_recent"):

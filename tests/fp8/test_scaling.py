@@ -106,9 +106,10 @@ def test_delayed_history_over_steps(fmt, algo):
 @pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
 def test_delayed_update_keeps_the_scale_where_amax_is_not_usable(fmt):
     """update() alone: a fresh amax sets fp8_max / amax / 2**margin (margin 2), then 0, inf
-    and NaN each keep the previous scale (most_recent, history 1)."""
+    and NaN each keep the previous scale (most_recent, history 1), and so does an amax so
+    small (a subnormal) that the scale would overflow fp32."""
     meta = make_meta(fmt, "delayed", margin=2)
-    for amax in (3.5, 0.0, math.inf, math.nan, 1e-20, 7e4):
+    for amax in (3.5, 0.0, math.inf, math.nan, 1e-20, 1e-39, 7e4):
         previous = meta.scale.clone()
         meta.step_amax.fill_(amax)
         amax = meta.step_amax[0].item()  # as the fp32 buffer holds it
