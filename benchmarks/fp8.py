@@ -28,9 +28,11 @@ Goals:
    it to separate the model's own speed from FP8's;
    (c) the loss gap of (2) for the 1.3B model over 50 steps (< 2%).
 
-    PYTHONPATH=. python benchmarks/fp8.py                       # numerics + CPU loss gap (+ GPU)
-    PYTHONPATH=. python benchmarks/fp8.py --gpu-only            # the GPU section (~5 min, H200)
-    PYTHONPATH=. python benchmarks/fp8.py --smoke --device cpu  # the GPU section's logic, tiny
+    PYTHONPATH=.:tests/fp8 python benchmarks/fp8.py                  # numerics + CPU loss gap (+ GPU)
+    PYTHONPATH=.:tests/fp8 python benchmarks/fp8.py --gpu-only       # the GPU section (~5 min, H200)
+    PYTHONPATH=.:tests/fp8 python benchmarks/fp8.py --smoke --device cpu  # its logic, tiny
+
+(tests/fp8 on the path: the numerics rows use the tests' reference, tests/fp8/fp8_reference.py.)
 
 The JSON goes to runs/benchmarks/fp8.json (untracked) unless --output says otherwise.
 """
@@ -47,10 +49,10 @@ import torch
 from bench_common import add_output_argument, verdict, write_json
 from megatron_cp.distributed import device as device_mod
 
+from fp8_reference import linear_checks, make_meta, run_linear, tensors  # tests/fp8 (PYTHONPATH)
+from gpu import MODEL_1P3B, MODEL_SMOKE, pretrain_flags, run_hf
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests", "fp8"))  # the reference the tests use
-from fp8_reference import linear_checks, make_meta, run_linear, tensors  # noqa: E402
-from gpu import MODEL_1P3B, MODEL_SMOKE, pretrain_flags, run_hf  # noqa: E402
 
 RECIPES, FORMATS = ("tensorwise", "delayed"), ("e4m3", "hybrid")
 SHAPES = ((32, 64, 48), (64, 96, 80))  # (m, k, n); _scaled_mm on the CPU is slow
