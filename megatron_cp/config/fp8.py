@@ -80,11 +80,25 @@ class Fp8Settings:
                              "GEMMs are not built in FP8; drop tp_comm_overlap")
 
     def fp8_notes(self):
-        """Start-up notes for what runs in higher precision here than in Megatron-LM's FP8
-        run: the routed experts' GEMMs (one grouped GEMM per rank, not yet built in FP8)."""
-        if not (self.fp8 and self.num_moe_experts):
-            return []
-        return [f"--fp8-format {self.fp8} with --num-experts {self.num_moe_experts}: the routed "
+        """Start-up notes: what runs in higher precision here than in Megatron-LM's FP8 run
+        (the routed experts' GEMMs: one grouped GEMM per rank, not yet built in FP8), and the
+        delayed recipe's settings given with tensorwise scaling, which ignores them (as
+        Megatron-LM's current scaling does)."""
+        notes = []
+        if self.fp8 and self.num_moe_experts:
+            notes.append(
+                f"--fp8-format {self.fp8} with --num-experts {self.num_moe_experts}: the routed "
                 f"experts' GEMMs run in the activations' precision until grouped FP8 GEMMs are "
                 f"built (issue 39); Megatron-LM runs them in FP8. The other linears of the "
-                f"transformer layers (attention, shared experts, dense MLPs) run in FP8"]
+                f"transformer layers (attention, shared experts, dense MLPs) run in FP8")
+        if self.fp8 and self.fp8_recipe == "tensorwise":
+            delayed_only = {"--fp8-margin": (self.fp8_margin, 0),
+                            "--fp8-amax-history-len": (self.fp8_amax_history_len, 1),
+                            "--fp8-amax-compute-algo": (self.fp8_amax_compute_algo,
+                                                        "most_recent")}
+            for flag, (value, default) in delayed_only.items():
+                if value != default:
+                    notes.append(f"{flag} {value}: shapes delayed scaling only; --fp8-recipe "
+                                 f"tensorwise takes each scale from the tensor itself and "
+                                 f"ignores it, as Megatron-LM's current scaling does")
+        return notes

@@ -397,6 +397,18 @@ def test_fp8_with_experts_notes_that_the_routed_experts_stay_in_high_precision()
         assert not [n for n in _parse(argv).compat_notes if "FP8" in n], argv
 
 
+def test_delayed_settings_with_tensorwise_scaling_are_noted_as_ignored():
+    """--fp8-margin and the amax history's settings shape delayed scaling only; given with
+    tensorwise scaling (which Megatron-LM's current scaling also leaves them out of) they are
+    accepted with a start-up note each, and not noted with the delayed recipe."""
+    delayed = "--fp8-margin 1 --fp8-amax-history-len 4 --fp8-amax-compute-algo max"
+    notes = _parse(f"--bf16 --fp8-format hybrid --fp8-recipe tensorwise {delayed}").compat_notes
+    noted = [n.split(" ")[0] for n in notes if "ignores it" in n]
+    assert noted == ["--fp8-margin", "--fp8-amax-history-len", "--fp8-amax-compute-algo"], notes
+    notes = _parse(f"--bf16 --fp8-format hybrid --fp8-recipe delayed {delayed}").compat_notes
+    assert not [n for n in notes if "ignores it" in n], notes
+
+
 @pytest.mark.parametrize("argv,message", [
     ("--micro-batch-size 0", "--micro-batch-size (0) must be at least 1"),
     ("--global-batch-size 0", "--global-batch-size (0) must be at least 1"),
