@@ -30,6 +30,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from megatron_cp.checkpoint.fp8_state import is_fp8_buffer
+
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")  # [padded vocab, h]
 
@@ -159,8 +161,7 @@ def is_expert(name):
 
 def is_buffer(name):
     """True for a state-dict entry that is a buffer, not a param (no optimizer state)."""
-    return name.endswith(("router.expert_bias", "router.qb_beta", "fp8_meta.amax_history",
-                          "fp8_meta.scale"))
+    return name.endswith(("router.expert_bias", "router.qb_beta")) or is_fp8_buffer(name)
 
 
 def tp_spec(name, swiglu):

@@ -113,8 +113,8 @@ def load(train_state, ckpt, root, it):
     def read(state):
         dcp_files.check_files(folder)
         state = strictness.apply(ckpt.checkpoint.dist_ckpt_strictness, state,
-                                 lambda: saved_keys(folder), folder, training_state.say_on_rank0(train_state),
-                                 ckpt.group())
+                                 lambda: saved_keys(folder), folder,
+                                 training_state.say_on_rank0(train_state), ckpt.group())
         dcp_files.read_dcp(folder, state, PiecesLoadPlanner(), ckpt.group())
 
     return training_state.restore(train_state, ckpt, root, it, common, read)

@@ -32,8 +32,7 @@ def _linears(module):
     """The linears inside ``module`` that can run in FP8: those that declare an ``fp8_meta``
     (None until attached; tensor_parallel's column/row-parallel linears, MLA's replicated
     down projections)."""
-    return [m for m in module.modules()
-            if "fp8_meta" in vars(m) or "fp8_meta" in getattr(m, "_modules", {})]
+    return [m for m in module.modules() if hasattr(m, "fp8_meta")]
 
 
 def attach_fp8(module, config, tp_group, cp_group):
