@@ -9,6 +9,7 @@ from megatron_cp.data import tokenizer_from_config
 from megatron_cp.data.batch import mtp_targets
 from megatron_cp.distributed.initialize import initialize_model_parallel
 from megatron_cp.model import GPTConfig
+from megatron_cp.model.attention import use_cp_size
 
 
 def config_from_args(args, vocab_size):
@@ -33,7 +34,8 @@ def build_parallel_state(parallel, model, optimizer, device=None):
     """The ParallelState of a run (torch.distributed already started): every group of the
     parallel section ``parallel`` (sizes, virtual stages, rank order, timeout), including the
     a2a+p2p sub-groups that the model section's (``model``) CP comm type resolves to and the
-    distributed-optimizer instances of the optimizer section (``optimizer``)."""
+    distributed-optimizer instances of the optimizer section (``optimizer``) and dynamic CP's
+    groups of every size."""
     tp, cp = parallel.tensor_model_parallel_size, parallel.context_parallel_size
     hierarchical = model.hierarchical_cp_sizes(tp, cp) if cp > 1 else None
     return initialize_model_parallel(
@@ -42,7 +44,8 @@ def build_parallel_state(parallel, model, optimizer, device=None):
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         hierarchical_context_parallel_sizes=hierarchical, device=device,
         timeout_minutes=parallel.distributed_timeout_minutes, order=parallel.rank_order,
-        num_distributed_optimizer_instances=optimizer.num_distributed_optimizer_instances)
+        num_distributed_optimizer_instances=optimizer.num_distributed_optimizer_instances,
+        dynamic_context_parallel=parallel.dynamic_context_parallel)
 
 
 def forward_step(model, batch):
@@ -52,3 +55,9 @@ def forward_step(model, batch):
                  loss_mask=batch.get("loss_mask"), sample_ids=batch.get("sample_ids"),
                  unpadded_index=batch.get("unpadded_index"), mtp_targets=mtp_targets(batch),
                  real_token=batch.get("real_token"))
+
+
+def dynamic_forward_step(model, batch):
+    """:func:`forward_step` of one dynamic-CP bin, on the CP group of its ``cp_size``."""
+    use_cp_size(model, batch["cp_size"])
+    return forward_step(model, batch)

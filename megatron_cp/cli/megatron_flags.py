@@ -437,9 +437,6 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
      "--tensor-model-parallel-size / --expert-tensor-parallel-size",
      ("--tensor-parallel-num-weight-shards", "--expert-tensor-parallel-num-weight-shards",
       "--gtp-remat-opt-in-modules",)),
-    ("balancing packed variable-length samples over DP x CP ranks is not built (unrelated to "
-     "--cp-comm-type a2a+p2p); drop it",
-     ("--max-seqlen-per-dp-cp-rank", "--hybrid-context-parallel",)),
     ("skipping weight initialization is not built; weights are always initialised (and "
      "overwritten by --load); drop it",
      ("--no-initialization",)),

@@ -117,6 +117,20 @@ class ParallelConfig:
         "effect at PP=1)."), group="parallelism",
         help="Overlap the pipeline P2P communication (the default).")
     context_parallel_size: int = setting(1, group="parallelism", help="Context parallel size.")
+    dynamic_context_parallel: bool = setting(False, group="parallelism",
+        aliases=("--hybrid-context-parallel",),
+        help="Dynamic context parallelism (Megatron-LM's; --hybrid-context-parallel is its older "
+             "spelling): every packed document of a global batch runs on a CP group sized for "
+             "it, out of the DP x CP ranks, with documents re-packed into bins of at most "
+             "--max-seqlen-per-dp-cp-rank tokens per rank (context_parallel/dynamic_schedule.py). "
+             "Needs --calculate-per-token-loss.")
+    max_seqlen_per_dp_cp_rank: int | None = setting(None, group="parallelism",
+        help="Dynamic context parallelism: the most tokens one rank holds of a bin (padding for "
+             "the zigzag split included); a document runs on the smallest power-of-two group "
+             "that keeps it under this. A good start: --seq-length / --context-parallel-size.")
+    min_dynamic_context_parallel_size: int = setting(1, group="parallelism",
+        help="Dynamic context parallelism: the smallest CP group a document runs on (a power "
+             "of two; default 1, no CP).")
     expert_model_parallel_size: int = setting(1, group="parallelism",
         help="Expert parallel size.")
     expert_tensor_parallel_size: int | None = setting(None, group="parallelism",

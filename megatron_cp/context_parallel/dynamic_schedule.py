@@ -49,11 +49,11 @@ def padded(length, k, tp_multiple=1):
     return -(-length // step) * step
 
 
-def group_size(length, max_per_rank, pool, tp_multiple=1):
-    """The smallest power-of-two group (<= ``pool``) whose ranks hold at most
+def group_size(length, max_per_rank, pool, tp_multiple=1, least=1):
+    """The smallest power-of-two group (<= ``pool``, >= ``least``) whose ranks hold at most
     ``max_per_rank`` of a document of ``length`` tokens; ValueError naming the fix when
     even the whole pool cannot."""
-    k = 1
+    k = least
     while padded(length, k, tp_multiple) > k * max_per_rank:
         k *= 2
         if k > pool:
@@ -160,10 +160,12 @@ def _time(bins, pool):
             ready[r] = b.finish
 
 
-def schedule(lengths, pool, max_per_rank, cost, tp_multiple=1):
+def schedule(lengths, pool, max_per_rank, cost, tp_multiple=1, least=1):
     """The :class:`Schedule` of documents of ``lengths`` (the global batch's, in order;
     zero-length ones are skipped) on ``pool`` ranks (a power of two) at ``max_per_rank``
-    padded tokens per rank. ``cost``: see the module doc (e.g. a :class:`FlopCost`)."""
+    padded tokens per rank, on groups of at least ``least`` ranks
+    (--min-dynamic-context-parallel-size). ``cost``: see the module doc (e.g. a
+    :class:`FlopCost`)."""
     if not is_power_of_two(pool):
         raise ValueError(f"the DP x CP pool ({pool} ranks) must be a power of two for dynamic "
                          f"context parallelism (its groups are aligned power-of-two blocks)")
@@ -173,7 +175,8 @@ def schedule(lengths, pool, max_per_rank, cost, tp_multiple=1):
     sizes = {}
     for d, n in enumerate(lengths):
         if n > 0:
-            sizes.setdefault(group_size(n, max_per_rank, pool, tp_multiple), []).append(d)
+            k = group_size(n, max_per_rank, pool, tp_multiple, least)
+            sizes.setdefault(k, []).append(d)
     bins = []
     for k in sorted(sizes, reverse=True):
         bins += _pack(sizes[k], lengths, k, k * max_per_rank, tp_multiple)

@@ -11,7 +11,9 @@ import torch.distributed as dist
 
 from megatron_cp.data.batch import (add_mtp_targets, build_data_iterator, close_data_iterator,
                                     get_ltor_batch)
+from megatron_cp.context_parallel.dynamic_schedule import FlopCost
 from megatron_cp.data.builder import build_train_valid_test_datasets
+from megatron_cp.data.dynamic_feed import dynamic_microbatches
 from megatron_cp.data.fim import FimTransform, fim_settings
 from megatron_cp.data.microbatch import prepare_microbatch, required_length, split_multiple, step_length
 
@@ -53,8 +55,7 @@ class DataFeed:
             mmap_bin=d.mmap_bin_files, fim=self.fim) if self.reads else (None,) * 3
         self.datasets = {"train": train, "validation": valid, "test": test}  # for the banner
         self.train_iter = build_data_iterator(train, self.batches.global_batch_size,
-                                              t.micro_batch_size,
-                                              self.state.rank("dp"), self.state.size("dp"),
+                                              t.micro_batch_size, *self._reader_place(),
                                               consumed_samples, d.num_workers,
                                               t.exit_signal_handler)
         self.valid_dataset = valid
@@ -66,9 +67,23 @@ class DataFeed:
         close_data_iterator(self.valid_iter)  # the previous pass's loader processes
         self.valid_iter = build_data_iterator(self.valid_dataset if self.reads else None,
                                               t.eval_global_batch_size, t.eval_micro_batch_size,
-                                              self.state.rank("dp"), self.state.size("dp"), 0,
+                                              *self._reader_place(), 0,
                                               self.data.num_workers, t.exit_signal_handler)
         return self.valid_iter
+
+    @property
+    def dynamic(self):
+        """Dynamic context parallelism: every rank reads the whole global batch."""
+        return self.parallel.dynamic_context_parallel
+
+    def _reader_place(self):
+        """(DP rank, DP size) the reader deals the global batch by: the whole batch to every
+        rank under dynamic CP."""
+        return (0, 1) if self.dynamic else (self.state.rank("dp"), self.state.size("dp"))
+
+    def reads_per_step(self, num_microbatches):
+        """Microbatches this rank reads per step of ``num_microbatches`` per DP rank."""
+        return num_microbatches * (self.state.size("dp") if self.dynamic else 1)
 
     def close(self):
         """End the loader processes of the training and validation iterators (at the end of
@@ -84,7 +99,39 @@ class DataFeed:
         samples consumed before this global batch, plus the index in the global batch, which
         DP rank d holds from d x G/DP on, as DataParallelBatchSampler deals them): attention
         dropout's mask follows them, so DP ranks drop what one process running the whole
-        batch would."""
+        batch would. Under dynamic CP: this rank's bins instead (:meth:`_dynamic_microbatches`)."""
+        st = self.state
+        if self.dynamic:
+            return self._dynamic_microbatches(iterator, count, micro_batch_size, first_sample)
+        batches = self._read(iterator, count, micro_batch_size)
+        length = self._step_length(batches)
+        first = first_sample + st.rank("dp") * count * micro_batch_size  # G/DP samples a rank
+        prepared = []
+        for m, batch in enumerate(batches):
+            batch = prepare_microbatch(batch, st.rank("cp"), st.size("cp"), length)
+            start = first + m * micro_batch_size
+            batch["sample_ids"] = torch.arange(start, start + micro_batch_size,
+                                               device=self.device)
+            prepared.append(batch)
+        return prepared
+
+    def _dynamic_microbatches(self, iterator, count, micro_batch_size, first_sample):
+        """Dynamic CP: this rank's bins of the global batch (``count`` microbatches per DP
+        rank; megatron_cp.data.dynamic_feed), each with its ``cp_size``."""
+        st, m, p = self.state, self.model, self.parallel
+        batches = self._read(iterator, count * st.size("dp"), micro_batch_size)
+        cost = FlopCost.for_model(m.hidden_size, m.ffn_hidden_size, m.num_layers,
+                                  m.num_attention_heads, m.num_query_groups, m.kv_channels,
+                                  gated_mlp=m.activation == "swiglu")
+        tp_multiple = st.size("tp") if m.sequence_parallel else 1
+        prepared, self.last_schedule = dynamic_microbatches(
+            batches, st.rank("dp_cp"), st.size("dp_cp"), p.max_seqlen_per_dp_cp_rank, cost,
+            tp_multiple, p.min_dynamic_context_parallel_size, first_sample)
+        return prepared
+
+    def _read(self, iterator, count, micro_batch_size):
+        """``count`` microbatches from ``iterator`` as get_ltor_batch dicts (TP rank 0
+        reads, its TP peers receive them)."""
         d, st = self.data, self.state
         batches = []
         for _ in range(count):
@@ -100,16 +147,7 @@ class DataFeed:
                 get_ltor_batch(text.to(self.device), self.tokenizer.eod, d.reset_position_ids,
                                d.reset_attention_mask, d.eod_mask_loss),
                 self.model.mtp_depths()))
-        length = self._step_length(batches)
-        first = first_sample + st.rank("dp") * count * micro_batch_size  # G/DP samples a rank
-        prepared = []
-        for m, batch in enumerate(batches):
-            batch = prepare_microbatch(batch, st.rank("cp"), st.size("cp"), length)
-            start = first + m * micro_batch_size
-            batch["sample_ids"] = torch.arange(start, start + micro_batch_size,
-                                               device=self.device)
-            prepared.append(batch)
-        return prepared
+        return batches
 
     def _check_token_ids(self, text):
         """Token ids beyond the tokenizer's vocabulary mean the data was tokenized with

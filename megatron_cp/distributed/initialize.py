@@ -59,6 +59,17 @@ def rank_order(order=None, use_tp_pp_dp_mapping=False):
 INSTANCE_GROUP_NAMES = ("dp_cp_intra", "dp_cp_inter", "edp_intra", "edp_inter")
 
 
+def dynamic_cp_group_name(size):
+    """Dynamic CP's groups of ``size`` ranks: aligned blocks of each dp_cp group."""
+    return f"dcp{size}"
+
+
+def dynamic_cp_sizes(dp_cp_size):
+    """The CP group sizes dynamic CP runs documents on: the powers of two up to the DP x CP
+    pool (1: no CP; the whole pool: the dp_cp group)."""
+    return tuple(2 ** i for i in range(dp_cp_size.bit_length()) if 2 ** i <= dp_cp_size)
+
+
 def _check_positive(**sizes):
     for name, value in sizes.items():
         if not isinstance(value, int) or value < 1:
@@ -103,7 +114,8 @@ def _grid(world_size, order, dp, pp, cp, tp):
 def rank_layout(world_size, tensor_model_parallel_size=1, context_parallel_size=1,
                 pipeline_model_parallel_size=1, expert_model_parallel_size=1,
                 expert_tensor_parallel_size=1, hierarchical_context_parallel_sizes=None,
-                order=DEFAULT_RANK_ORDER, num_distributed_optimizer_instances=1):
+                order=DEFAULT_RANK_ORDER, num_distributed_optimizer_instances=1,
+                dynamic_context_parallel=False):
     """Return ``{group name: [rank list, ...]}`` for every group in rank order ``order``; no
     torch.distributed needed.
 
@@ -114,7 +126,10 @@ def rank_layout(world_size, tensor_model_parallel_size=1, context_parallel_size=
     groups (the R CP ranks with equal cp_rank % U: its ring). With
     ``num_distributed_optimizer_instances`` K > 1 each dp_cp and edp group is cut into K
     consecutive slices (``dp_cp_intra``, ``edp_intra``: Megatron-LM's instances) and the
-    ranks of one position across the slices form ``dp_cp_inter`` / ``edp_inter``.
+    ranks of one position across the slices form ``dp_cp_inter`` / ``edp_inter``. With
+    ``dynamic_context_parallel`` each dp_cp group is also cut into aligned blocks of every
+    power of two k between 2 and half the group (``dcp{k}``; Megatron-LM's hybrid DP x CP
+    groups); the whole group is dp_cp itself.
     """
     tp, cp, pp = tensor_model_parallel_size, context_parallel_size, pipeline_model_parallel_size
     ep, etp = expert_model_parallel_size, expert_tensor_parallel_size
@@ -149,6 +164,14 @@ def rank_layout(world_size, tensor_model_parallel_size=1, context_parallel_size=
         cp_groups = np.array(layout["cp"]).reshape(-1, outer, inner)  # [groups, R, U]
         layout["hcp_inner"] = lists(cp_groups.reshape(-1, inner))
         layout["hcp_outer"] = lists(cp_groups.transpose(0, 2, 1).reshape(-1, outer))
+    if dynamic_context_parallel:
+        pool = dp * cp
+        if pool & (pool - 1):
+            raise ValueError(f"dynamic context parallelism needs a power-of-two DP x CP pool; "
+                             f"DP ({dp}) x CP ({cp}) = {pool}: change the sizes")
+        for k in dynamic_cp_sizes(pool)[1:-1]:
+            blocks = np.array(layout["dp_cp"]).reshape(-1, k)  # [groups x pool/k, k]
+            layout[dynamic_cp_group_name(k)] = lists(blocks)
     instances = num_distributed_optimizer_instances
     if instances > 1:
         check_instances(instances, dp * cp, edp)
@@ -191,6 +214,16 @@ class ParallelState:
     virtual_pipeline_model_parallel_size: int | None = None
     hierarchical_context_parallel_sizes: tuple | None = None
     order: str = DEFAULT_RANK_ORDER  # the rank order of ``layout`` (RANK_ORDERS)
+    dynamic_context_parallel: bool = False  # the dcp{k} groups were built
+
+    def dynamic_cp_groups(self):
+        """``{k: this rank's CP group of k ranks}`` for dynamic CP (None at k = 1; the
+        dp_cp group for the whole pool); {} when the state was built without them."""
+        if not self.dynamic_context_parallel:
+            return {}
+        pool = self.sizes["dp_cp"]
+        return {k: None if k == 1 else self.group("dp_cp") if k == pool
+                else self.group(dynamic_cp_group_name(k)) for k in dynamic_cp_sizes(pool)}
 
     def group_ranks(self, name):
         """The ranks of this process's group ``name``, in group-rank order."""
@@ -228,13 +261,15 @@ def initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_siz
                               hierarchical_context_parallel_sizes=None,
                               world_size=None, rank=None, device=None, timeout_minutes=10,
                               order=DEFAULT_RANK_ORDER,
-                              num_distributed_optimizer_instances=1):
+                              num_distributed_optimizer_instances=1,
+                              dynamic_context_parallel=False):
     """Validate the sizes, build one process group per rank list and return a ParallelState.
 
     ``order``: the rank order, one of :data:`RANK_ORDERS` (DP outermost, the design card's,
     unless given). ``torch.distributed`` must already be initialized (see
     :func:`initialize_distributed`).
-    ``num_distributed_optimizer_instances``: see :func:`rank_layout`.
+    ``num_distributed_optimizer_instances``, ``dynamic_context_parallel``: see
+    :func:`rank_layout`.
     """
     world_size = dist.get_world_size() if world_size is None else world_size
     rank = dist.get_rank() if rank is None else rank
@@ -248,7 +283,7 @@ def initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_siz
                              f"{list(hierarchical_context_parallel_sizes)}: give two sizes, the "
                              f"inner (all-to-all) and the outer (ring) one")
     layout = rank_layout(world_size, tp, cp, pp, ep, etp, hierarchical_context_parallel_sizes,
-                         order, num_distributed_optimizer_instances)
+                         order, num_distributed_optimizer_instances, dynamic_context_parallel)
     if virtual_pipeline_model_parallel_size is not None and pp < 2:
         raise ValueError(f"virtual_pipeline_model_parallel_size ({virtual_pipeline_model_parallel_size}) "
                          f"needs pipeline_model_parallel_size > 1 (got {pp})")
@@ -261,16 +296,18 @@ def initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_siz
                  edp=world_size // (pp * ep * etp), ep_etp=ep * etp)
     if hierarchical_context_parallel_sizes is not None:
         sizes.update(zip(HIERARCHICAL_GROUP_NAMES, hierarchical_context_parallel_sizes))
-    sizes.update({name: len(layout[name][0]) for name in INSTANCE_GROUP_NAMES if name in layout})
+    sizes.update({name: len(layout[name][0]) for name in layout
+                  if name in INSTANCE_GROUP_NAMES or name.startswith("dcp")})
     state = ParallelState(world_size=world_size, global_rank=rank, device=device, sizes=sizes,
                           layout=layout,
                           virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
                           hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
-                          order=order)
+                          order=order, dynamic_context_parallel=dynamic_context_parallel)
     timeout = datetime.timedelta(minutes=timeout_minutes)
     # Every rank must create every group, in the same order, even those it is not in.
-    for name in GROUP_NAMES + tuple(n for n in HIERARCHICAL_GROUP_NAMES + INSTANCE_GROUP_NAMES
-                                    if n in layout):
+    dynamic = tuple(n for n in layout if n.startswith("dcp"))
+    for name in GROUP_NAMES + dynamic + tuple(n for n in HIERARCHICAL_GROUP_NAMES
+                                              + INSTANCE_GROUP_NAMES if n in layout):
         for ranks in layout[name]:
             group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:

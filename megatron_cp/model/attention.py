@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_cp import tensor_parallel as tpar
+from megatron_cp.config.parallel import resolve_comm_type
 from megatron_cp.context_parallel import (AttentionDropout, ContextParallelAttention,
                                           attention_kernel, dropout_key, local_attention)
 from megatron_cp.layers.fine_grained_offload import offload_group
@@ -31,7 +32,8 @@ class AttentionCore(torch.nn.Module):
     offload = None  # the block's FineGrainedOffload, with --fine-grained-activation-offloading
 
     def build_core(self, config, cp_group, rng_tracker, local_heads, local_kv_heads, first_head,
-                   hierarchical_cp_groups=None, layer_number=0, softmax_scale=None):
+                   hierarchical_cp_groups=None, layer_number=0, softmax_scale=None,
+                   dynamic_cp_groups=None):
         self.config, self.cp_group, self.rng_tracker = config, cp_group, rng_tracker
         self.local_heads, self.first_head = local_heads, first_head
         self.layer_number, self.softmax_scale = layer_number, softmax_scale
@@ -45,7 +47,22 @@ class AttentionCore(torch.nn.Module):
                 cp_group, config.layer_cp_comm_type(layer_number), local_heads, local_kv_heads,
                 hierarchical_cp_groups, config.allow_dummy_heads, softmax_scale,
                 kernel=self.attention_kernel)
+        # dynamic CP (ParallelState.dynamic_cp_groups): one attention per group size, each
+        # checked now; use_cp_size picks the one of the microbatch about to run
+        self.cp_attentions = {}
+        for size, group in (dynamic_cp_groups or {}).items():
+            comm_type = config.layer_cp_comm_type(layer_number)
+            if size > 1 and resolve_comm_type(comm_type, local_kv_heads, size)[0] == "a2a+p2p":
+                raise ValueError(f"dynamic context parallelism runs --cp-comm-type p2p, a2a or "
+                                 f"all_gather on its groups of every size; {comm_type!r} gives "
+                                 f"a2a+p2p on {size} ranks: pick one of those")
+            self.cp_attentions[size] = None if size == 1 else ContextParallelAttention(
+                group, comm_type, local_heads, local_kv_heads, None, config.allow_dummy_heads,
+                softmax_scale, kernel=self.attention_kernel)
 
+    def use_cp_size(self, size):
+        """Dynamic CP: run the next microbatches on this rank's CP group of ``size`` ranks."""
+        self.cp_attention, self.cp_size = self.cp_attentions[size], size
     def _dropout(self, q, ids):
         """This call's AttentionDropout: None in eval mode or with attention_dropout 0."""
         p = self.config.attention_dropout
@@ -88,6 +105,14 @@ class AttentionCore(torch.nn.Module):
             return self.linear_proj(out)
 
 
+def use_cp_size(model, size):
+    """Dynamic CP: every attention of ``model`` runs the next microbatch on this rank's CP
+    group of ``size`` ranks (ParallelState.dynamic_cp_groups)."""
+    for module in model.modules():
+        if getattr(module, "cp_attentions", None):
+            module.use_cp_size(size)
+
+
 class SelfAttention(AttentionCore):
     """Multi-head / grouped-query self-attention over the TP (and CP) groups.
 
@@ -105,7 +130,7 @@ class SelfAttention(AttentionCore):
     """
 
     def __init__(self, config, prefix, tp_group, cp_group, rng_tracker, device=None,
-                 hierarchical_cp_groups=None, layer_number=0):
+                 hierarchical_cp_groups=None, layer_number=0, dynamic_cp_groups=None):
         super().__init__()
         tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
         self.tp_group = tp_group
@@ -118,7 +143,8 @@ class SelfAttention(AttentionCore):
         # the global index of local head 0 is tp_rank * nh/tp
         self.build_core(config, cp_group, rng_tracker, nh // tp_size, self.local_groups,
                         tp_rank * (nh // tp_size), hierarchical_cp_groups, layer_number,
-                        config.softmax_scale)  # None: 1 / sqrt(d); muP sets its own
+                        config.softmax_scale,  # None: 1 / sqrt(d); muP sets its own
+                        dynamic_cp_groups=dynamic_cp_groups)
         std = config.hidden_init_std
         common = dict(tp_group=tp_group, bias=config.add_bias_linear,
                       sequence_parallel=config.sequence_parallel,

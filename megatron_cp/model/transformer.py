@@ -64,9 +64,11 @@ class TransformerLayer(torch.nn.Module):
                                                 device, cp_group, hierarchical, layer_number)
         else:
             attention = MultiLatentAttention if config.multi_latent_attention else SelfAttention
+            dynamic = {} if state is None else state.dynamic_cp_groups()
+            extra = {"dynamic_cp_groups": dynamic} if dynamic else {}
             self.self_attention = attention(config, prefix + ".self_attention", tp_group,
                                             cp_group, rng_tracker, device, hierarchical,
-                                            layer_number)
+                                            layer_number, **extra)
         self.pre_mlp_layernorm = norm_for(config, config.hidden_size, device)
         self.is_moe = config.moe_layer_pattern()[kind_of]
         if self.is_moe:

@@ -84,3 +84,16 @@ def microbatch_counts(microbatches, keys, dp_rank, dp_size, dp_cp_group, device)
     table[dp_rank] = local.double()  # [DP, M, K]
     dist.all_reduce(table, group=dp_cp_group)
     return table[dp_rank], table.sum(dim=(0, 1))
+
+
+def bin_counts(bins, keys, dp_cp_group, device):
+    """Dynamic CP's (counts [M, K], totals [K]): this rank's own share of each of its bins
+    (their CP parts are not summed: under per-token loss only the totals weigh), and the
+    totals over the global batch, summed over DP x CP (each token is held by one rank of
+    its bin's group)."""
+    local = torch.zeros((len(bins), len(keys)), dtype=torch.float64, device=device)  # [M, K]
+    for m, b in enumerate(bins):
+        local[m] = torch.stack([b[key].sum() for key in keys]).double()
+    totals = local.sum(dim=0)  # [K]
+    dist.all_reduce(totals, group=dp_cp_group)
+    return local, totals

@@ -32,7 +32,7 @@ from megatron_cp.distributed.meta_init import materialize
 from megatron_cp.pipeline_parallel import (build_model_chunks, get_forward_backward_func,
                                            layout_from_config, pipeline_tensor_shape)
 from megatron_cp.resilience.weight_hash import check_weight_hashes
-from megatron_cp.startup import forward_step
+from megatron_cp.startup import dynamic_forward_step, forward_step
 
 
 def data_parallel_wrapper(optimizer, model, state, params_dtype):
@@ -170,9 +170,15 @@ class Trainer:
         # the LM's loss-masked tokens, then each MTP depth's: per microbatch (over its CP
         # parts) and over the global batch
         masks = ["loss_mask"] + [f"mtp_loss_mask_{d}" for d in range(1, depths + 1)]
-        counts, totals = loss_weighting.microbatch_counts(
-            microbatches, masks, st.rank("dp"), st.size("dp"), st.group("dp_cp"), self.device)
-        micro_batch_size, length = microbatches[0]["tokens"].shape
+        if self.data.dynamic:  # bins, not microbatches: per-token loss needs only the total
+            counts, totals = loss_weighting.bin_counts(microbatches, masks, st.group("dp_cp"),
+                                                       self.device)
+            micro_batch_size, length = self.run.training.micro_batch_size, 0
+        else:
+            counts, totals = loss_weighting.microbatch_counts(
+                microbatches, masks, st.rank("dp"), st.size("dp"), st.group("dp_cp"),
+                self.device)
+            micro_batch_size, length = microbatches[0]["tokens"].shape
         weights = loss_weighting.step_weights(
             counts, totals, num_microbatches=len(microbatches) * st.size("dp"),
             tokens_per_microbatch=micro_batch_size * self.run.data.seq_length,
@@ -197,7 +203,8 @@ class Trainer:
             shape = pipeline_tensor_shape(length * st.size("cp"), micro_batch_size,
                                           self.config.hidden_size, st.size("cp"), st.size("tp"),
                                           self.config.sequence_parallel)
-        losses = self.forward_backward(forward_step, loss_func, microbatches, self.model_chunks, st,
+        step = dynamic_forward_step if self.data.dynamic else forward_step
+        losses = self.forward_backward(step, loss_func, microbatches, self.model_chunks, st,
                                        forward_only=forward_only, tensor_shape=shape)
         loss_sum = torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
         self._loss_finite_here = torch.isfinite(loss_sum)  # read only if the sum is not finite

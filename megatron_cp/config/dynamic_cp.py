@@ -1,0 +1,93 @@
+"""Dynamic context parallelism's rules (--dynamic-context-parallel, Megatron-LM's
+--hybrid-context-parallel): what it needs and what it cannot run with, each a line naming the
+flag and the fix, checked before anything starts.
+
+Megatron-LM's own rules (megatron/training/arguments.py at the census commit): no pipeline
+parallelism, no CUDA graphs, no Megatron FSDP, the single dataloader, and
+--calculate-per-token-loss (once a global batch's documents are re-packed into bins, a
+microbatch's own mean means nothing: only the token-weighted mean over the global batch is
+the same function); MLA refuses it. The further ones here follow from what the schedule does
+to a step:
+
+- the pool (DP x CP) is a power of two: its groups are aligned power-of-two blocks;
+- anything whose result depends on how the global batch is cut into microbatches is
+  refused: MTP (its loss weight uses each microbatch's counts), FP8 (each microbatch's amax
+  sets the scales), MoE balancing losses, z-loss, Sinkhorn and quantile balancing, and
+  capacity-factor token dropping (each over one microbatch's tokens);
+- anything that needs every rank of a fixed group in the same number of forwards is
+  refused: expert parallelism (the expert all-to-all) and FSDP2 (its per-layer
+  all-gathers); ranks here run different numbers of bins;
+- Gated DeltaNet (linear attention) passes its state along a fixed CP group: not built
+  for groups that change per bin.
+"""
+from megatron_cp.context_parallel.dynamic_schedule import group_size
+
+
+def dynamic_cp_problems(parallel, training, model, seq_length, use_torch_fsdp2=False):
+    """Lines for every rule the sections break (empty when dynamic CP is off and its flags
+    are unset). ``parallel``: ParallelConfig; ``training``: TrainingConfig; ``model``:
+    GPTConfig (read only with dynamic CP on); ``seq_length``: the samples' length (the longest document one can hold, which
+    must fit the pool)."""
+    p = parallel
+    if not p.dynamic_context_parallel:
+        if p.max_seqlen_per_dp_cp_rank is not None:
+            return ["--max-seqlen-per-dp-cp-rank is read only by dynamic context parallelism; "
+                    "add --dynamic-context-parallel or drop it"]
+        if p.min_dynamic_context_parallel_size != 1:
+            return ["--min-dynamic-context-parallel-size is read only by dynamic context "
+                    "parallelism; add --dynamic-context-parallel or drop it"]
+        return []
+    problems = []
+    why = "dynamic context parallelism (--dynamic-context-parallel)"
+    if p.max_seqlen_per_dp_cp_rank is None or p.max_seqlen_per_dp_cp_rank < 1:
+        problems.append(f"{why} needs --max-seqlen-per-dp-cp-rank (the tokens one rank holds; "
+                        f"e.g. --seq-length / --context-parallel-size)")
+    pool = (p.data_parallel_size or 1) * p.context_parallel_size
+    if pool & (pool - 1):
+        problems.append(f"{why} needs a power-of-two DP x CP pool; DP "
+                        f"({p.data_parallel_size}) x CP ({p.context_parallel_size}) = {pool}: "
+                        f"change the sizes")
+    least = p.min_dynamic_context_parallel_size
+    if least < 1 or least & (least - 1) or least > pool:
+        problems.append(f"--min-dynamic-context-parallel-size {least} must be a power of two "
+                        f"between 1 and DP x CP ({pool})")
+    elif not problems:  # a whole sample is the longest document: it must fit the pool
+        tp_multiple = p.tensor_model_parallel_size if model.sequence_parallel else 1
+        try:
+            group_size(seq_length, p.max_seqlen_per_dp_cp_rank, pool, tp_multiple, least)
+        except ValueError as err:
+            problems.append(f"--seq-length {seq_length}: {err}")
+    if p.pipeline_model_parallel_size > 1:
+        problems.append(f"{why} does not run with pipeline parallelism (Megatron-LM's rule); "
+                        f"use --pipeline-model-parallel-size 1")
+    if not training.calculate_per_token_loss:
+        problems.append(f"{why} needs --calculate-per-token-loss (Megatron-LM's rule: re-packed "
+                        f"microbatches have no mean of their own)")
+    refused = [
+        (model.multi_latent_attention, "--multi-latent-attention (Megatron-LM's rule)"),
+        (any(model.linear_attention_pattern()), "Gated DeltaNet layers (their state passing "
+         "runs on a fixed CP group)"),
+        (bool(model.mtp_num_layers), "--mtp-num-layers (its loss weight uses each "
+         "microbatch's token counts)"),
+        (model.fp8 is not None, "--fp8-format (each microbatch's amax sets the scales)"),
+        (p.expert_model_parallel_size > 1, "--expert-model-parallel-size > 1 (the expert "
+         "all-to-all needs every rank of the group in the same number of forwards)"),
+        (use_torch_fsdp2, "--use-torch-fsdp2 (its all-gathers need every rank of the pool in "
+         "the same number of forwards)"),
+    ]
+    if model.num_moe_experts:
+        kinds = model.moe_router_load_balancing_type
+        kinds = set(kinds if isinstance(kinds, (tuple, list)) else [kinds])
+        refused += [
+            (bool(model.balancing_losses()) or model.moe_z_loss_coeff, "MoE balancing or "
+             "z-losses (each over one microbatch's tokens; use --moe-aux-loss-coeff 0, "
+             "--moe-z-loss-coeff 0, or aux-loss-free --moe-router-enable-expert-bias)"),
+            (bool(kinds & {"sinkhorn", "quantile_balancing"}),
+             "--moe-router-load-balancing-type sinkhorn or quantile_balancing (each balances "
+             "one microbatch's tokens)"),
+            (model.moe_expert_capacity_factor is not None, "--moe-expert-capacity-factor "
+             "(token dropping over one microbatch's tokens)"),
+        ]
+    problems += [f"{why} does not run with {what}: drop one of the two"
+                 for bad, what in refused if bad]
+    return problems
