@@ -25,6 +25,10 @@ documents' lengths (every rank computes the same schedule; nothing is exchanged)
    both halves (k doubles; only while its ranks still hold at most ``M`` tokens each), then
    the times are worked out again.
 
+5. **Never worse than static.** Given the samples and the static CP size, the static layout
+   is a schedule too (each sample one bin on its DP replica's CP group, the replicas taking
+   contiguous shares of the batch); when its modelled step is shorter, it is the schedule.
+
 Each rank then runs its bins in placement order: a bin's collectives involve only its
 ranks, and every rank meets its bins in the same global order, so no rank waits on a bin
 that waits on it. ``cost(padded_lengths, lengths, k)`` gives one rank's time for a bin;
@@ -109,9 +113,11 @@ class Bin:
 
 @dataclass
 class Schedule:
-    """The bins of one global batch on a pool of ``pool`` ranks, in run order."""
+    """The bins of one global batch on a pool of ``pool`` ranks, in run order; ``static``:
+    the static layout won (rule 5)."""
     bins: list
     pool: int
+    static: bool = False
 
     def bins_of(self, slot):
         """The bins pool rank ``slot`` runs, in run order."""
@@ -160,12 +166,14 @@ def _time(bins, pool):
             ready[r] = b.finish
 
 
-def schedule(lengths, pool, max_per_rank, cost, tp_multiple=1, least=1):
+def schedule(lengths, pool, max_per_rank, cost, tp_multiple=1, least=1, samples=None,
+             static_size=None):
     """The :class:`Schedule` of documents of ``lengths`` (the global batch's, in order;
     zero-length ones are skipped) on ``pool`` ranks (a power of two) at ``max_per_rank``
     padded tokens per rank, on groups of at least ``least`` ranks
     (--min-dynamic-context-parallel-size). ``cost``: see the module doc (e.g. a
-    :class:`FlopCost`)."""
+    :class:`FlopCost`). ``samples`` (the document numbers of each sample, in order) and
+    ``static_size`` (the static CP size): rule 5's comparison (None: none)."""
     if not is_power_of_two(pool):
         raise ValueError(f"the DP x CP pool ({pool} ranks) must be a power of two for dynamic "
                          f"context parallelism (its groups are aligned power-of-two blocks)")
@@ -198,7 +206,32 @@ def schedule(lengths, pool, max_per_rank, cost, tp_multiple=1, least=1):
     for i, b in enumerate(bins):
         b.order = i
     _time(bins, pool)
-    return Schedule(bins, pool)
+    dynamic = Schedule(bins, pool)
+    static = None if samples is None else _static(lengths, samples, static_size, pool,
+                                                  max_per_rank, cost, tp_multiple)
+    return static if static is not None and static.step_time < dynamic.step_time else dynamic
+
+
+def _static(lengths, samples, size, pool, max_per_rank, cost, tp_multiple):
+    """The static layout as a schedule (rule 5): sample j on the CP group of DP replica
+    ``j // (samples per replica)``; None where a sample does not fit ``max_per_rank``."""
+    replicas = pool // size
+    if len(samples) % replicas:
+        return None
+    share = len(samples) // replicas
+    bins = []
+    for j, documents in enumerate(samples):
+        documents = [d for d in documents if lengths[d] > 0]
+        if not documents:
+            continue
+        b = Bin(documents, [lengths[d] for d in documents], size, first=(j // share) * size,
+                order=len(bins))
+        if sum(padded(n, size, tp_multiple) for n in b.lengths) > size * max_per_rank:
+            return None
+        b.cost = _cost(b, cost, tp_multiple)
+        bins.append(b)
+    _time(bins, pool)
+    return Schedule(bins, pool, static=True)
 
 
 def _spread_to_idle(bins, pool, max_per_rank, cost, tp_multiple):

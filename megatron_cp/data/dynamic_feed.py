@@ -53,9 +53,10 @@ def bin_sample(batches, documents, bin_documents):
 
 
 def dynamic_microbatches(batches, slot, pool, max_per_rank, cost, tp_multiple=1, least=1,
-                         first_sample=0):
+                         first_sample=0, static_size=1):
     """(this rank's microbatches, the schedule) for pool rank ``slot`` (its rank in the DP x
-    CP group) of ``pool``: one per bin it runs, in run order, each prepared for the bin's CP
+    CP group) of ``pool`` (``static_size``: the static CP size, whose layout the schedule
+    takes when it models faster): one per bin it runs, in run order, each prepared for the bin's CP
     group (its rank there is ``slot - bin.first``) and carrying ``cp_size``, the group's size
     (the model's attention switches to it: model.attention.use_cp_size).
 
@@ -65,8 +66,12 @@ def dynamic_microbatches(batches, slot, pool, max_per_rank, cost, tp_multiple=1,
     group; so dropout is reproducible and layout-free among dynamic runs, but these are not
     the coordinates a static run gives the same tokens."""
     documents = documents_of(batches)
+    b = batches[0]["tokens"].shape[0]
+    samples = [[] for _ in range(len(batches) * b)]  # each sample's documents, in order
+    for d, (m, row, _, _) in enumerate(documents):
+        samples[m * b + row].append(d)
     plan = schedule([length for *_, length in documents], pool, max_per_rank, cost, tp_multiple,
-                    least)
+                    least, samples, static_size)
     out = []
     for b in plan.bins_of(slot):
         total = sum(padded(n, b.size, tp_multiple) for n in b.lengths)

@@ -87,3 +87,20 @@ def test_an_idle_rank_takes_half_of_a_bin():
 def test_the_pool_must_be_a_power_of_two():
     with pytest.raises(ValueError, match="power of two"):
         schedule([10], 6, 64, COST)
+
+
+def test_the_static_layout_wins_where_it_models_faster():
+    """Rule 5: two samples of a 21- and an 11-token document each, at 20 tokens a rank on
+    DP2 x CP2: each sample on its own CP group is the better plan (every rank 18 tokens);
+    re-packed, some rank runs an 11-token bin and half of a 21-token one (23)."""
+    samples = [[0, 1], [2, 3]]
+    lengths = [21, 11, 21, 11]
+    dynamic = schedule(lengths, 4, 20, COST)
+    plan = schedule(lengths, 4, 20, COST, samples=samples, static_size=2)
+    assert plan.static and plan.step_time < dynamic.step_time
+    assert [(b.documents, b.first, b.size) for b in plan.bins] == [([0, 1], 0, 2), ([2, 3], 2, 2)]
+    # one sample of a 64-token document and one of 64 single tokens: re-packed, the long
+    # one spreads over all four ranks while nothing else waits: the dynamic plan is kept
+    lengths = [64] + [1] * 64
+    plan = schedule(lengths, 4, 32, COST, samples=[[0], list(range(1, 65))], static_size=2)
+    assert not plan.static
