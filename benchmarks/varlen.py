@@ -10,10 +10,18 @@ shuffled) packs them; a document piece is what one sample holds of a document.
 
 Per global batch, the same DP x CP ranks (TP 1) and the same tokens under two layouts:
 
-- static: DP rank r runs samples r, r + DP, ... (Megatron's sampler), each over its CP group
-  by the zigzag, every document padded to a multiple of 2 x CP;
+- static: DP rank r runs the contiguous share r of the batch (DataParallelBatchSampler's),
+  each sample over its CP group by the zigzag, every document padded to a multiple of 2 x CP;
 - dynamic: ``dynamic_schedule.schedule(the batch's pieces, pool = DP x CP, max_per_rank =
-  seq_length / CP, cost)``, ``cost`` being the modelled seconds of a bin's slowest rank below.
+  seq_length / CP, cost, samples, static_size=CP)``, ``cost`` being the modelled seconds of a
+  bin's slowest rank below (the runtime balances by FLOPs; the benchmark by these seconds, so
+  communication counts), the static plan kept where it models faster (rule 5).
+
+The headline layout is long-context pretraining as Llama 3 ran it: 128k-token samples of an
+8B model with static CP 16 (8k tokens a rank, the ring across two 8-GPU nodes) x DP 4 on 64
+H100s: static CP must be sized for the longest document a sample can hold, and every short
+document then pays it. Shorter samples at CP 8 within a node are reported beside (no goal):
+there the static layout is already near balanced and dynamic CP gains little.
 
 Counted exactly per rank (no averages): matmul FLOPs (6 x the weights a token passes through,
 output layer included, x the padded tokens it holds), attention FLOPs (12 x heads x head dim
@@ -33,17 +41,22 @@ its modelled seconds printed beside.
 Goals: on the long-tailed stream static / dynamic modelled time >= 1.3 (summed over the
 steps); when every sample is one document of seq_length tokens (each needs the whole CP
 group), dynamic / static <= 1.03. The measured ratio of CPU processes over gloo sits beside
-the modelled one: ``measure_cpu`` (not measured until the dynamic-CP training runtime lands).
+the modelled one: ``measure_cpu`` trains a small GPT on the same stream scaled to
+``--cpu-seq-length`` tokens, static CP ``--cpu-cp`` against dynamic CP on ``--cpu-world``
+processes (tools/fork_launch.py), median step times; a 2-core machine makes it noisy.
 
 Run: PYTHONPATH=. python benchmarks/varlen.py [--output benchmarks/results/varlen.json]
-(about 10 s of arithmetic, no model runs; the JSON goes to runs/benchmarks/varlen.json by
-default). Other layouts at the same tokens per step (``--configs``) and tail fractions
+(the arithmetic takes seconds, the CPU runs about a minute; the JSON goes to
+runs/benchmarks/varlen.json by default). Other layouts at the same tokens per step (``--configs``) and tail fractions
 (``--sweep``) are reported beside, without a goal.
 """
 import argparse
 import math
 import os
+import re
 import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 
@@ -52,7 +65,8 @@ import numpy as np
 from bench_common import ROOT, add_output_argument, verdict, write_json
 from megatron_cp.context_parallel.dynamic_schedule import FlopCost, padded, schedule
 from megatron_cp.data.gpt_dataset import GPTDataset
-from megatron_cp.data.indexed_dataset import IndexedDataset, dataset_exists
+from megatron_cp.data.indexed_dataset import (IndexedDataset, IndexedDatasetBuilder,
+                                              data_file_path, dataset_exists, index_file_path)
 from megatron_cp.planning.step_time import GPU_DEFAULTS, DeviceRates
 
 GOALS = {"long_tail_speedup": 1.3, "full_group_slowdown": 1.03}
@@ -230,8 +244,9 @@ def static_step(batch, a, counter):
     """Per-rank work of static CP (rank (dp, cp) -> Work) and the step's modelled seconds."""
     ranks = [Work() for _ in range(a.dp * a.cp)]
     dp_seconds = [0.0] * a.dp
+    share = len(batch) // a.dp
     for j, sample in enumerate(batch):
-        dp = j % a.dp
+        dp = j // share  # DataParallelBatchSampler: contiguous shares of the batch
         works = [counter.rank_work(sample, a.cp, r) for r in range(a.cp)]
         dp_seconds[dp] += max(w.seconds for w in works)
         for r, w in enumerate(works):
@@ -242,7 +257,12 @@ def static_step(batch, a, counter):
 def dynamic_step(batch, a, counter):
     """Per-rank work of dynamic CP (pool slot -> Work), the step's seconds and its bins."""
     lengths = [n for sample in batch for n in sample]
-    plan = schedule(lengths, a.dp * a.cp, a.seq_length // a.cp, counter)
+    samples, start = [], 0
+    for sample in batch:  # each sample's document numbers: the static plan (rule 5)
+        samples.append(list(range(start, start + len(sample))))
+        start += len(sample)
+    plan = schedule(lengths, a.dp * a.cp, a.seq_length // a.cp, counter, samples=samples,
+                    static_size=a.cp)
     ranks = [Work() for _ in range(plan.pool)]
     for b in plan.bins:
         for slot in b.ranks:
@@ -250,7 +270,8 @@ def dynamic_step(batch, a, counter):
     sizes = {}
     for b in plan.bins:
         sizes[b.size] = sizes.get(b.size, 0) + 1
-    return ranks, plan.step_time, {"bins": len(plan.bins), "bins_per_group_size": sizes}
+    return ranks, plan.step_time, {"bins": len(plan.bins), "bins_per_group_size": sizes,
+                                   "static_plan_kept": plan.static}
 
 
 def megatron_estimate_step(batch, a, counter):
@@ -331,11 +352,75 @@ def run_scenario(batches, a, counter):
             "checks_passed": all(checks)}
 
 
-def measure_cpu(args):
-    """Measured static / dynamic step time of CPU processes over gloo (a noisy ratio): None
-    until the dynamic-CP training runtime lands (then: the same stream at a small model and
-    world, both layouts through the training loop, median step times)."""
-    return None
+def cpu_stream(corpus, a, notes, directory):
+    """The CPU run's corpus (an indexed dataset in ``directory``): the same
+    stream's documents (corpus lengths plus the tail), every length scaled by
+    ``cpu_seq_length / seq_length`` (at least 2), random token ids (NullTokenizer,
+    vocabulary 256, numpy seed ``tail_seed``) ending with EOD, so --reset-attention-mask
+    finds each document."""
+    scale = a.cpu_seq_length / a.seq_length
+    copies = max(1, -(-(a.cpu_global_batch * (a.cpu_iters + 1) * a.seq_length)
+                      // int(corpus.sum())))
+    base = np.tile(corpus, copies)
+    num_tail = round(a.tail_fraction / (1 - a.tail_fraction) * len(base)) if a.tail_fraction else 0
+    rng = np.random.default_rng(a.tail_seed)
+    tail = np.clip(rng.lognormal(math.log(a.tail_median), a.tail_sigma, num_tail).astype(np.int64),
+                   1, a.seq_length)
+    lengths = np.maximum(2, np.round(np.concatenate((base, tail)) * scale).astype(np.int64))
+    prefix = os.path.join(directory, "stream")
+    builder = IndexedDatasetBuilder(data_file_path(prefix), dtype=np.uint16)
+    for n in lengths:
+        builder.add_document(np.append(rng.integers(0, 256, n - 1), 256).astype(np.uint16))
+    builder.finalize(index_file_path(prefix))
+    notes.append(f"CPU stream: {len(lengths)} documents, lengths scaled by {scale:g}")
+    return prefix
+
+
+def _cpu_step_ms(a, prefix, extra):
+    """Median step time (ms, the log's, after 2 warm-up steps) of ``a.cpu_world`` CPU
+    processes over gloo (tools/fork_launch.py) training a small GPT on ``prefix``."""
+    flags = (f"--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length "
+             f"{a.cpu_seq_length} --max-position-embeddings {a.cpu_seq_length} "
+             f"--micro-batch-size 1 --global-batch-size {a.cpu_global_batch} --train-iters "
+             f"{a.cpu_iters} --lr 1e-4 --data-path {prefix} --split 100,0,0 --tokenizer-type "
+             f"NullTokenizer --vocab-size 256 "
+             f"--calculate-per-token-loss --log-interval 1 --eval-iters 0 --seed 1 "
+             f"--position-embedding-type rope --context-parallel-size {a.cpu_cp} {extra}")
+    command = [sys.executable, os.path.join(ROOT, "tools", "fork_launch.py"), "--nproc-per-node",
+               str(a.cpu_world), os.path.join(ROOT, "pretrain_gpt.py")] + flags.split()
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
+    times = [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)",
+                                          done.stdout + done.stderr)]
+    if done.returncode != 0 or len(times) < 3:
+        raise RuntimeError(f"the CPU run failed ({done.returncode}): "
+                           f"{(done.stdout + done.stderr)[-2000:]}")
+    return float(np.median(times[2:]))
+
+
+def measure_cpu(a, corpus, notes):
+    """Measured static / dynamic step time of ``a.cpu_world`` CPU processes over gloo (a noisy
+    ratio): the scaled stream (:func:`cpu_stream`) through the training loop, static CP
+    ``a.cpu_cp`` against dynamic CP on the same ranks at ``cpu_seq_length / cpu_cp`` tokens a
+    rank, median step times. None with ``--cpu-iters 0``."""
+    if a.cpu_iters <= 0:
+        return None
+    with tempfile.TemporaryDirectory(prefix="varlen_cpu_") as directory:
+        prefix = cpu_stream(corpus, a, notes, directory)
+        dynamic_flags = (f"--dynamic-context-parallel --max-seqlen-per-dp-cp-rank "
+                         f"{a.cpu_seq_length // a.cpu_cp}")
+        documents = "--reset-attention-mask --reset-position-ids"
+        static = _cpu_step_ms(a, prefix, documents)
+        dynamic = _cpu_step_ms(a, prefix, f"{documents} {dynamic_flags}")
+        # every sample one sequence (no document masking): each needs the whole CP group
+        full_static = _cpu_step_ms(a, prefix, "")
+        full_dynamic = _cpu_step_ms(a, prefix, dynamic_flags)
+    notes.append(f"CPU: {a.cpu_world} processes, seq {a.cpu_seq_length}, static CP {a.cpu_cp}: "
+                 f"median step {static:.1f} ms static, {dynamic:.1f} ms dynamic; whole samples "
+                 f"{full_static:.1f} ms static, {full_dynamic:.1f} ms dynamic")
+    return {"static_ms": static, "dynamic_ms": dynamic, "static_over_dynamic": static / dynamic,
+            "full_group_static_ms": full_static, "full_group_dynamic_ms": full_dynamic,
+            "full_group_dynamic_over_static": full_dynamic / full_static}
 
 
 def link_bytes_per_s(rates, span):
@@ -392,9 +477,9 @@ def print_largest(name, res):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--seq-length", type=int, default=32768)
-    p.add_argument("--dp", type=int, default=8)
-    p.add_argument("--cp", type=int, default=8, help="static CP; dynamic's pool is DP x CP")
+    p.add_argument("--seq-length", type=int, default=131072)
+    p.add_argument("--dp", type=int, default=4)
+    p.add_argument("--cp", type=int, default=16, help="static CP; dynamic's pool is DP x CP")
     p.add_argument("--global-batch", type=int, default=64, help="samples per step (mbs 1)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--cp-comm-type", choices=("p2p", "a2a"), default="p2p")
@@ -410,9 +495,14 @@ def main(argv=None):
     p.add_argument("--tail-seed", type=int, default=38)
     p.add_argument("--sweep", type=float, nargs="*", default=[0.0, 0.02, 0.05, 0.2],
                    help="other tail fractions at the goal's configuration (no goal)")
-    p.add_argument("--configs", nargs="*", default=["65536:8:8", "131072:8:8", "32768:4:16",
-                                                    "131072:4:16"],
+    p.add_argument("--configs", nargs="*", default=["32768:8:8", "65536:8:8", "131072:8:8",
+                                                    "32768:4:16"],
                    help="other SEQ:DP:CP layouts, same tokens per step (no goal)")
+    p.add_argument("--cpu-world", type=int, default=2, help="CPU processes of the measured run")
+    p.add_argument("--cpu-cp", type=int, default=2, help="static CP of the measured run")
+    p.add_argument("--cpu-seq-length", type=int, default=1024)
+    p.add_argument("--cpu-global-batch", type=int, default=8)
+    p.add_argument("--cpu-iters", type=int, default=8, help="0: no measured run")
     add_output_argument(p, "varlen")
     a = p.parse_args(argv)
     for spec in [f"{a.seq_length}:{a.dp}:{a.cp}"] + a.configs:
@@ -428,7 +518,7 @@ def main(argv=None):
     counter = Counter(model, rates, a.cp_comm_type)
     corpus, source = corpus_lengths(a.data_prefix, notes)
     stream_info, long_tail, full_group = evaluate(a, corpus, counter)
-    measured = measure_cpu(a)
+    measured = measure_cpu(a, corpus, notes)
     sweep = {str(f): run_scenario(stream(corpus, a, f)[0], a, counter)["static_over_dynamic"]
              for f in a.sweep}
     configs = {}
@@ -455,15 +545,17 @@ def main(argv=None):
           f"sigma {a.tail_sigma:g}, capped at {a.seq_length}, seed {a.tail_seed}), "
           f"{stream_info['tail_token_share']:.0%} of the tokens in the tail; lengths "
           f"{stream_info['document_length_percentiles']}")
-    measured_cell = "not measured (needs the training runtime)" if measured is None \
-        else f"{measured:.3f}"
+    measured_cell = "not measured (--cpu-iters 0)" if measured is None \
+        else f"{measured['static_over_dynamic']:.3f} (static/dynamic)"
+    full_cell = "-" if measured is None \
+        else f"{measured['full_group_dynamic_over_static']:.3f} (dynamic/static)"
     print(f"{'stream':<11} {'static s/step':>13} {'dynamic s/step':>14} {'modelled':>9}  "
           f"{'measured CPU':<42} goal")
     print(f"{'long tail':<11} {long_tail['static_seconds'] / a.steps:>13.3f} "
           f"{long_tail['dynamic_seconds'] / a.steps:>14.3f} {speedup:>9.3f}  {measured_cell:<42} "
           f"static/dynamic >= {GOALS['long_tail_speedup']}: {verdict(passed['long_tail_speedup'])}")
     print(f"{'full group':<11} {full_group['static_seconds']:>13.3f} "
-          f"{full_group['dynamic_seconds']:>14.3f} {slowdown:>9.3f}  {measured_cell:<42} "
+          f"{full_group['dynamic_seconds']:>14.3f} {slowdown:>9.3f}  {full_cell:<42} "
           f"dynamic/static <= {GOALS['full_group_slowdown']}: "
           f"{verdict(passed['full_group_slowdown'])}")
     print("largest rank per step (mean over the steps):")

@@ -38,7 +38,7 @@ def documents_of(batches):
 def bin_sample(batches, documents, bin_documents):
     """One packed sample [1, sum of lengths] of the documents numbered ``bin_documents``:
     their tokens, labels, loss masks and position ids in order, ``document_ids`` their place
-    in the bin. (MoE's loss-mask weights and the real-token rows follow the tokens.)"""
+    in the bin (None for a bin of one document). (MoE's loss-mask weights and the real-token rows follow the tokens.)"""
     parts = {key: [] for key in TOKEN_KEYS}
     ids = []
     for place, d in enumerate(bin_documents):
@@ -48,7 +48,8 @@ def bin_sample(batches, documents, bin_documents):
         ids.append(torch.full((length,), place, dtype=torch.int64,
                               device=batches[m]["tokens"].device))
     sample = {key: torch.cat(values).unsqueeze(0) for key, values in parts.items()}  # [1, n]
-    sample["document_ids"] = torch.cat(ids).unsqueeze(0)  # [1, n]
+    # one document: plain causal attention (no document masking to look up)
+    sample["document_ids"] = torch.cat(ids).unsqueeze(0) if len(ids) > 1 else None  # [1, n]
     return sample
 
 
