@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_cp.data.batch import (add_mtp_targets, build_data_iterator, close_data_iterator,
-                                    get_ltor_batch)
+                                    get_ltor_batch, text_and_documents)
 from megatron_cp.data.builder import build_train_valid_test_datasets
 from megatron_cp.data.fim import FimTransform, fim_settings
 from megatron_cp.data.microbatch import prepare_microbatch, required_length, split_multiple, step_length
@@ -50,7 +50,9 @@ class DataFeed:
         train, valid, test = build_train_valid_test_datasets(
             d.data_path, d.split, num_samples, d.seq_length, self.model.seed, self.tokenizer,
             mock=d.mock_data, data_cache_path=d.data_cache_path,
-            mmap_bin=d.mmap_bin_files, fim=self.fim) if self.reads else (None,) * 3
+            mmap_bin=d.mmap_bin_files, fim=self.fim,
+            inter_document_masking=d.dataloader_inter_document_masking) \
+            if self.reads else (None,) * 3
         self.datasets = {"train": train, "validation": valid, "test": test}  # for the banner
         self.train_iter = build_data_iterator(train, self.batches.global_batch_size,
                                               t.micro_batch_size,
@@ -88,17 +90,10 @@ class DataFeed:
         d, st = self.data, self.state
         batches = []
         for _ in range(count):
-            text = next(iterator) if iterator is not None else None
-            if text is not None:
-                self._check_token_ids(text)
-            if st.size("tp") > 1:
-                if text is None:
-                    text = torch.empty(micro_batch_size, d.seq_length + 1, dtype=torch.long)
-                text = text.to(self.device)
-                dist.broadcast(text, src=st.group_ranks("tp")[0], group=st.group("tp"))
+            text, documents = self._read(iterator, micro_batch_size)
             batches.append(add_mtp_targets(
-                get_ltor_batch(text.to(self.device), self.tokenizer.eod, d.reset_position_ids,
-                               d.reset_attention_mask, d.eod_mask_loss),
+                get_ltor_batch(text, self.tokenizer.eod, d.reset_position_ids,
+                               d.reset_attention_mask, d.eod_mask_loss, document_ids=documents),
                 self.model.mtp_depths()))
         length = self._step_length(batches)
         first = first_sample + st.rank("dp") * count * micro_batch_size  # G/DP samples a rank
@@ -110,6 +105,29 @@ class DataFeed:
                                                device=self.device)
             prepared.append(batch)
         return prepared
+
+    def _read(self, iterator, micro_batch_size):
+        """One microbatch's ``text`` [b, s+1] and (--dataloader-inter-document-masking) the
+        dataset's ``document_ids`` [b, s] (else None), on the device: TP rank 0 reads them,
+        its TP peers receive them."""
+        d = self.data
+        text, documents = text_and_documents(next(iterator) if iterator is not None else None)
+        if text is not None:
+            self._check_token_ids(text)
+            assert (documents is not None) == d.dataloader_inter_document_masking
+        if self.state.size("tp") > 1:
+            text = self._from_tp_rank_0(text, (micro_batch_size, d.seq_length + 1))
+            if d.dataloader_inter_document_masking:
+                documents = self._from_tp_rank_0(documents, (micro_batch_size, d.seq_length))
+        return text.to(self.device), None if documents is None else documents.to(self.device)
+
+    def _from_tp_rank_0(self, tensor, shape):
+        """TP rank 0's int64 ``tensor`` of ``shape`` on every rank of its TP group (the
+        others pass None)."""
+        st = self.state
+        tensor = (torch.empty(shape, dtype=torch.long) if tensor is None else tensor).to(self.device)
+        dist.broadcast(tensor, src=st.group_ranks("tp")[0], group=st.group("tp"))
+        return tensor
 
     def _check_token_ids(self, text):
         """Token ids beyond the tokenizer's vocabulary mean the data was tokenized with
