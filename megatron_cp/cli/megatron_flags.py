@@ -628,9 +628,6 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
      ("--decoder-seq-length", "--sample-rate", "--mask-prob", "--short-seq-prob",
       "--decoder-num-layers", "--relative-attention-num-buckets",
       "--relative-attention-max-distance", "--bert-no-binary-head",)),
-    ("cu_seqlens document masking is not built; use --reset-attention-mask to keep attention "
-     "inside documents",
-     ("--dataloader-inter-document-masking",)),
     ("object-storage (S3/MSC) data paths are not built; use local files",
      ("--object-storage-cache-path",)),
     ("changing the blended-dataset sample surplus changes the sample order; drop it",

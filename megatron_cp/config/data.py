@@ -69,6 +69,11 @@ class DataConfig:
     reset_attention_mask: bool = setting(False, group="data",
         help="Keep attention inside documents.")
     eod_mask_loss: bool = setting(False, group="data", help="No loss on EOD tokens.")
+    dataloader_inter_document_masking: bool = setting(False, group="data",
+        help="Keep attention inside the documents a sample was assembled from (the dataset "
+             "index's documents, not EOD tokens) and restart position ids at 0 where each "
+             "begins (Megatron-LM's cu_seqlens); --reset-position-ids and "
+             "--reset-attention-mask then change nothing, --eod-mask-loss still applies.")
     num_workers: int = setting(2, group="data",
         help="DataLoader worker processes per rank (Megatron-LM's default 2; 0: the rank reads "
              "its samples itself).")

@@ -1,12 +1,13 @@
 """Batches: the left-to-right batch builder and the data-parallel batch iterator.
 
 :func:`get_ltor_batch` turns ``text [b, s+1]`` into tokens, labels, loss mask, position
-ids and (for packed documents) document ids. :func:`build_data_iterator` hands every
-DP rank its microbatches so that global batch ``k`` is always the samples
-``[consumed + k*G, consumed + (k+1)*G)`` of the dataset, whatever the DP layout:
-DP rank ``d`` takes the contiguous share ``[d*G/DP, (d+1)*G/DP)`` of it, in microbatches
-(under a batch-size schedule each batch starts where the previous one ended and takes the
-size the schedule gives at that sample). :func:`close_data_iterator` ends its loader processes.
+ids and (for packed documents: EOD-separated, or the dataset's own) document ids.
+:func:`build_data_iterator` hands every DP rank its microbatches so that global batch ``k``
+is always the samples ``[consumed + k*G, consumed + (k+1)*G)`` of the dataset, whatever the
+DP layout: DP rank ``d`` takes the contiguous share ``[d*G/DP, (d+1)*G/DP)`` of it, in
+microbatches (under a batch-size schedule each batch starts where the previous one ended and
+takes the size the schedule gives at that sample). :func:`close_data_iterator` ends its
+loader processes.
 """
 import multiprocessing
 import signal
@@ -16,7 +17,7 @@ import torch
 
 
 def get_ltor_batch(text, eod_token, reset_position_ids=False, reset_attention_mask=False,
-                   eod_mask_loss=False):
+                   eod_mask_loss=False, document_ids=None):
     """Left-to-right LM batch from ``text`` ``[b, s+1]`` (int64).
 
     Returns ``tokens [b, s]``, ``labels [b, s]`` (tokens shifted by one), ``loss_mask
@@ -25,6 +26,12 @@ def get_ltor_batch(text, eod_token, reset_position_ids=False, reset_attention_ma
     ``reset_position_ids``; the EOD belongs to the document it ends) and
     ``document_ids [b, s]`` (0 for the first document, +1 after each EOD) when
     ``reset_attention_mask``, else None: attention stays inside one document id.
+
+    ``document_ids`` ``[b, s]`` given (the dataset's documents,
+    ``--dataloader-inter-document-masking``): they are the documents, and position ids
+    restart at 0 where each begins, whatever the EOD tokens; ``reset_position_ids`` and
+    ``reset_attention_mask`` then change nothing, as in Megatron-LM, whose cu_seqlens
+    replace both (``eod_mask_loss`` still applies).
     """
     if text.dim() != 2 or text.size(1) < 2:
         raise ValueError(f"text must be [batch, seq_length + 1] with seq_length >= 1, "
@@ -37,21 +44,37 @@ def get_ltor_batch(text, eod_token, reset_position_ids=False, reset_attention_ma
     loss_mask = torch.ones(b, s, dtype=torch.float32, device=text.device)
     if eod_mask_loss:
         loss_mask[is_eod] = 0.0
-    index = torch.arange(s, dtype=torch.long, device=text.device).unsqueeze(0).expand(b, s)
+    if document_ids is not None:
+        if tuple(document_ids.shape) != (b, s):
+            raise ValueError(f"document_ids must be [batch, seq_length] = {[b, s]}, got shape "
+                             f"{tuple(document_ids.shape)}")
+        document_ids = document_ids.to(device=text.device, dtype=torch.long)
+        starts_here = torch.ones_like(is_eod)
+        starts_here[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+        return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
+                "position_ids": _positions_in_documents(starts_here),
+                "document_ids": document_ids}
     if reset_position_ids:
-        # A document starts at 0 and right after every EOD; position = index - its start.
+        # A document starts at 0 and right after every EOD
         starts_here = torch.zeros_like(is_eod)
         starts_here[:, 1:] = is_eod[:, :-1]
-        start = torch.where(starts_here, index, torch.zeros_like(index)).cummax(dim=1).values
-        position_ids = index - start  # [b, s]
+        position_ids = _positions_in_documents(starts_here)
     else:
-        position_ids = index.clone()
-    document_ids = None
+        position_ids = torch.arange(s, dtype=torch.long, device=text.device).expand(b, s).clone()
     if reset_attention_mask:
         eod_long = is_eod.long()
         document_ids = torch.cumsum(eod_long, dim=1) - eod_long  # EODs strictly before
     return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
             "position_ids": position_ids, "document_ids": document_ids}
+
+
+def _positions_in_documents(starts_here):
+    """Position ids [b, s] that restart at 0 where ``starts_here`` [b, s] (bool) is True
+    (and at index 0): each token's index minus its document's first index."""
+    b, s = starts_here.shape
+    index = torch.arange(s, dtype=torch.long, device=starts_here.device).expand(b, s)
+    start = torch.where(starts_here, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - start  # [b, s]
 
 
 MTP_KEYS = ("mtp_tokens", "mtp_labels", "mtp_loss_mask")  # + f"_{depth}", depth 1..D
@@ -156,13 +179,28 @@ class DataParallelBatchSampler:
                 yield list(range(first + m, first + m + self.micro_batch_size))
 
 
-def _collate_text(samples):
-    return torch.from_numpy(np.stack([np.asarray(s["text"], dtype=np.int64) for s in samples]))
+def _collate(samples):
+    """``text`` [b, s+1]; for samples that carry their ``document_ids``
+    (--dataloader-inter-document-masking) the dict ``{"text", "document_ids" [b, s]}``."""
+    def stacked(key):
+        return torch.from_numpy(np.stack([np.asarray(s[key], dtype=np.int64) for s in samples]))
+    if "document_ids" not in samples[0]:
+        return stacked("text")
+    return {"text": stacked("text"), "document_ids": stacked("document_ids")}
+
+
+def text_and_documents(item):
+    """(``text`` [b, s+1], ``document_ids`` [b, s] or None) of one item of a
+    :func:`build_data_iterator` iterator (None: (None, None))."""
+    if isinstance(item, dict):
+        return item["text"], item["document_ids"]
+    return item, None
 
 
 def build_data_iterator(dataset, global_batch_size, micro_batch_size, dp_rank, dp_size,
                         consumed_samples=0, num_workers=0, keep_on_sigterm=False):
-    """Iterator over this DP rank's microbatches: ``text`` tensors ``[micro_batch_size, s+1]``;
+    """Iterator over this DP rank's microbatches: ``text`` tensors ``[micro_batch_size, s+1]``
+    (with the dataset's document ids: dicts, read them with :func:`text_and_documents`);
     ``global_batch_size``: a number, or a function of the consumed samples (a schedule).
 
     Resumes exactly: the same ``consumed_samples`` gives the same following batches.
@@ -182,7 +220,7 @@ def build_data_iterator(dataset, global_batch_size, micro_batch_size, dp_rank, d
     sampler = DataParallelBatchSampler(len(dataset), consumed_samples, global_batch_size,
                                        micro_batch_size, dp_rank, dp_size)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                         collate_fn=_collate_text,
+                                         collate_fn=_collate,
                                          persistent_workers=False, pin_memory=False,
                                          worker_init_fn=_ignore_sigterm if keep_on_sigterm
                                          else None,

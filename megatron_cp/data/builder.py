@@ -41,7 +41,7 @@ def _split_datasets(make, num_documents, split, num_samples, where):
 
 def build_train_valid_test_datasets(data_path, split, train_valid_test_num_samples, seq_length,
                                     seed, tokenizer, mock=False, data_cache_path=None,
-                                    mmap_bin=True, fim=None):
+                                    mmap_bin=True, fim=None, inter_document_masking=False):
     """(train, valid, test) datasets, each None when its split is empty.
 
     ``data_path``: list of prefixes, optionally with weights (``["0.3", "A", "0.7", "B"]``);
@@ -51,7 +51,9 @@ def build_train_valid_test_datasets(data_path, split, train_valid_test_num_sampl
     where the index arrays go (default ``<data dir>/cache/GPTDataset_indices``);
     ``mmap_bin``: map the .bin files (False: read each sample from the file, Megatron's
     ``--no-mmap-bin-files``); ``fim``: a :class:`~megatron_cp.data.fim.FimTransform` each
-    prefix's samples go through (``--fim-data``), before any blending.
+    prefix's samples go through (``--fim-data``), before any blending;
+    ``inter_document_masking``: samples also carry their ``document_ids``
+    (``--dataloader-inter-document-masking``, megatron_cp.data.gpt_dataset).
     """
     num_samples = [int(n or 0) for n in train_valid_test_num_samples]
     if len(num_samples) != 3:
@@ -64,7 +66,8 @@ def build_train_valid_test_datasets(data_path, split, train_valid_test_num_sampl
 
         def make_mock(name, doc_range, n):
             return MockGPTDataset(tokenizer, doc_range, n, seq_length, seed, split_name=name,
-                                  num_documents=MOCK_NUM_DOCUMENTS)
+                                  num_documents=MOCK_NUM_DOCUMENTS,
+                                  inter_document_masking=inter_document_masking)
         return tuple(_split_datasets(make_mock, MOCK_NUM_DOCUMENTS, split, num_samples, "mock"))
 
     prefixes, weights = parse_data_path(data_path)
@@ -77,7 +80,8 @@ def build_train_valid_test_datasets(data_path, split, train_valid_test_num_sampl
 
         def make(name, doc_range, n, indexed=indexed, prefix=prefix, cache_dir=cache_dir):
             dataset = GPTDataset(indexed, doc_range, n, seq_length, seed, split_name=name,
-                                 path_prefix=prefix, cache_dir=cache_dir)
+                                 path_prefix=prefix, cache_dir=cache_dir,
+                                 inter_document_masking=inter_document_masking)
             return dataset if fim is None else FimDataset(dataset, fim, seed)
         per_prefix.append(_split_datasets(make, len(indexed), split, wanted, prefix))
     if not blended:

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_cp.data.batch import (add_mtp_targets, build_data_iterator, close_data_iterator,
-                                    get_ltor_batch)
+                                    get_ltor_batch, text_and_documents)
 from megatron_cp.context_parallel.dynamic_schedule import FlopCost
 from megatron_cp.data.builder import build_train_valid_test_datasets
 from megatron_cp.data.dynamic_feed import dynamic_microbatches
@@ -52,7 +52,9 @@ class DataFeed:
         train, valid, test = build_train_valid_test_datasets(
             d.data_path, d.split, num_samples, d.seq_length, self.model.seed, self.tokenizer,
             mock=d.mock_data, data_cache_path=d.data_cache_path,
-            mmap_bin=d.mmap_bin_files, fim=self.fim) if self.reads else (None,) * 3
+            mmap_bin=d.mmap_bin_files, fim=self.fim,
+            inter_document_masking=d.dataloader_inter_document_masking) \
+            if self.reads else (None,) * 3
         self.datasets = {"train": train, "validation": valid, "test": test}  # for the banner
         self.train_iter = build_data_iterator(train, self.batches.global_batch_size,
                                               t.micro_batch_size, *self._reader_place(),
@@ -103,7 +105,7 @@ class DataFeed:
         st = self.state
         if self.dynamic:
             return self._dynamic_microbatches(iterator, count, micro_batch_size, first_sample)
-        batches = self._read(iterator, count, micro_batch_size)
+        batches = self._read_batches(iterator, count, micro_batch_size)
         length = self._step_length(batches)
         first = first_sample + st.rank("dp") * count * micro_batch_size  # G/DP samples a rank
         prepared = []
@@ -119,7 +121,7 @@ class DataFeed:
         """Dynamic CP: this rank's bins of the global batch (``count`` microbatches per DP
         rank; megatron_cp.data.dynamic_feed), each with its ``cp_size``."""
         st, m, p = self.state, self.model, self.parallel
-        batches = self._read(iterator, count * st.size("dp"), micro_batch_size)
+        batches = self._read_batches(iterator, count * st.size("dp"), micro_batch_size)
         cost = FlopCost.for_model(m.hidden_size, m.ffn_hidden_size, m.num_layers,
                                   m.num_attention_heads, m.num_query_groups, m.kv_channels,
                                   gated_mlp=m.activation == "swiglu")
@@ -129,25 +131,41 @@ class DataFeed:
             tp_multiple, p.min_dynamic_context_parallel_size, first_sample, st.size("cp"))
         return prepared
 
-    def _read(self, iterator, count, micro_batch_size):
+    def _read_batches(self, iterator, count, micro_batch_size):
         """``count`` microbatches from ``iterator`` as get_ltor_batch dicts (TP rank 0
         reads, its TP peers receive them)."""
-        d, st = self.data, self.state
+        d = self.data
         batches = []
         for _ in range(count):
-            text = next(iterator) if iterator is not None else None
-            if text is not None:
-                self._check_token_ids(text)
-            if st.size("tp") > 1:
-                if text is None:
-                    text = torch.empty(micro_batch_size, d.seq_length + 1, dtype=torch.long)
-                text = text.to(self.device)
-                dist.broadcast(text, src=st.group_ranks("tp")[0], group=st.group("tp"))
+            text, documents = self._read(iterator, micro_batch_size)
             batches.append(add_mtp_targets(
-                get_ltor_batch(text.to(self.device), self.tokenizer.eod, d.reset_position_ids,
-                               d.reset_attention_mask, d.eod_mask_loss),
+                get_ltor_batch(text, self.tokenizer.eod, d.reset_position_ids,
+                               d.reset_attention_mask, d.eod_mask_loss, document_ids=documents),
                 self.model.mtp_depths()))
         return batches
+
+    def _read(self, iterator, micro_batch_size):
+        """One microbatch's ``text`` [b, s+1] and (--dataloader-inter-document-masking) the
+        dataset's ``document_ids`` [b, s] (else None), on the device: TP rank 0 reads them,
+        its TP peers receive them."""
+        d = self.data
+        text, documents = text_and_documents(next(iterator) if iterator is not None else None)
+        if text is not None:
+            self._check_token_ids(text)
+            assert (documents is not None) == d.dataloader_inter_document_masking
+        if self.state.size("tp") > 1:
+            text = self._from_tp_rank_0(text, (micro_batch_size, d.seq_length + 1))
+            if d.dataloader_inter_document_masking:
+                documents = self._from_tp_rank_0(documents, (micro_batch_size, d.seq_length))
+        return text.to(self.device), None if documents is None else documents.to(self.device)
+
+    def _from_tp_rank_0(self, tensor, shape):
+        """TP rank 0's int64 ``tensor`` of ``shape`` on every rank of its TP group (the
+        others pass None)."""
+        st = self.state
+        tensor = (torch.empty(shape, dtype=torch.long) if tensor is None else tensor).to(self.device)
+        dist.broadcast(tensor, src=st.group_ranks("tp")[0], group=st.group("tp"))
+        return tensor
 
     def _check_token_ids(self, text):
         """Token ids beyond the tokenizer's vocabulary mean the data was tokenized with

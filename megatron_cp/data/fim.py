@@ -139,6 +139,10 @@ class FimDataset:
         sample = dict(self.dataset[idx])
         rng = np.random.RandomState([self.seed % 2**32, idx])
         sample["text"] = self.transform(sample["text"], rng)
+        if "document_ids" in sample:
+            # the pieces are gone once the segments are permuted: Megatron-LM's FIM dataset
+            # makes the whole sample one document under --dataloader-inter-document-masking
+            sample["document_ids"] = np.zeros_like(sample["document_ids"])
         return sample
 
     def __getattr__(self, name):  # the wrapped dataset's description, indices, ...

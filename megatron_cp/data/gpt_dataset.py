@@ -14,6 +14,10 @@ sequence per document, as tools/preprocess_data.py writes them) and serves
 3. shuffle index: a permutation of the samples (the final separate epoch apart).
 
 The three arrays are cached as ``.npy`` files keyed by a hash of the configuration.
+
+With ``inter_document_masking`` (``--dataloader-inter-document-masking``) a sample also
+carries ``document_ids``: for each of its ``seq_length`` input tokens, which of the document
+pieces the sample was assembled from it belongs to (Megatron-LM's cu_seqlens, as ids).
 """
 import logging
 import os
@@ -37,13 +41,15 @@ def default_cache_dir(path_prefix):
 class GPTDataset:
     """Samples of ``seq_length + 1`` tokens over documents ``[begin, end)``.
 
-    ``dataset[i]`` is ``{"text": np.int64 array of seq_length + 1}``. ``len(dataset)`` is
-    at least ``num_samples`` (whole epochs are indexed; 0 or None asks for one epoch).
-    ``cache_dir`` None builds the index arrays in memory (no files).
+    ``dataset[i]`` is ``{"text": np.int64 array of seq_length + 1}``, plus, with
+    ``inter_document_masking``, ``"document_ids"`` (:func:`piece_document_ids`).
+    ``len(dataset)`` is at least ``num_samples`` (whole epochs are indexed; 0 or None asks
+    for one epoch). ``cache_dir`` None builds the index arrays in memory (no files).
     """
 
     def __init__(self, indexed_dataset, document_range, num_samples, seq_length, seed,
-                 split_name="train", path_prefix=None, cache_dir=None):
+                 split_name="train", path_prefix=None, cache_dir=None,
+                 inter_document_masking=False):
         begin, end = document_range
         if not 0 <= begin < end <= len(indexed_dataset):
             raise ValueError(f"document range [{begin}, {end}) is empty or outside the "
@@ -57,6 +63,8 @@ class GPTDataset:
         self.seed = int(seed)
         self.split_name = split_name
         self.path_prefix = path_prefix
+        # what a sample carries, not how it is indexed: not in the description (cache key)
+        self.inter_document_masking = bool(inter_document_masking)
         lengths = indexed_dataset.sequence_lengths
         self.description = {
             "class": "GPTDataset", "path_prefix": path_prefix, "split": split_name,
@@ -90,6 +98,8 @@ class GPTDataset:
             pieces.append(self.indexed_dataset.get(int(docs[pos_end]), 0, off_end + 1))
         text = np.concatenate(pieces).astype(np.int64)
         assert len(text) == self.seq_length + 1, (len(text), self.seq_length)
+        if self.inter_document_masking:
+            return {"text": text, "document_ids": piece_document_ids([len(p) for p in pieces])}
         return {"text": text}
 
     def _build_indices(self):
@@ -121,6 +131,22 @@ class GPTDataset:
                     self.split_name, end - begin, num_epochs, num_total)
         return {"document_index": document_index, "sample_index": sample_index,
                 "shuffle_index": shuffle_index}
+
+
+def piece_document_ids(piece_lengths):
+    """Megatron-LM's documents of a sample (its ``inter_document_masking`` cu_seqlens) as
+    ids: the ``seq_length`` input tokens of a sample assembled from pieces of
+    ``piece_lengths`` tokens (``seq_length + 1`` in all) numbered 0, 1, ... by piece. The
+    extra label token leaves the last piece (which goes when that was all it held), and an
+    empty piece numbers nothing, so the ids are consecutive. Document boundaries come from
+    the index, not from EOD tokens. Returns an int64 array of ``seq_length``. (Samples here
+    are never short, so Megatron-LM's folding of a short sample's padding into its last
+    document has nothing to fold.)
+    """
+    lengths = np.asarray(piece_lengths, dtype=np.int64).copy()
+    lengths[-1] -= 1
+    lengths = lengths[lengths > 0]
+    return np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
 
 
 def build_document_index(documents, num_epochs, rng, separate_final_epoch):
@@ -212,7 +238,8 @@ class MockGPTDataset(GPTDataset):
     """A GPTDataset over :class:`MockIndexedDataset` documents, indexed in memory."""
 
     def __init__(self, tokenizer, document_range, num_samples, seq_length, seed,
-                 split_name="train", num_documents=1000):
+                 split_name="train", num_documents=1000, inter_document_masking=False):
         mock = MockIndexedDataset(tokenizer, seq_length, num_documents=num_documents)
         super().__init__(mock, document_range, num_samples, seq_length, seed,
-                         split_name=split_name, path_prefix="mock", cache_dir=None)
+                         split_name=split_name, path_prefix="mock", cache_dir=None,
+                         inter_document_masking=inter_document_masking)
