@@ -96,3 +96,13 @@ def test_resume_from_a_dynamic_checkpoint(reference, tmp_path):
     run_workers(train_losses, 4, f"{dynamic} --exit-interval 3 --save {tmp_path}/b")
     moved = run_workers(train_losses, 4, f"{static} --load {tmp_path}/b")[0]
     _check([first + moved], reference, "dynamic -> static")
+
+
+def test_megatron_lm_data_path():
+    """Megatron-LM's dynamic CP reads documents from the dataset's cu_seqlens
+    (--dataloader-inter-document-masking): the same documents here, equal to one process."""
+    documents = (f"{TINY}{NO_DROPOUT} --train-iters 6 --calculate-per-token-loss "
+                 "--dataloader-inter-document-masking")
+    _check(run_workers(train_losses, 4, f"{documents} --context-parallel-size 2 "
+                       "--hybrid-context-parallel --max-seqlen-per-dp-cp-rank 8"),
+           run_workers(train_losses, 1, documents)[0], "inter-document masking")
