@@ -14,9 +14,10 @@ to a step:
   refused: MTP (its loss weight uses each microbatch's counts), FP8 (each microbatch's amax
   sets the scales), MoE balancing losses, z-loss, Sinkhorn and quantile balancing, and
   capacity-factor token dropping (each over one microbatch's tokens);
-- anything that needs every rank of a fixed group in the same number of forwards is
-  refused: expert parallelism (the expert all-to-all) and FSDP2 (its per-layer
-  all-gathers); ranks here run different numbers of bins;
+- expert parallelism's all-to-all needs every rank of its group in the same forward: the
+  bins then run in lockstep rounds (dynamic_schedule.rounds), a rank without a bin running
+  an empty one; FSDP2's per-layer all-gathers over the whole pool would need the same, and
+  it is refused;
 - Gated DeltaNet (linear attention) passes its state along a fixed CP group: not built
   for groups that change per bin.
 """
@@ -70,8 +71,6 @@ def dynamic_cp_problems(parallel, training, model, seq_length, use_torch_fsdp2=F
         (bool(model.mtp_num_layers), "--mtp-num-layers (its loss weight uses each "
          "microbatch's token counts)"),
         (model.fp8 is not None, "--fp8-format (each microbatch's amax sets the scales)"),
-        (p.expert_model_parallel_size > 1, "--expert-model-parallel-size > 1 (the expert "
-         "all-to-all needs every rank of the group in the same number of forwards)"),
         (use_torch_fsdp2, "--use-torch-fsdp2 (its all-gathers need every rank of the pool in "
          "the same number of forwards)"),
     ]

@@ -29,6 +29,11 @@ documents' lengths (every rank computes the same schedule; nothing is exchanged)
    is a schedule too (each sample one bin on its DP replica's CP group, the replicas taking
    contiguous shares of the batch); when its modelled step is shorter, it is the schedule.
 
+6. **Lockstep (expert parallelism).** An expert all-to-all needs every rank of its group in
+   the same forward at once, so with EP the bins run in rounds (:func:`rounds`): a bin runs
+   in the first round all its ranks are free for it, and a rank with no bin in a round runs
+   an empty one (one token, no loss) to keep the exchanges paired.
+
 Each rank then runs its bins in placement order: a bin's collectives involve only its
 ranks, and every rank meets its bins in the same global order, so no rank waits on a bin
 that waits on it. ``cost(padded_lengths, lengths, k)`` gives one rank's time for a bin;
@@ -258,3 +263,23 @@ def _spread_to_idle(bins, pool, max_per_rank, cost, tp_multiple):
         b.first -= b.first % (2 * b.size)
         b.size *= 2
         b.cost = _cost(b, cost, tp_multiple)
+
+
+def rounds(plan):
+    """Rule 6: ``{slot: [bin or None per round]}``, every pool rank the same number of
+    rounds; each round runs every bin whose ranks all have it next in their run order (the
+    lowest unfinished bin always does, so the rounds end), None where a rank waits."""
+    queues = {slot: plan.bins_of(slot) for slot in range(plan.pool)}
+    out = {slot: [] for slot in range(plan.pool)}
+    while any(queues.values()):
+        heads = {slot: q[0] for slot, q in queues.items() if q}
+        running = {id(b) for b in heads.values()
+                   if all(heads.get(r) is b for r in b.ranks)}
+        for slot in out:
+            b = heads.get(slot)
+            if b is not None and id(b) in running:
+                out[slot].append(b)
+                queues[slot].pop(0)
+            else:
+                out[slot].append(None)
+    return out

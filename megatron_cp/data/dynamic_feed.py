@@ -14,7 +14,7 @@ their count) the step computes what one process computes on the same global batc
 """
 import torch
 
-from megatron_cp.context_parallel.dynamic_schedule import padded, schedule
+from megatron_cp.context_parallel.dynamic_schedule import padded, rounds, schedule
 from megatron_cp.data.microbatch import document_lengths, prepare_microbatch
 
 TOKEN_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
@@ -53,11 +53,24 @@ def bin_sample(batches, documents, bin_documents):
     return sample
 
 
+def empty_microbatch(tokens, device):
+    """A round's stand-in where this rank has no bin (rule 6): ``tokens`` tokens of id 0 with
+    no loss (loss mask 0, so no gradient and no count), on no CP group."""
+    zeros = torch.zeros((1, tokens), dtype=torch.int64, device=device)  # [1, n]
+    return {"tokens": zeros, "labels": zeros, "position_ids": zeros,
+            "loss_mask": torch.zeros((1, tokens), dtype=torch.float32, device=device),
+            "document_ids": None, "token_index": None, "unpadded_index": None,
+            "real_token": None, "cp_size": 1, "sample_ids": torch.zeros(1, dtype=torch.int64,
+                                                                        device=device)}
+
+
 def dynamic_microbatches(batches, slot, pool, max_per_rank, cost, tp_multiple=1, least=1,
-                         first_sample=0, static_size=1):
+                         first_sample=0, static_size=1, lockstep=False):
     """(this rank's microbatches, the schedule) for pool rank ``slot`` (its rank in the DP x
     CP group) of ``pool`` (``static_size``: the static CP size, whose layout the schedule
-    takes when it models faster): one per bin it runs, in run order, each prepared for the bin's CP
+    takes when it models faster): one per bin it runs (``lockstep``, for expert parallelism:
+    one per round of :func:`~megatron_cp.context_parallel.dynamic_schedule.rounds`, an
+    :func:`empty_microbatch` where it runs no bin), in run order, each prepared for the bin's CP
     group (its rank there is ``slot - bin.first``) and carrying ``cp_size``, the group's size
     (the model's attention switches to it: model.attention.use_cp_size).
 
@@ -74,7 +87,11 @@ def dynamic_microbatches(batches, slot, pool, max_per_rank, cost, tp_multiple=1,
     plan = schedule([length for *_, length in documents], pool, max_per_rank, cost, tp_multiple,
                     least, samples, static_size)
     out = []
-    for b in plan.bins_of(slot):
+    device = batches[0]["tokens"].device
+    for b in rounds(plan)[slot] if lockstep else plan.bins_of(slot):
+        if b is None:
+            out.append(empty_microbatch(tp_multiple, device))
+            continue
         total = sum(padded(n, b.size, tp_multiple) for n in b.lengths)
         microbatch = prepare_microbatch(bin_sample(batches, documents, b.documents),
                                         slot - b.first, b.size, total)

@@ -128,7 +128,8 @@ class DataFeed:
         tp_multiple = st.size("tp") if m.sequence_parallel else 1
         prepared, self.last_schedule = dynamic_microbatches(
             batches, st.rank("dp_cp"), st.size("dp_cp"), p.max_seqlen_per_dp_cp_rank, cost,
-            tp_multiple, p.min_dynamic_context_parallel_size, first_sample, st.size("cp"))
+            tp_multiple, p.min_dynamic_context_parallel_size, first_sample, st.size("cp"),
+            lockstep=st.size("ep") > 1)
         return prepared
 
     def _read_batches(self, iterator, count, micro_batch_size):

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from megatron_cp.context_parallel.dynamic_schedule import (FlopCost, granule, group_size, padded,
-                                                           schedule)
+                                                           rounds, schedule)
 
 COST = FlopCost.for_model(hidden=64, ffn_hidden=256, layers=2, heads=4, kv_heads=2, head_dim=16)
 
@@ -104,3 +104,18 @@ def test_the_static_layout_wins_where_it_models_faster():
     lengths = [64] + [1] * 64
     plan = schedule(lengths, 4, 32, COST, samples=[[0], list(range(1, 65))], static_size=2)
     assert not plan.static
+
+
+def test_lockstep_rounds_pair_every_bin_and_give_every_rank_the_same_count():
+    rng = random.Random(5)
+    lengths = [rng.choice([5, 20, 60, 120, 250]) for _ in range(30)]
+    s = schedule(lengths, 8, 64, COST)
+    per_slot = rounds(s)
+    counts = {len(r) for r in per_slot.values()}
+    assert len(counts) == 1  # every rank runs the same number of forwards
+    for b in s.bins:  # a bin's ranks all run it in the same round, once
+        places = {slot: [i for i, x in enumerate(per_slot[slot]) if x is b] for slot in b.ranks}
+        assert all(len(p) == 1 for p in places.values())
+        assert len({p[0] for p in places.values()}) == 1
+    for slot, run in per_slot.items():  # and in each rank's run order
+        assert [b for b in run if b is not None] == s.bins_of(slot)

@@ -5,7 +5,8 @@ CP group sized for it reproduces one process's 6-step loss curve on the same glo
 sizes 4 and 8 (CP groups of 1, 2, 4 and 8 ranks), with learned absolute positions and tied
 embeddings, without document masking, and with MoE; the parameters after training equal one
 process's (every gradient entered them); a checkpoint saved under dynamic CP resumes to the
-uninterrupted curve, also under a static layout."""
+uninterrupted curve, also under a static layout. With expert parallelism (EP 2 and 4) the
+bins run in lockstep rounds."""
 import pytest
 import torch
 
@@ -60,10 +61,17 @@ def test_megatron_defaults_and_unmasked_samples():
 
 
 def test_moe_without_per_microbatch_balancing():
+    """MoE with aux-loss-free balancing, experts local (EP1) and split over 2 and 4 ranks."""
     moe = (f"{PACKED} --train-iters 6 --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0 "
            "--moe-router-enable-expert-bias --moe-router-score-function sigmoid --swiglu")
+    reference = run_workers(train_losses, 1, moe)[0]
     _check(run_workers(train_losses, 4, f"{moe} --context-parallel-size 2 {DYNAMIC} 8"),
-           run_workers(train_losses, 1, moe)[0], "MoE")
+           reference, "MoE")
+    # expert parallelism: bins in lockstep rounds, empty ones where a rank has none
+    for world, extra in ((4, "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"),
+                         (8, "--expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall "
+                             "--context-parallel-size 2")):
+        _check(run_workers(train_losses, world, f"{moe} {extra} {DYNAMIC} 8"), reference, extra)
 
 
 def _params(rank, world, argv):
