@@ -12,7 +12,7 @@ from megatron_cp.resilience import rerun
 from megatron_cp.observability import wandb_logging
 from megatron_cp.cli.megatron_flags import apply_compat_flags, dispatcher_note
 from megatron_cp.config.checkpoint import CheckpointConfig
-from megatron_cp.config.dynamic_cp import dynamic_cp_problems
+from megatron_cp.config.dynamic_cp import dynamic_cp_note, dynamic_cp_problems
 from megatron_cp.config.data import NOT_BUILT_TOKENIZERS, SENTENCEPIECE_TYPES, DataConfig
 from megatron_cp.config.logging import LoggingConfig
 from megatron_cp.config.model import GPTConfig
@@ -81,7 +81,7 @@ def validate_args(args, world_size, parser, names, inference=False, problems=())
         args.sequence_parallel = False  # Megatron turns it off silently for TP=1
     if args.deterministic_mode and args.attention_kernel == "auto":
         args.attention_kernel = "torch"  # the fused kernels' backward accumulates atomically
-    checks.run(_validate_model, args, names, sizes_ok)
+    model_ok = checks.run(_validate_model, args, names, sizes_ok)
     checks.run(_validate_sequence_split, args)
     if inference:
         args.train_iters = args.train_iters or 0
@@ -97,7 +97,7 @@ def validate_args(args, world_size, parser, names, inference=False, problems=())
     checks.run(_validate_optimizer_and_checkpoint, args)
     if all(built[section] for section in _FSDP2_SECTIONS):  # else their checks said why
         checks.run(_validate_fsdp2, args)
-    if sizes_ok and built[ParallelConfig] and built[TrainingConfig]:
+    if sizes_ok and model_ok and built[ParallelConfig] and built[TrainingConfig]:
         checks.run(_validate_dynamic_cp, args)
     checks.run(_validate_rerun_and_wandb, args)
     if args.save:
@@ -291,32 +291,19 @@ _FSDP2_SECTIONS = (OptimizerConfig, ParallelConfig, CheckpointConfig, TrainingCo
 def _validate_fsdp2(args):
     """--use-torch-fsdp2's and --use-megatron-fsdp's companions (megatron_cp.distributed.fsdp),
     and --ckpt-format fsdp_dtensor's, read from the sections that hold them."""
-    problems = fsdp.argument_problems(*(build_config(section, args)
-                                        for section in _FSDP2_SECTIONS))
+    problems = fsdp.argument_problems(*(build_config(s, args) for s in _FSDP2_SECTIONS))
     if problems:
         raise ArgumentErrors(problems)
 
 
 def _validate_dynamic_cp(args):
-    """--dynamic-context-parallel's rules (megatron_cp/config/dynamic_cp.py)."""
-    model = None
-    if args.dynamic_context_parallel:
-        try:
-            model = build_config(GPTConfig, args, vocab_size=1)
-        except ValueError:
-            return  # the model's own rules said why (_validate_model)
-    problems = dynamic_cp_problems(build_config(ParallelConfig, args),
-                                   build_config(TrainingConfig, args), model,
-                                   args.seq_length, use_torch_fsdp2=args.use_torch_fsdp2)
+    """--dynamic-context-parallel's rules and start-up note (megatron_cp/config/dynamic_cp.py)."""
+    parallel, training = (build_config(section, args) for section in (ParallelConfig, TrainingConfig))
+    model = build_config(GPTConfig, args, vocab_size=1) if args.dynamic_context_parallel else None
+    problems = dynamic_cp_problems(parallel, training, model, args.seq_length, args.use_torch_fsdp2)
     if problems:
         raise ArgumentErrors(problems)
-    if args.dynamic_context_parallel:
-        args.compat_notes.append(
-            f"dynamic context parallelism: every step's documents are re-packed into bins of at "
-            f"most {args.max_seqlen_per_dp_cp_rank} tokens per rank, each run on a CP group of "
-            f"its own size out of the {args.data_parallel_size * args.context_parallel_size} "
-            f"DP x CP ranks (every rank reads the whole global batch); dropout masks follow "
-            f"each bin's tokens, not a static layout's")
+    args.compat_notes += [dynamic_cp_note(parallel)] if parallel.dynamic_context_parallel else []
 
 
 def _validate_rerun_and_wandb(args):

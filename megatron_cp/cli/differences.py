@@ -52,6 +52,24 @@ DELIBERATE = (
      "stay in the activations' precision until issue 39 builds grouped FP8 GEMMs (a start-up "
      "note says so); attention, shared experts and dense MLPs run in FP8",
      "the experts' one grouped GEMM per rank has no FP8 form here yet"),
+    ("dynamic CP's data (--dynamic-context-parallel / --hybrid-context-parallel)",
+     "each DP rank reads its G/DP samples; documents go to their ranks by an all-to-all",
+     "every rank reads the whole global batch and keeps the documents of its bins",
+     "the schedule is then a pure function every rank computes alike, with nothing to "
+     "exchange; the cost is G x (seq_length + 1) token ids read per rank per step"),
+    ("dynamic CP's microbatches",
+     "one forward per document (sub-sample), groups of them separated by barriers; "
+     "BalancedCPScheduler's L^2/k workload estimate",
+     "documents of one group size packed into bins of at most --max-seqlen-per-dp-cp-rank "
+     "tokens a rank, one forward per bin, placed by modelled FLOPs; the static layout kept "
+     "where it models faster; lockstep rounds only with expert parallelism",
+     "fewer, larger forwards and no barrier; with --calculate-per-token-loss (required by "
+     "both) the step computes the same function of the global batch"),
+    ("dropout under dynamic CP", "each rank's RNG stream",
+     "drawn from each bin's own coordinates (the bin's first sample, the token's place in "
+     "the bin): reproducible, but not the masks a static layout gives the same tokens",
+     "a bin mixes documents of several samples; exactness against one process is tested "
+     "without dropout"),
 )
 
 # flag -> the DELIBERATE row (its first column) that explains its different default

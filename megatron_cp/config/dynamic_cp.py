@@ -20,15 +20,49 @@ to a step:
   it is refused;
 - Gated DeltaNet (linear attention) passes its state along a fixed CP group: not built
   for groups that change per bin.
+
+The group-size rule itself (:func:`group_size`: the smallest power-of-two group whose ranks
+each hold at most the bound of a document once padded for the zigzag) lives here too: the
+schedule (context_parallel/dynamic_schedule.py) and the start-up check share it.
 """
-from megatron_cp.context_parallel.dynamic_schedule import group_size
+
+
+def is_power_of_two(n):
+    return n >= 1 and n & (n - 1) == 0
+
+
+def granule(k, tp_multiple=1):
+    """Padded-length step of a document on a CP group of ``k`` ranks: 2 x k zigzag chunks
+    (none at k = 1), times TP when sequence parallelism splits the sequence too."""
+    return (1 if k == 1 else 2 * k) * tp_multiple
+
+
+def padded(length, k, tp_multiple=1):
+    step = granule(k, tp_multiple)
+    return -(-length // step) * step
+
+
+def group_size(length, max_per_rank, pool, tp_multiple=1, least=1):
+    """The smallest power-of-two group (<= ``pool``, >= ``least``) whose ranks hold at most
+    ``max_per_rank`` of a document of ``length`` tokens; ValueError naming the fix when
+    even the whole pool cannot."""
+    k = least
+    while padded(length, k, tp_multiple) > k * max_per_rank:
+        k *= 2
+        if k > pool:
+            need = -(-padded(length, pool, tp_multiple) // pool)
+            raise ValueError(
+                f"a document of {length} tokens does not fit the {pool} ranks of the DP x CP "
+                f"pool at --max-seqlen-per-dp-cp-rank {max_per_rank}; raise it to at least "
+                f"{need}")
+    return k
 
 
 def dynamic_cp_problems(parallel, training, model, seq_length, use_torch_fsdp2=False):
     """Lines for every rule the sections break (empty when dynamic CP is off and its flags
     are unset). ``parallel``: ParallelConfig; ``training``: TrainingConfig; ``model``:
-    GPTConfig (read only with dynamic CP on); ``seq_length``: the samples' length (the longest document one can hold, which
-    must fit the pool)."""
+    GPTConfig (read only with dynamic CP on); ``seq_length``: the samples' length (the longest
+    document one can hold, which must fit the pool)."""
     p = parallel
     if not p.dynamic_context_parallel:
         if p.max_seqlen_per_dp_cp_rank is not None:
@@ -90,3 +124,13 @@ def dynamic_cp_problems(parallel, training, model, seq_length, use_torch_fsdp2=F
     problems += [f"{why} does not run with {what}: drop one of the two"
                  for bad, what in refused if bad]
     return problems
+
+
+def dynamic_cp_note(parallel):
+    """The start-up note of a dynamic-CP run: what it does with each step."""
+    p = parallel
+    return (f"dynamic context parallelism: every step's documents are re-packed into bins of "
+            f"at most {p.max_seqlen_per_dp_cp_rank} tokens per rank, each run on a CP group of "
+            f"its own size out of the {p.data_parallel_size * p.context_parallel_size} DP x CP "
+            f"ranks (every rank reads the whole global batch); dropout masks follow each bin's "
+            f"tokens, not a static layout's")

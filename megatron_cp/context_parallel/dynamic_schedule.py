@@ -42,36 +42,7 @@ token pair), which is what the balancing and ``benchmarks/varlen.py`` use.
 """
 from dataclasses import dataclass
 
-
-def is_power_of_two(n):
-    return n >= 1 and n & (n - 1) == 0
-
-
-def granule(k, tp_multiple=1):
-    """Padded-length step of a document on a CP group of ``k`` ranks: 2 x k zigzag chunks
-    (none at k = 1), times TP when sequence parallelism splits the sequence too."""
-    return (1 if k == 1 else 2 * k) * tp_multiple
-
-
-def padded(length, k, tp_multiple=1):
-    step = granule(k, tp_multiple)
-    return -(-length // step) * step
-
-
-def group_size(length, max_per_rank, pool, tp_multiple=1, least=1):
-    """The smallest power-of-two group (<= ``pool``, >= ``least``) whose ranks hold at most
-    ``max_per_rank`` of a document of ``length`` tokens; ValueError naming the fix when
-    even the whole pool cannot."""
-    k = least
-    while padded(length, k, tp_multiple) > k * max_per_rank:
-        k *= 2
-        if k > pool:
-            need = -(-padded(length, pool, tp_multiple) // pool)
-            raise ValueError(
-                f"a document of {length} tokens does not fit the {pool} ranks of the DP x CP "
-                f"pool at --max-seqlen-per-dp-cp-rank {max_per_rank}; raise it to at least "
-                f"{need}")
-    return k
+from megatron_cp.config.dynamic_cp import granule, group_size, is_power_of_two, padded  # noqa: F401
 
 
 @dataclass(frozen=True)
