@@ -13,6 +13,7 @@ new field:
   with field names, rewritten to name the flags the user typed.
 """
 import dataclasses
+import functools
 import re
 import types
 import typing
@@ -185,14 +186,22 @@ def checkpoint_args(config_cls):
                  if f.metadata.get("shapes") and arg_of(f))
 
 
+@functools.lru_cache(maxsize=None)
+def _fields_with_choices(config_cls):
+    """``((name, choices), ...)`` of the fields of ``config_cls`` that declare choices (once
+    per class: the planner builds configs by the hundred thousand)."""
+    return tuple((f.name, f.metadata["choices"]) for f in dataclasses.fields(config_cls)
+                 if f.metadata.get("choices") is not None)
+
+
 def check_choices(config):
     """Raise ValueError for a field whose value (each entry of a tuple) is not one of its
     ``choices``."""
-    for f in dataclasses.fields(config):
-        allowed, value = f.metadata.get("choices"), getattr(config, f.name)
+    for name, allowed in _fields_with_choices(type(config)):
+        value = getattr(config, name)
         for entry in value if isinstance(value, tuple) else (value,):
-            if allowed is not None and entry not in allowed:
-                raise ValueError(f"{f.name} ({entry!r}) must be one of {tuple(allowed)}")
+            if entry not in allowed:
+                raise ValueError(f"{name} ({entry!r}) must be one of {tuple(allowed)}")
 
 
 def config_flag_names(config_cls):

@@ -2,11 +2,11 @@
 --hybrid-context-parallel): every document of a global batch re-packed into bins and run on a
 CP group sized for it reproduces one process's 6-step loss curve on the same global batches
 (fp32, relative 1e-5), with packed documents, p2p, a2a and all_gather, with TP (+SP), at world
-sizes 4 and 8 (CP groups of 1, 2, 4 and 8 ranks), with learned absolute positions and tied
+sizes 4 and 8 (CP groups of 1, 2, 4 and 8 ranks; pools from DP x CP and from DP alone), with learned absolute positions and tied
 embeddings, without document masking, and with MoE; the parameters after training equal one
 process's (every gradient entered them); a checkpoint saved under dynamic CP resumes to the
-uninterrupted curve, also under a static layout. With expert parallelism (EP 2 and 4) the
-bins run in lockstep rounds."""
+uninterrupted curve, also under a static layout. With expert parallelism (EP 2) the bins run
+in lockstep rounds."""
 import pytest
 import torch
 
@@ -34,9 +34,7 @@ def _check(results, reference, what):
 @pytest.mark.parametrize("world,extra", [
     # pool 4 = DP2 x CP2 at 8 tokens a rank: documents on 1, 2 and 4 ranks
     (4, f"--context-parallel-size 2 {DYNAMIC} 8"),
-    (4, f"--context-parallel-size 2 {DYNAMIC} 8 --cp-comm-type a2a"),
     (4, f"{DYNAMIC} 8 --cp-comm-type all_gather"),  # pool 4 = DP4: dynamic CP without static CP
-    (4, f"--tensor-model-parallel-size 2 --sequence-parallel --context-parallel-size 2 {DYNAMIC} 16"),
     # pool 8 = DP2 x CP4 at 4 tokens a rank: groups of 1, 2, 4 and 8 ranks
     (8, f"--context-parallel-size 4 {DYNAMIC} 4"),
     (8, f"--tensor-model-parallel-size 2 --sequence-parallel --context-parallel-size 2 {DYNAMIC} 8 "
@@ -61,17 +59,16 @@ def test_megatron_defaults_and_unmasked_samples():
 
 
 def test_moe_without_per_microbatch_balancing():
-    """MoE with aux-loss-free balancing, experts local (EP1) and split over 2 and 4 ranks."""
+    """MoE with aux-loss-free balancing, experts local (EP1) and split over 2 ranks (EP2:
+    lockstep rounds; without them this run hangs)."""
     moe = (f"{PACKED} --train-iters 6 --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0 "
            "--moe-router-enable-expert-bias --moe-router-score-function sigmoid --swiglu")
     reference = run_workers(train_losses, 1, moe)[0]
     _check(run_workers(train_losses, 4, f"{moe} --context-parallel-size 2 {DYNAMIC} 8"),
            reference, "MoE")
     # expert parallelism: bins in lockstep rounds, empty ones where a rank has none
-    for world, extra in ((4, "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"),
-                         (8, "--expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall "
-                             "--context-parallel-size 2")):
-        _check(run_workers(train_losses, world, f"{moe} {extra} {DYNAMIC} 8"), reference, extra)
+    extra = "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"
+    _check(run_workers(train_losses, 4, f"{moe} {extra} {DYNAMIC} 8"), reference, extra)
 
 
 def _params(rank, world, argv):
@@ -101,8 +98,7 @@ def test_resume_from_a_dynamic_checkpoint(reference, tmp_path):
     again = run_workers(train_losses, 4, f"{dynamic} --load {tmp_path}/a")[0]
     _check([first + again], reference, "dynamic -> dynamic")
     static = f"{PACKED} --context-parallel-size 2"
-    run_workers(train_losses, 4, f"{dynamic} --exit-interval 3 --save {tmp_path}/b")
-    moved = run_workers(train_losses, 4, f"{static} --load {tmp_path}/b")[0]
+    moved = run_workers(train_losses, 4, f"{static} --load {tmp_path}/a")[0]
     _check([first + moved], reference, "dynamic -> static")
 
 
