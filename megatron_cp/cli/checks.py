@@ -300,7 +300,8 @@ def _validate_dynamic_cp(args):
     """--dynamic-context-parallel's rules and start-up note (megatron_cp/config/dynamic_cp.py)."""
     parallel, training = (build_config(section, args) for section in (ParallelConfig, TrainingConfig))
     model = build_config(GPTConfig, args, vocab_size=1) if args.dynamic_context_parallel else None
-    problems = dynamic_cp_problems(parallel, training, model, args.seq_length, args.use_torch_fsdp2)
+    problems = dynamic_cp_problems(parallel, training, model, args.seq_length,
+                                   args.use_torch_fsdp2, args.use_megatron_fsdp)
     if problems:
         raise ArgumentErrors(problems)
     args.compat_notes += [dynamic_cp_note(parallel)] if parallel.dynamic_context_parallel else []

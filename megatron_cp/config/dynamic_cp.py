@@ -3,7 +3,8 @@
 flag and the fix, checked before anything starts.
 
 Megatron-LM's own rules (megatron/training/arguments.py at the census commit): no pipeline
-parallelism, no CUDA graphs, no Megatron FSDP, the single dataloader, and
+parallelism, no CUDA graphs (refused here anyway), no Megatron FSDP, the single dataloader
+(the only one built here), and
 --calculate-per-token-loss (once a global batch's documents are re-packed into bins, a
 microbatch's own mean means nothing: only the token-weighted mean over the global batch is
 the same function); MLA refuses it. The further ones here follow from what the schedule does
@@ -58,7 +59,8 @@ def group_size(length, max_per_rank, pool, tp_multiple=1, least=1):
     return k
 
 
-def dynamic_cp_problems(parallel, training, model, seq_length, use_torch_fsdp2=False):
+def dynamic_cp_problems(parallel, training, model, seq_length, use_torch_fsdp2=False,
+                        use_megatron_fsdp=False):
     """Lines for every rule the sections break (empty when dynamic CP is off and its flags
     are unset). ``parallel``: ParallelConfig; ``training``: TrainingConfig; ``model``:
     GPTConfig (read only with dynamic CP on); ``seq_length``: the samples' length (the longest
@@ -107,6 +109,7 @@ def dynamic_cp_problems(parallel, training, model, seq_length, use_torch_fsdp2=F
         (model.fp8 is not None, "--fp8-format (each microbatch's amax sets the scales)"),
         (use_torch_fsdp2, "--use-torch-fsdp2 (its all-gathers need every rank of the pool in "
          "the same number of forwards)"),
+        (use_megatron_fsdp, "--use-megatron-fsdp (Megatron-LM's rule)"),
     ]
     if model.num_moe_experts:
         kinds = model.moe_router_load_balancing_type

@@ -34,6 +34,8 @@ def test_both_spellings_turn_it_on(flag):
     ("--dynamic-context-parallel --max-seqlen-per-dp-cp-rank 16 --use-torch-fsdp2 "
      "--use-distributed-optimizer --no-gradient-accumulation-fusion", 4,
      f"{WHY} does not run with --use-torch-fsdp2"),
+    ("--dynamic-context-parallel --max-seqlen-per-dp-cp-rank 16 --use-megatron-fsdp "
+     "--no-gradient-accumulation-fusion", 4, f"{WHY} does not run with --use-megatron-fsdp"),
 ])
 def test_rules_are_one_line_each(extra, world, line):
     assert_refused(f"{BASE} {extra}", line, world_size=world)
