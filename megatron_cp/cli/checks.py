@@ -75,8 +75,7 @@ def validate_args(args, world_size, parser, names, inference=False, problems=())
     batch_ok = counts_ok and sizes_ok and checks.run(_validate_batch, args)
     if batch_ok:
         eval_ok = checks.run(_validate_eval_batch, args)
-        checks.run(_validate_pipeline, args, check_microbatches=not inference,
-                   eval_counted=eval_ok)
+        checks.run(_validate_pipeline, args, check_microbatches=not inference, eval_counted=eval_ok)
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         args.sequence_parallel = False  # Megatron turns it off silently for TP=1
     if args.deterministic_mode and args.attention_kernel == "auto":
