@@ -4,7 +4,7 @@ CP group sized for it reproduces one process's 6-step loss curve on the same glo
 (fp32, relative 1e-5), with packed documents, p2p, a2a and all_gather, with TP (+SP), at world
 sizes 4 and 8 (CP groups of 1, 2, 4 and 8 ranks; pools from DP x CP and from DP alone), with learned absolute positions and tied
 embeddings, without document masking, and with MoE; the parameters after training equal one
-process's (every gradient entered them); a checkpoint saved under dynamic CP resumes to the
+process's (every gradient entered them), and so does an evaluation pass; a checkpoint saved under dynamic CP resumes to the
 uninterrupted curve, also under a static layout. With expert parallelism (EP 2) the bins run
 in lockstep rounds."""
 import pytest
@@ -72,18 +72,22 @@ def test_moe_without_per_microbatch_balancing():
 
 
 def _params(rank, world, argv):
-    """Worker: the parameters after training, and the group sizes of the last step's bins."""
+    """Worker: the parameters after training, the group sizes of the last step's bins, and
+    the loss of an evaluation pass after training."""
     losses, trainer = trained(rank, world, argv)
     schedule = getattr(trainer.data, "last_schedule", None)
-    return ({name: p.detach().clone() for name, p in trainer.model.module.named_parameters()},
-            sorted({b.size for b in schedule.bins}) if schedule else None)
+    sizes = sorted({b.size for b in schedule.bins}) if schedule else None
+    params = {name: p.detach().clone() for name, p in trainer.model.module.named_parameters()}
+    return params, sizes, trainer.evaluate()
 
 
-def test_parameters_after_training_equal_one_process():
-    argv = f"{PACKED} --train-iters 3"
-    one = run_workers(_params, 1, argv)[0][0]
-    for got, sizes in run_workers(_params, 4, f"{argv} --context-parallel-size 2 {DYNAMIC} 8"):
+def test_parameters_and_evaluation_after_training_equal_one_process():
+    argv = f"{PACKED} --train-iters 3 --eval-iters 2 --eval-interval 1000"
+    one, _, one_eval = run_workers(_params, 1, argv)[0]
+    for got, sizes, evaluated in run_workers(_params, 4,
+                                             f"{argv} --context-parallel-size 2 {DYNAMIC} 8"):
         assert sizes == [1, 2, 4]  # the step really ran groups of every size
+        assert abs(evaluated - one_eval) / abs(one_eval) < 1e-5, (evaluated, one_eval)
         assert got.keys() == one.keys()
         for name in one:
             torch.testing.assert_close(got[name], one[name], rtol=1e-5, atol=1e-6, msg=name)
@@ -110,3 +114,4 @@ def test_megatron_lm_data_path():
     _check(run_workers(train_losses, 4, f"{documents} --context-parallel-size 2 "
                        "--hybrid-context-parallel --max-seqlen-per-dp-cp-rank 8"),
            run_workers(train_losses, 1, documents)[0], "inter-document masking")
+
