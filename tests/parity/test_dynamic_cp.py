@@ -2,11 +2,11 @@
 --hybrid-context-parallel): every document of a global batch re-packed into bins and run on a
 CP group sized for it reproduces one process's 6-step loss curve on the same global batches
 (fp32, relative 1e-5), with packed documents, p2p, a2a and all_gather, with TP (+SP), at world
-sizes 4 and 8 (CP groups of 1, 2, 4 and 8 ranks; pools from DP x CP and from DP alone), with learned absolute positions and tied
-embeddings, without document masking, and with MoE; the parameters after training equal one
-process's (every gradient entered them), and so does an evaluation pass; a checkpoint saved under dynamic CP resumes to the
-uninterrupted curve, also under a static layout. With expert parallelism (EP 2) the bins run
-in lockstep rounds."""
+sizes 4 and 8 (CP groups of 1, 2, 4 and 8 ranks; pools from DP x CP and from DP alone), with
+learned absolute positions and tied embeddings, without document masking, and with MoE; the
+parameters after training equal one process's (every gradient entered them), and so does an
+evaluation pass; a checkpoint saved under dynamic CP resumes to the uninterrupted curve, also
+under a static layout. With expert parallelism (EP 2) the bins run in lockstep rounds."""
 import pytest
 import torch
 
