@@ -147,8 +147,11 @@ class Family:
         when a section's check or a lever's check refuses them."""
         out = base
         for lever, value in zip(self.levers, self.rungs[rung]):  # each sees the ones before
-            out = replace(out, **{name: replace(getattr(out, name), **fields)
-                                  for name, fields in lever.settings(out, value).items()})
+            changed = {name: fields for name, fields in lever.settings(out, value).items()
+                       if any(getattr(getattr(out, name), k) != v for k, v in fields.items())}
+            if changed:  # a copy re-runs every section's checks: only for a real change
+                out = replace(out, **{name: replace(getattr(out, name), **fields)
+                                      for name, fields in changed.items()})
         for lever in self.levers:
             lever.check(out)
         return out
