@@ -63,7 +63,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from bench_common import ROOT, add_output_argument, verdict, write_json
-from megatron_cp.context_parallel.dynamic_schedule import FlopCost, padded, schedule
+from megatron_cp.config.dynamic_cp import padded
+from megatron_cp.context_parallel.dynamic_schedule import FlopCost, schedule
 from megatron_cp.data.gpt_dataset import GPTDataset
 from megatron_cp.data.indexed_dataset import (IndexedDataset, IndexedDatasetBuilder,
                                               data_file_path, dataset_exists, index_file_path)

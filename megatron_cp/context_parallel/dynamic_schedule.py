@@ -42,7 +42,7 @@ token pair), which is what the balancing and ``benchmarks/varlen.py`` use.
 """
 from dataclasses import dataclass
 
-from megatron_cp.config.dynamic_cp import granule, group_size, is_power_of_two, padded  # noqa: F401
+from megatron_cp.config.dynamic_cp import granule, group_size, is_power_of_two, padded
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ their count) the step computes what one process computes on the same global batc
 """
 import torch
 
-from megatron_cp.context_parallel.dynamic_schedule import padded, rounds, schedule
+from megatron_cp.config.dynamic_cp import padded
+from megatron_cp.context_parallel.dynamic_schedule import rounds, schedule
 from megatron_cp.data.microbatch import document_lengths, prepare_microbatch
 
 TOKEN_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
@@ -38,7 +39,7 @@ def documents_of(batches):
 def bin_sample(batches, documents, bin_documents):
     """One packed sample [1, sum of lengths] of the documents numbered ``bin_documents``:
     their tokens, labels, loss masks and position ids in order, ``document_ids`` their place
-    in the bin (None for a bin of one document). (MoE's loss-mask weights and the real-token rows follow the tokens.)"""
+    in the bin (None for a bin of one document))."""
     parts = {key: [] for key in TOKEN_KEYS}
     ids = []
     for place, d in enumerate(bin_documents):
@@ -80,25 +81,23 @@ def dynamic_microbatches(batches, slot, pool, max_per_rank, cost, tp_multiple=1,
     group; so dropout is reproducible and layout-free among dynamic runs, but these are not
     the coordinates a static run gives the same tokens."""
     documents = documents_of(batches)
-    b = batches[0]["tokens"].shape[0]
-    samples = [[] for _ in range(len(batches) * b)]  # each sample's documents, in order
+    rows = batches[0]["tokens"].shape[0]  # samples per microbatch
+    samples = [[] for _ in range(len(batches) * rows)]  # each sample's documents, in order
     for d, (m, row, _, _) in enumerate(documents):
-        samples[m * b + row].append(d)
+        samples[m * rows + row].append(d)
     plan = schedule([length for *_, length in documents], pool, max_per_rank, cost, tp_multiple,
                     least, samples, static_size)
     out = []
     device = batches[0]["tokens"].device
-    for b in rounds(plan)[slot] if lockstep else plan.bins_of(slot):
-        if b is None:
+    for run in rounds(plan)[slot] if lockstep else plan.bins_of(slot):
+        if run is None:
             out.append(empty_microbatch(tp_multiple, device))
             continue
-        total = sum(padded(n, b.size, tp_multiple) for n in b.lengths)
-        microbatch = prepare_microbatch(bin_sample(batches, documents, b.documents),
-                                        slot - b.first, b.size, total)
-        m, row = documents[b.documents[0]][:2]
-        microbatch["cp_size"] = b.size
-        microbatch["sample_ids"] = torch.tensor(
-            [first_sample + m * batches[0]["tokens"].shape[0] + row],
-            device=microbatch["tokens"].device)
+        total = sum(padded(n, run.size, tp_multiple) for n in run.lengths)
+        microbatch = prepare_microbatch(bin_sample(batches, documents, run.documents),
+                                        slot - run.first, run.size, total)
+        m, row = documents[run.documents[0]][:2]
+        microbatch["cp_size"] = run.size
+        microbatch["sample_ids"] = torch.tensor([first_sample + m * rows + row], device=device)
         out.append(microbatch)
     return out, plan

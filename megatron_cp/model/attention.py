@@ -50,8 +50,8 @@ class AttentionCore(torch.nn.Module):
         # dynamic CP (ParallelState.dynamic_cp_groups): one attention per group size, each
         # checked now; use_cp_size picks the one of the microbatch about to run
         self.cp_attentions = {}
+        comm_type = config.layer_cp_comm_type(layer_number)
         for size, group in (dynamic_cp_groups or {}).items():
-            comm_type = config.layer_cp_comm_type(layer_number)
             if size > 1 and resolve_comm_type(comm_type, local_kv_heads, size)[0] == "a2a+p2p":
                 raise ValueError(f"dynamic context parallelism runs --cp-comm-type p2p, a2a or "
                                  f"all_gather on its groups of every size; {comm_type!r} gives "
@@ -63,6 +63,7 @@ class AttentionCore(torch.nn.Module):
     def use_cp_size(self, size):
         """Dynamic CP: run the next microbatches on this rank's CP group of ``size`` ranks."""
         self.cp_attention, self.cp_size = self.cp_attentions[size], size
+
     def _dropout(self, q, ids):
         """This call's AttentionDropout: None in eval mode or with attention_dropout 0."""
         p = self.config.attention_dropout

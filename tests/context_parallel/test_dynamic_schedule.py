@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from megatron_cp.context_parallel.dynamic_schedule import (FlopCost, granule, group_size, padded,
-                                                           rounds, schedule)
+from megatron_cp.config.dynamic_cp import granule, group_size, padded
+from megatron_cp.context_parallel.dynamic_schedule import FlopCost, rounds, schedule
 
 COST = FlopCost.for_model(hidden=64, ffn_hidden=256, layers=2, heads=4, kv_heads=2, head_dim=16)
 
