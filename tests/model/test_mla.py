@@ -1,6 +1,6 @@
 """Multi-head latent attention (--multi-latent-attention): the layer against DeepSeek's
 equations written out densely here, key and value head dims that differ through every CP
-exchange, 10 training steps of a DeepSeek-V3-shaped model under TP+SP, every CP type, PP and
+exchange, 5 training steps of a DeepSeek-V3-shaped model under TP+SP, every CP type, PP and
 packed documents against one process, and the flags' rules."""
 import math
 
@@ -164,12 +164,12 @@ def test_context_parallel_attention_with_narrower_values():
     assert run_workers(_cp_attention_worker, 4, hybrid) == [[]] * 4
 
 
-# --- 10 training steps: every layout gives the one-process losses -----------------------
+# --- 5 training steps: every layout gives the one-process losses ------------------------
 
 # Megatron-LM's DeepSeek-V3 test flags (tests/functional_tests/test_cases/moe/
 # gpt3_mcore_te_tp2_pp2_ep4_etp1_memory_speed), shrunk: one dense layer, then MoE layers
 # with a grouped sigmoid router, expert bias and a shared expert
-DEEPSEEK = (f"{TINY.replace('--num-layers 2', '--num-layers 4')} --train-iters 10 "
+DEEPSEEK = (f"{TINY.replace('--num-layers 2', '--num-layers 4')} --train-iters 5 "
             "--multi-latent-attention --q-lora-rank 24 --kv-lora-rank 16 --qk-head-dim 8 "
             "--qk-pos-emb-head-dim 4 --v-head-dim 6 --qk-layernorm --normalization RMSNorm "
             "--norm-epsilon 1e-6 --swiglu --untie-embeddings-and-output-weights "
@@ -227,9 +227,11 @@ def test_packed_documents_and_softmax_correction_change_the_loss(references):
     against plain rope moves these tiny heads' loss by ~3e-6 only. The layer test above
     checks both exactly.)"""
     assert max_rel_diff(references[True], references[False]) > 1e-3
-    uncorrected = run_workers(train_losses, 1,
-                              DEEPSEEK.replace("--mscale-all-dim 1.0", "--mscale-all-dim 0"))[0]
-    assert max_rel_diff(uncorrected, references[False]) > 1e-5
+    # the correction's effect grows with training: 8e-6 after 5 steps, so 10 steps here
+    longer = DEEPSEEK.replace("--train-iters 5", "--train-iters 10")
+    corrected, uncorrected = run_workers(train_runs, 1, [
+        longer, longer.replace("--mscale-all-dim 1.0", "--mscale-all-dim 0")])[0]
+    assert max_rel_diff(uncorrected, corrected) > 1e-5
 
 
 @pytest.mark.parametrize("extra,line", [
@@ -297,8 +299,8 @@ def test_tp2_checkpoint_resumes_at_tp1(tmp_path, references):
     """A --ckpt-format torch checkpoint of the DeepSeek-shaped MLA model saved at TP2+SP
     (up projections split by heads, down projections replicated) resumes at TP=1 and
     continues the straight run's losses."""
-    first = f"{DEEPSEEK} --tensor-model-parallel-size 2 --sequence-parallel --exit-interval 5 " \
+    first = f"{DEEPSEEK} --tensor-model-parallel-size 2 --sequence-parallel --exit-interval 3 " \
             f"--save {tmp_path} --ckpt-format torch"
     run_workers(train_losses, 2, first)
     resumed = run_workers(train_losses, 1, f"{DEEPSEEK} --load {tmp_path}")[0]
-    assert max_rel_diff(resumed, references[False][5:]) < 1e-5
+    assert max_rel_diff(resumed, references[False][3:]) < 1e-5

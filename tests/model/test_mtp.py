@@ -1,5 +1,5 @@
 """Multi-token prediction: its loss and gradients against a reference written here, targets
-that never leave a document, 10 training steps under TP+SP, every CP type, PP, DP, EP and packed
+that never leave a document, 5 training steps under TP+SP, every CP type, PP, DP, EP and packed
 documents giving the one-process `lm loss` and `mtp_k loss` (with DeepSeek-V3's MLA and MoE
 too), the log line, tensorboard, checkpoint resume and megatron-core's own MTP model."""
 import contextlib
@@ -16,7 +16,7 @@ from training_utils import TINY, max_rel_diff, train_losses, train_runs
 from megatron_cp.data.batch import add_mtp_targets, get_ltor_batch, mtp_targets
 from megatron_cp.model import GPTModel
 
-STEPS = TINY.replace("--num-layers 2", "--num-layers 4") + " --train-iters 10"
+STEPS = TINY.replace("--num-layers 2", "--num-layers 4") + " --train-iters 5"
 PACKED = "--reset-attention-mask --reset-position-ids --eod-mask-loss"
 
 
@@ -159,7 +159,7 @@ def _argv(depths, packed, extra=""):
 # DeepSeek-V3: Megatron-LM's test flags as tests/model/test_mla.py shrinks them (MLA with q-LoRA
 # and YaRN, a dense first layer, then MoE layers with a grouped sigmoid router, expert bias and
 # a shared expert, untied embeddings); the MTP layer takes the last decoder layer's kind (MoE)
-DEEPSEEK = MLA_DEEPSEEK.split("--train-iters 10 ", 1)[1]
+DEEPSEEK = MLA_DEEPSEEK.split("--train-iters 5 ", 1)[1]
 UNTIED = "--untie-embeddings-and-output-weights"  # PP: the last stage keeps a table for MTP
 CASES = {  # world size -> (depths, packed, model flags, layout flags)
     4: [(1, False, DEEPSEEK, "--expert-model-parallel-size 2 --context-parallel-size 2 "
@@ -257,7 +257,7 @@ def test_checkpoint_resume_keeps_the_mtp_weights(tmp_path, fmt):
     their copy of the untied word embedding) + 3, and the checkpoint loads at PP=1 (where the
     copy is the embedding itself) with the same next loss."""
     base = (_argv(1, False, f"--pipeline-model-parallel-size 2 --ckpt-format {fmt} {UNTIED}")
-            .replace("--train-iters 10", "--train-iters 6"))
+            .replace("--train-iters 5", "--train-iters 6"))
     straight, _, resumed = run_workers(train_runs, 2, [
         base, f"{base} --exit-interval 3 --save {tmp_path}", f"{base} --load {tmp_path}"])[0]
     assert resumed == straight[3:]

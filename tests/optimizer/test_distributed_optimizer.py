@@ -1,6 +1,6 @@
 """The distributed optimizer (ZeRO-1, --use-distributed-optimizer).
 
-- 10 training steps give the losses and gradient norms of the non-distributed optimizer of
+- 5 training steps give the losses and gradient norms of the non-distributed optimizer of
   the same layout (relative 1e-6) under DP=2, DP=4, DP=2 x CP=2, TP=2 x DP=2 and
   PP=2 x DP=2 (plus interleaved virtual stages), with and without overlapping the gradient
   reduce-scatter and the parameter all-gather (small buckets, so both cut params across
@@ -25,7 +25,7 @@ from megatron_cp.distributed.data_parallel import DistributedDataParallel, final
 from training_utils import TINY, max_rel_diff, trainer_of
 
 STEPS = TINY.replace("--num-layers 2", "--num-layers 4").replace("--clip-grad 1.0", "--clip-grad 0.5") \
-    + " --train-iters 10"
+    + " --train-iters 5"
 DIST = "--use-distributed-optimizer"
 OVERLAP = f"{DIST} --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 3000"
 FP16 = "--fp16 --initial-loss-scale 1048576 --hysteresis 1"

@@ -1,4 +1,4 @@
-"""End to end: 10 training steps under context parallelism (every comm type, with TP, SP and DP,
+"""End to end: 5 training steps under context parallelism (every comm type, with TP, SP and DP,
 with and without packed documents) reproduce the single-process losses to a relative 1e-5;
 the layers use the default "auto" attention kernel (CPU flash), and a few layouts run again
 with the plain-PyTorch "torch" kernel against the same references. A comm type per layer
@@ -12,7 +12,7 @@ from megatron_cp.optimizer.clip_grads import grad_of
 from megatron_cp.training import Trainer
 from training_utils import NO_DROPOUT, TINY, max_rel_diff, run_and_state, train_losses
 
-STEPS = f"{TINY} --train-iters 10"
+STEPS = f"{TINY} --train-iters 5"
 PACKED = "--reset-attention-mask --reset-position-ids --eod-mask-loss"
 
 

@@ -1,4 +1,4 @@
-"""Gated DeltaNet hybrids under context parallelism (context_parallel/gated_delta.py): 10
+"""Gated DeltaNet hybrids under context parallelism (context_parallel/gated_delta.py): 5
 training steps at CP = 2 and 4 with every --cp-comm-type (a2a: head all-to-all; p2p and
 all_gather: conv-tail and state passing; a2a+p2p: both), plain and packed (every document is
 zigzagged over 2 x CP chunks, so each crosses shard boundaries), TP2 x CP2 / PP2 x CP2,

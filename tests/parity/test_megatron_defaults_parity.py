@@ -1,4 +1,4 @@
-"""Every layout equals one process under Megatron-LM's defaults, 10 training steps, relative
+"""Every layout equals one process under Megatron-LM's defaults, 5 training steps, relative
 loss difference <= 1e-5 (fp32, CPU).
 
 The defaults are the flags users pass: hidden and attention dropout 0.1 (masks drawn from
@@ -25,7 +25,7 @@ DEFAULTS = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-lengt
             "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --min-lr 3e-4 "
             "--lr-warmup-iters 2 --lr-decay-style cosine "
             "--log-interval 100 --eval-iters 0 --seed 11 "
-            "--train-iters 10")
+            "--train-iters 5")
 NULL = f"{DEFAULTS} --mock-data --tokenizer-type NullTokenizer --vocab-size 512"
 PACKED = "--reset-attention-mask --reset-position-ids --eod-mask-loss"
 ROPE = "--position-embedding-type rope"

@@ -1,4 +1,4 @@
-"""Pipeline parallelism end to end: 10 training steps under every layout reproduce the
+"""Pipeline parallelism end to end: 5 training steps under every layout reproduce the
 single-process losses to a relative 1e-5 (fp32, CPU), with and without
 --overlap-p2p-comm; a padded variable-length batch gives
 the unpadded loss and gradients; resume under PP is bit-exact.
@@ -18,7 +18,7 @@ from megatron_cp.pipeline_parallel import build_model_chunks, get_forward_backwa
 from model_utils import tiny_config
 from training_utils import TINY, max_rel_diff, train_losses
 
-STEPS = TINY.replace("--num-layers 2", "--num-layers 4") + " --train-iters 10"
+STEPS = TINY.replace("--num-layers 2", "--num-layers 4") + " --train-iters 5"
 PACKED = "--reset-position-ids --reset-attention-mask --eod-mask-loss"
 REFERENCES = {"tied": STEPS, "untied": f"{STEPS} --untie-embeddings-and-output-weights",
               "packed": f"{STEPS} {PACKED}"}
@@ -164,7 +164,7 @@ def _resume_worker(rank, world, base, save_dir):
 def test_resume_under_pp_is_bit_exact(tmp_path):
     """20 straight iterations == 10 + save + load + 10, interleaved PP=2 (two model chunks
     per rank, saved as model0/model1), with dropout so the RNG states matter too."""
-    base = STEPS.replace("--train-iters 10", "") + f" {PP2} --num-layers-per-virtual-pipeline-stage 1"
+    base = STEPS.replace("--train-iters 5", "") + f" {PP2} --num-layers-per-virtual-pipeline-stage 1"
     for straight, resumed in run_workers(_resume_worker, 2, base, str(tmp_path)):
         assert len(straight) == 20
         assert resumed == straight  # exact equality, not a tolerance

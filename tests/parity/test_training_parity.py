@@ -1,11 +1,11 @@
-"""End to end: 10 optimizer steps under TP, TP+SP, DP and TP x DP reproduce the single-process
+"""End to end: 5 optimizer steps under TP, TP+SP, DP and TP x DP reproduce the single-process
 losses to a relative 1e-5 (fp32, CPU)."""
 import pytest
 
 from dist_harness import run_workers
 from training_utils import TINY, max_rel_diff, train_losses
 
-STEPS = f"{TINY} --train-iters 10"
+STEPS = f"{TINY} --train-iters 5"
 
 
 @pytest.fixture(scope="module")

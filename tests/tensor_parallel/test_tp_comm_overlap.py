@@ -99,7 +99,7 @@ def test_overlapped_linears_match_the_plain_path(world):
     assert all(run_workers(_layers, world))
 
 
-STEPS = f"{TINY} --train-iters 10 --sequence-parallel"
+STEPS = f"{TINY} --train-iters 5 --sequence-parallel"
 OVERLAP = "--tp-comm-overlap"
 
 
@@ -147,7 +147,7 @@ def test_training_with_overlap_gives_the_plain_and_one_process_losses(reference,
 
 
 @pytest.mark.parametrize("argv,world", [
-    (f"{TINY} --train-iters 10 --tensor-model-parallel-size 2 {OVERLAP}", 2),  # no SP
+    (f"{TINY} --train-iters 5 --tensor-model-parallel-size 2 {OVERLAP}", 2),  # no SP
     (f"{STEPS} {OVERLAP}", 1),  # TP 1: Megatron-LM turns SP off, then refuses
 ])
 def test_overlap_without_sequence_parallelism_is_refused(argv, world):
