@@ -14,6 +14,7 @@ forward, which makes the scales depend on how many microbatches a rank runs.)
 """
 import torch
 
+from megatron_cp.fp8.grouped import attach_grouped_fp8, end_grouped_step
 from megatron_cp.fp8.linear import Fp8Meta
 from megatron_cp.fp8.scaling import reduce_max
 
@@ -46,6 +47,7 @@ def attach_fp8(module, config, tp_group, cp_group):
         activation = (tp_group, cp_group)
         weight = (getattr(linear, "tp_group", None),)
         linear.fp8_meta = Fp8Meta(config, (activation, weight, activation))
+    attach_grouped_fp8(module, config)  # the routed experts' grouped GEMMs (fp8/grouped.py)
 
 
 def fp8_metas(chunks):
@@ -69,3 +71,4 @@ def end_fp8_step(chunks, groups):
             meta.step_amax.copy_(amax)
     for meta in metas:
         meta.end_step()
+    end_grouped_step(chunks, groups)
