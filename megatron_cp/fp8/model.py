@@ -1,8 +1,9 @@
 """Which linears run in FP8, and the delayed recipe's once-per-step scale update.
 
 Megatron-LM runs the transformer layers under Transformer Engine's fp8_autocast: every linear
-of attention, the MLP, the shared experts, MLA, Gated DeltaNet and the MTP layers, never the
-embedding or the output layer. ``--first-last-layers-bf16`` keeps the first
+of attention, the MLP, the shared experts, MLA, Gated DeltaNet and the MTP layers, and the
+routed experts' grouped GEMMs (fp8/grouped.py, tensorwise and delayed), never the embedding or
+the output layer. ``--first-last-layers-bf16`` keeps the first
 ``--num-layers-at-start-in-bf16`` and the last ``--num-layers-at-end-in-bf16`` decoder layers
 (global numbering) in high precision; MTP layers always run in FP8 (Megatron-LM's MTP uses
 its global FP8 context).
