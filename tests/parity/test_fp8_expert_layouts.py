@@ -10,6 +10,9 @@ does the step-1 loss (delayed: step 2's, the first under scales from step 1's am
 control puts every sender in one microbatch class, so an expert's amax mixes DP peers'
 microbatches: its step-1 loss misses. Routing padding adds rows that change nothing: padded
 layouts equal the unpadded one process, and a padded bf16 run the unpadded one bitwise.
+
+The delayed recipe's expert state (whole on every rank) saved under EP2 loads bitwise under
+EP1, in the torch_dist and torch formats.
 """
 import pytest
 import torch
@@ -17,7 +20,7 @@ import torch.distributed as dist
 
 from dist_harness import run_workers
 from megatron_cp.fp8.grouped import GroupedFp8Meta
-from training_utils import TINY, max_rel_diff, trainer_of
+from training_utils import TINY, max_rel_diff, trained, trainer_of
 
 BASE = (TINY.replace("--micro-batch-size 2 --global-batch-size 8",
                      "--micro-batch-size 1 --global-batch-size 2")
@@ -157,3 +160,50 @@ def test_router_padding_changes_nothing_in_bf16(results):
     loss_diff, state_diff = max_rel_diff(padded_losses, losses), _state_diff([padded_state], state)
     print(f"bf16 padded: expert FP8 state {state_diff:.1e}, losses {loss_diff:.1e}")
     assert loss_diff == 0 and state_diff == 0
+
+
+def _buffers(chunks):
+    return {name: (meta.amax_history.clone(), meta.scale.clone())
+            for name, meta in chunks[0].named_modules() if isinstance(meta, GroupedFp8Meta)}
+
+
+def _saved(rank, world, runs):
+    """Worker: each run's expert FP8 buffers at its end (the saved ones)."""
+    return {name: _buffers(trained(rank, world, argv)[1].model_chunks) for name, argv in
+            runs.items()}
+
+
+def _loaded(rank, world, runs):
+    """Worker: each run's expert FP8 buffers as its first step found them (the loaded ones)."""
+    from megatron_cp import fp8
+    real, out = fp8.end_fp8_step, {}
+    for name, argv in runs.items():
+        seen = []
+
+        def end_step(chunks, groups):
+            seen.append(_buffers(chunks))
+            real(chunks, groups)
+        fp8.end_fp8_step = end_step
+        try:
+            trained(rank, world, argv)
+        finally:
+            fp8.end_fp8_step = real
+        out[name] = seen[0]
+    return out
+
+
+def test_expert_fp8_state_loads_under_another_ep_size(tmp_path):
+    argv = (f"{_argv('delayed')} --fp8-amax-history-len 2 --fp8-amax-compute-algo max "
+            f"--train-iters 4")
+    formats = {"torch_dist": "", "torch": "--ckpt-format torch"}
+    saves = {name: f"{argv} {flags} --exit-interval 2 --save {tmp_path / name} --save-interval 2 "
+                   f"--expert-model-parallel-size 2" for name, flags in formats.items()}
+    loads = {name: f"{argv} {flags} --load {tmp_path / name}" for name, flags in formats.items()}
+    saved = run_workers(_saved, 2, saves, timeout=300)
+    loaded = run_workers(_loaded, 1, loads, timeout=300)[0]
+    for name in formats:
+        assert saved[0][name].keys() == loaded[name].keys() and loaded[name]
+        for linear, (history, scale) in loaded[name].items():
+            for rank in saved:  # whole on every rank
+                assert torch.equal(history, rank[name][linear][0]), (name, linear)
+                assert torch.equal(scale, rank[name][linear][1]), (name, linear)
