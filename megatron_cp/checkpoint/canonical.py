@@ -155,8 +155,10 @@ def canonical_from_full(tensor, tp_split):
 
 def is_expert(name):
     """True for a routed expert's param (``mlp.experts.``; not the shared experts):
-    ``[E, ...]``, split over EP along dim 0 and over ETP by :func:`tp_spec`."""
-    return ".mlp.experts." in name or name.startswith("mlp.experts.")
+    ``[E, ...]``, split over EP along dim 0 and over ETP by :func:`tp_spec`. The experts'
+    FP8 buffers (fp8/grouped.py) cover all E experts on every rank: not split."""
+    return (".mlp.experts." in name or name.startswith("mlp.experts.")) and \
+        not is_fp8_buffer(name)
 
 
 def is_buffer(name):

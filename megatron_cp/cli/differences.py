@@ -47,11 +47,21 @@ DELIBERATE = (
      "evaluation forwards under fp8_autocast enter their amaxes into the history",
      "evaluation forwards quantize with the current scales and leave the history alone",
      "training then goes on with the scales it would have had without the evaluation"),
-    ("MoE routed experts under FP8 (--fp8-format with --num-experts)",
-     "their grouped GEMMs run in FP8",
-     "stay in the activations' precision until issue 39 builds grouped FP8 GEMMs (a start-up "
-     "note says so); attention, shared experts and dense MLPs run in FP8",
-     "the experts' one grouped GEMM per rank has no FP8 form here yet"),
+    ("MoE routed experts under FP8 (--fp8-format with --num-experts, tensorwise and "
+     "delayed)",
+     "Transformer Engine's GroupedLinear: one quantizer per local expert, its "
+     "current-scaling amax over the rows this rank received (every sender's, DP peers' "
+     "microbatches together) and its own ETP slice of the weight",
+     "one scale per expert and microbatch: the amax over that microbatch's rows routed to "
+     "the expert, reduced over the ranks holding pieces of it, never across DP peers; the "
+     "weight's over its whole expert (ETP); delayed: per expert, reduced over the stage at "
+     "step end",
+     "every EP / ETP / TP / CP / DP layout then quantizes the experts as one process does"),
+    ("--moe-router-padding-for-quantization (--moe-router-padding-for-fp8)",
+     "the rows the padding adds (probability 0) enter the experts' FP8 amaxes",
+     "they run through the experts but stay out of the amaxes; their gradients are 0",
+     "each rank pads its own piece of the microbatch, so what the padding adds depends on "
+     "the layout; left out, it changes nothing any layout computes"),
     ("dynamic CP's data (--dynamic-context-parallel / --hybrid-context-parallel)",
      "each DP rank reads its G/DP samples; documents go to their ranks by an all-to-all",
      "every rank reads the whole global batch and keeps the documents of its bins",

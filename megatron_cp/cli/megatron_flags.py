@@ -498,9 +498,6 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
      ("--moe-shared-expert-glu-interleave-size", "--moe-mlp-glu-interleave-size",)),
     ("MoE routing replay is not built; routes are recomputed every forward; drop it",
      ("--moe-enable-routing-replay",)),
-    ("routing-map padding serves FP8/FP4 grouped GEMMs (Transformer Engine), which are not "
-     "used; drop it",
-     ("--moe-router-padding-for-quantization", "--moe-router-padding-for-fp8",)),
     ("forced (random-logit or random-bias) routing for benchmarks is not built; drop it",
      ("--moe-router-force-load-balancing", "--moe-router-force-biased",)),
     ("the NCCL EP dispatcher's fixed receive buffers (zero-copy, per-rank capacity) are "

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from megatron_cp.config.setting import setting
 
 FP8_RECIPES = ("tensorwise", "delayed")
+# the recipes whose routed experts' grouped GEMMs run in FP8 (fp8/grouped.py)
+GROUPED_RECIPES = ("tensorwise", "delayed")
 NOT_BUILT_RECIPES = {
     "mxfp8": "MXFP8 (32-element block scales, Blackwell GPUs) is not built; use tensorwise "
              "or delayed",
@@ -81,16 +83,17 @@ class Fp8Settings:
 
     def fp8_notes(self):
         """Start-up notes: what runs in higher precision here than in Megatron-LM's FP8 run
-        (the routed experts' GEMMs: one grouped GEMM per rank, not yet built in FP8), and the
-        delayed recipe's settings given with tensorwise scaling, which ignores them (as
-        Megatron-LM's current scaling does)."""
+        (the routed experts' GEMMs under a recipe whose grouped FP8 GEMMs are not built:
+        fp8/grouped.py builds tensorwise and delayed), and the delayed recipe's settings given
+        with tensorwise scaling, which ignores them (as Megatron-LM's current scaling does)."""
         notes = []
-        if self.fp8 and self.num_moe_experts:
+        if self.fp8 and self.num_moe_experts and self.fp8_recipe not in GROUPED_RECIPES:
             notes.append(
-                f"--fp8-format {self.fp8} with --num-experts {self.num_moe_experts}: the routed "
-                f"experts' GEMMs run in the activations' precision until grouped FP8 GEMMs are "
-                f"built (issue 39); Megatron-LM runs them in FP8. The other linears of the "
-                f"transformer layers (attention, shared experts, dense MLPs) run in FP8")
+                f"--fp8-format {self.fp8} --fp8-recipe {self.fp8_recipe} with --num-experts "
+                f"{self.num_moe_experts}: the routed experts' grouped GEMMs run in the "
+                f"activations' precision (grouped FP8 GEMMs are built for tensorwise and "
+                f"delayed only); Megatron-LM runs them in FP8. The other linears of the "
+                f"transformer layers run in FP8")
         if self.fp8 and self.fp8_recipe == "tensorwise":
             delayed_only = {"--fp8-margin": (self.fp8_margin, 0),
                             "--fp8-amax-history-len": (self.fp8_amax_history_len, 1),

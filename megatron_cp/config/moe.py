@@ -98,6 +98,31 @@ class MoESettings:
     moe_pad_expert_input_to_capacity: bool = setting(
         False, group="moe", help="Every expert processes exactly its capacity of tokens "
         "(unrouted ones with weight 0): fixed shapes.")
+    moe_router_padding_for_quantization: bool = setting(
+        False, aliases=("--moe-router-padding-for-fp8",), group="moe",
+        help="With FP8: each rank pads its routing map so every expert gets a multiple of 16 "
+             "rows (32 under MXFP8) from it, the added entries with probability 0 (Megatron-LM's "
+             "rule; they change no output and stay out of the FP8 amaxes).")
+
+    def router_pad_multiple(self):
+        """The rows per expert the routing padding rounds up to (Megatron-LM's
+        get_align_size_for_quantization): 32 under MXFP8, 16 for the other FP8 recipes, 0
+        (no padding) without the flag."""
+        if not self.moe_router_padding_for_quantization:
+            return 0
+        return 32 if self.fp8_recipe == "mxfp8" else 16
+
+    def _check_router_padding(self):
+        """Megatron-LM's rules for the routing padding (its TransformerConfig's)."""
+        if not self.moe_router_padding_for_quantization:
+            return
+        if not self.fp8:
+            raise ValueError("moe_router_padding_for_quantization (True) pads for FP8 GEMMs and "
+                             "needs fp8 (Megatron-LM's rule): give --fp8-format, or drop it")
+        if self.moe_token_dispatcher_type == "allgather":
+            raise ValueError("moe_router_padding_for_quantization (True) is not supported by "
+                             "moe_token_dispatcher_type allgather (Megatron-LM's rule): use "
+                             "alltoall")
 
     def _resolve_balancing_lists(self):
         """Megatron-LM's rule (its validate_args): a list of one load-balancing type or one
@@ -168,6 +193,7 @@ class MoESettings:
                                  f"experts per group exceeds the group size "
                                  f"({experts // groups}); raise moe_router_group_topk")
         self._check_balancing_lists()
+        self._check_router_padding()
         if self.moe_router_load_balancing_type == "sinkhorn":
             self._check_sinkhorn()
         if self.moe_router_load_balancing_type == "quantile_balancing":

@@ -4,6 +4,8 @@
 - :mod:`~megatron_cp.fp8.scaling`: the formats, scales from amaxes, saturating casts;
 - :mod:`~megatron_cp.fp8.linear`: the FP8 GEMM's autograd function and each linear's
   scaling state (:class:`Fp8Meta`);
+- :mod:`~megatron_cp.fp8.grouped`: the routed experts' grouped FP8 GEMMs, one scale per
+  expert and microbatch;
 - :mod:`~megatron_cp.fp8.model`: which linears run in FP8 (Megatron-LM's rules) and the
   delayed recipe's once-per-step update (:func:`end_fp8_step`).
 

@@ -1,8 +1,9 @@
 """Which linears run in FP8, and the delayed recipe's once-per-step scale update.
 
 Megatron-LM runs the transformer layers under Transformer Engine's fp8_autocast: every linear
-of attention, the MLP, the shared experts, MLA, Gated DeltaNet and the MTP layers, never the
-embedding or the output layer. ``--first-last-layers-bf16`` keeps the first
+of attention, the MLP, the shared experts, MLA, Gated DeltaNet and the MTP layers, and the
+routed experts' grouped GEMMs (fp8/grouped.py, tensorwise and delayed), never the embedding or
+the output layer. ``--first-last-layers-bf16`` keeps the first
 ``--num-layers-at-start-in-bf16`` and the last ``--num-layers-at-end-in-bf16`` decoder layers
 (global numbering) in high precision; MTP layers always run in FP8 (Megatron-LM's MTP uses
 its global FP8 context).
@@ -14,6 +15,7 @@ forward, which makes the scales depend on how many microbatches a rank runs.)
 """
 import torch
 
+from megatron_cp.fp8.grouped import attach_grouped_fp8, end_grouped_step
 from megatron_cp.fp8.linear import Fp8Meta
 from megatron_cp.fp8.scaling import reduce_max
 
@@ -46,6 +48,7 @@ def attach_fp8(module, config, tp_group, cp_group):
         activation = (tp_group, cp_group)
         weight = (getattr(linear, "tp_group", None),)
         linear.fp8_meta = Fp8Meta(config, (activation, weight, activation))
+    attach_grouped_fp8(module, config)  # the routed experts' grouped GEMMs (fp8/grouped.py)
 
 
 def fp8_metas(chunks):
@@ -69,3 +72,4 @@ def end_fp8_step(chunks, groups):
             meta.step_amax.copy_(amax)
     for meta in metas:
         meta.end_step()
+    end_grouped_step(chunks, groups)

@@ -13,9 +13,21 @@ combined output ``[T, h] = sum over chosen experts of prob x expert(token)``.
   reduce-scatters the combined partial outputs back.
 
 Experts are split over EP ranks in order: EP rank r holds experts [r E/EP, (r+1) E/EP).
+
+Both also tell the experts how the rows lie (:class:`~megatron_cp.fp8.grouped.ExpertRows`):
+under tensorwise FP8 the microbatch class (the sender's DP rank) of each run of rows, so an
+expert's amax never mixes DP peers' microbatches, and the rows that routing padding added.
+
+``--moe-router-padding-for-quantization`` (alltoall / flex): Megatron-LM's rule, each rank
+pads its own routing map before the exchange (:func:`pad_routing_map`) so every expert gets a
+multiple of 16 rows (32 under MXFP8) from it. The added entries carry probability 0: their
+rows run through the experts and add nothing to the output, their gradients are 0, and they
+stay out of the FP8 amaxes (so the padding, which depends on how the microbatch is split over
+ranks, changes nothing any layout computes).
 """
 import torch
 
+from megatron_cp.fp8.grouped import ExpertRows, runs_of
 from megatron_cp.moe import comm
 
 
@@ -38,6 +50,26 @@ def unpermute(rows, token_index, probs, routing_map, num_tokens):
     return out.index_add(0, token_index, weighted)
 
 
+def pad_routing_map(routing_map, multiple):
+    """Megatron-LM's routing padding: ``routing_map`` [T, E] with, for each expert, its first
+    tokens (in token order) not routed to it added until its count is a multiple of
+    ``multiple`` (as many as there are, when too few)."""
+    by_expert = routing_map.t()  # [E, T]
+    missing = (-by_expert.sum(dim=1)) % multiple  # [E]
+    free_rank = torch.cumsum((~by_expert).to(torch.long), dim=1)  # [E, T]: free tokens so far
+    added = ~by_expert & (free_rank <= missing[:, None])  # [E, T]
+    return (by_expert | added).t()  # [T, E]
+
+
+def _source_classes(dp_rank, groups, device):
+    """The DP rank (microbatch class) of every source rank, the sources ordered as the
+    all-gathers over ``groups`` in turn order them (the first group innermost)."""
+    classes = torch.tensor([dp_rank], dtype=torch.long, device=device)
+    for group in groups:
+        classes = comm.all_gather_counts(classes, group).flatten()  # [ranks * earlier]
+    return classes.tolist()
+
+
 def chunk_order(counts):
     """Row order that regroups rows laid out in chunks ``counts`` [S, E] source-major (all
     experts of source 0, then of source 1, ...) as expert-major (all sources of expert 0,
@@ -53,28 +85,52 @@ def chunk_order(counts):
 class AllToAllDispatcher:
     """Dispatch over the EP group with all-to-all (module docstring)."""
 
-    def __init__(self, num_experts, ep_group, ep_size, etp_group, etp_size):
+    def __init__(self, num_experts, ep_group, ep_size, etp_group, etp_size, dp_rank=0,
+                 pad_multiple=0):
         self.num_experts, self.num_local = num_experts, num_experts // ep_size
         self.ep_group, self.ep_size = ep_group, ep_size
         self.etp_group, self.etp_size = etp_group, etp_size
+        self.dp_rank, self.pad_multiple = dp_rank, pad_multiple
+        self.source_class = None  # [ETP x EP] the sources' DP ranks, gathered at first use
+
+    def _move(self, rows, output_splits, input_splits, per_rank):
+        """Rows to the experts' ranks: [P, ...] -> [R, ...] (and gathered over ETP)."""
+        rows = comm.all_to_all(rows, output_splits, input_splits, self.ep_group)  # [R, ...]
+        if self.etp_size > 1:
+            rows = comm.gather_rows(rows, per_rank, self.etp_group)  # [sum(per_rank), ...]
+        return rows
 
     def __call__(self, tokens, probs, routing_map, experts):
         num_tokens = tokens.shape[0]
+        pad = None
+        if self.pad_multiple:
+            padded = pad_routing_map(routing_map, self.pad_multiple)
+            pad, routing_map = padded & ~routing_map, padded  # [T, E] each
+            probs = probs.masked_fill(pad, 0)  # the added entries weigh (and learn) nothing
         rows, token_index, counts = permute(tokens, routing_map)  # [P, h]
         send = torch.tensor(counts, dtype=torch.long).view(self.ep_size, self.num_local)  # [EP, E_local]
         received = comm.exchange_counts(send.to(tokens.device), self.ep_group).cpu()  # [EP, E_local]
         input_splits, output_splits = send.sum(1).tolist(), received.sum(1).tolist()
-        rows = comm.all_to_all(rows, output_splits, input_splits, self.ep_group)  # [R, h]
-        by_source = received  # [sources, E_local], sources = EP ranks (x ETP ranks below)
+        by_source, per_rank = received, None  # [sources, E_local], sources = EP (x ETP) ranks
         if self.etp_size > 1:
             gathered = comm.all_gather_counts(received.flatten().to(tokens.device), self.etp_group)
             by_source = gathered.cpu().view(self.etp_size * self.ep_size, self.num_local)
             per_rank = gathered.cpu().sum(1).tolist()  # rows each ETP rank received
-            rows = comm.gather_rows(rows, per_rank, self.etp_group)  # [sum(per_rank), h]
+        rows = self._move(rows, output_splits, input_splits, per_rank)  # [rows, h]
         order = chunk_order(by_source).to(tokens.device)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
-        out = experts(rows.index_select(0, order), by_source.sum(0).tolist())  # [rows, h]
+        layout = ExpertRows(by_source.sum(0).tolist())
+        if getattr(experts, "wants_classes", False):
+            if self.source_class is None:
+                self.source_class = _source_classes(self.dp_rank, (self.ep_group, self.etp_group),
+                                                    tokens.device)
+            layout.runs = runs_of(by_source, self.source_class)
+        if pad is not None:  # which received rows the padding added, in the experts' order
+            flags = pad.t().masked_select(routing_map.t()).to(torch.uint8)  # [P], as the rows
+            flags = self._move(flags, output_splits, input_splits, per_rank)  # [rows]
+            layout.real = flags.index_select(0, order) == 0
+        out = experts(rows.index_select(0, order), layout.counts, layout)  # [rows, h]
         out = out.index_select(0, inverse)  # back to source-major
         if self.etp_size > 1:
             out = comm.reduce_scatter_rows(out, per_rank, self.etp_group)  # [R, h]
@@ -85,10 +141,11 @@ class AllToAllDispatcher:
 class AllGatherDispatcher:
     """Dispatch by all-gather over the EP x ETP group (module docstring)."""
 
-    def __init__(self, num_experts, ep_rank, ep_size, group, group_size):
+    def __init__(self, num_experts, ep_rank, ep_size, group, group_size, dp_rank=0):
         self.num_local = num_experts // ep_size
         self.first = ep_rank * self.num_local
         self.group, self.group_size = group, group_size
+        self.dp_rank, self.source_class = dp_rank, None  # as AllToAllDispatcher's
 
     def __call__(self, tokens, probs, routing_map, experts):
         sizes = [tokens.shape[0]] * self.group_size
@@ -101,6 +158,12 @@ class AllGatherDispatcher:
         local = slice(self.first, self.first + self.num_local)
         local_map = all_map[:, local]  # [T_all, E_local]
         rows, token_index, counts = permute(all_tokens, local_map)
-        out = experts(rows, counts)  # [P_local, h]
+        layout = ExpertRows(counts)
+        if getattr(experts, "wants_classes", False):  # each expert's rows in source order
+            if self.source_class is None:
+                self.source_class = _source_classes(self.dp_rank, (self.group,), tokens.device)
+            by_source = torch.stack([part.sum(0) for part in local_map.split(sizes)]).cpu()
+            layout.runs = runs_of(by_source, self.source_class)  # by_source [S, E_local]
+        out = experts(rows, counts, layout)  # [P_local, h]
         out = unpermute(out, token_index, all_probs[:, local], local_map, all_tokens.shape[0])
         return comm.reduce_scatter_rows(out, sizes, self.group)  # [T, h]

@@ -47,14 +47,19 @@ class MoELayer(torch.nn.Module):
         config.validate_experts(ep_size, etp_size)
         self.router = TopKRouter(config, prefix + ".router", [_group(state, "tp_cp")],
                                  _group(state, "dp"), rng_tracker, self.tp_size, device)
+        dp_size, dp_rank = _size_rank(state, "dp")  # the microbatch classes (fp8/grouped.py)
         self.experts = GroupedExperts(config, prefix + ".experts", ep_rank, ep_size, etp_rank,
-                                      etp_size, device)
+                                      etp_size, device, fp8_groups=(_group(state, "edp"),
+                                                                    _group(state, "etp")),
+                                      num_classes=dp_size)
         if config.moe_token_dispatcher_type in ("alltoall", "flex"):  # flex: the same exchange
             self.dispatcher = AllToAllDispatcher(config.num_moe_experts, _group(state, "ep"),
-                                                 ep_size, _group(state, "etp"), etp_size)
+                                                 ep_size, _group(state, "etp"), etp_size,
+                                                 dp_rank, config.router_pad_multiple())
         else:
             self.dispatcher = AllGatherDispatcher(config.num_moe_experts, ep_rank, ep_size,
-                                                  _group(state, "ep_etp"), ep_size * etp_size)
+                                                  _group(state, "ep_etp"), ep_size * etp_size,
+                                                  dp_rank)
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size:
             self.shared_experts = MLP(config, prefix + ".shared_experts", self.tp_group, device,
