@@ -484,8 +484,9 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
     ("a custom FP8 quantizer (--fp8-recipe custom, Transformer Engine's quantizer factory) is "
      "not built; use --fp8-recipe tensorwise or delayed",
      ("--fp8-quantizer-factory",)),
-    ("runs the output layer in FP8 under --fp8-recipe mxfp8 only (Megatron-LM's rule), and "
-     "MXFP8 is not built; drop it",
+    ("runs the output layer in FP8 under --fp8-recipe mxfp8 only (Megatron-LM's rule, "
+     "Transformer Engine's LM head); the output layer in FP8 is not built (the transformer "
+     "layers' linears run MXFP8); drop it",
      ("--fp8-output-proj",)),
     ("FP4 needs Transformer Engine's NVFP4 recipe, which megatron_cp does not use; train in "
      "--bf16",

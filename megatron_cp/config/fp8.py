@@ -1,20 +1,17 @@
 """FP8 training (megatron_cp/fp8/): Megatron-LM's flags, defaults and rules (its
-TransformerConfig and argument checks at the census commit), on torch._scaled_mm instead of
-Transformer Engine. The tensorwise and delayed recipes are built; MXFP8, blockwise and custom
-quantizers are refused until they are (and so is what only they enable).
+TransformerConfig and argument checks at the census commit), on torch._scaled_mm and
+scaled_mm instead of Transformer Engine. The tensorwise, delayed, blockwise and MXFP8 recipes
+are built; custom quantizers are refused until they are (and so is what only they enable).
 """
 from dataclasses import dataclass
 
 from megatron_cp.config.setting import setting
 
-FP8_RECIPES = ("tensorwise", "delayed")
+FP8_RECIPES = ("tensorwise", "delayed", "blockwise", "mxfp8")
+BLOCK_RECIPES = ("blockwise", "mxfp8")  # block scales: megatron_cp/fp8/blocks.py
 NOT_BUILT_RECIPES = {
-    "mxfp8": "MXFP8 (32-element block scales, Blackwell GPUs) is not built; use tensorwise "
-             "or delayed",
-    "blockwise": "blockwise scaling (128x128 / 1x128 block scales) is not built; use "
-                 "tensorwise or delayed",
     "custom": "a custom quantizer factory (Transformer Engine's) is not built; use "
-              "tensorwise or delayed",
+              "tensorwise, delayed, blockwise or mxfp8",
 }
 
 
@@ -28,7 +25,10 @@ class Fp8Settings:
     fp8_recipe: str = setting(
         "delayed", choices=FP8_RECIPES + tuple(NOT_BUILT_RECIPES), group="mixed precision",
         help="FP8 scaling: tensorwise (each tensor's scale from its own amax, current "
-             "scaling) or delayed (scales from an amax history of earlier steps).")
+             "scaling), delayed (scales from an amax history of earlier steps), blockwise "
+             "(power-of-2 scales per 1x128 block of inputs and gradients, per 128x128 block "
+             "of weights; Hopper GPUs) or mxfp8 (E8M0 scales per 32 elements; Blackwell "
+             "GPUs).")
     fp8_margin: int = setting(
         0, group="mixed precision",
         help="Delayed scaling: the scale is divided by 2^margin.")
@@ -78,6 +78,10 @@ class Fp8Settings:
         if self.tp_comm_overlap:
             raise ValueError("fp8 with tp_comm_overlap (True): the overlapped column/row "
                              "GEMMs are not built in FP8; drop tp_comm_overlap")
+        if self.fp8_recipe in BLOCK_RECIPES and getattr(self, "fp8_param_gather", False):
+            raise ValueError(f"fp8_param_gather (True) with fp8_recipe {self.fp8_recipe}: FP8 "
+                             f"weights in blocks are not built; use fp8_recipe tensorwise or "
+                             f"delayed, or drop fp8_param_gather")
 
     def fp8_notes(self):
         """Start-up notes: what runs in higher precision here than in Megatron-LM's FP8 run

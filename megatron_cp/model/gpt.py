@@ -228,8 +228,9 @@ class GPTModel(torch.nn.Module):
                 loss_mask=None, sample_ids=None, unpadded_index=None, mtp_targets=None,
                 layout=None, real_token=None):
         """``real_token`` [b, s_local] bool: False on the pad tokens context parallelism
-        adds (megatron_cp/data/microbatch.py), which FP8's input amaxes skip; None: none."""
-        with fp8_rows.real_rows(fp8_rows.rows_of(real_token)):
+        adds (megatron_cp/data/microbatch.py), which FP8's input amaxes skip; None: none.
+        With ``unpadded_index`` they give FP8's token blocks their one-process rows."""
+        with fp8_rows.real_rows(fp8_rows.rows_of(real_token, unpadded_index)):
             return self._forward(tokens, position_ids, labels, token_index, document_ids,
                                  loss_mask, sample_ids, unpadded_index, mtp_targets, layout)
 

@@ -137,8 +137,6 @@ BASE = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 32
 
 
 @pytest.mark.parametrize("extra,line,world", [
-    ("--fp8-recipe mxfp8", "--fp8-recipe mxfp8: MXFP8", 1),
-    ("--fp8-recipe blockwise", "--fp8-recipe blockwise: blockwise scaling", 1),
     ("--fp8-recipe custom", "--fp8-recipe custom: a custom quantizer", 1),
     ("--first-last-layers-bf16", "--first-last-layers-bf16 (True) is not supported with "
                                  "--fp8-recipe 'delayed'", 1),
