@@ -42,6 +42,10 @@ class Fp8Settings:
     fp8_wgrad: bool = setting(
         True, flag="--no-fp8-wgrad", aliases=("--disable-fp8-wgrad",), group="mixed precision",
         help="Run the weight-gradient GEMM in the activations' precision instead of FP8.")
+    fp8_output_proj: bool = setting(
+        False, group="mixed precision",
+        help="Run the output layer's GEMMs in FP8 too (--fp8-recipe mxfp8 only, Megatron-LM's "
+             "rule).")
     first_last_layers_bf16: bool = setting(
         False, group="mixed precision",
         help="With FP8: keep the first and last decoder layers' linears in the activations' "
@@ -57,8 +61,16 @@ class Fp8Settings:
         """Megatron-LM's FP8 rules (its TransformerConfig's)."""
         if self.fp8_recipe in NOT_BUILT_RECIPES:
             raise ValueError(f"fp8_recipe {self.fp8_recipe}: {NOT_BUILT_RECIPES[self.fp8_recipe]}")
+        if self.fp8_output_proj and (not self.fp8 or self.fp8_recipe != "mxfp8"):
+            raise ValueError(f"fp8_output_proj (True) needs --fp8-format with fp8_recipe "
+                             f"'mxfp8' (Megatron-LM's rule), got --fp8-format {self.fp8} and "
+                             f"fp8_recipe '{self.fp8_recipe}'; drop fp8_output_proj or give both")
         if not self.fp8:
             return
+        if self.fp8_output_proj and self.tiled_logits_chunk_size:
+            raise ValueError(f"fp8_output_proj (True) with tiled_logits_chunk_size "
+                             f"({self.tiled_logits_chunk_size}): the tiled output layer is not "
+                             f"built in FP8; drop one of them")
         if self.first_last_layers_bf16 and self.fp8_recipe == "delayed":
             raise ValueError("first_last_layers_bf16 (True) is not supported with fp8_recipe "
                              "'delayed' (Megatron-LM's rule): use fp8_recipe tensorwise")

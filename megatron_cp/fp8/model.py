@@ -62,6 +62,25 @@ def attach_fp8(module, config, tp_group, cp_group, device=None):
                                   token_groups=(cp_group,))
 
 
+def output_fp8(config, padded_vocab, tp_group, cp_group, device=None):
+    """--fp8-output-proj (MXFP8 only, Megatron-LM's rule): the output layer's
+    :class:`Fp8Meta` (its GEMMs run under it, with the word embedding when tied), or None.
+    A TP shard of the padded vocabulary must be whole 32-element blocks."""
+    if not config.fp8_output_proj:
+        return None
+    check_block_device(config.fp8_recipe, device)
+    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+    length = BLOCK[config.fp8_recipe]
+    if tp_size > 1 and (padded_vocab // tp_size) % length:
+        raise ValueError(f"--fp8-output-proj: the padded vocabulary ({padded_vocab}) is split "
+                         f"over --tensor-model-parallel-size {tp_size} into pieces of "
+                         f"{padded_vocab // tp_size}, not a multiple of the {length}-element "
+                         f"block; raise --make-vocab-size-divisible-by to a multiple of "
+                         f"{length}")
+    activation = (tp_group, cp_group)
+    return Fp8Meta(config, (activation, (tp_group,), activation), token_groups=(cp_group,))
+
+
 def check_block_device(recipe, device):
     """A block recipe on a GPU whose scaled_mm has no kernel for its scales is refused
     (the CPU runs the exact reference)."""

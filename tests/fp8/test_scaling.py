@@ -146,6 +146,10 @@ BASE = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 32
     ("--fp8-recipe tensorwise --first-last-layers-bf16 --num-layers-at-end-in-bf16 -1",
      "--num-layers-at-end-in-bf16 (-1) must be between 0", 1),
     ("--fp8-amax-history-len 0", "--fp8-amax-history-len (0) must be >= 1", 1),
+    ("--fp8-recipe mxfp8 --fp8-output-proj --tiled-logits-chunk-size 8",
+     "--fp8-output-proj (True) with --tiled-logits-chunk-size (8): the tiled output layer", 1),
+    ("--fp8-recipe blockwise --fp8-output-proj", "--fp8-output-proj (True) needs --fp8-format "
+                                                 "with --fp8-recipe 'mxfp8'", 1),
     ("--fp8-recipe tensorwise --tp-comm-overlap --tensor-model-parallel-size 2 "
      "--sequence-parallel", "fp8 with --tp-comm-overlap (True)", 2),
 ])

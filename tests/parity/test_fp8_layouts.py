@@ -65,7 +65,7 @@ RECIPES = {"tensorwise": "--fp8-format hybrid --fp8-recipe tensorwise",
            "delayed": "--fp8-format hybrid --fp8-recipe delayed",
            "e4m3": "--fp8-format e4m3 --fp8-recipe tensorwise",
            "blockwise": "--fp8-format hybrid --fp8-recipe blockwise",
-           "mxfp8": "--fp8-format hybrid --fp8-recipe mxfp8",
+           "mxfp8": "--fp8-format hybrid --fp8-recipe mxfp8 --fp8-output-proj",
            "bf16": "--bf16"}
 CURVE_STEPS, EXACT_STEPS = 10, 2  # tensorwise and bf16 run the curve; the others 2 steps
 # layout: (model, layout flags, recipes)
