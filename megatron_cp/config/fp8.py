@@ -98,8 +98,8 @@ class Fp8Settings:
     def fp8_notes(self):
         """Start-up notes: what runs in higher precision here than in Megatron-LM's FP8 run
         (the routed experts' GEMMs: one grouped GEMM per rank, not yet built in FP8), and the
-        delayed recipe's settings given with tensorwise scaling, which ignores them (as
-        Megatron-LM's current scaling does)."""
+        delayed recipe's settings given with tensorwise or block scaling, which ignore them
+        (as Megatron-LM's current scaling does)."""
         notes = []
         if self.fp8 and self.num_moe_experts:
             notes.append(
@@ -107,7 +107,7 @@ class Fp8Settings:
                 f"experts' GEMMs run in the activations' precision until grouped FP8 GEMMs are "
                 f"built (issue 39); Megatron-LM runs them in FP8. The other linears of the "
                 f"transformer layers (attention, shared experts, dense MLPs) run in FP8")
-        if self.fp8 and self.fp8_recipe == "tensorwise":
+        if self.fp8 and self.fp8_recipe in ("tensorwise",) + BLOCK_RECIPES:
             delayed_only = {"--fp8-margin": (self.fp8_margin, 0),
                             "--fp8-amax-history-len": (self.fp8_amax_history_len, 1),
                             "--fp8-amax-compute-algo": (self.fp8_amax_compute_algo,
@@ -115,6 +115,6 @@ class Fp8Settings:
             for flag, (value, default) in delayed_only.items():
                 if value != default:
                     notes.append(f"{flag} {value}: shapes delayed scaling only; --fp8-recipe "
-                                 f"tensorwise takes each scale from the tensor itself and "
-                                 f"ignores it, as Megatron-LM's current scaling does")
+                                 f"{self.fp8_recipe} takes each scale from the tensor itself "
+                                 f"and ignores it, as Megatron-LM's current scaling does")
         return notes

@@ -136,7 +136,8 @@ def quantize_1d(x, length, dtype, recipe, tokens=None, groups=()):
         whole = reduce_max(amax[:, :num_blocks].contiguous(), groups)
         amax = torch.cat([whole, amax[:, num_blocks:]], dim=1)
     scale = SCALE_RULES[recipe](amax, dtype)
-    data = quantize(x, _element_scales(scale, (1, length), x.shape, columns), dtype)
+    data = quantize(x, _element_scales(scale, (1, length), x.shape, columns), dtype) \
+        if columns is not None else _quantize_tiles(x, scale, (1, length), dtype)
     return Blocked(data, scale, amax, (1, length), columns)
 
 
@@ -146,8 +147,17 @@ def quantize_2d(x, length, dtype, recipe):
     rb, cb = a.shape[0] // length, a.shape[1] // length
     amax = a.view(rb, length, cb, length).amax(dim=(1, 3))  # [rb, cb]
     scale = SCALE_RULES[recipe](amax, dtype)
-    data = quantize(x, _element_scales(scale, (length, length), x.shape), dtype)
+    data = _quantize_tiles(x, scale, (length, length), dtype)
     return Blocked(data, scale, amax, (length, length))
+
+
+def _quantize_tiles(x, scale, block, dtype):
+    """``x`` [r, c] cast in whole blocks, each under its ``scale`` (no per-element copy)."""
+    (br, bc), (r, c) = block, x.shape
+    padded = _padded(_padded(x, br, 0), bc, 1)
+    tiles = padded.view(padded.shape[0] // br, br, padded.shape[1] // bc, bc)
+    q = quantize(tiles, scale[:, None, :, None], dtype).view(padded.shape)
+    return q if q.shape == x.shape else q[:r, :c].contiguous()
 
 
 class BlockRecipe:

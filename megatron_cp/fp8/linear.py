@@ -92,9 +92,9 @@ class Fp8Meta(torch.nn.Module):
         amax = blocked.amax
         if blocked.columns is not None:
             amax = amax[:, :-1]
-        amax = amax[amax > 0]
-        if amax.numel():
-            self.step_amax[role] = torch.minimum(self.step_amax[role], amax.min())
+        if amax.numel():  # (no boolean indexing: no host sync on a GPU)
+            smallest = torch.where(amax > 0, amax, math.inf).amin()
+            self.step_amax[role] = torch.minimum(self.step_amax[role], smallest)
 
     @torch.no_grad()
     def end_step(self):
