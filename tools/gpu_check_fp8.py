@@ -121,7 +121,7 @@ def section_fp8(report, device, quick, train):
                 name = f"fp8/linear/{fmt}/{str(dtype).split('.')[-1]}/{'x'.join(map(str, shape))}"
                 report.run(f"{name}/{device.type}-vs-cpu", check_fp8_linear, shape, fmt, dtype,
                            device)
-    block_shapes = ((48, 160, 96),) if quick else ((256, 512, 384), (520, 1056, 264))
+    block_shapes = ((48, 160, 96),) if quick else ((520, 1056, 264),)  # fp8 has 10 s on CUDA
     for recipe in ("blockwise", "mxfp8"):
         try:
             check_block_device(recipe, device)
