@@ -47,6 +47,13 @@ DELIBERATE = (
      "evaluation forwards under fp8_autocast enter their amaxes into the history",
      "evaluation forwards quantize with the current scales and leave the history alone",
      "training then goes on with the scales it would have had without the evaluation"),
+    ("FP8 block recipes' token blocks (--fp8-recipe blockwise / mxfp8 under SP or CP)",
+     "each rank quantizes the wgrad copies of its own rows (Transformer Engine: the SP shard "
+     "before its FP8 all-gather, the CP rank's zigzag chunks)",
+     "the blocks of one process's rows: SP's input gathered before it is quantized, a CP "
+     "token block's amax reduced over the CP ranks holding its tokens",
+     "every layout then quantizes as one process does; the same blocks as Megatron-LM's "
+     "where each shard or chunk is whole blocks (128 or 32 rows)"),
     ("MoE routed experts under FP8 (--fp8-format with --num-experts, tensorwise and "
      "delayed)",
      "Transformer Engine's GroupedLinear: one quantizer per local expert, its "

@@ -482,11 +482,8 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
      "is kept; drop it",
      ("--disable-bf16-reduced-precision-matmul",)),
     ("a custom FP8 quantizer (--fp8-recipe custom, Transformer Engine's quantizer factory) is "
-     "not built; use --fp8-recipe tensorwise or delayed",
+     "not built; use --fp8-recipe tensorwise, delayed, blockwise or mxfp8",
      ("--fp8-quantizer-factory",)),
-    ("runs the output layer in FP8 under --fp8-recipe mxfp8 only (Megatron-LM's rule), and "
-     "MXFP8 is not built; drop it",
-     ("--fp8-output-proj",)),
     ("FP4 needs Transformer Engine's NVFP4 recipe, which megatron_cp does not use; train in "
      "--bf16",
      ("--fp4-format", "--fp4-recipe", "--fp4-quantizer-factory",)),

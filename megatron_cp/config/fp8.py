@@ -1,22 +1,19 @@
 """FP8 training (megatron_cp/fp8/): Megatron-LM's flags, defaults and rules (its
-TransformerConfig and argument checks at the census commit), on torch._scaled_mm instead of
-Transformer Engine. The tensorwise and delayed recipes are built; MXFP8, blockwise and custom
-quantizers are refused until they are (and so is what only they enable).
+TransformerConfig and argument checks at the census commit), on torch._scaled_mm and
+scaled_mm instead of Transformer Engine. The tensorwise, delayed, blockwise and MXFP8 recipes
+are built; custom quantizers are refused until they are (and so is what only they enable).
 """
 from dataclasses import dataclass
 
 from megatron_cp.config.setting import setting
 
-FP8_RECIPES = ("tensorwise", "delayed")
+FP8_RECIPES = ("tensorwise", "delayed", "blockwise", "mxfp8")
+BLOCK_RECIPES = ("blockwise", "mxfp8")  # block scales: megatron_cp/fp8/blocks.py
 # the recipes whose routed experts' grouped GEMMs run in FP8 (fp8/grouped.py)
 GROUPED_RECIPES = ("tensorwise", "delayed")
 NOT_BUILT_RECIPES = {
-    "mxfp8": "MXFP8 (32-element block scales, Blackwell GPUs) is not built; use tensorwise "
-             "or delayed",
-    "blockwise": "blockwise scaling (128x128 / 1x128 block scales) is not built; use "
-                 "tensorwise or delayed",
     "custom": "a custom quantizer factory (Transformer Engine's) is not built; use "
-              "tensorwise or delayed",
+              "tensorwise, delayed, blockwise or mxfp8",
 }
 
 
@@ -30,7 +27,10 @@ class Fp8Settings:
     fp8_recipe: str = setting(
         "delayed", choices=FP8_RECIPES + tuple(NOT_BUILT_RECIPES), group="mixed precision",
         help="FP8 scaling: tensorwise (each tensor's scale from its own amax, current "
-             "scaling) or delayed (scales from an amax history of earlier steps).")
+             "scaling), delayed (scales from an amax history of earlier steps), blockwise "
+             "(power-of-2 scales per 1x128 block of inputs and gradients, per 128x128 block "
+             "of weights; Hopper GPUs) or mxfp8 (E8M0 scales per 32 elements; Blackwell "
+             "GPUs).")
     fp8_margin: int = setting(
         0, group="mixed precision",
         help="Delayed scaling: the scale is divided by 2^margin.")
@@ -44,6 +44,10 @@ class Fp8Settings:
     fp8_wgrad: bool = setting(
         True, flag="--no-fp8-wgrad", aliases=("--disable-fp8-wgrad",), group="mixed precision",
         help="Run the weight-gradient GEMM in the activations' precision instead of FP8.")
+    fp8_output_proj: bool = setting(
+        False, group="mixed precision",
+        help="Run the output layer's GEMMs in FP8 too (--fp8-recipe mxfp8 only, Megatron-LM's "
+             "rule).")
     first_last_layers_bf16: bool = setting(
         False, group="mixed precision",
         help="With FP8: keep the first and last decoder layers' linears in the activations' "
@@ -59,8 +63,16 @@ class Fp8Settings:
         """Megatron-LM's FP8 rules (its TransformerConfig's)."""
         if self.fp8_recipe in NOT_BUILT_RECIPES:
             raise ValueError(f"fp8_recipe {self.fp8_recipe}: {NOT_BUILT_RECIPES[self.fp8_recipe]}")
+        if self.fp8_output_proj and (not self.fp8 or self.fp8_recipe != "mxfp8"):
+            raise ValueError(f"fp8_output_proj (True) needs --fp8-format with fp8_recipe "
+                             f"'mxfp8' (Megatron-LM's rule), got --fp8-format {self.fp8} and "
+                             f"fp8_recipe '{self.fp8_recipe}'; drop fp8_output_proj or give both")
         if not self.fp8:
             return
+        if self.fp8_output_proj and self.tiled_logits_chunk_size:
+            raise ValueError(f"fp8_output_proj (True) with tiled_logits_chunk_size "
+                             f"({self.tiled_logits_chunk_size}): the tiled output layer is not "
+                             f"built in FP8; drop one of them")
         if self.first_last_layers_bf16 and self.fp8_recipe == "delayed":
             raise ValueError("first_last_layers_bf16 (True) is not supported with fp8_recipe "
                              "'delayed' (Megatron-LM's rule): use fp8_recipe tensorwise")
@@ -80,12 +92,17 @@ class Fp8Settings:
         if self.tp_comm_overlap:
             raise ValueError("fp8 with tp_comm_overlap (True): the overlapped column/row "
                              "GEMMs are not built in FP8; drop tp_comm_overlap")
+        if self.fp8_recipe in BLOCK_RECIPES and getattr(self, "fp8_param_gather", False):
+            raise ValueError(f"fp8_param_gather (True) with fp8_recipe {self.fp8_recipe}: FP8 "
+                             f"weights in blocks are not built; use fp8_recipe tensorwise or "
+                             f"delayed, or drop fp8_param_gather")
 
     def fp8_notes(self):
         """Start-up notes: what runs in higher precision here than in Megatron-LM's FP8 run
         (the routed experts' GEMMs under a recipe whose grouped FP8 GEMMs are not built:
         fp8/grouped.py builds tensorwise and delayed), and the delayed recipe's settings given
-        with tensorwise scaling, which ignores them (as Megatron-LM's current scaling does)."""
+        with tensorwise or block scaling, which ignore them (as Megatron-LM's current scaling
+        does)."""
         notes = []
         if self.fp8 and self.num_moe_experts and self.fp8_recipe not in GROUPED_RECIPES:
             notes.append(
@@ -94,7 +111,7 @@ class Fp8Settings:
                 f"activations' precision (grouped FP8 GEMMs are built for tensorwise and "
                 f"delayed only); Megatron-LM runs them in FP8. The other linears of the "
                 f"transformer layers run in FP8")
-        if self.fp8 and self.fp8_recipe == "tensorwise":
+        if self.fp8 and self.fp8_recipe in ("tensorwise",) + BLOCK_RECIPES:
             delayed_only = {"--fp8-margin": (self.fp8_margin, 0),
                             "--fp8-amax-history-len": (self.fp8_amax_history_len, 1),
                             "--fp8-amax-compute-algo": (self.fp8_amax_compute_algo,
@@ -102,6 +119,6 @@ class Fp8Settings:
             for flag, (value, default) in delayed_only.items():
                 if value != default:
                     notes.append(f"{flag} {value}: shapes delayed scaling only; --fp8-recipe "
-                                 f"tensorwise takes each scale from the tensor itself and "
-                                 f"ignores it, as Megatron-LM's current scaling does")
+                                 f"{self.fp8_recipe} takes each scale from the tensor itself "
+                                 f"and ignores it, as Megatron-LM's current scaling does")
         return notes

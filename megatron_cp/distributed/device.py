@@ -44,6 +44,11 @@ def cudnn_attention_supported(device: torch.device) -> bool:
             and torch.backends.cudnn.enabled and _device_capability(device) >= (9, 0))
 
 
+def compute_capability(device: torch.device):
+    """(major, minor) compute capability of CUDA ``device``; None on the CPU."""
+    return _device_capability(device) if device.type == "cuda" else None
+
+
 def _device_capability(device):
     """(major, minor) compute capability of CUDA ``device`` (cached per index)."""
     return _capability(device.index if device.index is not None else torch.cuda.current_device())

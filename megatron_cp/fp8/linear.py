@@ -6,9 +6,12 @@ input's precision). x and W are quantized to the forward format, dy to the gradi
 (e5m2 under --fp8-format hybrid). Operand layouts are those the GPU kernels take: the first
 operand row-major, the second column-major.
 """
+import math
+
 import torch
 
 from megatron_cp.fp8 import rows
+from megatron_cp.fp8.blocks import BLOCK, Blocked, BlockRecipe, block_matmul
 from megatron_cp.fp8.scaling import (FORMATS, amax_of, delayed_scale, local_amax, quantize,
                                      scale_from_amax)
 
@@ -32,16 +35,27 @@ class Fp8Meta(torch.nn.Module):
     ``last_amax`` ``[3]`` (not saved): the last training step's largest amax of each tensor,
     over its microbatches (tensorwise: the amaxes the casts used, already whole over TP and
     CP, per DP rank; delayed: reduced over the whole stage), for logs and layout checks.
+
+    Block recipes (``blocks``, megatron_cp/fp8/blocks.py) keep no state: each block's scale
+    comes from the block. Their ``last_amax`` is the step's smallest nonzero block amax of
+    each tensor's blocks across the tokens (the input and output gradient's wgrad copies;
+    the weight's dgrad copy), the one that shows which tokens share a block (each rank's
+    own, whole over a block's ranks; the MIN over the stage's ranks is one process's).
+    ``token_groups``: the ranks holding the other tokens of a microbatch (CP), over which a
+    token block's amax is reduced.
     """
 
-    def __init__(self, config, groups):
+    def __init__(self, config, groups, token_groups=()):
         super().__init__()
         self.fwd_dtype, self.bwd_dtype = FORMATS[config.fp8]
         self.delayed = config.fp8_recipe == "delayed"
+        self.blocks = BlockRecipe(config.fp8_recipe) if config.fp8_recipe in BLOCK else None
+        self.token_groups = tuple(token_groups)
         self.wgrad_fp8 = config.fp8_wgrad
         self.margin, self.algo = config.fp8_margin, config.fp8_amax_compute_algo
         self.groups = tuple(tuple(g) for g in groups)
-        self.register_buffer("step_amax", torch.zeros(3), persistent=False)  # [role]
+        start = math.inf if self.blocks is not None else 0.0
+        self.register_buffer("step_amax", torch.full((3,), start), persistent=False)  # [role]
         self.register_buffer("last_amax", torch.zeros(3), persistent=False)  # [role]
         if self.delayed:
             length = config.fp8_amax_history_len
@@ -54,7 +68,7 @@ class Fp8Meta(torch.nn.Module):
     def scale_for(self, role, x):
         """The fp32 scale that quantizes ``x`` (the ``role`` tensor) now; an input's amax
         skips pad tokens (megatron_cp/fp8/rows.py; a pad token's output gradient is 0)."""
-        real = rows.current() if role == INPUT else None
+        real = rows.real_mask() if role == INPUT else None
         if real is not None:
             if real.numel() != x.shape[0]:
                 raise AssertionError(f"{x.shape[0]} input rows, {real.numel()} row marks")
@@ -70,6 +84,18 @@ class Fp8Meta(torch.nn.Module):
         if self.training:  # evaluation leaves the history and the step's amaxes alone
             self.step_amax[role] = torch.maximum(self.step_amax[role], amax)
 
+    def record_blocks(self, role, blocked):
+        """Block recipes: keep the smallest nonzero amax of ``blocked``'s blocks (its pad
+        block left out) in ``step_amax`` (inf until one is seen)."""
+        if not self.training:
+            return
+        amax = blocked.amax
+        if blocked.columns is not None:
+            amax = amax[:, :-1]
+        if amax.numel():  # (no boolean indexing: no host sync on a GPU)
+            smallest = torch.where(amax > 0, amax, math.inf).amin()
+            self.step_amax[role] = torch.minimum(self.step_amax[role], smallest)
+
     @torch.no_grad()
     def end_step(self):
         """After a step (its amaxes reduced, for delayed scaling): keep them as
@@ -77,7 +103,7 @@ class Fp8Meta(torch.nn.Module):
         self.last_amax.copy_(self.step_amax)
         if self.delayed:
             self.update()
-        self.step_amax.zero_()
+        self.step_amax.fill_(math.inf if self.blocks is not None else 0.0)
 
     @torch.no_grad()
     def update(self):
@@ -93,7 +119,8 @@ class Fp8Meta(torch.nn.Module):
                                              self.margin)
 
     def extra_repr(self):
-        recipe = "delayed" if self.delayed else "tensorwise"
+        recipe = self.blocks.name if self.blocks is not None else \
+            "delayed" if self.delayed else "tensorwise"
         return f"{recipe}, fwd={self.fwd_dtype}, bwd={self.bwd_dtype}, wgrad_fp8={self.wgrad_fp8}"
 
 
@@ -142,10 +169,51 @@ class _Fp8Matmul(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
+class _BlockMatmul(torch.autograd.Function):
+    """:class:`_Fp8Matmul` under a block recipe (megatron_cp/fp8/blocks.py): forward ``x``
+    [m, k], ``weight`` [n, k] -> ``x W^T`` [m, n]; backward ``dx = q(dy) q(W)`` and ``dW =
+    q'(dy)^T q'(x)``, the primes the copies quantized in blocks along the tokens (from high
+    precision), in one process's token blocks (megatron_cp/fp8/rows.py)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, meta):
+        recipe, wgrad = meta.blocks, meta.wgrad_fp8
+        tokens = rows.one_process_rows(x.shape[0])  # [m] or None
+        groups = meta.token_groups if tokens is not None else ()
+        x_row, x_col = recipe.input(x, meta.fwd_dtype, wgrad, tokens, groups)
+        w_fprop, w_dgrad = recipe.weight(weight, meta.fwd_dtype)
+        out = block_matmul(x_row, w_fprop, x.dtype)  # [m, n]
+        meta.record_blocks(INPUT, x_col if wgrad else x_row)
+        meta.record_blocks(WEIGHT, w_dgrad)
+        ctx.meta, ctx.x_dtype, ctx.w_dtype = meta, x.dtype, weight.dtype
+        ctx.w_block, ctx.x_block = w_dgrad.block, x_col.block if wgrad else None
+        saved = (x_col.data, x_col.scale, x_col.columns) if wgrad else (x, None, None)
+        ctx.save_for_backward(*saved, w_dgrad.data, w_dgrad.scale, tokens)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        meta = ctx.meta
+        x_data, x_scale, x_columns, w_data, w_scale, tokens = ctx.saved_tensors
+        groups = meta.token_groups if tokens is not None else ()
+        g_row, g_col = meta.blocks.grad(grad_out, meta.bwd_dtype, meta.wgrad_fp8, tokens, groups)
+        w_dgrad = Blocked(w_data, w_scale, None, ctx.w_block)
+        grad_x = block_matmul(g_row, w_dgrad, ctx.x_dtype)  # [m, k]
+        if meta.wgrad_fp8:
+            meta.record_blocks(GRAD_OUTPUT, g_col)
+            x_col = Blocked(x_data, x_scale, None, ctx.x_block, x_columns)
+            grad_w = block_matmul(g_col, x_col, ctx.w_dtype)  # [n, k]
+        else:
+            meta.record_blocks(GRAD_OUTPUT, g_row)
+            grad_w = (grad_out.t() @ x_data).to(ctx.w_dtype)  # [n, k]
+        return grad_x, grad_w, None
+
+
 def fp8_linear(x, weight, bias, meta):
     """``F.linear(x, weight, bias)`` with its GEMMs in FP8 under ``meta`` (an
     :class:`Fp8Meta`): ``x`` [..., k] -> [..., n]."""
     lead = x.shape[:-1]
-    out = _Fp8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, meta)  # [m, n]
+    matmul = _BlockMatmul if meta.blocks is not None else _Fp8Matmul
+    out = matmul.apply(x.reshape(-1, x.shape[-1]), weight, meta)  # [m, n]
     out = out.view(*lead, weight.shape[0])  # [..., n]
     return out + bias if bias is not None else out

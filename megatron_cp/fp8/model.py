@@ -14,10 +14,17 @@ pushes the same value as one process. (Transformer Engine updates after each mic
 forward, which makes the scales depend on how many microbatches a rank runs.)
 """
 import torch
+import torch.distributed as dist
 
 from megatron_cp.fp8.grouped import attach_grouped_fp8, end_grouped_step
+from megatron_cp.distributed import device as device_mod
+from megatron_cp.fp8.blocks import BLOCK
 from megatron_cp.fp8.linear import Fp8Meta
 from megatron_cp.fp8.scaling import reduce_max
+
+# the GPUs whose scaled_mm kernels take each block recipe's scales (compute capability)
+BLOCK_GPUS = {"blockwise": ((9, 0), (10, 0), "Hopper (compute capability 9.x)"),
+              "mxfp8": ((10, 0), (13, 0), "Blackwell (compute capability 10.x to 12.x)")}
 
 
 def fp8_layer(config, layer_number):
@@ -37,18 +44,80 @@ def _linears(module):
     return [m for m in module.modules() if hasattr(m, "fp8_meta")]
 
 
-def attach_fp8(module, config, tp_group, cp_group):
+def attach_fp8(module, config, tp_group, cp_group, device=None):
     """Give every column/row-parallel linear inside ``module`` (a transformer layer, an MTP
     layer) an :class:`~megatron_cp.fp8.linear.Fp8Meta`: its input's and output gradient's
     amaxes reduced over the model's TP and CP groups (the input is split over the sequence
     under SP and CP, and over the hidden size into a row-parallel linear; the gradient over
     the output size out of a column-parallel one), the weight's over the linear's TP group
-    (none for MLA's down projections, whole on every rank)."""
+    (none for MLA's down projections, whole on every rank). Block recipes: token blocks
+    reduced over CP; refused on a GPU without their kernels and where a TP shard would cut
+    a block (:func:`check_block_device`, :func:`check_block_shard`)."""
+    if config.fp8_recipe in BLOCK:
+        check_block_device(config.fp8_recipe, device)
     for linear in _linears(module):
         activation = (tp_group, cp_group)
         weight = (getattr(linear, "tp_group", None),)
-        linear.fp8_meta = Fp8Meta(config, (activation, weight, activation))
+        if config.fp8_recipe in BLOCK:
+            check_block_shard(config.fp8_recipe, linear, module)
+        linear.fp8_meta = Fp8Meta(config, (activation, weight, activation),
+                                  token_groups=(cp_group,))
     attach_grouped_fp8(module, config)  # the routed experts' grouped GEMMs (fp8/grouped.py)
+
+
+def output_fp8(config, padded_vocab, tp_group, cp_group, device=None):
+    """--fp8-output-proj (MXFP8 only, Megatron-LM's rule): the output layer's
+    :class:`Fp8Meta` (its GEMMs run under it, with the word embedding when tied), or None.
+    A TP shard of the padded vocabulary must be whole 32-element blocks."""
+    if not config.fp8_output_proj:
+        return None
+    check_block_device(config.fp8_recipe, device)
+    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+    length = BLOCK[config.fp8_recipe]
+    if tp_size > 1 and (padded_vocab // tp_size) % length:
+        raise ValueError(f"--fp8-output-proj: the padded vocabulary ({padded_vocab}) is split "
+                         f"over --tensor-model-parallel-size {tp_size} into pieces of "
+                         f"{padded_vocab // tp_size}, not a multiple of the {length}-element "
+                         f"block; raise --make-vocab-size-divisible-by to a multiple of "
+                         f"{length}")
+    activation = (tp_group, cp_group)
+    return Fp8Meta(config, (activation, (tp_group,), activation), token_groups=(cp_group,))
+
+
+def check_block_device(recipe, device):
+    """A block recipe on a GPU whose scaled_mm has no kernel for its scales is refused
+    (the CPU runs the exact reference)."""
+    capability = device_mod.compute_capability(device) if device is not None else None
+    if capability is None:
+        return
+    low, high, name = BLOCK_GPUS[recipe]
+    if not low <= capability < high:
+        raise ValueError(f"--fp8-recipe {recipe} needs a {name} GPU for its block-scaled "
+                         f"GEMMs; {device_mod.device_name(device)} is compute capability "
+                         f"{capability[0]}.{capability[1]}: use --fp8-recipe tensorwise")
+
+
+def check_block_shard(recipe, linear, module):
+    """Blocks along a TP-split dim are the logical tensor's when each TP shard holds whole
+    blocks: each of the shard's ``partition_stride`` stacked pieces (SwiGLU's gate and up)
+    a multiple of the block length along ``partition_dim``; otherwise refuse."""
+    group = getattr(linear, "tp_group", None)
+    weight = linear.weight
+    if group is None or dist.get_world_size(group) == 1 or \
+            not getattr(weight, "tensor_model_parallel", False):
+        return
+    length, dim = BLOCK[recipe], weight.partition_dim
+    piece = weight.shape[dim] // getattr(weight, "partition_stride", 1)
+    if piece % length:
+        tp_size = dist.get_world_size(group)
+        name = next(n for n, m in module.named_modules() if m is linear)
+        which = "output" if dim == 0 else "input"
+        raise ValueError(
+            f"--fp8-recipe {recipe}: {name}'s {which} dim is split over "
+            f"--tensor-model-parallel-size {tp_size} into pieces of {piece}, not a multiple "
+            f"of the {length}-element block, so a TP shard would cut a block; use a TP size "
+            f"that leaves each shard whole blocks, or sizes that do (e.g. the dim a multiple "
+            f"of {length} x {tp_size})")
 
 
 def fp8_metas(chunks):

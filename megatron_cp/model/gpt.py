@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from megatron_cp import tensor_parallel as tpar
 from megatron_cp.context_parallel.layout import SequenceLayout
-from megatron_cp.fp8 import rows as fp8_rows
+from megatron_cp.fp8 import fp8_linear, rows as fp8_rows
+from megatron_cp.fp8.model import output_fp8
 from megatron_cp.layers.norms import norm_for
 from megatron_cp.layers.hidden_dropout import (SITE_EMBEDDING, DropoutIds, hidden_dropout,
                                                sequence_shard, site_key, token_coordinates)
@@ -149,6 +150,9 @@ class GPTModel(torch.nn.Module):
                 self.output_layer.weight.shared_embedding = tied
                 self.output_layer.weight.is_embedding_or_output_parameter = True
                 self.output_layer.weight.is_embedding_parameter = True
+        # --fp8-output-proj: the output layer's GEMMs in FP8 (MXFP8), tied or not
+        self.output_fp8 = output_fp8(config, self.padded_vocab_size, tp_group, cp_group,
+                                     device) if post_process else None
         self.mtp, self.mtp_word_embeddings = None, None
         if post_process and config.mtp_num_layers:
             if not (pre_process or tied):  # MTP embeds here: a copy of the first stage's table
@@ -179,7 +183,10 @@ class GPTModel(torch.nn.Module):
 
     def _logits(self, h):
         """[s, b, v/tp] logits; padded vocabulary entries are -inf (out of every softmax)."""
-        if self.output_layer is not None:
+        if self.output_fp8 is not None:  # [s, b, v/tp]
+            logits = fp8_linear(self._output_input(h), self.output_weight(), None,
+                                self.output_fp8)
+        elif self.output_layer is not None:
             logits = self.output_layer(h)
         else:
             weight = self.embedding.word_embeddings.weight  # [v/tp, h]
@@ -228,8 +235,9 @@ class GPTModel(torch.nn.Module):
                 loss_mask=None, sample_ids=None, unpadded_index=None, mtp_targets=None,
                 layout=None, real_token=None):
         """``real_token`` [b, s_local] bool: False on the pad tokens context parallelism
-        adds (megatron_cp/data/microbatch.py), which FP8's input amaxes skip; None: none."""
-        with fp8_rows.real_rows(fp8_rows.rows_of(real_token)):
+        adds (megatron_cp/data/microbatch.py), which FP8's input amaxes skip; None: none.
+        With ``unpadded_index`` they give FP8's token blocks their one-process rows."""
+        with fp8_rows.real_rows(fp8_rows.rows_of(real_token, unpadded_index)):
             return self._forward(tokens, position_ids, labels, token_index, document_ids,
                                  loss_mask, sample_ids, unpadded_index, mtp_targets, layout)
 

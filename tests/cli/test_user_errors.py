@@ -66,8 +66,8 @@ def _mistakes(tmp):
         ("--no-position-embedding --position-embedding-type learned_absolute",
          "--no-position-embedding: is Megatron-LM's deprecated spelling, accepted only beside "
          "--position-embedding-type rope (no learned table to turn off)"),
-        ("--fp8-format hybrid --fp8-output-proj", "--fp8-output-proj: runs the output layer in "
-                                                  "FP8 under --fp8-recipe mxfp8 only"),
+        ("--fp8-format hybrid --fp8-output-proj", "--fp8-output-proj (True) needs --fp8-format "
+                                                  "with --fp8-recipe 'mxfp8'"),
         ("--cuda-graph-impl local", "--cuda-graph-impl local: CUDA graph capture is not built"),
         ("--num-experts 4 --no-bias-gelu-fusion --moe-ncclep-zero-copy",
          "--moe-ncclep-zero-copy: the NCCL EP dispatcher's fixed receive buffers"),
@@ -106,7 +106,7 @@ def test_every_mistake_in_one_command_is_reported_at_once(tmp_path):
     # (the tokenizer pair and a bad --seq-length would replace the others' values; the model
     # config reports its first broken rule, so one model mistake goes in)
     mistakes = [m for m in _mistakes(tmp_path) if not m[0].startswith(
-        ("--tokenizer-type", "--seq-length x", "--num-experts"))]
+        ("--tokenizer-type", "--seq-length x", "--num-experts", "--fp8-format"))]
     status, text = _main(TRAIN + " " + " ".join(flags for flags, _ in mistakes))
     lines = text.splitlines()
     assert status == 2 and all(line.startswith("error: ") for line in lines), text

@@ -137,8 +137,6 @@ BASE = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 32
 
 
 @pytest.mark.parametrize("extra,line,world", [
-    ("--fp8-recipe mxfp8", "--fp8-recipe mxfp8: MXFP8", 1),
-    ("--fp8-recipe blockwise", "--fp8-recipe blockwise: blockwise scaling", 1),
     ("--fp8-recipe custom", "--fp8-recipe custom: a custom quantizer", 1),
     ("--first-last-layers-bf16", "--first-last-layers-bf16 (True) is not supported with "
                                  "--fp8-recipe 'delayed'", 1),
@@ -148,6 +146,10 @@ BASE = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 32
     ("--fp8-recipe tensorwise --first-last-layers-bf16 --num-layers-at-end-in-bf16 -1",
      "--num-layers-at-end-in-bf16 (-1) must be between 0", 1),
     ("--fp8-amax-history-len 0", "--fp8-amax-history-len (0) must be >= 1", 1),
+    ("--fp8-recipe mxfp8 --fp8-output-proj --tiled-logits-chunk-size 8",
+     "--fp8-output-proj (True) with --tiled-logits-chunk-size (8): the tiled output layer", 1),
+    ("--fp8-recipe blockwise --fp8-output-proj", "--fp8-output-proj (True) needs --fp8-format "
+                                                 "with --fp8-recipe 'mxfp8'", 1),
     ("--fp8-recipe tensorwise --tp-comm-overlap --tensor-model-parallel-size 2 "
      "--sequence-parallel", "fp8 with --tp-comm-overlap (True)", 2),
 ])

@@ -1,6 +1,7 @@
 """FP8 training is layout-exact: under TP+SP, CP (p2p and a2a, packed documents), PP, DP with
 the distributed optimizer, EP and FSDP2, every FP8 linear quantizes with the amaxes one
-process uses, for the tensorwise and delayed recipes (hybrid and e4m3 formats).
+process uses, for the tensorwise and delayed recipes (hybrid and e4m3 formats), and in the
+blocks one process forms for the blockwise and MXFP8 recipes.
 
 FP8 rounding is discontinuous: a layout whose fp32 sums differ from one process's in the last
 bit (TP partial sums, DP gradient sums, CP attention merges, PP grad-norm sums) flips a few
@@ -14,6 +15,13 @@ chaotically (2e-4 by step 10). So the claim is checked where it is exact:
   misses that bound under the layouts that split the tensors (TP+SP, CP, DP for delayed);
 - the 10-step loss curves stay within a bound from the precision (CURVE_TOL), and the model
   learns; one bf16 run (TP2+SP) is held to the same bound, bf16's.
+
+The block recipes (blockwise, mxfp8; hidden 256 so every TP shard is whole 128-element
+blocks) are checked after step 1 the same way, on each linear's smallest block amax across the
+tokens (the wgrad copies of x and dy: which tokens share a block) and the weight's, and the
+step-1 loss, under TP2+SP, CP2 p2p with packed documents (zigzag halves and pad tokens: the
+token blocks' amaxes reduced over CP in one-process rows), PP2 and DP2 with the distributed
+optimizer; their control forms CP's token blocks from each rank's own rows.
 
 CP's pad tokens (each packed document padded to a multiple of 2 x CP, see
 megatron_cp/data/microbatch.py) stay out of the input amaxes (megatron_cp/fp8/rows.py):
@@ -45,10 +53,19 @@ MOE = ("--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0.01 "
 # --seq-length 32 a pad token's activation is the largest of a linear's input (3.3e-2 off)
 PADDED = (f"{TINY} {PACKED} --global-batch-size 4 --train-iters 10 "
           "--fp8-format hybrid --fp8-recipe tensorwise")
-MODELS = {"dense": BASE, "packed": f"{BASE} {PACKED}", "moe": f"{BASE} {MOE}"}
+# the block recipes' models: every TP shard whole 128-element blocks (hidden 256, 4 heads:
+# linear_qkv 384 rows a TP2 rank, linear_proj 128 columns; ffn 512: 256 a rank), 64 tokens a
+# microbatch (blockwise: one partial token block; mxfp8: two), which CP2 splits into zigzag
+# halves of every token block
+BLOCKS = (BASE.replace("--hidden-size 32", "--hidden-size 256 --ffn-hidden-size 512")
+          .replace("--seq-length 16", "--seq-length 64"))
+MODELS = {"dense": BASE, "packed": f"{BASE} {PACKED}", "moe": f"{BASE} {MOE}",
+          "blocks": BLOCKS, "blocks_packed": f"{BLOCKS} {PACKED}"}
 RECIPES = {"tensorwise": "--fp8-format hybrid --fp8-recipe tensorwise",
            "delayed": "--fp8-format hybrid --fp8-recipe delayed",
            "e4m3": "--fp8-format e4m3 --fp8-recipe tensorwise",
+           "blockwise": "--fp8-format hybrid --fp8-recipe blockwise",
+           "mxfp8": "--fp8-format hybrid --fp8-recipe mxfp8 --fp8-output-proj",
            "bf16": "--bf16"}
 CURVE_STEPS, EXACT_STEPS = 10, 2  # tensorwise and bf16 run the curve; the others 2 steps
 # layout: (model, layout flags, recipes)
@@ -63,9 +80,20 @@ LAYOUTS = {
     "dp2_distopt": ("dense", "--use-distributed-optimizer", ("tensorwise", "delayed")),
     "ep2": ("moe", "--expert-model-parallel-size 2", ("tensorwise", "delayed")),
     "fsdp2": ("dense", "--use-torch-fsdp2", ("tensorwise", "delayed")),
+    # block recipes: the state after step 1 is each linear's smallest block amax across the
+    # tokens (megatron_cp/fp8/linear.py), which shows which tokens share a block
+    "tp2_sp_blocks": ("blocks", "--tensor-model-parallel-size 2 --sequence-parallel",
+                      ("blockwise", "mxfp8")),
+    "cp2_p2p_packed_blocks": ("blocks_packed", "--context-parallel-size 2 --cp-comm-type p2p",
+                              ("blockwise", "mxfp8")),
+    # (PP and DP keep each microbatch whole on a rank: one recipe shows it)
+    "pp2_blocks": ("blocks", "--pipeline-model-parallel-size 2", ("blockwise",)),
+    "dp2_distopt_blocks": ("blocks", "--use-distributed-optimizer", ("mxfp8",)),
 }
 # the control: every amax reduction off, under the layouts that split the scaled tensors
-CONTROLS = {"tp2_sp": "tensorwise", "cp2_p2p_packed": "tensorwise", "dp2_distopt": "delayed"}
+# (block recipes: token blocks of each rank's own rows, the naive layout)
+CONTROLS = {"tp2_sp": "tensorwise", "cp2_p2p_packed": "tensorwise", "dp2_distopt": "delayed",
+            "cp2_p2p_packed_blocks": "blockwise"}
 # The 10-step curves. A layout's last-bit differences flip a few FP8 roundings per step, each
 # moving one GEMM operand element to the neighbouring FP8 value: a rounding of the size both
 # runs make in every element, so the loss moves far less than FP8's unit roundoff (2^-4 for
@@ -101,6 +129,10 @@ def _fp8_state(trainer):
             state = {"last_amax": meta.last_amax.clone()}
             if meta.delayed:
                 state.update(amax_history=meta.amax_history.clone(), scale=meta.scale.clone())
+            elif meta.blocks is not None:  # each rank's smallest block amax: MIN is the model's
+                for name_ in ("tp", "cp", "dp"):
+                    dist.all_reduce(state["last_amax"], op=dist.ReduceOp.MIN,
+                                    group=trainer.state.group(name_))
             else:
                 dist.all_reduce(state["last_amax"], op=dist.ReduceOp.MAX,
                                 group=trainer.state.group("dp"))
@@ -125,15 +157,23 @@ def _train(argv, world, steps):
 
 
 def _control(argv, world, steps):
-    """:func:`_train` with every amax reduction off: each rank scales by its own piece."""
+    """:func:`_train` with every amax reduction off: each rank scales by its own piece (block
+    recipes: token blocks of the rank's own rows, none reduced)."""
     import megatron_cp.fp8.model as fp8_model
+    import megatron_cp.fp8.rows as fp8_rows
     import megatron_cp.fp8.scaling as fp8_scaling
-    real = fp8_scaling.reduce_max
+    real, rows = fp8_scaling.reduce_max, fp8_rows.one_process_rows
     fp8_model.reduce_max = fp8_scaling.reduce_max = _unreduced
+    fp8_rows.one_process_rows = _own_rows
     try:
         return _train(argv, world, steps)
     finally:
         fp8_model.reduce_max = fp8_scaling.reduce_max = real
+        fp8_rows.one_process_rows = rows
+
+
+def _own_rows(num_rows):
+    return None
 
 
 def _jobs(rank, world, jobs):
