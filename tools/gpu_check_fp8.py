@@ -22,6 +22,7 @@ import types
 
 import torch
 
+from megatron_cp.distributed import device as device_mod
 from megatron_cp.fp8.blocks import BlockRecipe, block_matmul
 from megatron_cp.fp8.linear import GRAD_OUTPUT, INPUT, WEIGHT, Fp8Meta, fp8_linear
 from megatron_cp.fp8.model import check_block_device
@@ -124,7 +125,8 @@ def section_fp8(report, device, quick, train):
     block_shapes = ((48, 160, 96),) if quick else ((520, 1056, 264),)  # fp8 has 10 s on CUDA
     for recipe in ("blockwise", "mxfp8"):
         try:
-            check_block_device(recipe, device)
+            check_block_device(recipe, device_mod.compute_capability(device),
+                               device_mod.device_name(device))
         except ValueError as unsupported:
             report.skip(f"fp8/blocks/{recipe}", str(unsupported))
             continue

@@ -56,7 +56,7 @@ SAMPLE_TRAIN = (
     "gpt/gpt3_mcore_te_tp1_pp1_mup", "gpt/gpt3_mcore_te_tp1_pp1_dist_optimizer_fim_dataset",
     # (the --use-torch-fsdp2 sets: tests/parity/test_fsdp2.py and the census)
     "gpt/gpt3_mcore_te_tp2_zp_z3_resume_fsdp_dtensor")
-SAMPLE_REFUSE = ("moe/deepseek_proxy_fsdp_ep2_fsdp2",
+SAMPLE_REFUSE = ("examples/train_llama3_8b_h100_fp8",
                  "moe/gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph")
 
 # Paths and data: replaced by mock data, as the sets' ${VARIABLES} have no value here.

@@ -695,10 +695,6 @@ NOT_BUILT = (  # (why, flags): refused, with what to use instead
      "which are not used; use --bf16",
      ("--reuse-grad-buf-for-mxfp8-param-ag", "--fp4-param-gather",
       "--te-precision-config-file",)),
-    ("FP8 weights kept between steps and all-gathered in FP8 (Transformer Engine's "
-     "Float8Tensor, cast from the main params) are not built: each FP8 linear casts its "
-     "weight from the model's dtype as it runs; drop it",
-     ("--fp8-param-gather",)),
     ("evaluation always runs every --eval-interval, --eval-iters batches from the start of "
      "the one validation split; these eval options are not built",
      ("--start-eval-at-iter", "--full-validation", "--multiple-validation-sets",

@@ -92,10 +92,25 @@ class Fp8Settings:
         if self.tp_comm_overlap:
             raise ValueError("fp8 with tp_comm_overlap (True): the overlapped column/row "
                              "GEMMs are not built in FP8; drop tp_comm_overlap")
-        if self.fp8_recipe in BLOCK_RECIPES and getattr(self, "fp8_param_gather", False):
+
+    def fp8_checks_and_notes(self, fp8_param_gather):
+        """--fp8-param-gather's rules on the FP8 settings (Megatron-LM's: it needs FP8; here:
+        not with the block recipes); returns FP8's start-up notes (:meth:`fp8_notes`) and its."""
+        if not fp8_param_gather:
+            return self.fp8_notes()
+        if not self.fp8:
+            raise ValueError("fp8_param_gather (True) keeps FP8 weights, which need fp8 "
+                             "(Megatron-LM's rule): give it e4m3 or hybrid")
+        if self.fp8_recipe in BLOCK_RECIPES:
             raise ValueError(f"fp8_param_gather (True) with fp8_recipe {self.fp8_recipe}: FP8 "
                              f"weights in blocks are not built; use fp8_recipe tensorwise or "
                              f"delayed, or drop fp8_param_gather")
+        if not self.num_moe_experts:
+            return self.fp8_notes()
+        return self.fp8_notes() + [f"--fp8-param-gather with --num-experts {self.num_moe_experts}: the routed "
+                f"experts' weights stay in the model's dtype between steps and are gathered "
+                f"so (Megatron-LM keeps them in FP8 too); each step casts them to FP8 per "
+                f"expert as it runs, the values Megatron-LM's FP8 expert weights hold"]
 
     def fp8_notes(self):
         """Start-up notes: what runs in higher precision here than in Megatron-LM's FP8 run

@@ -181,6 +181,11 @@ class OptimizerConfig:
              "each microbatch, the gathered params kept whole from the step's first forward to "
              "its last backward); optim_grads_params, also the params (FSDP2, each layer gathered just "
              "before it runs, as --use-torch-fsdp2).")
+    fp8_param_gather: bool = setting(False, group="mixed precision",
+        help="With --fp8-format: keep the FP8 linears' weights in FP8 between steps (one byte "
+             "per element and a scale), cast from the fp32 main params by the sharded "
+             "optimizer and all-gathered in FP8 (--use-distributed-optimizer; "
+             "--use-torch-fsdp2: each layer's gather casts its rows to FP8).")
     # the precision-aware optimizer and the optimizer on the host (Megatron-LM's names)
     use_precision_aware_optimizer: bool = setting(False, group="training",
         help="Keep the optimizer's tensors in the dtypes of --main-grads-dtype, "
@@ -254,6 +259,29 @@ class OptimizerConfig:
         self._check_decoupled_lr()
         self._check_precision_aware()
         self._check_offload()
+        self._check_fp8_param_gather()
+
+    def _check_fp8_param_gather(self):
+        """Megatron-LM's rule (a sharded optimizer makes the FP8 weights) and what is not
+        built with it here."""
+        if not self.fp8_param_gather:
+            return
+        if not (self.use_distributed_optimizer or self.fully_sharded):
+            raise ValueError("fp8_param_gather (True) needs the distributed optimizer or FSDP "
+                             "(Megatron-LM's rule): add --use-distributed-optimizer or "
+                             "--use-torch-fsdp2")
+        if not (self.bf16 or self.fp16 or self.fully_sharded):
+            raise ValueError("fp8_param_gather (True) with fp32 params and the distributed "
+                             "optimizer is not built (it keeps fp32 masters apart from the FP8 "
+                             "weights of bf16/fp16 models; FSDP2's fp32 rows are the masters): "
+                             "add --bf16")
+        unbuilt = [name for name, on in (("optimizer muon", self.uses_muon),
+                                         ("optimizer_cpu_offload", self.optimizer_cpu_offload),
+                                         ("main_params_dtype fp16",
+                                          self.main_params_dtype != "fp32")) if on]
+        if unbuilt:
+            raise ValueError(f"fp8_param_gather (True) with {unbuilt[0]} is not built; drop "
+                             f"one")
 
     @property
     def fully_sharded(self):

@@ -10,7 +10,9 @@ to a multiple of its reduction group's size d, so it splits into d equal shards:
 r owns elements ``[r * n/d, (r+1) * n/d)`` of the bucket -- of the gradients (after the
 reduce-scatter), of the fp32 main params and of the Adam moments -- and the model params
 live in a second flat buffer of the same layout, which one all-gather per bucket refreshes
-after the step. A tied word-embedding copy (``shared_embedding``) gets a bucket of its own:
+after the step. FP8 weights (``--fp8-param-gather``, :mod:`megatron_cp.fp8.params`) get
+buffers of their own, their parameter buffer one byte per element (uint8: the all-gather moves
+FP8 bytes). A tied word-embedding copy (``shared_embedding``) gets a bucket of its own:
 the first and the last pipeline stage then shard it identically, so its gradient can be
 summed over the embedding group after the reduce-scatter, shard for shard.
 
@@ -146,9 +148,10 @@ def build_buckets(params, state, bucket_numel, grad_dtype, shard):
     """
     per_key = {}
     for p in params:
-        per_key.setdefault(bool(getattr(p, "is_expert", False)), []).append(p)
+        fp8 = shard and getattr(p, "fp8_storage", False)
+        per_key.setdefault((bool(getattr(p, "is_expert", False)), fp8), []).append(p)
     grad_buffers, param_buffers, buckets = [], [], []
-    for is_expert, key_params in per_key.items():
+    for (is_expert, fp8), key_params in per_key.items():
         group_name, inter_name = optimizer_groups(state, is_expert) if shard else (
             "edp" if is_expert else "dp_cp", None)
         group = state.group(group_name)
@@ -162,7 +165,8 @@ def build_buckets(params, state, bucket_numel, grad_dtype, shard):
         plans, total = _plan(key_params, bucket_numel, multiple, alone)
         device = key_params[0].device
         grads = torch.zeros(total, dtype=grad_dtype, device=device)  # [total]
-        values = torch.zeros(total, dtype=key_params[0].dtype, device=device) if shard else None
+        values = torch.zeros(total, dtype=torch.uint8 if fp8 else key_params[0].dtype,
+                             device=device) if shard else None  # [total]
         grad_buffers.append(grads)
         if shard:
             param_buffers.append(values)
@@ -170,7 +174,9 @@ def build_buckets(params, state, bucket_numel, grad_dtype, shard):
             offsets = {}
             for p, (lo, hi) in zip(members, ranges):
                 p.main_grad = grads[lo:hi].view(p.shape)
-                if shard:
+                if fp8:  # an FP8 weight (--fp8-param-gather): its bytes
+                    p.move_bytes(values[lo:hi])
+                elif shard:
                     values[lo:hi].copy_(p.data.reshape(-1))
                     p.data = values[lo:hi].view(p.shape)
                 offsets[id(p)] = (lo - start, hi - start)

@@ -26,7 +26,9 @@ What stays as everywhere else in megatron_cp:
   after sharding, each rank writing its rows only (:mod:`.meta_init`);
 * checkpoints hold each rank's rows of every param (:func:`~.shards.local_shard`) with the
   model's weights in its dtype and the fp32 masters as the optimizer's main params, the
-  same tensors as any other layout's, so any layout reads them back.
+  same tensors as any other layout's, so any layout reads them back;
+* ``--fp8-param-gather``: the FP8 linears' weights are gathered in FP8, one byte per element
+  (:mod:`.fsdp_fp8`).
 """
 import contextlib
 
@@ -35,6 +37,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from megatron_cp.distributed.fsdp_fp8 import wrap_fp8_masters
 from megatron_cp.distributed.meta_init import materialize
 from megatron_cp.distributed.shards import local_shard, local_tensor
 
@@ -241,7 +244,7 @@ class TorchFullyShardedDataParallel(nn.Module):
 
     def __init__(self, module, state, unit_types, params_dtype=torch.float32,
                  reshard_after_forward=True, keep_params_whole=False, offload_params=False,
-                 pin_memory=True):
+                 pin_memory=True, fp8_param_gather=False):
         super().__init__()
         self.module, self.state = module, state
         self.offload_params = offload_params  # the rows and their main_grad live on the host
@@ -257,6 +260,11 @@ class TorchFullyShardedDataParallel(nn.Module):
                                  f"computes every param of a layer in one dtype")
             if half:
                 param.data = param.data.float()  # the fp32 master (module docstring)
+        if fp8_param_gather:  # the FP8 linears' weights gathered in FP8 (fsdp_fp8.py)
+            if any(p.is_meta for p in module.parameters()):
+                raise ValueError("fp8_param_gather with FSDP2 and init_model_with_meta_device "
+                                 "is not built; drop --init-model-with-meta-device")
+            wrap_fp8_masters(module, params_dtype)
         mesh = DeviceMesh.from_group(state.group("dp_cp"), state.device.type)
         # inputs keep their dtypes: the model casts what it computes with itself
         policy = MixedPrecisionPolicy(param_dtype=params_dtype if half else None,
@@ -290,6 +298,11 @@ class TorchFullyShardedDataParallel(nn.Module):
                 param.compute_dtype = params_dtype
         # built on the meta device (--init-model-with-meta-device): draw this rank's rows now
         materialize(module, state.device)
+        if fp8_param_gather:
+            # FSDP2 re-pads an unevenly sharded param's rows into new storage at its lazy init
+            # when they are a tensor subclass (its reset_sharded_param): do it now, before the
+            # optimizer takes views of the rows
+            module._get_fsdp_state()._lazy_init()
         self.params = []
         for param in module.parameters():
             if param.requires_grad:

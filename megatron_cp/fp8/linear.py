@@ -145,8 +145,11 @@ class _Fp8Matmul(torch.autograd.Function):
     def forward(ctx, x, weight, meta):
         x_scale = meta.scale_for(INPUT, x)
         x_q = quantize(x, x_scale, meta.fwd_dtype)  # [m, k]
-        w_scale = meta.scale_for(WEIGHT, weight)
-        w_q = quantize(weight, w_scale, meta.fwd_dtype)  # [n, k]
+        if hasattr(weight, "fp8_pair"):  # --fp8-param-gather: kept in FP8 (fp8/params.py)
+            w_q, w_scale = weight.fp8_pair()  # [n, k]
+        else:
+            w_scale = meta.scale_for(WEIGHT, weight)
+            w_q = quantize(weight, w_scale, meta.fwd_dtype)  # [n, k]
         out = scaled_matmul(x_q, x_scale, w_q.t(), w_scale, x.dtype)  # [m, n]
         ctx.meta, ctx.x_dtype, ctx.w_dtype = meta, x.dtype, weight.dtype
         if meta.wgrad_fp8:

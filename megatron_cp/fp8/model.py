@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_cp.fp8.grouped import attach_grouped_fp8, end_grouped_step
-from megatron_cp.distributed import device as device_mod
 from megatron_cp.fp8.blocks import BLOCK
 from megatron_cp.fp8.linear import Fp8Meta
 from megatron_cp.fp8.scaling import reduce_max
@@ -44,17 +43,15 @@ def _linears(module):
     return [m for m in module.modules() if hasattr(m, "fp8_meta")]
 
 
-def attach_fp8(module, config, tp_group, cp_group, device=None):
+def attach_fp8(module, config, tp_group, cp_group):
     """Give every column/row-parallel linear inside ``module`` (a transformer layer, an MTP
     layer) an :class:`~megatron_cp.fp8.linear.Fp8Meta`: its input's and output gradient's
     amaxes reduced over the model's TP and CP groups (the input is split over the sequence
     under SP and CP, and over the hidden size into a row-parallel linear; the gradient over
     the output size out of a column-parallel one), the weight's over the linear's TP group
     (none for MLA's down projections, whole on every rank). Block recipes: token blocks
-    reduced over CP; refused on a GPU without their kernels and where a TP shard would cut
-    a block (:func:`check_block_device`, :func:`check_block_shard`)."""
-    if config.fp8_recipe in BLOCK:
-        check_block_device(config.fp8_recipe, device)
+    reduced over CP; refused where a TP shard would cut a block (:func:`check_block_shard`;
+    on a GPU without their kernels the model refuses them first: :func:`check_block_device`)."""
     for linear in _linears(module):
         activation = (tp_group, cp_group)
         weight = (getattr(linear, "tp_group", None),)
@@ -65,13 +62,12 @@ def attach_fp8(module, config, tp_group, cp_group, device=None):
     attach_grouped_fp8(module, config)  # the routed experts' grouped GEMMs (fp8/grouped.py)
 
 
-def output_fp8(config, padded_vocab, tp_group, cp_group, device=None):
+def output_fp8(config, padded_vocab, tp_group, cp_group):
     """--fp8-output-proj (MXFP8 only, Megatron-LM's rule): the output layer's
     :class:`Fp8Meta` (its GEMMs run under it, with the word embedding when tied), or None.
     A TP shard of the padded vocabulary must be whole 32-element blocks."""
     if not config.fp8_output_proj:
         return None
-    check_block_device(config.fp8_recipe, device)
     tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
     length = BLOCK[config.fp8_recipe]
     if tp_size > 1 and (padded_vocab // tp_size) % length:
@@ -84,16 +80,15 @@ def output_fp8(config, padded_vocab, tp_group, cp_group, device=None):
     return Fp8Meta(config, (activation, (tp_group,), activation), token_groups=(cp_group,))
 
 
-def check_block_device(recipe, device):
-    """A block recipe on a GPU whose scaled_mm has no kernel for its scales is refused
-    (the CPU runs the exact reference)."""
-    capability = device_mod.compute_capability(device) if device is not None else None
-    if capability is None:
+def check_block_device(recipe, capability, gpu_name):
+    """A block recipe on a GPU (``capability`` (major, minor); None: not a GPU) whose
+    scaled_mm has no kernel for its scales is refused (the CPU runs the exact reference)."""
+    if recipe not in BLOCK_GPUS or capability is None:
         return
     low, high, name = BLOCK_GPUS[recipe]
     if not low <= capability < high:
         raise ValueError(f"--fp8-recipe {recipe} needs a {name} GPU for its block-scaled "
-                         f"GEMMs; {device_mod.device_name(device)} is compute capability "
+                         f"GEMMs; {gpu_name} is compute capability "
                          f"{capability[0]}.{capability[1]}: use --fp8-recipe tensorwise")
 
 

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from megatron_cp import tensor_parallel as tpar
 from megatron_cp.context_parallel.layout import SequenceLayout
 from megatron_cp.fp8 import fp8_linear, rows as fp8_rows
-from megatron_cp.fp8.model import output_fp8
+from megatron_cp.distributed import device as device_mod
+from megatron_cp.fp8.model import check_block_device, output_fp8
 from megatron_cp.layers.norms import norm_for
 from megatron_cp.layers.hidden_dropout import (SITE_EMBEDDING, DropoutIds, hidden_dropout,
                                                sequence_shard, site_key, token_coordinates)
@@ -113,6 +114,9 @@ class GPTModel(torch.nn.Module):
         tp_size = state.size("tp") if state is not None else 1
         device = device if device is not None else (state.device if state is not None else None)
         config.validate_parallel(tp_size)
+        if config.fp8 and device is not None:  # a block recipe needs its GPU kernels
+            check_block_device(config.fp8_recipe, device_mod.compute_capability(device),
+                               device_mod.device_name(device))
         if rng_tracker is None:
             rng_tracker = tpar.model_parallel_seed(config.seed, state.rank("tp") if state else 0,
                                                    device or torch.device("cpu"))
@@ -151,8 +155,8 @@ class GPTModel(torch.nn.Module):
                 self.output_layer.weight.is_embedding_or_output_parameter = True
                 self.output_layer.weight.is_embedding_parameter = True
         # --fp8-output-proj: the output layer's GEMMs in FP8 (MXFP8), tied or not
-        self.output_fp8 = output_fp8(config, self.padded_vocab_size, tp_group, cp_group,
-                                     device) if post_process else None
+        self.output_fp8 = output_fp8(config, self.padded_vocab_size, tp_group,
+                                     cp_group) if post_process else None
         self.mtp, self.mtp_word_embeddings = None, None
         if post_process and config.mtp_num_layers:
             if not (pre_process or tied):  # MTP embeds here: a copy of the first stage's table

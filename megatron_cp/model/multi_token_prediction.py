@@ -60,7 +60,7 @@ class MultiTokenPredictionLayer(torch.nn.Module):
         for norm in (self.enorm, self.hnorm, self.final_layernorm):
             mark_sequence_parallel(norm, config.sequence_parallel)
         if config.fp8:  # Megatron-LM runs MTP under its global FP8 context, whatever the layer
-            attach_fp8(self, config, tp_group, cp_group, device)
+            attach_fp8(self, config, tp_group, cp_group)
 
     def forward(self, h, embedded, position_ids, token_index, document_ids, loss_mask,
                 dropout_ids, site_number=None, layout=None):

@@ -150,7 +150,7 @@ class TransformerBlock(torch.nn.Module):
             for n in self.layer_numbers)
         for n, layer in zip(self.layer_numbers, self.layers):
             if fp8_layer(config, n):  # --fp8-format, but --first-last-layers-bf16's layers
-                attach_fp8(layer, config, tp_group, cp_group, device)
+                attach_fp8(layer, config, tp_group, cp_group)
         if config.torch_compile:
             for layer in self.layers:
                 compile_layer(layer, config.torch_compile_mode)

@@ -18,6 +18,12 @@ the tail of one param and the head of the next. One step:
 4. every bucket's param buffer is all-gathered over its group (asynchronously with
    ``overlap_param_gather``: the next forward waits per module).
 
+With ``--fp8-param-gather`` the FP8 linears' weights (:class:`~megatron_cp.fp8.params.Fp8Weight`)
+keep their bytes in uint8 param buffers: stage 3 quantizes each master shard
+into them (Megatron-LM's ``quantize_param_shard``; the scales: :func:`~megatron_cp.fp8.params.
+weight_scales`) and stage 4 gathers one byte per element. A skipped step casts too, so the
+FP8 weights always carry the scales of the step about to run.
+
 Memory per rank, per parameter: bf16/fp16 params 2 + fp32 grads 4 + (fp32 main 4 + Adam 8)
 / d bytes = 6 + 12/d; fp32 params 4 + grads 4 + Adam 8/d = 8 + 8/d
 (:mod:`megatron_cp.optimizer.memory` measures it).
@@ -32,6 +38,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_cp.distributed import compat as dist_compat
+from megatron_cp.fp8.params import fp8_weights, weight_scales
+from megatron_cp.fp8.scaling import quantize
 from megatron_cp.optimizer.inner import (ADAM_KINDS, MUON_KINDS, adam_step, build_inner,
                                          param_state, set_adam_step, torch_optimizers)
 from megatron_cp.optimizer.muon import Orthogonalizer, ShardedMuon, sharding_plan
@@ -87,6 +95,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         # --main-params-dtype fp16: the inner Adam steps the param views, masters in its state
         masters_in_state = precision is not None and precision[2] is not None
         self._masters_in_state = masters_in_state
+        # --fp8-param-gather: the FP8 weights, their masters from the pending high precision
+        self._fp8 = fp8_weights(self.model_chunks)
+        if self._fp8 and (masters_in_state or offload is not None):
+            raise ValueError("fp8_param_gather with main_params_dtype fp16 or "
+                             "optimizer_cpu_offload is not built; drop one")
+        initial = {id(p): p.take_pending() for p, _ in self._fp8}
         for group in groups:
             per_group.append([])
             for param in group["params"]:
@@ -97,7 +111,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 if param.dtype not in (torch.float32, params_dtype):
                     raise ValueError(f"a parameter has dtype {param.dtype} but params_dtype is "
                                      f"{params_dtype}; cast the model to params_dtype")
-                shard = self._make_shard(param, location[id(param)], masters_in_state)
+                shard = self._make_shard(param, location[id(param)], masters_in_state,
+                                         initial.get(id(param)))
                 if shard is not None:
                     self._shards.append(shard)
                     per_group[-1].append(shard)
@@ -120,18 +135,29 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             self.optimizer = build_precision_aware(
                 inner_groups, lr, weight_decay, betas, eps, state.device, use_fused, precision,
                 offload_transfers(self._shards, offload), offload is not None and offload.overlap)
+        self._bucket_of = location
+        if self._fp8:  # the FP8 weights from their masters, gathered
+            self._cast_fp8()
+            for chunk in self.model_chunks:
+                chunk.start_param_sync(force_sync=True)
 
     @staticmethod
-    def _make_shard(param, bucket, masters_in_state=False):
+    def _make_shard(param, bucket, masters_in_state=False, initial=None):
+        """This rank's :class:`_Shard` of ``param`` (None: it owns none of it); ``initial``:
+        an FP8 weight's high-precision value, which its fp32 master starts from."""
         lo, hi = bucket.offsets[id(param)]
         first, last = bucket.shard_range()
         a, b = max(lo, first), min(hi, last)
         if a >= b:
             return None  # no element of this param in this rank's shard
-        param_view = bucket.param_data[a:b]  # [b - a]
+        param_view = bucket.param_data[a:b]  # [b - a]; uint8 bytes of an FP8 weight
         grad_view = bucket.grad_data[a:b]
-        main = param_view if param.dtype == torch.float32 or masters_in_state else \
-            param_view.detach().float()
+        if initial is not None:
+            main = initial.reshape(-1)[a - lo:b - lo].float()  # [b - a]
+        elif param.dtype == torch.float32 or masters_in_state:
+            main = param_view
+        else:
+            main = param_view.detach().float()
         for attr in _PARAM_ATTRS:
             if hasattr(param, attr):
                 setattr(main, attr, getattr(param, attr))
@@ -159,10 +185,38 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def _copy_main_to_model(self):
         self.finish_param_sync()  # no gather may still be writing the param buffers
         for s in self._shards:
-            if s.main is not s.param_view:
+            if s.main is not s.param_view and not self._is_fp8(s):
                 s.param_view.copy_(s.main)
+        self._cast_fp8()
         for chunk in self.model_chunks:
             chunk.start_param_sync()
+
+    def _after_skipped_step(self):
+        """The FP8 weights take the scales of the next step (delayed scaling moved them)."""
+        if self._fp8:
+            self._copy_main_to_model()
+
+    @staticmethod
+    def _is_fp8(shard):
+        return getattr(shard.model, "fp8_storage", False)
+
+    @torch.no_grad()
+    def _cast_fp8(self):
+        """Quantize every master shard of an FP8 weight into its param buffer's bytes, with
+        the scale of the whole weight, and give every FP8 weight that scale (a collective
+        over the sharding groups and TP groups; the bytes are gathered after)."""
+        if not self._fp8:
+            return
+        shard_of = {id(s.model): s for s in self._shards if self._is_fp8(s)}
+        rounded = {key: s.main.to(s.model.dtype) for key, s in shard_of.items()}  # [k]
+        entries = [(meta, rounded.get(id(p)), self._bucket_of[id(p)].group_name)
+                   for p, meta in self._fp8]
+        for (param, meta), scale in zip(self._fp8, weight_scales(entries, self.state)):
+            shard = shard_of.get(id(param))
+            if shard is not None:  # its bytes in the param buffer
+                shard.param_view.view(meta.fwd_dtype).copy_(
+                    quantize(rounded[id(param)], scale, meta.fwd_dtype))
+            param._scale.copy_(scale)
 
     def finish_param_sync(self):
         """Wait for the parameter all-gathers still running (``overlap_param_gather``)."""
@@ -179,11 +233,19 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         """Refresh the fp32 main shards from the model params (after loading weights only)."""
         self.finish_param_sync()
         for s in self._shards:
-            if s.main is not s.param_view:
+            if self._is_fp8(s):  # the loaded high-precision weights (Fp8Weight.take_pending)
+                s.main.copy_(s.model.take_pending().reshape(-1)[s.start:s.stop])
+            elif s.main is not s.param_view:
                 s.main.copy_(s.param_view)
+        for param, _ in self._fp8:
+            param.take_pending()  # also where this rank owns no shard
         for opt in torch_optimizers(self.optimizer):
             if hasattr(opt, "reload_masters"):
                 opt.reload_masters()
+        if self._fp8:
+            self._cast_fp8()
+            for chunk in self.model_chunks:
+                chunk.start_param_sync(force_sync=True)
 
     def param_shards(self):
         """A :class:`ParamShard` per shard of this rank, in param-group order (an fp32 model's
@@ -216,6 +278,20 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for s in self._shards:
             if s.host_grad is not None and s.model.dtype == torch.float32:
                 s.main.copy_(s.param_view)
+        # the model's weights from the loaded masters (FP8 weights: cast), gathered: a
+        # checkpoint's weights may be another rounding of them (an --fp8-param-gather run's
+        # are its FP8 weights dequantized)
+        rewritten = [s for s in self._shards if s.main is not s.param_view and
+                     not self._is_fp8(s) and s.host_grad is None]
+        for param, _ in self._fp8:
+            param._pending = None  # a load's model weights: the masters came with it
+        if rewritten or self._fp8:
+            self.finish_param_sync()
+            for s in rewritten:
+                s.param_view.copy_(s.main)
+            self._cast_fp8()
+            for chunk in self.model_chunks:
+                chunk.start_param_sync(force_sync=True)
 
     # ----- the plain (unsharded) format, for --ckpt-format torch --------------------------
     def _model_order(self):
@@ -307,9 +383,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 step = float(per_param.get("step", step))
             if id(s.model) in main_of:
                 shard.main.copy_(main_of[id(s.model)].reshape(-1)[s.start:s.stop])
-                s.param_view.copy_(shard.main)
+                if not self._is_fp8(s):
+                    s.param_view.copy_(shard.main)
         set_adam_step(self.optimizer, step)
-        self.after_load()
+        self.after_load()  # FP8 weights: cast from the loaded masters
         saved_scaler = state_dict.get("grad_scaler")
         if self.grad_scaler is not None and saved_scaler is not None:
             self.grad_scaler.load_state_dict(saved_scaler)

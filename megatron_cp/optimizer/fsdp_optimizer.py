@@ -1,10 +1,13 @@
 """The optimizer of FSDP2's shards (:mod:`megatron_cp.distributed.fsdp`, ``--use-torch-fsdp2``
 and Megatron-FSDP's sharding strategies): AdamW over each rank's fp32 rows of every parameter,
-which are their own main params."""
+which are their own main params. With ``--fp8-param-gather`` it also sets, after each update,
+the scale with which each FP8 linear's weight is gathered (:mod:`megatron_cp.distributed.fsdp_fp8`)."""
 import torch
 
 from megatron_cp.distributed.fsdp import FLAG
-from megatron_cp.distributed.shards import local_shard
+from megatron_cp.distributed.fsdp_fp8 import Fp8Master
+from megatron_cp.distributed.shards import local_shard, local_tensor
+from megatron_cp.fp8.params import weight_scales
 from megatron_cp.optimizer.inner import build_inner, param_state
 from megatron_cp.optimizer.offload import offload_shards, offload_transfers
 from megatron_cp.optimizer.precision import build_precision_aware
@@ -79,6 +82,23 @@ class FullyShardedOptimizer(MixedPrecisionOptimizer):
                 inner_groups, lr, weight_decay, betas, eps, device, use_fused, precision,
                 offload_transfers(self._shards, offload, lambda shard: shard.local.grad),
                 offload is not None and offload.overlap)
+        # --fp8-param-gather: (param, its Fp8Master) of every FP8 weight, in param order
+        self._fp8 = [(p, local_tensor(p)) for g in groups for p in g["params"]
+                     if isinstance(local_tensor(p), Fp8Master)]
+        self._set_fp8_scales()
+
+    @torch.no_grad()
+    def _set_fp8_scales(self):
+        """The scale each FP8 weight's rows are gathered with until the next update (a
+        collective over DP x CP and the TP groups: :func:`~megatron_cp.fp8.params.
+        weight_scales`)."""
+        if not self._fp8:
+            return
+        rows = {id(s.model): s.local for s in self._shards}
+        entries = [(m._meta, rows[id(p)].to(m._compute) if id(p) in rows else None,
+                    "edp" if getattr(p, "is_expert", False) else "dp_cp") for p, m in self._fp8]
+        for (_, master), scale in zip(self._fp8, weight_scales(entries, self.state)):
+            master._scale.copy_(scale)
 
     def _main_params(self):
         """The model's rows (what clipping reads; on the host part a host copy steps)."""
@@ -99,8 +119,13 @@ class FullyShardedOptimizer(MixedPrecisionOptimizer):
         for s in self._shards:
             if s.main is not s.local:
                 s.local.copy_(s.main)
+        self._set_fp8_scales()
         for chunk in self._chunks:
             chunk.reshard_params()
+
+    def _after_skipped_step(self):
+        """FP8 weights gathered with the next step's scales (delayed scaling moved them)."""
+        self._set_fp8_scales()
 
     def zero_grad(self, set_to_none=True):
         """Drop the shard grads (``zero_grad_buffer`` zeroes the ``main_grad``)."""
@@ -119,6 +144,7 @@ class FullyShardedOptimizer(MixedPrecisionOptimizer):
         for s in self._shards:
             if s.main is not s.local:
                 s.main.copy_(s.local)
+        self._set_fp8_scales()
 
     def reload_model_params(self):
         """The main params are the model's shards: nothing to refresh after a load but the

@@ -296,6 +296,7 @@ class MixedPrecisionOptimizer:
                 self.grad_scaler.update(found_inf)
                 if found_inf:
                     self.num_skipped_iters += 1
+                    self._after_skipped_step()
                     return False, None, None
             mains = self._main_params()
             num_zeros = count_zeros(mains, self.state, sharded=self.shards_grads) \
@@ -317,6 +318,9 @@ class MixedPrecisionOptimizer:
         """Collective (every rank is here together: the norm is the same everywhere)."""
         grads = [g for g in map(grad_of, self._main_params()) if g is not None]
         return ranks_where(any(not bool(torch.isfinite(g).all()) for g in grads), self.state.device)
+
+    def _after_skipped_step(self):
+        """After a skipped step: nothing to do (FP8 weights: the distributed optimizer)."""
 
     def _copy_main_to_model(self):
         for model, main in self._pairs:
@@ -368,10 +372,17 @@ class MixedPrecisionOptimizer:
     def after_load(self):
         """After a checkpoint load wrote into :meth:`param_shards`' tensors: the fp16 moments
         of the precision-aware Adam take the values loaded into their fp32 copies, and the
-        main params kept on the host (--optimizer-cpu-offload) those of fp32 model params."""
+        main params kept on the host (--optimizer-cpu-offload) those of fp32 model params.
+        The model's weights are rounded from the loaded main params again: a checkpoint's
+        weights may be another rounding of them (an --fp8-param-gather run saves its FP8
+        weights dequantized)."""
         for opt in torch_optimizers(self.optimizer):
             if hasattr(opt, "absorb_loaded"):
                 opt.absorb_loaded()
+        with torch.no_grad():
+            for model, main in self._pairs:
+                if main is not model:
+                    model.copy_(main)
 
     def finish_param_sync(self):
         """Nothing is gathered after a step here (the distributed optimizer waits for its

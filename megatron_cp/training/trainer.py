@@ -46,7 +46,8 @@ def data_parallel_wrapper(optimizer, model, state, params_dtype):
             model, state, (TransformerLayer,), params_dtype=params_dtype,
             reshard_after_forward=not optimizer.torch_fsdp2_no_reshard_after_forward,
             keep_params_whole=optimizer.keeps_params_whole,
-            offload_params=optimizer.offload_fraction == 1.0, pin_memory=optimizer.pin_cpu_params)
+            offload_params=optimizer.offload_fraction == 1.0, pin_memory=optimizer.pin_cpu_params,
+            fp8_param_gather=optimizer.fp8_param_gather)
     return DistributedDataParallel(
         model, state, bucket_size_mb=optimizer.ddp_bucket_size_mb,
         grad_reduce_dtype=optimizer.state_dtype("main_grads_dtype"),
@@ -72,6 +73,8 @@ def build_models(run, state):
     if not run.optimizer.fully_sharded:
         for model in models:
             materialize(model, state.device)
+            if run.optimizer.fp8_param_gather:  # FP8 weights for the distributed optimizer
+                fp8.keep_fp8_weights(model)
     return models, [data_parallel_wrapper(run.optimizer, m, state, config.params_dtype)
                     for m in models]
 
