@@ -26,7 +26,10 @@ Goals:
    TFLOP/s by the log line's formula. Our linears are Column/RowParallelLinear, not
    nn.Linear, so torchao cannot be swapped into our model; the HF bf16 run is printed beside
    it to separate the model's own speed from FP8's;
-   (c) the loss gap of (2) for the 1.3B model over 50 steps (< 2%).
+   (c) the loss gap of (2) for the 1.3B model over 50 steps (< 2%);
+   (d) the block recipes against tensorwise on the layers of (a): blockwise (1 x 128 / 128 x
+   128 scales, Hopper) and mxfp8 (1 x 32 E8M0 scales, Blackwell) at >= 0.8x tensorwise's
+   speed, each where the GPU has its kernels (else a row saying why, never a PASS).
 
     PYTHONPATH=.:tests/fp8 python benchmarks/fp8.py                  # numerics + CPU loss gap (+ GPU)
     PYTHONPATH=.:tests/fp8 python benchmarks/fp8.py --gpu-only       # the GPU section (~5 min, H200)
@@ -48,6 +51,7 @@ import torch
 
 from bench_common import add_output_argument, verdict, write_json
 from megatron_cp.distributed import device as device_mod
+from megatron_cp.fp8.model import check_block_device
 
 from fp8_reference import linear_checks, make_meta, run_linear, tensors  # tests/fp8 (PYTHONPATH)
 from gpu import MODEL_1P3B, MODEL_SMOKE, pretrain_flags, run_hf
@@ -57,6 +61,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES, FORMATS = ("tensorwise", "delayed"), ("e4m3", "hybrid")
 SHAPES = ((32, 64, 48), (64, 96, 80))  # (m, k, n); _scaled_mm on the CPU is slow
 LOSS_GOAL, LAYER_SPEEDUP_GOAL, TORCHAO_GOAL, LAST = 0.02, 1.3, 0.95, 20
+BLOCK_GOAL = 0.8  # a block recipe's speed / tensorwise's on the Llama-3 layers (goal 3 d)
 FP8_RUNS = {"fp8 tensorwise": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
             "fp8 delayed": ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"]}
 CPU_MODEL = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64",
@@ -186,6 +191,7 @@ def gpu_section(device, smoke, data_dir, steps):
     out["llama3_layers_ms"] = {"bf16": bf16, "fp8 tensorwise": fp8}
     rows.append((f"(a) {layers['layers']} Llama-3-8B-shaped layers step ms bf16 {bf16:.1f} / "
                  f"fp8 {fp8:.1f}: speedup", f"{bf16 / fp8:.2f}x", bf16 / fp8 >= LAYER_SPEEDUP_GOAL))
+    rows += block_recipe_rows(device, flags, fp8, layers["layers"], out["llama3_layers_ms"])
 
     m = dict(MODEL_SMOKE if smoke else MODEL_1P3B, iters=steps)
     data, label = data_flags(data_dir)
@@ -207,6 +213,25 @@ def gpu_section(device, smoke, data_dir, steps):
                  ours / hf_fp8 >= TORCHAO_GOAL))
     rows += [("(c) " + name, figure, ok) for name, figure, ok in gap_rows]
     return rows, out
+
+
+def block_recipe_rows(device, flags, tensorwise_ms, layers, times):
+    """Goal 3 (d): each block recipe's step time on the Llama-3 layers' ``flags`` against
+    tensorwise's ``tensorwise_ms``, where ``device`` has the recipe's kernels."""
+    rows = []
+    for port, recipe in enumerate(("blockwise", "mxfp8"), 29636):
+        try:
+            check_block_device(recipe, device_mod.compute_capability(device),
+                               device_mod.device_name(device))
+        except ValueError as unsupported:
+            rows.append((f"(d) fp8 {recipe} vs tensorwise: {unsupported}", "no kernels", None))
+            continue
+        ms = steady(train(flags + ["--fp8-format", "hybrid", "--fp8-recipe", recipe], port)[1])
+        times[f"fp8 {recipe}"] = ms
+        rows.append((f"(d) {layers} Llama-3-8B-shaped layers step ms fp8 tensorwise "
+                     f"{tensorwise_ms:.1f} / {recipe} {ms:.1f}: speed ratio",
+                     f"{tensorwise_ms / ms:.2f}x", tensorwise_ms / ms >= BLOCK_GOAL))
+    return rows
 
 
 def torchao_float8(model):
@@ -245,7 +270,7 @@ def main():
                                            8 if a.smoke else a.gpu_steps)
         rows += gpu_rows
     else:
-        rows.append(("GPU section (a), (b), (c)", "no GPU", None))
+        rows.append(("GPU section (a), (b), (c), (d)", "no GPU", None))
     width = max(len(r[0]) for r in rows)
     for name, figure, ok in rows:
         print(f"{name:<{width}}  {figure:>14}  {'SKIP' if ok is None else verdict(ok)}")
