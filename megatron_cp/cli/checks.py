@@ -341,7 +341,8 @@ def _validate_model(args, names, sizes_ok=True):
             config.validate_parallel(args.tensor_model_parallel_size, args.context_parallel_size)
             config.validate_experts(args.expert_model_parallel_size,
                                     args.expert_tensor_parallel_size)
-            config.check_fp8(args.pipeline_model_parallel_size)
+            config.check_fp8(args.pipeline_model_parallel_size, args.context_parallel_size,
+                             args.expert_tensor_parallel_size)
         args.compat_notes += config.fp8_checks_and_notes(args.fp8_param_gather)
         # pad tokens repeat their document's last position: only real positions need rows
         config.check_positions(args.seq_length, "seq_length")

@@ -10,7 +10,8 @@ from megatron_cp.config.setting import setting
 FP8_RECIPES = ("tensorwise", "delayed", "blockwise", "mxfp8")
 BLOCK_RECIPES = ("blockwise", "mxfp8")  # block scales: megatron_cp/fp8/blocks.py
 # the recipes whose routed experts' grouped GEMMs run in FP8 (fp8/grouped.py)
-GROUPED_RECIPES = ("tensorwise", "delayed")
+GROUPED_RECIPES = ("tensorwise", "delayed", "blockwise", "mxfp8")
+BLOCK_LENGTH = {"blockwise": 128, "mxfp8": 32}  # as megatron_cp/fp8/blocks.py BLOCK
 NOT_BUILT_RECIPES = {
     "custom": "a custom quantizer factory (Transformer Engine's) is not built; use "
               "tensorwise, delayed, blockwise or mxfp8",
@@ -59,8 +60,10 @@ class Fp8Settings:
         1, group="mixed precision",
         help="--first-last-layers-bf16: how many last decoder layers stay in high precision.")
 
-    def check_fp8(self, pipeline_model_parallel_size=1):
-        """Megatron-LM's FP8 rules (its TransformerConfig's)."""
+    def check_fp8(self, pipeline_model_parallel_size=1, context_parallel_size=1,
+                  expert_tensor_parallel_size=1):
+        """Megatron-LM's FP8 rules (its TransformerConfig's), and the layouts whose block-scaled
+        expert GEMMs are built (:meth:`check_block_experts`)."""
         if self.fp8_recipe in NOT_BUILT_RECIPES:
             raise ValueError(f"fp8_recipe {self.fp8_recipe}: {NOT_BUILT_RECIPES[self.fp8_recipe]}")
         if self.fp8_output_proj and (not self.fp8 or self.fp8_recipe != "mxfp8"):
@@ -92,6 +95,26 @@ class Fp8Settings:
         if self.tp_comm_overlap:
             raise ValueError("fp8 with tp_comm_overlap (True): the overlapped column/row "
                              "GEMMs are not built in FP8; drop tp_comm_overlap")
+        self.check_block_experts(context_parallel_size, expert_tensor_parallel_size)
+
+    def check_block_experts(self, cp_size, etp_size):
+        """Block recipes with routed experts (fp8/grouped_blocks.py): each expert's wgrad
+        blocks are its rows in one process's token order, which CP's zigzag chunks do not
+        keep; an ETP shard of the expert FFN dim must be whole blocks."""
+        if self.fp8_recipe not in BLOCK_LENGTH or not self.num_moe_experts:
+            return
+        if cp_size > 1:
+            raise ValueError(f"--fp8-recipe {self.fp8_recipe} with --num-experts and "
+                             f"--context-parallel-size {cp_size}: the experts' wgrad token "
+                             f"blocks would follow CP's zigzag chunks, not one process's token "
+                             f"order; use --fp8-recipe tensorwise or delayed, or CP 1")
+        length, ffn = BLOCK_LENGTH[self.fp8_recipe], self.moe_ffn_hidden_size
+        if etp_size > 1 and (ffn // etp_size) % length:
+            raise ValueError(f"--fp8-recipe {self.fp8_recipe}: moe_ffn_hidden_size ({ffn}) is "
+                             f"split over --expert-tensor-parallel-size {etp_size} into pieces "
+                             f"of {ffn // etp_size}, not a multiple of the {length}-element "
+                             f"block, so an ETP shard would cut a block; use a multiple of "
+                             f"{length} x {etp_size} or ETP 1")
 
     def fp8_checks_and_notes(self, fp8_param_gather):
         """--fp8-param-gather's rules on the FP8 settings (Megatron-LM's: it needs FP8; here:
@@ -113,19 +136,10 @@ class Fp8Settings:
                 f"expert as it runs, the values Megatron-LM's FP8 expert weights hold"]
 
     def fp8_notes(self):
-        """Start-up notes: what runs in higher precision here than in Megatron-LM's FP8 run
-        (the routed experts' GEMMs under a recipe whose grouped FP8 GEMMs are not built:
-        fp8/grouped.py builds tensorwise and delayed), and the delayed recipe's settings given
-        with tensorwise or block scaling, which ignore them (as Megatron-LM's current scaling
-        does)."""
+        """Start-up notes: the delayed recipe's settings given with tensorwise or block
+        scaling, which ignore them (as Megatron-LM's current scaling does). (The routed
+        experts' grouped GEMMs run in FP8 under every recipe: fp8/grouped.py.)"""
         notes = []
-        if self.fp8 and self.num_moe_experts and self.fp8_recipe not in GROUPED_RECIPES:
-            notes.append(
-                f"--fp8-format {self.fp8} --fp8-recipe {self.fp8_recipe} with --num-experts "
-                f"{self.num_moe_experts}: the routed experts' grouped GEMMs run in the "
-                f"activations' precision (grouped FP8 GEMMs are built for tensorwise and "
-                f"delayed only); Megatron-LM runs them in FP8. The other linears of the "
-                f"transformer layers run in FP8")
         if self.fp8 and self.fp8_recipe in ("tensorwise",) + BLOCK_RECIPES:
             delayed_only = {"--fp8-margin": (self.fp8_margin, 0),
                             "--fp8-amax-history-len": (self.fp8_amax_history_len, 1),

@@ -35,9 +35,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_cp.config.fp8 import BLOCK_LENGTH
 from megatron_cp.fp8.scaling import fp8_max, quantize, reduce_max
 
-BLOCK = {"blockwise": 128, "mxfp8": 32}  # the block length of each recipe
+BLOCK = BLOCK_LENGTH  # the block length of each recipe
 
 
 def _abs_skipping_nan(x):

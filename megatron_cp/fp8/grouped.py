@@ -1,5 +1,6 @@
 """FP8 for the routed experts' grouped GEMMs: each local expert's ``x W_e^T`` from FP8 copies
-with a scale of its own, under the tensorwise and delayed recipes.
+with a scale of its own, under the tensorwise and delayed recipes (the block recipes:
+megatron_cp/fp8/grouped_blocks.py, with the state kept here).
 
 Transformer Engine's GroupedLinear (what Megatron-LM's grouped experts run) keeps one
 quantizer per GEMM of the group, that is per local expert, for the input, the weight and the
@@ -24,9 +25,13 @@ Rows marked not real (routing padding for FP8: entries with probability 0, see
 megatron_cp/moe/dispatcher.py) are computed but stay out of the input amaxes; their output
 gradient is exactly 0.
 """
+import math
+
 import torch
 
 from megatron_cp.config.fp8 import GROUPED_RECIPES
+from megatron_cp.fp8.blocks import BLOCK, BlockRecipe
+from megatron_cp.fp8.grouped_blocks import grouped_block_linear
 from megatron_cp.fp8.linear import GRAD_OUTPUT, INPUT, WEIGHT, scaled_matmul
 from megatron_cp.fp8.scaling import (FORMATS, delayed_scale, quantize, reduce_max,
                                      scale_from_amax)
@@ -72,17 +77,21 @@ class GroupedFp8Meta(torch.nn.Module):
     ``amax_history`` ``[E, 3, L]`` and ``scale`` ``[E, 3]`` (saved, whole on every rank). This
     rank runs ``local`` (a slice of the E experts). ``groups``: the expert-DP and expert-TP
     groups (every replica of the local experts in the stage); ``num_classes``: the DP size
-    (the microbatch classes)."""
+    (the microbatch classes). Block recipes (``blocks``) keep no scales; their
+    ``last_amax`` is each expert's smallest nonzero block amax, as Fp8Meta's."""
 
     def __init__(self, config, num_experts, local, groups, num_classes):
         super().__init__()
         self.local = local
         self.fwd_dtype, self.bwd_dtype = FORMATS[config.fp8]
         self.delayed = config.fp8_recipe == "delayed"
+        self.blocks = BlockRecipe(config.fp8_recipe) if config.fp8_recipe in BLOCK else None
+        self.empty_amax = math.inf if self.blocks is not None else 0.0
         self.wgrad_fp8 = config.fp8_wgrad
         self.margin, self.algo = config.fp8_margin, config.fp8_amax_compute_algo
         self.groups, self.num_classes = tuple(groups), num_classes
-        self.register_buffer("step_amax", torch.zeros(num_experts, 3), persistent=False)
+        self.register_buffer("step_amax", torch.full((num_experts, 3), self.empty_amax),
+                             persistent=False)
         self.register_buffer("last_amax", torch.zeros(num_experts, 3), persistent=False)
         if self.delayed:
             length = config.fp8_amax_history_len
@@ -148,7 +157,7 @@ class GroupedFp8Meta(torch.nn.Module):
             for role in (INPUT, WEIGHT, GRAD_OUTPUT):
                 self.scale[:, role] = delayed_scale(amax[:, role], self.scale[:, role],
                                                     self.dtype(role), self.margin)
-        self.step_amax.zero_()
+        self.step_amax.fill_(self.empty_amax)
 
 
 def _segments(t, spans):
@@ -209,13 +218,14 @@ class _GroupedFp8Matmul(torch.autograd.Function):
 def grouped_fp8_linear(x, weight, meta, rows):
     """Rows of ``x`` [N, in] laid out as ``rows`` (:class:`ExpertRows`) times each expert's
     ``weight`` [E, out, in]^T, in FP8 under ``meta`` (:class:`GroupedFp8Meta`) -> [N, out]."""
+    if meta.blocks is not None:
+        return grouped_block_linear(x, weight, meta, rows)
     return _GroupedFp8Matmul.apply(x, weight, meta, rows)
 
 
 def attach_grouped_fp8(module, config):
     """Give the fc1 and fc2 of every grouped-experts module inside ``module`` (those that name
-    their ``fp8_groups``) a :class:`GroupedFp8Meta`, for the recipes built here; the others
-    leave the experts in the activations' precision (config/fp8.py says so at start-up)."""
+    their ``fp8_groups``) a :class:`GroupedFp8Meta` (every recipe but a refused one)."""
     if config.fp8_recipe not in GROUPED_RECIPES:
         return
     for experts in module.modules():

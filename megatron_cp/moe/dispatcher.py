@@ -28,6 +28,7 @@ ranks, changes nothing any layout computes).
 import torch
 
 from megatron_cp.fp8.grouped import ExpertRows, runs_of
+from megatron_cp.fp8.grouped_blocks import check_source_order
 from megatron_cp.moe import comm
 
 
@@ -61,13 +62,29 @@ def pad_routing_map(routing_map, multiple):
     return (by_expert | added).t()  # [T, E]
 
 
-def _source_classes(dp_rank, groups, device):
-    """The DP rank (microbatch class) of every source rank, the sources ordered as the
-    all-gathers over ``groups`` in turn order them (the first group innermost)."""
-    classes = torch.tensor([dp_rank], dtype=torch.long, device=device)
+def _per_source(value, groups, device):
+    """Every source rank's ``value``, the sources ordered as the all-gathers over ``groups``
+    in turn order them (the first group innermost)."""
+    values = torch.tensor([value], dtype=torch.long, device=device)
     for group in groups:
-        classes = comm.all_gather_counts(classes, group).flatten()  # [ranks * earlier]
-    return classes.tolist()
+        values = comm.all_gather_counts(values, group).flatten()  # [ranks * earlier]
+    return values.tolist()
+
+
+def _source_classes(dp_rank, groups, device):
+    """The DP rank (microbatch class) of every source rank (:func:`_per_source`)."""
+    return _per_source(dp_rank, groups, device)
+
+
+def _classes_of(dispatcher, experts, groups, device):
+    """The sources' microbatch classes, gathered at the first dispatch; block FP8 experts
+    also need each class's rows in token order (its sources' TP pieces in order)."""
+    if dispatcher.source_class is None:
+        dispatcher.source_class = _source_classes(dispatcher.dp_rank, groups, device)
+        if getattr(experts, "wants_token_order", False):
+            check_source_order(dispatcher.source_class,
+                               _per_source(dispatcher.piece, groups, device))
+    return dispatcher.source_class
 
 
 def chunk_order(counts):
@@ -86,11 +103,12 @@ class AllToAllDispatcher:
     """Dispatch over the EP group with all-to-all (module docstring)."""
 
     def __init__(self, num_experts, ep_group, ep_size, etp_group, etp_size, dp_rank=0,
-                 pad_multiple=0):
+                 pad_multiple=0, piece=0):
         self.num_experts, self.num_local = num_experts, num_experts // ep_size
         self.ep_group, self.ep_size = ep_group, ep_size
         self.etp_group, self.etp_size = etp_group, etp_size
         self.dp_rank, self.pad_multiple = dp_rank, pad_multiple
+        self.piece = piece  # which piece of its microbatch's tokens this rank holds (TP rank)
         self.source_class = None  # [ETP x EP] the sources' DP ranks, gathered at first use
 
     def _move(self, rows, output_splits, input_splits, per_rank):
@@ -122,10 +140,8 @@ class AllToAllDispatcher:
         inverse[order] = torch.arange(order.numel(), device=order.device)
         layout = ExpertRows(by_source.sum(0).tolist())
         if getattr(experts, "wants_classes", False):
-            if self.source_class is None:
-                self.source_class = _source_classes(self.dp_rank, (self.ep_group, self.etp_group),
-                                                    tokens.device)
-            layout.runs = runs_of(by_source, self.source_class)
+            classes = _classes_of(self, experts, (self.ep_group, self.etp_group), tokens.device)
+            layout.runs = runs_of(by_source, classes)
         if pad is not None:  # which received rows the padding added, in the experts' order
             flags = pad.t().masked_select(routing_map.t()).to(torch.uint8)  # [P], as the rows
             flags = self._move(flags, output_splits, input_splits, per_rank)  # [rows]
@@ -141,11 +157,11 @@ class AllToAllDispatcher:
 class AllGatherDispatcher:
     """Dispatch by all-gather over the EP x ETP group (module docstring)."""
 
-    def __init__(self, num_experts, ep_rank, ep_size, group, group_size, dp_rank=0):
+    def __init__(self, num_experts, ep_rank, ep_size, group, group_size, dp_rank=0, piece=0):
         self.num_local = num_experts // ep_size
         self.first = ep_rank * self.num_local
         self.group, self.group_size = group, group_size
-        self.dp_rank, self.source_class = dp_rank, None  # as AllToAllDispatcher's
+        self.dp_rank, self.piece, self.source_class = dp_rank, piece, None  # as AllToAllDispatcher's
 
     def __call__(self, tokens, probs, routing_map, experts):
         sizes = [tokens.shape[0]] * self.group_size
@@ -160,10 +176,9 @@ class AllGatherDispatcher:
         rows, token_index, counts = permute(all_tokens, local_map)
         layout = ExpertRows(counts)
         if getattr(experts, "wants_classes", False):  # each expert's rows in source order
-            if self.source_class is None:
-                self.source_class = _source_classes(self.dp_rank, (self.group,), tokens.device)
+            classes = _classes_of(self, experts, (self.group,), tokens.device)
             by_source = torch.stack([part.sum(0) for part in local_map.split(sizes)]).cpu()
-            layout.runs = runs_of(by_source, self.source_class)  # by_source [S, E_local]
+            layout.runs = runs_of(by_source, classes)  # by_source [S, E_local]
         out = experts(rows, counts, layout)  # [P_local, h]
         out = unpermute(out, token_index, all_probs[:, local], local_map, all_tokens.shape[0])
         return comm.reduce_scatter_rows(out, sizes, self.group)  # [T, h]

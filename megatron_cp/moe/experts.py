@@ -125,9 +125,17 @@ class GroupedExperts(torch.nn.Module):
 
     @property
     def wants_classes(self):
-        """Whether the dispatcher must name each row's microbatch class (tensorwise FP8)."""
+        """Whether the dispatcher must name each row's microbatch class (tensorwise and
+        block FP8)."""
         meta = getattr(self.linear_fc1, "fp8_meta", None)
         return meta is not None and not meta.delayed
+
+    @property
+    def wants_token_order(self):
+        """Whether each class's rows must come in one process's token order (block FP8's
+        wgrad blocks: fp8/grouped_blocks.py)."""
+        meta = getattr(self.linear_fc1, "fp8_meta", None)
+        return meta is not None and meta.blocks is not None
 
     def forward(self, tokens, counts, rows=None):
         """``rows``: the rows' layout (ExpertRows: microbatch classes, padding rows), by

@@ -55,11 +55,12 @@ class MoELayer(torch.nn.Module):
         if config.moe_token_dispatcher_type in ("alltoall", "flex"):  # flex: the same exchange
             self.dispatcher = AllToAllDispatcher(config.num_moe_experts, _group(state, "ep"),
                                                  ep_size, _group(state, "etp"), etp_size,
-                                                 dp_rank, config.router_pad_multiple())
+                                                 dp_rank, config.router_pad_multiple(),
+                                                 piece=self.tp_rank)
         else:
             self.dispatcher = AllGatherDispatcher(config.num_moe_experts, ep_rank, ep_size,
                                                   _group(state, "ep_etp"), ep_size * etp_size,
-                                                  dp_rank)
+                                                  dp_rank, piece=self.tp_rank)
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size:
             self.shared_experts = MLP(config, prefix + ".shared_experts", self.tp_group, device,

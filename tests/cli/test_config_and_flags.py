@@ -383,22 +383,27 @@ def test_megatron_mixtral_position_flags_are_accepted():
                                  "embeddings (--position-embedding-type rope) have none"]
 
 
-def test_fp8_notes_the_routed_experts_only_under_a_recipe_without_grouped_fp8():
-    """The routed experts' grouped GEMMs run in FP8 under the tensorwise and delayed recipes
-    (fp8/grouped.py): no note. Under a recipe without grouped FP8 GEMMs here they stay in the
-    activations' precision, and the start-up notes say so, only with experts."""
+def test_fp8_routed_experts_run_in_fp8_under_every_recipe_without_a_note():
+    """The routed experts' grouped GEMMs run in FP8 under every recipe (fp8/grouped.py,
+    fp8/grouped_blocks.py): no start-up note says otherwise."""
     moe = "--num-experts 4 --no-bias-gelu-fusion"
-    for argv in (f"--bf16 --fp8-format hybrid {moe}",
-                 f"--bf16 --fp8-format hybrid --fp8-recipe tensorwise {moe}",
-                 "--bf16 --fp8-format e4m3", f"--bf16 {moe}"):
-        assert not [n for n in _parse(argv).compat_notes if "FP8" in n], argv
-    notes = [n for n in _parse(f"--bf16 --fp8-format hybrid --fp8-recipe blockwise {moe}")
-             .compat_notes if "FP8" in n]
-    assert notes == [
-        "--fp8-format hybrid --fp8-recipe blockwise with --num-experts 4: the routed experts' "
-        "grouped GEMMs run in the activations' precision (grouped FP8 GEMMs are built for "
-        "tensorwise and delayed only); Megatron-LM runs them in FP8. The other linears of the "
-        "transformer layers run in FP8"]
+    for recipe in ("delayed", "tensorwise", "blockwise", "mxfp8"):
+        notes = _parse(f"--bf16 --fp8-format hybrid --fp8-recipe {recipe} {moe}").compat_notes
+        assert not [n for n in notes if "FP8" in n or "precision" in n], (recipe, notes)
+
+
+@pytest.mark.parametrize("argv,message", [
+    ("--fp8-recipe blockwise --context-parallel-size 2",
+     "--fp8-recipe blockwise with --num-experts and --context-parallel-size 2: the experts' "
+     "wgrad token blocks would follow CP's zigzag chunks"),
+    ("--fp8-recipe mxfp8 --expert-model-parallel-size 2 --expert-tensor-parallel-size 2 "
+     "--moe-ffn-hidden-size 96",
+     "--fp8-recipe mxfp8: --moe-ffn-hidden-size (96) is split over "
+     "--expert-tensor-parallel-size 2 into pieces of 48, not a multiple of the 32-element"),
+])
+def test_block_recipe_expert_layouts_that_cut_blocks_are_refused(argv, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _parse(f"--bf16 --fp8-format hybrid --num-experts 4 --no-bias-gelu-fusion {argv}", world=4)
 
 
 def test_delayed_settings_with_tensorwise_scaling_are_noted_as_ignored():
