@@ -37,16 +37,14 @@ def check_source_order(source_class, source_piece):
     microbatch class, ``source_piece`` which piece of that microbatch's tokens each holds)
     would not give each class's rows in one process's token order: one class's sources
     must come one after another, their pieces increasing."""
-    seen, last = [], None
-    for cls, piece in zip(source_class, source_piece):
-        if cls != last and cls in seen or cls == last and piece <= previous:
-            raise ValueError(f"block-scaled FP8 experts: the sources' (microbatch class, token "
-                             f"piece) order {list(zip(source_class, source_piece))} does not "
-                             f"give one process's token order; use --fp8-recipe tensorwise or "
-                             f"an EP layout over DP or TP ranks in rank order")
-        if cls != last:
-            seen.append(cls)
-        last, previous = cls, piece
+    pairs = list(zip(source_class, source_piece))
+    starts = [c for i, (c, _) in enumerate(pairs) if i == 0 or pairs[i - 1][0] != c]
+    ascending = all(a[1] < b[1] for a, b in zip(pairs, pairs[1:]) if a[0] == b[0])
+    if len(starts) != len(set(starts)) or not ascending:
+        raise ValueError(f"block-scaled FP8 experts: the sources' (microbatch class, token "
+                         f"piece) order {pairs} does not give one process's token order; use "
+                         f"--fp8-recipe tensorwise or an EP layout over DP or TP ranks in rank "
+                         f"order")
 
 
 def _rows(blocked, start, n):

@@ -161,7 +161,8 @@ class AllGatherDispatcher:
         self.num_local = num_experts // ep_size
         self.first = ep_rank * self.num_local
         self.group, self.group_size = group, group_size
-        self.dp_rank, self.piece, self.source_class = dp_rank, piece, None  # as AllToAllDispatcher's
+        self.dp_rank, self.piece = dp_rank, piece  # as AllToAllDispatcher's
+        self.source_class = None
 
     def __call__(self, tokens, probs, routing_map, experts):
         sizes = [tokens.shape[0]] * self.group_size

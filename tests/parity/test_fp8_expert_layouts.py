@@ -1,14 +1,17 @@
 """The routed experts' FP8 grouped GEMMs quantize exactly as one process under every EP
 layout (megatron_cp/fp8/grouped.py): EP over DP (alltoall and allgather), EP over TP2+SP
 with ETP1 and ETP2 (beside DP2), EP over CP, for the tensorwise and delayed recipes, and with
---moe-router-padding-for-fp8.
+--moe-router-padding-for-fp8; the block recipes (fp8/grouped_blocks.py) under EP over DP
+(blockwise) and EP over TP2+SP with routing padding (mxfp8).
 
 As in test_fp8_layouts.py the claim is checked where it is exact: after step 1 (the same
 weights everywhere) each expert's ``last_amax`` (input, weight, output gradient of fc1 and
 fc2; delayed: its history and scales too) equals one process's within a few fp32 ulps, and so
 does the step-1 loss (delayed: step 2's, the first under scales from step 1's amaxes). The
 control puts every sender in one microbatch class, so an expert's amax mixes DP peers'
-microbatches: its step-1 loss misses. Routing padding adds rows that change nothing: padded
+microbatches: its step-1 loss misses (blockwise: its wgrad token blocks mix them, so the
+experts' block amaxes miss; the block recipes run 2 steps, step 2 on step 1's block-scaled
+wgrad). Routing padding adds rows that change nothing: padded
 layouts equal the unpadded one process, and a padded bf16 run the unpadded one bitwise.
 
 The delayed recipe's expert state (whole on every rank) saved under EP2 loads bitwise under
@@ -29,9 +32,14 @@ BASE = (TINY.replace("--micro-batch-size 2 --global-batch-size 8",
 MOE = ("--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0.01 --no-bias-gelu-fusion "
        "--moe-token-dispatcher-type alltoall")
 RECIPES = {"tensorwise": "--fp8-format hybrid --fp8-recipe tensorwise",
-           "delayed": "--fp8-format hybrid --fp8-recipe delayed"}
+           "delayed": "--fp8-format hybrid --fp8-recipe delayed",
+           "blockwise": "--fp8-format hybrid --fp8-recipe blockwise",
+           "mxfp8": "--fp8-format hybrid --fp8-recipe mxfp8"}
+BLOCK_RECIPES = ("blockwise", "mxfp8")
 PAD = "--moe-router-padding-for-fp8"
-STEPS = {"tensorwise": 1, "delayed": 2}  # delayed: step 2 runs on step 1's scales
+# delayed: step 2 runs on step 1's scales; block recipes: step 2 on step 1's wgrad (its
+# token blocks: the forward's row blocks never cross rows)
+STEPS = {"tensorwise": 1, "delayed": 2, "blockwise": 2, "mxfp8": 2}
 TP_SP = "--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2"
 # name: (world, layout flags, recipes). Routing padding changes nothing (its rows stay out
 # of the amaxes), so some layouts run with it against the unpadded one process.
@@ -46,24 +54,32 @@ LAYOUTS = {
     "ep2_tp2sp_etp1_dp2": (4, f"{TP_SP} --expert-tensor-parallel-size 1", ("tensorwise",)),
     "ep2_tp2sp_etp2_dp2": (4, f"{TP_SP} --expert-tensor-parallel-size 2",
                            ("tensorwise", "delayed")),
+    # block recipes: each (expert, microbatch) wgrad in one process's token blocks
+    "ep2_dp_blocks": (2, "--expert-model-parallel-size 2", ("blockwise",)),
+    "ep2_tp2sp_etp1_padded_blocks": (2, f"{TP_SP} --expert-tensor-parallel-size 1 {PAD}",
+                                     ("mxfp8",)),
 }
 EXACT = 1e-6  # a few fp32 ulps: TP / CP activations differ from one process's by ulps
 
 
 def _argv(recipe, layout=""):
-    return f"{BASE} {MOE} {RECIPES[recipe]} {layout}"
+    base = BASE.replace("--hidden-size 32", "--hidden-size 64") if recipe == "mxfp8" else BASE
+    return f"{base} {MOE} {RECIPES[recipe]} {layout}"  # mxfp8: TP2 shards of whole blocks
 
 
 def _expert_state(trainer):
     """{(linear name, expert): {buffer: values}}: each expert's ``last_amax`` (tensorwise:
-    the MAX over the ranks, which hold their own experts and saw their own microbatches) and,
-    for delayed scaling (whole on every rank), its history and scales."""
+    the MAX over the ranks, which hold their own experts and saw their own microbatches;
+    block recipes: the MIN, their smallest block amaxes) and, for delayed scaling (whole on
+    every rank), its history and scales."""
     out = {}
     for name, meta in trainer.model_chunks[0].named_modules():
         if not isinstance(meta, GroupedFp8Meta):
             continue
         last = meta.last_amax.clone()  # [E, 3]
-        if not meta.delayed:
+        if meta.blocks is not None:
+            dist.all_reduce(last, op=dist.ReduceOp.MIN)
+        elif not meta.delayed:
             dist.all_reduce(last, op=dist.ReduceOp.MAX)
         name = name.removeprefix("module.").removesuffix(".fp8_meta")
         for e in range(last.shape[0]):
@@ -89,14 +105,17 @@ def _one_class(dp_rank, groups, device):
 
 
 def _control(argv, world, steps):
-    """:func:`_train` with every sender in microbatch class 0: DP peers' rows share amaxes."""
+    """:func:`_train` with every sender in microbatch class 0: DP peers' rows share amaxes
+    (block recipes: token blocks; their source order check is skipped)."""
     import megatron_cp.moe.dispatcher as dispatcher
     dispatcher._REAL_SOURCE_CLASSES = dispatcher._source_classes
     dispatcher._source_classes = _one_class
+    check, dispatcher.check_source_order = dispatcher.check_source_order, lambda *_: None
     try:
         return _train(argv, world, steps)
     finally:
         dispatcher._source_classes = dispatcher._REAL_SOURCE_CLASSES
+        dispatcher.check_source_order = check
 
 
 def _jobs(rank, world, jobs):
@@ -113,6 +132,7 @@ def results():
         for recipe in recipes:
             runs[world][(name, recipe)] = (_train, _argv(recipe, layout), STEPS[recipe])
     runs[2]["control"] = (_control, _argv("tensorwise", LAYOUTS["ep2_dp"][1]), 1)
+    runs[2]["control_blocks"] = (_control, _argv("blockwise", LAYOUTS["ep2_dp"][1]), 2)
     return (run_workers(_jobs, 1, references, timeout=300)[0],
             {w: run_workers(_jobs, w, jobs, timeout=300) for w, jobs in runs.items()})
 
@@ -149,6 +169,20 @@ def test_amaxes_mixed_across_dp_peers_miss(results):
     loss_diff = max(abs(r["control"][0][0] - ref_losses[0]) / ref_losses[0] for r in runs[2])
     print(f"control (one class over DP peers): step-1 loss {loss_diff:.1e}")
     assert loss_diff > EXACT
+
+
+def test_block_wgrad_token_blocks_mixed_across_dp_peers_miss(results):
+    """Blockwise with both microbatches' rows of an expert in one run: its wgrad token
+    blocks mix DP peers' rows, so the experts' block amaxes miss. (The losses may not: a
+    power-of-2 scale rounds an element to the same mantissa bits in any block, unless it
+    falls among the FP8 subnormals.)"""
+    references, runs = results
+    ref_losses, ref_state = references["blockwise"]
+    state_diff = _state_diff([r["control_blocks"][1] for r in runs[2]], ref_state)
+    loss_diff = max(max_rel_diff(r["control_blocks"][0], ref_losses) for r in runs[2])
+    print(f"control blocks (one class over DP peers): state {state_diff:.1e}, losses "
+          f"{loss_diff:.1e}")
+    assert state_diff > EXACT
 
 
 def test_router_padding_changes_nothing_in_bf16(results):
