@@ -14,12 +14,13 @@ each local expert's GEMMs from its own block-scaled copies.
   of :class:`~megatron_cp.fp8.grouped.ExpertRows` (one expert, one microbatch class) is one
   such GEMM, and :func:`check_source_order` makes sure a run's rows are in that order.
 
-Row order. The dispatcher lays an expert's rows out source after source (EP, then ETP rank
-order). Under EP over DP each source is one microbatch (its own class), its rows in its
-token order: exact. Under EP over TP (+SP) the sources of one microbatch hold contiguous
-pieces of its ``[s * b]`` token rows (TP rank r the r-th piece): exact when a class's sources
-come one after another in piece order, which :func:`check_source_order` checks at the first
-dispatch. CP's zigzag chunks interleave a sample's positions: refused at start-up.
+Row order. The dispatcher lays an expert's rows out source after source. Under EP over DP
+each source is one microbatch (its own class), its rows in its own token order: exact. Under
+EP over TP (+SP) the sources of one microbatch hold contiguous pieces of its ``[s * b]`` token
+rows (TP rank r the r-th piece): exact when a class's sources come one after another in piece
+order, which the alltoall dispatcher arranges (sources sorted by (class, piece)) and
+:func:`check_source_order` checks at the first dispatch (the allgather dispatcher takes them
+in rank order). CP's zigzag chunks interleave a sample's positions: refused at start-up.
 
 Rows that routing padding added (probability 0, output gradient exactly 0) add nothing to
 ``dW`` and are left out of the columnwise copies, so the blocks are the unpadded rows'.

@@ -76,24 +76,33 @@ def _source_classes(dp_rank, groups, device):
     return _per_source(dp_rank, groups, device)
 
 
-def _classes_of(dispatcher, experts, groups, device):
-    """The sources' microbatch classes, gathered at the first dispatch; block FP8 experts
-    also need each class's rows in token order (its sources' TP pieces in order)."""
+def _classes_of(dispatcher, experts, groups, device, reorder=False):
+    """(the sources' microbatch classes, in the order their rows are laid out; that order of
+    the sources, None: as they come), gathered at the first dispatch. Block FP8 experts need
+    each class's rows in one process's token order: the sources sorted by (class, piece of
+    the microbatch's tokens) when ``reorder``, and checked (fp8/grouped_blocks.py)."""
     if dispatcher.source_class is None:
-        dispatcher.source_class = _source_classes(dispatcher.dp_rank, groups, device)
+        classes, order = _source_classes(dispatcher.dp_rank, groups, device), None
         if getattr(experts, "wants_token_order", False):
-            check_source_order(dispatcher.source_class,
-                               _per_source(dispatcher.piece, groups, device))
-    return dispatcher.source_class
+            pieces = _per_source(dispatcher.piece, groups, device)
+            if reorder:
+                order = sorted(range(len(classes)), key=lambda i: (classes[i], pieces[i]))
+                classes, pieces = [classes[i] for i in order], [pieces[i] for i in order]
+            check_source_order(classes, pieces)
+        dispatcher.source_class, dispatcher.source_order = classes, order
+    return dispatcher.source_class, dispatcher.source_order
 
 
-def chunk_order(counts):
+def chunk_order(counts, sources=None):
     """Row order that regroups rows laid out in chunks ``counts`` [S, E] source-major (all
     experts of source 0, then of source 1, ...) as expert-major (all sources of expert 0,
-    then of expert 1, ...): the index [rows] to gather with."""
+    then of expert 1, ...; the sources in the order ``sources``, default as they come): the
+    index [rows] to gather with."""
     flat = counts.flatten()  # [S*E], source-major
-    starts = (flat.cumsum(0) - flat).view(counts.shape).t().flatten()  # [E*S], expert-major
-    lengths = counts.t().flatten()  # [E*S]
+    starts = (flat.cumsum(0) - flat).view(counts.shape)  # [S, E]
+    if sources is not None:
+        starts, counts = starts[sources], counts[sources]
+    starts, lengths = starts.t().flatten(), counts.t().flatten()  # [E*S], expert-major
     total = int(lengths.sum())
     within = torch.arange(total) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
     return torch.repeat_interleave(starts, lengths) + within  # [rows]
@@ -110,6 +119,7 @@ class AllToAllDispatcher:
         self.dp_rank, self.pad_multiple = dp_rank, pad_multiple
         self.piece = piece  # which piece of its microbatch's tokens this rank holds (TP rank)
         self.source_class = None  # [ETP x EP] the sources' DP ranks, gathered at first use
+        self.source_order = None  # the order the sources' rows are laid out in (None: as they come)
 
     def _move(self, rows, output_splits, input_splits, per_rank):
         """Rows to the experts' ranks: [P, ...] -> [R, ...] (and gathered over ETP)."""
@@ -135,13 +145,14 @@ class AllToAllDispatcher:
             by_source = gathered.cpu().view(self.etp_size * self.ep_size, self.num_local)
             per_rank = gathered.cpu().sum(1).tolist()  # rows each ETP rank received
         rows = self._move(rows, output_splits, input_splits, per_rank)  # [rows, h]
-        order = chunk_order(by_source).to(tokens.device)
+        layout, sources = ExpertRows(by_source.sum(0).tolist()), None
+        if getattr(experts, "wants_classes", False):
+            classes, sources = _classes_of(self, experts, (self.ep_group, self.etp_group),
+                                           tokens.device, reorder=True)
+            layout.runs = runs_of(by_source if sources is None else by_source[sources], classes)
+        order = chunk_order(by_source, sources).to(tokens.device)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
-        layout = ExpertRows(by_source.sum(0).tolist())
-        if getattr(experts, "wants_classes", False):
-            classes = _classes_of(self, experts, (self.ep_group, self.etp_group), tokens.device)
-            layout.runs = runs_of(by_source, classes)
         if pad is not None:  # which received rows the padding added, in the experts' order
             flags = pad.t().masked_select(routing_map.t()).to(torch.uint8)  # [P], as the rows
             flags = self._move(flags, output_splits, input_splits, per_rank)  # [rows]
@@ -162,7 +173,7 @@ class AllGatherDispatcher:
         self.first = ep_rank * self.num_local
         self.group, self.group_size = group, group_size
         self.dp_rank, self.piece = dp_rank, piece  # as AllToAllDispatcher's
-        self.source_class = None
+        self.source_class = self.source_order = None
 
     def __call__(self, tokens, probs, routing_map, experts):
         sizes = [tokens.shape[0]] * self.group_size
@@ -177,7 +188,7 @@ class AllGatherDispatcher:
         rows, token_index, counts = permute(all_tokens, local_map)
         layout = ExpertRows(counts)
         if getattr(experts, "wants_classes", False):  # each expert's rows in source order
-            classes = _classes_of(self, experts, (self.group,), tokens.device)
+            classes, _ = _classes_of(self, experts, (self.group,), tokens.device)
             by_source = torch.stack([part.sum(0) for part in local_map.split(sizes)]).cpu()
             layout.runs = runs_of(by_source, classes)  # by_source [S, E_local]
         out = experts(rows, counts, layout)  # [P_local, h]

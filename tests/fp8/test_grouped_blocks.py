@@ -2,7 +2,8 @@
 against per-expert dense block GEMMs (megatron_cp/fp8/linear.py's, one linear per (expert,
 microbatch class) run): output, dx and each expert's dW (the sum of its runs') bitwise, with
 partial blocks; routing padding's rows leave every result as without them. And the source
-orders accepted as one process's token order.
+orders accepted as one process's token order, and the dispatcher's row order for a given
+order of the sources.
 """
 from types import SimpleNamespace
 
@@ -13,6 +14,7 @@ from fp8_reference import make_meta
 from megatron_cp.fp8.grouped import ExpertRows, GroupedFp8Meta, grouped_fp8_linear
 from megatron_cp.fp8.grouped_blocks import check_source_order
 from megatron_cp.fp8.linear import fp8_linear
+from megatron_cp.moe.dispatcher import chunk_order
 
 RUNS = [(0, 0, 150), (0, 1, 7), (1, 1, 40), (2, 0, 1), (2, 1, 129)]  # (expert, class, rows)
 
@@ -75,3 +77,9 @@ def test_source_orders_of_one_process_token_order():
     for classes, pieces in (([0, 0], [1, 0]), ([0, 1, 0], [0, 0, 1]), ([0, 0], [0, 0])):
         with pytest.raises(ValueError, match="does not give one process's token order"):
             check_source_order(classes, pieces)
+
+
+def test_chunk_order_lays_the_sources_out_in_the_order_given():
+    counts = torch.tensor([[2, 1], [0, 3], [1, 1]])  # [sources, experts], rows source-major
+    assert chunk_order(counts).tolist() == [0, 1, 6, 2, 3, 4, 5, 7]
+    assert chunk_order(counts, [2, 0, 1]).tolist() == [6, 0, 1, 7, 2, 3, 4, 5]

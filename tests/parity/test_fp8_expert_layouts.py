@@ -2,7 +2,7 @@
 layout (megatron_cp/fp8/grouped.py): EP over DP (alltoall and allgather), EP over TP2+SP
 with ETP1 and ETP2 (beside DP2), EP over CP, for the tensorwise and delayed recipes, and with
 --moe-router-padding-for-fp8; the block recipes (fp8/grouped_blocks.py) under EP over DP
-(blockwise) and EP over TP2+SP with routing padding (mxfp8).
+(blockwise), EP over TP2+SP with routing padding and with ETP2 beside DP2 (mxfp8).
 
 As in test_fp8_layouts.py the claim is checked where it is exact: after step 1 (the same
 weights everywhere) each expert's ``last_amax`` (input, weight, output gradient of fc1 and
@@ -58,6 +58,8 @@ LAYOUTS = {
     "ep2_dp_blocks": (2, "--expert-model-parallel-size 2", ("blockwise",)),
     "ep2_tp2sp_etp1_padded_blocks": (2, f"{TP_SP} --expert-tensor-parallel-size 1 {PAD}",
                                      ("mxfp8",)),
+    # the sources come DP-major here: the dispatcher lays each class's TP pieces in order
+    "ep2_tp2sp_etp2_dp2_blocks": (4, f"{TP_SP} --expert-tensor-parallel-size 2", ("mxfp8",)),
 }
 EXACT = 1e-6  # a few fp32 ulps: TP / CP activations differ from one process's by ulps
 

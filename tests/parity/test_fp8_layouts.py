@@ -88,7 +88,7 @@ LAYOUTS = {
                               ("blockwise", "mxfp8")),
     "cp2_a2a_packed_blocks": ("blocks_packed", "--context-parallel-size 2 --cp-comm-type a2a",
                               ("mxfp8",)),
-    # (EP: the attention linears in blocks, the routed experts in high precision; FSDP2)
+    # (EP: the attention linears and the routed experts in blocks; FSDP2)
     "ep2_blocks": ("moe", "--expert-model-parallel-size 2", ("blockwise",)),
     "fsdp2_blocks": ("blocks", "--use-torch-fsdp2", ("blockwise",)),
     # (PP and DP keep each microbatch whole on a rank: one recipe shows it)
