@@ -335,8 +335,7 @@ def _validate_model(args, names, sizes_ok=True):
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     try:
-        # The vocabulary comes from the tokenizer, built later; no rule depends on it.
-        config = build_config(GPTConfig, args, vocab_size=1)
+        config = build_config(GPTConfig, args, vocab_size=1)  # (no rule needs the vocabulary)
         if sizes_ok:
             config.validate_parallel(args.tensor_model_parallel_size, args.context_parallel_size)
             config.validate_experts(args.expert_model_parallel_size,
