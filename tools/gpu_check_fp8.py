@@ -33,7 +33,7 @@ CPU = torch.device("cpu")
 
 
 def _meta(fmt, recipe="tensorwise"):
-    config = types.SimpleNamespace(fp8=fmt, fp8_recipe=recipe, fp8_wgrad=True,
+    config = types.SimpleNamespace(fp8=fmt, fp8_recipe=recipe, fp8_wgrad=True, wgrad_in_fp8=True,
                                    fp8_margin=0, fp8_amax_compute_algo="most_recent",
                                    fp8_amax_history_len=1)
     return Fp8Meta(config, ((), (), ()))

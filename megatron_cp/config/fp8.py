@@ -135,11 +135,22 @@ class Fp8Settings:
                 f"so (Megatron-LM keeps them in FP8 too); each step casts them to FP8 per "
                 f"expert as it runs, the values Megatron-LM's FP8 expert weights hold"]
 
+    @property
+    def wgrad_in_fp8(self):
+        """Whether the weight-gradient GEMM runs in FP8: Megatron-LM hands --no-fp8-wgrad to
+        the delayed recipe only (Transformer Engine's override_linear_precision); its other
+        recipes run the wgrad in FP8 whatever the flag."""
+        return self.fp8_wgrad or self.fp8_recipe != "delayed"
+
     def fp8_notes(self):
         """Start-up notes: the delayed recipe's settings given with tensorwise or block
         scaling, which ignore them (as Megatron-LM's current scaling does). (The routed
         experts' grouped GEMMs run in FP8 under every recipe: fp8/grouped.py.)"""
         notes = []
+        if self.fp8 and self.wgrad_in_fp8 != self.fp8_wgrad:
+            notes.append(f"--no-fp8-wgrad with --fp8-recipe {self.fp8_recipe}: Megatron-LM "
+                         f"passes it to the delayed recipe only, so the weight-gradient GEMM "
+                         f"runs in FP8 here too; it changes nothing")
         if self.fp8 and self.fp8_recipe in ("tensorwise",) + BLOCK_RECIPES:
             delayed_only = {"--fp8-margin": (self.fp8_margin, 0),
                             "--fp8-amax-history-len": (self.fp8_amax_history_len, 1),

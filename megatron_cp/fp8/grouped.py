@@ -87,7 +87,7 @@ class GroupedFp8Meta(torch.nn.Module):
         self.delayed = config.fp8_recipe == "delayed"
         self.blocks = BlockRecipe(config.fp8_recipe) if config.fp8_recipe in BLOCK else None
         self.empty_amax = math.inf if self.blocks is not None else 0.0
-        self.wgrad_fp8 = config.fp8_wgrad
+        self.wgrad_fp8 = config.wgrad_in_fp8
         self.margin, self.algo = config.fp8_margin, config.fp8_amax_compute_algo
         self.groups, self.num_classes = tuple(groups), num_classes
         self.register_buffer("step_amax", torch.full((num_experts, 3), self.empty_amax),

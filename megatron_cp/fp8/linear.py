@@ -1,8 +1,8 @@
 """The FP8 GEMM of a linear layer and the scaling state each FP8 linear keeps.
 
 ``y = x W^T`` runs as ``_scaled_mm(q(x), q(W)^T)`` with fp32 accumulation; backward runs
-``dx = q(dy) q(W)`` and ``dW = q(dy)^T q(x)`` (``--no-fp8-wgrad``: ``dW = dy^T x`` in the
-input's precision). x and W are quantized to the forward format, dy to the gradient format
+``dx = q(dy) q(W)`` and ``dW = q(dy)^T q(x)`` (``--no-fp8-wgrad`` with the delayed recipe:
+``dW = dy^T x`` in the input's precision). x and W are quantized to the forward format, dy to the gradient format
 (e5m2 under --fp8-format hybrid). Operand layouts are those the GPU kernels take: the first
 operand row-major, the second column-major.
 """
@@ -51,7 +51,7 @@ class Fp8Meta(torch.nn.Module):
         self.delayed = config.fp8_recipe == "delayed"
         self.blocks = BlockRecipe(config.fp8_recipe) if config.fp8_recipe in BLOCK else None
         self.token_groups = tuple(token_groups)
-        self.wgrad_fp8 = config.fp8_wgrad
+        self.wgrad_fp8 = config.wgrad_in_fp8
         self.margin, self.algo = config.fp8_margin, config.fp8_amax_compute_algo
         self.groups = tuple(tuple(g) for g in groups)
         start = math.inf if self.blocks is not None else 0.0

@@ -406,6 +406,18 @@ def test_block_recipe_expert_layouts_that_cut_blocks_are_refused(argv, message):
         _parse(f"--bf16 --fp8-format hybrid --num-experts 4 --no-bias-gelu-fusion {argv}", world=4)
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise", "mxfp8", "delayed"])
+def test_no_fp8_wgrad_acts_under_the_delayed_recipe_only(recipe):
+    """Megatron-LM hands --no-fp8-wgrad to Transformer Engine's DelayedScaling only: under
+    the other recipes the wgrad GEMM stays in FP8 and a start-up note says the flag changes
+    nothing."""
+    args = _parse(f"--bf16 --fp8-format hybrid --fp8-recipe {recipe} --no-fp8-wgrad")
+    config = startup.config_from_args(args, vocab_size=1)
+    noted = [n for n in args.compat_notes if n.startswith("--no-fp8-wgrad")]
+    assert config.wgrad_in_fp8 == (recipe != "delayed")
+    assert len(noted) == (recipe != "delayed")
+
+
 def test_delayed_settings_with_tensorwise_scaling_are_noted_as_ignored():
     """--fp8-margin and the amax history's settings shape delayed scaling only; given with
     tensorwise scaling (which Megatron-LM's current scaling also leaves them out of) they are

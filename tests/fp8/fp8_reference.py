@@ -80,7 +80,7 @@ def reference_delayed_scale(history, previous, dtype, margin, algo):
 
 
 def make_meta(fmt, recipe, wgrad=True, margin=0, history=1, algo="most_recent"):
-    config = SimpleNamespace(fp8=fmt, fp8_recipe=recipe, fp8_wgrad=wgrad, fp8_margin=margin,
+    config = SimpleNamespace(fp8=fmt, fp8_recipe=recipe, fp8_wgrad=wgrad, wgrad_in_fp8=wgrad, fp8_margin=margin,
                              fp8_amax_history_len=history, fp8_amax_compute_algo=algo)
     return Fp8Meta(config, ((), (), ())).train()
 

@@ -20,7 +20,7 @@ RUNS = [(0, 0, 150), (0, 1, 7), (1, 1, 40), (2, 0, 1), (2, 1, 129)]  # (expert, 
 
 
 def _grouped(recipe, wgrad, x, w, g, rows):
-    config = SimpleNamespace(fp8="hybrid", fp8_recipe=recipe, fp8_wgrad=wgrad, fp8_margin=0,
+    config = SimpleNamespace(fp8="hybrid", fp8_recipe=recipe, fp8_wgrad=wgrad, wgrad_in_fp8=wgrad, fp8_margin=0,
                              fp8_amax_history_len=1, fp8_amax_compute_algo="most_recent")
     meta = GroupedFp8Meta(config, 5, slice(1, 4), (None, None), 2).train()
     x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
