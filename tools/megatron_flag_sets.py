@@ -27,7 +27,6 @@ import argparse
 import collections
 import glob
 import json
-import math
 import os
 import re
 import subprocess

@@ -7,7 +7,6 @@ the fp32 bound of reordering a sum of n terms: |a - b| <= 2 n eps sum|terms|.
 """
 import pytest
 import torch
-import torch.distributed as dist
 
 from dist_harness import run_workers
 from megatron_cp import tensor_parallel as tpar
