@@ -8,14 +8,26 @@ from dataclasses import dataclass
 from megatron_cp.config.setting import setting
 
 FP8_RECIPES = ("tensorwise", "delayed", "blockwise", "mxfp8")
-BLOCK_RECIPES = ("blockwise", "mxfp8")  # block scales: megatron_cp/fp8/blocks.py
-# the recipes whose routed experts' grouped GEMMs run in FP8 (fp8/grouped.py)
-GROUPED_RECIPES = ("tensorwise", "delayed", "blockwise", "mxfp8")
-BLOCK_LENGTH = {"blockwise": 128, "mxfp8": 32}  # as megatron_cp/fp8/blocks.py BLOCK
+# the block recipes' block lengths (block scales: megatron_cp/fp8/blocks.py)
+BLOCK_LENGTH = {"blockwise": 128, "mxfp8": 32}
+BLOCK_RECIPES = tuple(BLOCK_LENGTH)
 NOT_BUILT_RECIPES = {
     "custom": "a custom quantizer factory (Transformer Engine's) is not built; use "
               "tensorwise, delayed, blockwise or mxfp8",
 }
+
+
+def check_whole_blocks(recipe, what, piece, ranks_flag, ranks, fix):
+    """A block recipe's dim ``what`` split over ``ranks`` ranks (``ranks_flag``) into pieces
+    of ``piece`` elements must be whole blocks, or a shard would cut a block and the layout
+    quantize other blocks than one process; ``fix`` (a format string of ``length`` and
+    ``ranks``) ends the one-line refusal."""
+    length = BLOCK_LENGTH[recipe]
+    if ranks > 1 and piece % length:
+        raise ValueError(f"--fp8-recipe {recipe}: {what} is split over {ranks_flag} {ranks} "
+                         f"into pieces of {piece}, not a multiple of the {length}-element "
+                         f"block, so a shard would cut a block; "
+                         f"{fix.format(length=length, ranks=ranks)}")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -108,13 +120,10 @@ class Fp8Settings:
                              f"--context-parallel-size {cp_size}: the experts' wgrad token "
                              f"blocks would follow CP's zigzag chunks, not one process's token "
                              f"order; use --fp8-recipe tensorwise or delayed, or CP 1")
-        length, ffn = BLOCK_LENGTH[self.fp8_recipe], self.moe_ffn_hidden_size
-        if etp_size > 1 and (ffn // etp_size) % length:
-            raise ValueError(f"--fp8-recipe {self.fp8_recipe}: moe_ffn_hidden_size ({ffn}) is "
-                             f"split over --expert-tensor-parallel-size {etp_size} into pieces "
-                             f"of {ffn // etp_size}, not a multiple of the {length}-element "
-                             f"block, so an ETP shard would cut a block; use a multiple of "
-                             f"{length} x {etp_size} or ETP 1")
+        ffn = self.moe_ffn_hidden_size
+        check_whole_blocks(self.fp8_recipe, f"moe_ffn_hidden_size ({ffn})", ffn // etp_size,
+                           "--expert-tensor-parallel-size", etp_size,
+                           "use a multiple of {length} x {ranks} or ETP 1")
 
     def fp8_checks_and_notes(self, fp8_param_gather):
         """--fp8-param-gather's rules on the FP8 settings (Megatron-LM's: it needs FP8; here:
@@ -151,7 +160,7 @@ class Fp8Settings:
             notes.append(f"--no-fp8-wgrad with --fp8-recipe {self.fp8_recipe}: Megatron-LM "
                          f"passes it to the delayed recipe only, so the weight-gradient GEMM "
                          f"runs in FP8 here too; it changes nothing")
-        if self.fp8 and self.fp8_recipe in ("tensorwise",) + BLOCK_RECIPES:
+        if self.fp8 and self.fp8_recipe != "delayed":
             delayed_only = {"--fp8-margin": (self.fp8_margin, 0),
                             "--fp8-amax-history-len": (self.fp8_amax_history_len, 1),
                             "--fp8-amax-compute-algo": (self.fp8_amax_compute_algo,

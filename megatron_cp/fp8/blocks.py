@@ -38,9 +38,6 @@ import torch.nn.functional as F
 from megatron_cp.config.fp8 import BLOCK_LENGTH
 from megatron_cp.fp8.scaling import fp8_max, quantize, reduce_max
 
-BLOCK = BLOCK_LENGTH  # the block length of each recipe
-
-
 def _abs_skipping_nan(x):
     """|x| in fp32 with NaN as 0: the amax TE's fmaxf reductions compute skips NaN."""
     a = x.detach().abs().to(torch.float32)
@@ -171,7 +168,7 @@ class BlockRecipe:
       (token blocks; ``tokens``, ``groups``: see :func:`quantize_1d`)."""
 
     def __init__(self, name):
-        self.name, self.length = name, BLOCK[name]
+        self.name, self.length = name, BLOCK_LENGTH[name]
 
     def activation(self, t, dtype, columnwise, tokens=None, groups=()):
         """(rowwise, columnwise or None) of an input or output gradient ``t`` [m, n], both

@@ -29,8 +29,8 @@ import math
 
 import torch
 
-from megatron_cp.config.fp8 import GROUPED_RECIPES
-from megatron_cp.fp8.blocks import BLOCK, BlockRecipe
+from megatron_cp.config.fp8 import BLOCK_LENGTH
+from megatron_cp.fp8.blocks import BlockRecipe
 from megatron_cp.fp8.grouped_blocks import grouped_block_linear
 from megatron_cp.fp8.linear import GRAD_OUTPUT, INPUT, WEIGHT, scaled_matmul
 from megatron_cp.fp8.scaling import (FORMATS, delayed_scale, quantize, reduce_max,
@@ -85,7 +85,7 @@ class GroupedFp8Meta(torch.nn.Module):
         self.local = local
         self.fwd_dtype, self.bwd_dtype = FORMATS[config.fp8]
         self.delayed = config.fp8_recipe == "delayed"
-        self.blocks = BlockRecipe(config.fp8_recipe) if config.fp8_recipe in BLOCK else None
+        self.blocks = BlockRecipe(config.fp8_recipe) if config.fp8_recipe in BLOCK_LENGTH else None
         self.empty_amax = math.inf if self.blocks is not None else 0.0
         self.wgrad_fp8 = config.wgrad_in_fp8
         self.margin, self.algo = config.fp8_margin, config.fp8_amax_compute_algo
@@ -225,9 +225,7 @@ def grouped_fp8_linear(x, weight, meta, rows):
 
 def attach_grouped_fp8(module, config):
     """Give the fc1 and fc2 of every grouped-experts module inside ``module`` (those that name
-    their ``fp8_groups``) a :class:`GroupedFp8Meta` (every recipe but a refused one)."""
-    if config.fp8_recipe not in GROUPED_RECIPES:
-        return
+    their ``fp8_groups``) a :class:`GroupedFp8Meta` (every recipe built)."""
     for experts in module.modules():
         groups = getattr(experts, "fp8_groups", None)
         if groups is None:

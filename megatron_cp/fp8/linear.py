@@ -10,8 +10,9 @@ import math
 
 import torch
 
+from megatron_cp.config.fp8 import BLOCK_LENGTH
 from megatron_cp.fp8 import rows
-from megatron_cp.fp8.blocks import BLOCK, Blocked, BlockRecipe, block_matmul
+from megatron_cp.fp8.blocks import Blocked, BlockRecipe, block_matmul
 from megatron_cp.fp8.scaling import (FORMATS, amax_of, delayed_scale, local_amax, quantize,
                                      scale_from_amax)
 
@@ -49,7 +50,7 @@ class Fp8Meta(torch.nn.Module):
         super().__init__()
         self.fwd_dtype, self.bwd_dtype = FORMATS[config.fp8]
         self.delayed = config.fp8_recipe == "delayed"
-        self.blocks = BlockRecipe(config.fp8_recipe) if config.fp8_recipe in BLOCK else None
+        self.blocks = BlockRecipe(config.fp8_recipe) if config.fp8_recipe in BLOCK_LENGTH else None
         self.token_groups = tuple(token_groups)
         self.wgrad_fp8 = config.wgrad_in_fp8
         self.margin, self.algo = config.fp8_margin, config.fp8_amax_compute_algo

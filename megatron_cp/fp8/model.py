@@ -16,8 +16,8 @@ forward, which makes the scales depend on how many microbatches a rank runs.)
 import torch
 import torch.distributed as dist
 
+from megatron_cp.config.fp8 import BLOCK_LENGTH, check_whole_blocks
 from megatron_cp.fp8.grouped import attach_grouped_fp8, end_grouped_step
-from megatron_cp.fp8.blocks import BLOCK
 from megatron_cp.fp8.linear import Fp8Meta
 from megatron_cp.fp8.scaling import reduce_max
 
@@ -55,7 +55,7 @@ def attach_fp8(module, config, tp_group, cp_group):
     for linear in _linears(module):
         activation = (tp_group, cp_group)
         weight = (getattr(linear, "tp_group", None),)
-        if config.fp8_recipe in BLOCK:
+        if config.fp8_recipe in BLOCK_LENGTH:
             check_block_shard(config.fp8_recipe, linear, module)
         linear.fp8_meta = Fp8Meta(config, (activation, weight, activation),
                                   token_groups=(cp_group,))
@@ -69,13 +69,10 @@ def output_fp8(config, padded_vocab, tp_group, cp_group):
     if not config.fp8_output_proj:
         return None
     tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
-    length = BLOCK[config.fp8_recipe]
-    if tp_size > 1 and (padded_vocab // tp_size) % length:
-        raise ValueError(f"--fp8-output-proj: the padded vocabulary ({padded_vocab}) is split "
-                         f"over --tensor-model-parallel-size {tp_size} into pieces of "
-                         f"{padded_vocab // tp_size}, not a multiple of the {length}-element "
-                         f"block; raise --make-vocab-size-divisible-by to a multiple of "
-                         f"{length}")
+    check_whole_blocks(config.fp8_recipe, f"--fp8-output-proj's padded vocabulary "
+                       f"({padded_vocab})", padded_vocab // tp_size,
+                       "--tensor-model-parallel-size", tp_size,
+                       "raise --make-vocab-size-divisible-by to a multiple of {length}")
     activation = (tp_group, cp_group)
     return Fp8Meta(config, (activation, (tp_group,), activation), token_groups=(cp_group,))
 
@@ -101,18 +98,13 @@ def check_block_shard(recipe, linear, module):
     if group is None or dist.get_world_size(group) == 1 or \
             not getattr(weight, "tensor_model_parallel", False):
         return
-    length, dim = BLOCK[recipe], weight.partition_dim
+    dim = weight.partition_dim
     piece = weight.shape[dim] // getattr(weight, "partition_stride", 1)
-    if piece % length:
-        tp_size = dist.get_world_size(group)
-        name = next(n for n, m in module.named_modules() if m is linear)
-        which = "output" if dim == 0 else "input"
-        raise ValueError(
-            f"--fp8-recipe {recipe}: {name}'s {which} dim is split over "
-            f"--tensor-model-parallel-size {tp_size} into pieces of {piece}, not a multiple "
-            f"of the {length}-element block, so a TP shard would cut a block; use a TP size "
-            f"that leaves each shard whole blocks, or sizes that do (e.g. the dim a multiple "
-            f"of {length} x {tp_size})")
+    name = next(n for n, m in module.named_modules() if m is linear)
+    check_whole_blocks(recipe, f"{name}'s {'output' if dim == 0 else 'input'} dim", piece,
+                       "--tensor-model-parallel-size", dist.get_world_size(group),
+                       "use a TP size that leaves each shard whole blocks, or sizes that do "
+                       "(e.g. the dim a multiple of {length} x {ranks})")
 
 
 def fp8_metas(chunks):
